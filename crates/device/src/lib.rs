@@ -1,0 +1,460 @@
+//! The `Device` trait: what an allocator needs from a GPU, and its backends.
+//!
+//! # Contract
+//!
+//! Every address, size and alignment passed to the virtual-memory calls is a
+//! multiple of [`DeviceCaps::granularity`] (queried, never assumed to be 2 MiB).
+//! The calls mirror the CUDA driver's VMM API one to one:
+//!
+//! | trait method        | driver call               |
+//! |---------------------|---------------------------|
+//! | [`Device::reserve`] | `cuMemAddressReserve`     |
+//! | [`Device::free_reservation`] | `cuMemAddressFree` |
+//! | [`Device::create`]  | `cuMemCreate`             |
+//! | [`Device::release`] | `cuMemRelease`            |
+//! | [`Device::map`]     | `cuMemMap` (whole handle, offset 0) |
+//! | [`Device::unmap`]   | `cuMemUnmap`              |
+//! | [`Device::set_access`] | `cuMemSetAccess` (read-write, this device) |
+//!
+//! and the backends `sim` and `host` enforce the driver's rules through one
+//! shared [`model::AddressSpace`], returning the error the real driver would
+//! (see [`DeviceError::cuda_code`]).
+//!
+//! Backends:
+//! - [`cuda::CudaDevice`]: a real GPU through `vmm-sys`;
+//! - [`host::HostDevice`]: the same semantics on CPU memory (memfd + mmap);
+//! - [`sim::SimDevice`]: bookkeeping and a cost model only.
+//!
+//! Adaptors in [`adaptors`] wrap any device (fault injection, call counting,
+//! capacity limit).
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+#![warn(missing_docs)]
+
+pub mod adaptors;
+pub mod conformance;
+pub mod cost;
+pub mod cuda;
+mod error;
+pub mod host;
+pub mod model;
+pub mod sim;
+mod streams;
+
+pub use error::{DeviceError, Rule};
+pub use streams::StreamModel;
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Result of a device call.
+pub type DeviceResult<T> = Result<T, DeviceError>;
+
+/// One mebibyte.
+pub const MIB: u64 = 1 << 20;
+/// One gibibyte.
+pub const GIB: u64 = 1 << 30;
+
+/// A stream: an ordered queue of device work. `Stream(0)` is the default
+/// (legacy) stream; on the `cuda` backend the value is the raw `CUstream`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    /// The default stream.
+    pub const DEFAULT: Stream = Stream(0);
+}
+
+impl fmt::Display for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stream {:#x}", self.0)
+    }
+}
+
+/// An event: a marker recorded on a stream, complete once all work queued on
+/// that stream before it has finished. On `cuda` the value is the raw `CUevent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Event(pub u64);
+
+/// A physical memory handle (`CUmemGenericAllocationHandle` on `cuda`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PhysHandle(pub u64);
+
+/// What a device can do, queried once when it is opened.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceCaps {
+    /// Human-readable device name.
+    pub name: String,
+    /// Device ordinal.
+    pub ordinal: u32,
+    /// Allocation granularity in bytes (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`);
+    /// every VMM size, address and alignment is a multiple of it.
+    pub granularity: u64,
+    /// Physical memory in bytes.
+    pub total_memory: u64,
+    /// Whether the device supports the virtual-memory API
+    /// (`CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED`).
+    pub vmm_supported: bool,
+    /// Whether handles can be exported as POSIX file descriptors.
+    pub posix_fd_handles: bool,
+    /// Whether the bytes behind mapped addresses can be read and written
+    /// through [`Device::copy_to_device`] / [`Device::copy_from_device`]
+    /// (false on `sim`, which touches no memory).
+    pub has_memory: bool,
+}
+
+/// Free and total physical memory (`cuMemGetInfo`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemInfo {
+    /// Bytes that can still be allocated.
+    pub free: u64,
+    /// Device memory in bytes.
+    pub total: u64,
+}
+
+/// The kinds of device call, for counting, cost and fault injection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Call {
+    /// `cuMemAddressReserve`.
+    Reserve,
+    /// `cuMemAddressFree`.
+    AddressFree,
+    /// `cuMemCreate`.
+    Create,
+    /// `cuMemRelease`.
+    Release,
+    /// `cuMemMap`.
+    Map,
+    /// `cuMemUnmap`.
+    Unmap,
+    /// `cuMemSetAccess`.
+    SetAccess,
+    /// `cuMemGetInfo`.
+    MemInfo,
+    /// `cuMemAlloc`.
+    Alloc,
+    /// `cuMemFree`.
+    Free,
+    /// `cuMemExportToShareableHandle`.
+    Export,
+    /// `cuMemImportFromShareableHandle`.
+    Import,
+    /// `cuMemcpyHtoD`.
+    CopyHtoD,
+    /// `cuMemcpyDtoH`.
+    CopyDtoH,
+    /// `cuStreamCreate`.
+    StreamCreate,
+    /// `cuStreamSynchronize`.
+    StreamSync,
+    /// `cuCtxSynchronize` (device-wide).
+    DeviceSync,
+    /// `cuEventCreate`.
+    EventCreate,
+    /// `cuEventRecord`.
+    EventRecord,
+    /// `cuEventQuery`.
+    EventQuery,
+    /// `cuEventSynchronize`.
+    EventSync,
+    /// `cuEventDestroy`.
+    EventDestroy,
+}
+
+impl Call {
+    /// Every kind, in declaration order.
+    pub const ALL: [Call; 22] = [
+        Call::Reserve,
+        Call::AddressFree,
+        Call::Create,
+        Call::Release,
+        Call::Map,
+        Call::Unmap,
+        Call::SetAccess,
+        Call::MemInfo,
+        Call::Alloc,
+        Call::Free,
+        Call::Export,
+        Call::Import,
+        Call::CopyHtoD,
+        Call::CopyDtoH,
+        Call::StreamCreate,
+        Call::StreamSync,
+        Call::DeviceSync,
+        Call::EventCreate,
+        Call::EventRecord,
+        Call::EventQuery,
+        Call::EventSync,
+        Call::EventDestroy,
+    ];
+
+    /// Number of kinds.
+    pub const COUNT: usize = Self::ALL.len();
+
+    /// Dense index of this kind in [`Call::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Short stable name (used in JSON and tables), e.g. `"create"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Call::Reserve => "reserve",
+            Call::AddressFree => "address_free",
+            Call::Create => "create",
+            Call::Release => "release",
+            Call::Map => "map",
+            Call::Unmap => "unmap",
+            Call::SetAccess => "set_access",
+            Call::MemInfo => "mem_info",
+            Call::Alloc => "alloc",
+            Call::Free => "free",
+            Call::Export => "export",
+            Call::Import => "import",
+            Call::CopyHtoD => "copy_htod",
+            Call::CopyDtoH => "copy_dtoh",
+            Call::StreamCreate => "stream_create",
+            Call::StreamSync => "stream_sync",
+            Call::DeviceSync => "device_sync",
+            Call::EventCreate => "event_create",
+            Call::EventRecord => "event_record",
+            Call::EventQuery => "event_query",
+            Call::EventSync => "event_sync",
+            Call::EventDestroy => "event_destroy",
+        }
+    }
+
+    /// The CUDA driver entry point this kind corresponds to.
+    pub fn driver_symbol(self) -> &'static str {
+        match self {
+            Call::Reserve => "cuMemAddressReserve",
+            Call::AddressFree => "cuMemAddressFree",
+            Call::Create => "cuMemCreate",
+            Call::Release => "cuMemRelease",
+            Call::Map => "cuMemMap",
+            Call::Unmap => "cuMemUnmap",
+            Call::SetAccess => "cuMemSetAccess",
+            Call::MemInfo => "cuMemGetInfo_v2",
+            Call::Alloc => "cuMemAlloc_v2",
+            Call::Free => "cuMemFree_v2",
+            Call::Export => "cuMemExportToShareableHandle",
+            Call::Import => "cuMemImportFromShareableHandle",
+            Call::CopyHtoD => "cuMemcpyHtoD_v2",
+            Call::CopyDtoH => "cuMemcpyDtoH_v2",
+            Call::StreamCreate => "cuStreamCreate",
+            Call::StreamSync => "cuStreamSynchronize",
+            Call::DeviceSync => "cuCtxSynchronize",
+            Call::EventCreate => "cuEventCreate",
+            Call::EventRecord => "cuEventRecord",
+            Call::EventQuery => "cuEventQuery",
+            Call::EventSync => "cuEventSynchronize",
+            Call::EventDestroy => "cuEventDestroy_v2",
+        }
+    }
+
+    /// Parses a name produced by [`Call::name`].
+    pub fn from_name(name: &str) -> Option<Call> {
+        Call::ALL.iter().copied().find(|c| c.name() == name)
+    }
+
+    /// Whether the call is a synchronization (stream, device or event wait).
+    pub fn is_sync(self) -> bool {
+        matches!(self, Call::StreamSync | Call::DeviceSync | Call::EventSync)
+    }
+}
+
+impl fmt::Display for Call {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Per-kind call counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CallCounts(pub [u64; Call::COUNT]);
+
+impl CallCounts {
+    /// Count of one kind.
+    pub fn get(&self, call: Call) -> u64 {
+        self.0[call.index()]
+    }
+    /// Adds one call of a kind.
+    pub fn add(&mut self, call: Call) {
+        self.0[call.index()] += 1;
+    }
+    /// Sum over all kinds.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+    /// Sum of synchronizations (stream, device, event).
+    pub fn syncs(&self) -> u64 {
+        Call::ALL.iter().filter(|c| c.is_sync()).map(|c| self.get(*c)).sum()
+    }
+    /// Non-zero counts as `(name, count)`, in [`Call::ALL`] order.
+    pub fn nonzero(&self) -> Vec<(&'static str, u64)> {
+        Call::ALL
+            .iter()
+            .filter(|c| self.get(**c) > 0)
+            .map(|c| (c.name(), self.get(*c)))
+            .collect()
+    }
+    /// Difference `self - earlier`, per kind (saturating).
+    pub fn since(&self, earlier: &CallCounts) -> CallCounts {
+        let mut out = *self;
+        for (o, e) in out.0.iter_mut().zip(earlier.0.iter()) {
+            *o = o.saturating_sub(*e);
+        }
+        out
+    }
+}
+
+/// What an allocator needs from a GPU.
+///
+/// Implementations are cheap to call from many threads. Every method returns a
+/// typed error and never panics on a driver result. Preconditions are those of
+/// the CUDA driver; the `sim` and `host` backends check them and fail with
+/// [`DeviceError::Rule`] where the real driver would return an error.
+pub trait Device: Send + Sync {
+    /// Capabilities, queried once when the device was opened.
+    fn caps(&self) -> &DeviceCaps;
+
+    /// Reserves `size` bytes of virtual address space aligned to `align`
+    /// (0 = granularity). Both are multiples of the granularity.
+    fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64>;
+    /// Frees a range exactly as returned by [`Device::reserve`]; nothing may be
+    /// mapped in it.
+    fn free_reservation(&self, addr: u64, size: u64) -> DeviceResult<()>;
+    /// Creates a physical allocation of `size` bytes (a multiple of the
+    /// granularity). Fails with [`DeviceError::OutOfMemory`] when memory runs out.
+    fn create(&self, size: u64) -> DeviceResult<PhysHandle>;
+    /// Releases a handle. Memory returns to the device once its last mapping is gone.
+    fn release(&self, handle: PhysHandle) -> DeviceResult<()>;
+    /// Maps the whole of `handle` (`size` = its size, offset 0) at `addr`, inside a
+    /// reservation, over unmapped addresses only. The mapping is inaccessible
+    /// until [`Device::set_access`].
+    fn map(&self, addr: u64, size: u64, handle: PhysHandle) -> DeviceResult<()>;
+    /// Unmaps `[addr, addr+size)`, which must cover whole mappings.
+    fn unmap(&self, addr: u64, size: u64) -> DeviceResult<()>;
+    /// Makes `[addr, addr+size)` readable and writable by this device; the range
+    /// must be fully mapped.
+    fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()>;
+    /// Free and total physical memory.
+    fn mem_info(&self) -> DeviceResult<MemInfo>;
+
+    /// Plain allocation (`cuMemAlloc`), for baselines. `size` > 0, any value.
+    fn alloc(&self, size: u64) -> DeviceResult<u64>;
+    /// Frees a plain allocation made by [`Device::alloc`].
+    fn free(&self, ptr: u64) -> DeviceResult<()>;
+
+    /// Exports a handle as a POSIX file descriptor (the caller owns it).
+    fn export_fd(&self, handle: PhysHandle) -> DeviceResult<i32>;
+    /// Imports a handle from a POSIX file descriptor made by [`Device::export_fd`]
+    /// (the descriptor stays owned by the caller).
+    fn import_fd(&self, fd: i32) -> DeviceResult<PhysHandle>;
+
+    /// Copies host bytes to mapped, accessible device memory.
+    fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()>;
+    /// Copies mapped, accessible device memory to host bytes.
+    fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()>;
+
+    /// Creates a stream.
+    fn create_stream(&self) -> DeviceResult<Stream>;
+    /// Waits until all work queued on `stream` has finished.
+    fn synchronize_stream(&self, stream: Stream) -> DeviceResult<()>;
+    /// Waits until all work on the device has finished (device-wide sync).
+    fn synchronize(&self) -> DeviceResult<()>;
+    /// Creates an event.
+    fn create_event(&self) -> DeviceResult<Event>;
+    /// Records `event` on `stream`.
+    fn record_event(&self, event: Event, stream: Stream) -> DeviceResult<()>;
+    /// Whether the work before the event's last record has finished.
+    fn query_event(&self, event: Event) -> DeviceResult<bool>;
+    /// Waits until the event has completed.
+    fn synchronize_event(&self, event: Event) -> DeviceResult<()>;
+    /// Destroys an event.
+    fn destroy_event(&self, event: Event) -> DeviceResult<()>;
+}
+
+/// Rounds `x` up to a multiple of `to` (a power of two or any non-zero value).
+pub fn round_up(x: u64, to: u64) -> u64 {
+    x.div_ceil(to) * to
+}
+
+macro_rules! impl_device_for_pointer {
+    ($ptr:ty) => {
+        impl<D: Device + ?Sized> Device for $ptr {
+            fn caps(&self) -> &DeviceCaps {
+                (**self).caps()
+            }
+            fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
+                (**self).reserve(size, align)
+            }
+            fn free_reservation(&self, addr: u64, size: u64) -> DeviceResult<()> {
+                (**self).free_reservation(addr, size)
+            }
+            fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
+                (**self).create(size)
+            }
+            fn release(&self, handle: PhysHandle) -> DeviceResult<()> {
+                (**self).release(handle)
+            }
+            fn map(&self, addr: u64, size: u64, handle: PhysHandle) -> DeviceResult<()> {
+                (**self).map(addr, size, handle)
+            }
+            fn unmap(&self, addr: u64, size: u64) -> DeviceResult<()> {
+                (**self).unmap(addr, size)
+            }
+            fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()> {
+                (**self).set_access(addr, size)
+            }
+            fn mem_info(&self) -> DeviceResult<MemInfo> {
+                (**self).mem_info()
+            }
+            fn alloc(&self, size: u64) -> DeviceResult<u64> {
+                (**self).alloc(size)
+            }
+            fn free(&self, ptr: u64) -> DeviceResult<()> {
+                (**self).free(ptr)
+            }
+            fn export_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
+                (**self).export_fd(handle)
+            }
+            fn import_fd(&self, fd: i32) -> DeviceResult<PhysHandle> {
+                (**self).import_fd(fd)
+            }
+            fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
+                (**self).copy_to_device(dst, src)
+            }
+            fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
+                (**self).copy_from_device(src, dst)
+            }
+            fn create_stream(&self) -> DeviceResult<Stream> {
+                (**self).create_stream()
+            }
+            fn synchronize_stream(&self, stream: Stream) -> DeviceResult<()> {
+                (**self).synchronize_stream(stream)
+            }
+            fn synchronize(&self) -> DeviceResult<()> {
+                (**self).synchronize()
+            }
+            fn create_event(&self) -> DeviceResult<Event> {
+                (**self).create_event()
+            }
+            fn record_event(&self, event: Event, stream: Stream) -> DeviceResult<()> {
+                (**self).record_event(event, stream)
+            }
+            fn query_event(&self, event: Event) -> DeviceResult<bool> {
+                (**self).query_event(event)
+            }
+            fn synchronize_event(&self, event: Event) -> DeviceResult<()> {
+                (**self).synchronize_event(event)
+            }
+            fn destroy_event(&self, event: Event) -> DeviceResult<()> {
+                (**self).destroy_event(event)
+            }
+        }
+    };
+}
+
+impl_device_for_pointer!(std::sync::Arc<D>);
+impl_device_for_pointer!(Box<D>);
+impl_device_for_pointer!(&D);
