@@ -1,1 +1,67 @@
-//! placeholder
+//! Allocator policies over any [`Device`](vmmalloc_device::Device).
+//!
+//! Every policy implements [`Allocator`]:
+//! - [`expandable`]: ours — one address arena per device, page pool, targeted reclaim;
+//! - [`caching`]: a faithful replica of PyTorch's plain caching allocator;
+//! - [`torch_es`]: a replica of PyTorch's `expandable_segments:True`;
+//! - [`native`]: one device allocation per request.
+//!
+//! [`Policy`] names them and [`build`] creates one over a device.
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+#![warn(missing_docs)]
+
+mod error;
+mod policy;
+pub mod snapshot;
+pub mod stats;
+
+pub mod caching;
+pub mod expandable;
+pub mod native;
+pub mod torch_es;
+
+pub use error::{AllocError, AllocResult, OomReport, StreamUsage};
+pub use policy::{build, Policy, PolicyOptions};
+pub use snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
+pub use stats::{Stat, StatType, Stats};
+pub use vmmalloc_device::Stream;
+
+/// A live allocation handed to the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    /// Device address of the first byte.
+    pub ptr: u64,
+    /// Bytes requested by the caller.
+    pub requested: u64,
+    /// Bytes actually set aside (after the policy's rounding).
+    pub size: u64,
+    /// The stream the allocation was made on.
+    pub stream: Stream,
+}
+
+/// What every allocation policy provides. Thread-safe: every method takes `&self`.
+pub trait Allocator: Send + Sync {
+    /// The policy's name (`expandable`, `caching`, `torch-es`, `native`).
+    fn name(&self) -> &'static str;
+    /// Allocates `size` bytes (> 0) for use on `stream`.
+    fn malloc(&self, size: u64, stream: Stream) -> AllocResult<Allocation>;
+    /// Frees an allocation made by [`Allocator::malloc`]. Unknown or already freed
+    /// pointers are an error that changes no state.
+    fn free(&self, ptr: u64) -> AllocResult<()>;
+    /// Marks `ptr` as used by `stream` too: its memory is reused only after the
+    /// work queued on `stream` at free time has completed.
+    fn record_stream(&self, ptr: u64, stream: Stream) -> AllocResult<()>;
+    /// Returns every cached byte it can to the device.
+    fn empty_cache(&self) -> AllocResult<()>;
+    /// Limits the memory this allocator may hold to `fraction` of the device's
+    /// (`torch.cuda.set_per_process_memory_fraction`).
+    fn set_memory_fraction(&self, fraction: f64) -> AllocResult<()>;
+    /// Counters in PyTorch's `memory_stats()` shape, plus ours.
+    fn stats(&self) -> Stats;
+    /// Resets peak values to the current ones.
+    fn reset_peak_stats(&self);
+    /// Segments and blocks with their state.
+    fn snapshot(&self) -> Snapshot;
+    /// Checks every invariant; returns a description of the first broken one.
+    fn validate(&self) -> Result<(), String>;
+}

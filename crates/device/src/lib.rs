@@ -372,6 +372,26 @@ pub trait Device: Send + Sync {
     fn synchronize_event(&self, event: Event) -> DeviceResult<()>;
     /// Destroys an event.
     fn destroy_event(&self, event: Event) -> DeviceResult<()>;
+
+    /// The checked model behind a CPU backend (`sim`, `host`), for tests and
+    /// `validate()`; `None` on a real GPU.
+    fn introspect(&self) -> Option<&dyn Introspect> {
+        None
+    }
+}
+
+/// A look inside a model device, so allocators' `validate()` and tests can
+/// compare their bookkeeping with the device's.
+pub trait Introspect {
+    /// Whether every byte of `[addr, addr+len)` is mapped and accessible
+    /// (or inside a plain allocation).
+    fn is_accessible(&self, addr: u64, len: u64) -> bool;
+    /// Live reservations, handles, mappings, plain allocations, physical bytes.
+    fn live(&self) -> model::LiveCounts;
+    /// Checks the model's own invariants.
+    fn check(&self) -> Result<(), String>;
+    /// The stream model (queue work that uses memory, complete it).
+    fn streams(&self) -> &StreamModel;
 }
 
 /// Rounds `x` up to a multiple of `to` (a power of two or any non-zero value).
@@ -450,6 +470,9 @@ macro_rules! impl_device_for_pointer {
             }
             fn destroy_event(&self, event: Event) -> DeviceResult<()> {
                 (**self).destroy_event(event)
+            }
+            fn introspect(&self) -> Option<&dyn Introspect> {
+                (**self).introspect()
             }
         }
     };
