@@ -24,7 +24,7 @@ struct State {
 }
 
 /// One `Device::alloc` per `malloc`, one `Device::free` per `free`.
-pub struct NativeAllocator<D> {
+pub struct NativeAllocator<D: Device> {
     device: D,
     state: Mutex<State>,
 }
