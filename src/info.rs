@@ -1,13 +1,417 @@
-//! `vmmalloc info` (placeholder until the foundation lands).
+//! `vmmalloc info`: the NVIDIA devices on this machine (NVML), what the CUDA
+//! driver says about virtual memory management on each (vmm-sys), and which
+//! device backends work here.
+//!
+//! Never fails for lack of a GPU: where NVML or the driver is missing it says
+//! so in one line each and still exits 0.
 
 use anyhow::Result;
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::Nvml;
+use serde_json::{json, Value};
+use vmm_sys::{version_string, Driver, LoadError};
+use vmmalloc_device::cuda::{self, CudaDevice};
+use vmmalloc_device::{Device, DeviceCaps, GIB, MIB};
 
 /// Arguments of `vmmalloc info`.
-#[derive(clap::Args)]
-pub struct InfoArgs {}
+#[derive(clap::Args, Debug)]
+pub struct InfoArgs {
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Runs `vmmalloc info`.
-pub fn run(_args: InfoArgs) -> Result<()> {
-    println!("vmmalloc info: not yet implemented");
+pub fn run(args: InfoArgs) -> Result<()> {
+    let nvml = probe_nvml();
+    let cuda = probe_cuda();
+    let backends = backends(&cuda);
+    if args.json {
+        let out = json!({
+            "nvml": nvml.to_json(),
+            "cuda": cuda.to_json(),
+            "backends": backends,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print!("{}", nvml.to_text());
+        print!("{}", cuda.to_text());
+        println!("backends available: {}", backends.join(", "));
+    }
     Ok(())
+}
+
+/// The device backends usable on this machine.
+fn backends(cuda: &CudaReport) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if let CudaReport::Loaded { devices, .. } = cuda {
+        if devices.iter().any(|d| d.caps.is_ok()) {
+            out.push("cuda");
+        }
+    }
+    out.extend(["host", "sim"]);
+    out
+}
+
+// ---------------------------------------------------------------------------
+// NVML
+// ---------------------------------------------------------------------------
+
+enum NvmlReport {
+    /// The library is missing or would not initialize: one line.
+    Missing { what: &'static str, why: String },
+    Loaded {
+        driver_version: Option<String>,
+        cuda_version: Option<i32>,
+        devices: Result<Vec<NvmlDevice>, String>,
+    },
+}
+
+struct NvmlDevice {
+    index: u32,
+    name: Result<String, String>,
+    /// total, free, used.
+    memory: Result<(u64, u64, u64), String>,
+    /// (pid, used bytes if known).
+    processes: Result<Vec<(u32, Option<u64>)>, String>,
+}
+
+fn probe_nvml() -> NvmlReport {
+    let nvml = match Nvml::init() {
+        Ok(n) => n,
+        Err(NvmlError::LibloadingError(e)) => {
+            return NvmlReport::Missing {
+                what: "not found",
+                why: e.to_string(),
+            }
+        }
+        Err(e) => {
+            return NvmlReport::Missing {
+                what: "unavailable",
+                why: e.to_string(),
+            }
+        }
+    };
+    let devices = nvml.device_count().map_err(|e| e.to_string()).map(|n| {
+        (0..n)
+            .map(|index| match nvml.device_by_index(index) {
+                Ok(d) => NvmlDevice {
+                    index,
+                    name: d.name().map_err(|e| e.to_string()),
+                    memory: d
+                        .memory_info()
+                        .map(|m| (m.total, m.free, m.used))
+                        .map_err(|e| e.to_string()),
+                    processes: d
+                        .running_compute_processes()
+                        .map(|ps| {
+                            ps.into_iter()
+                                .map(|p| {
+                                    let used = match p.used_gpu_memory {
+                                        UsedGpuMemory::Used(b) => Some(b),
+                                        UsedGpuMemory::Unavailable => None,
+                                    };
+                                    (p.pid, used)
+                                })
+                                .collect()
+                        })
+                        .map_err(|e| e.to_string()),
+                },
+                Err(e) => NvmlDevice {
+                    index,
+                    name: Err(e.to_string()),
+                    memory: Err(e.to_string()),
+                    processes: Err(e.to_string()),
+                },
+            })
+            .collect()
+    });
+    NvmlReport::Loaded {
+        driver_version: nvml.sys_driver_version().ok(),
+        cuda_version: nvml.sys_cuda_driver_version().ok(),
+        devices,
+    }
+}
+
+impl NvmlReport {
+    fn to_text(&self) -> String {
+        let (driver_version, cuda_version, devices) = match self {
+            NvmlReport::Missing { what, why } => return format!("NVML: {what} ({why})\n"),
+            NvmlReport::Loaded {
+                driver_version,
+                cuda_version,
+                devices,
+            } => (driver_version, cuda_version, devices),
+        };
+        let mut s = String::from("NVML:");
+        if let Some(v) = driver_version {
+            s += &format!(" driver {v}");
+        }
+        if let Some(v) = cuda_version {
+            s += &format!(", CUDA {}", version_string(*v));
+        }
+        let devices = match devices {
+            Ok(d) => d,
+            Err(e) => return format!("{s}, devices unknown ({e})\n"),
+        };
+        s += &format!(", {} device(s)\n", devices.len());
+        for d in devices {
+            let name = d.name.as_deref().unwrap_or("(name unknown)");
+            match &d.memory {
+                Ok((total, free, used)) => {
+                    s += &format!(
+                        "  [{}] {name}: {} total, {} free, {} used\n",
+                        d.index,
+                        human(*total),
+                        human(*free),
+                        human(*used)
+                    )
+                }
+                Err(e) => s += &format!("  [{}] {name}: memory unknown ({e})\n", d.index),
+            }
+            match &d.processes {
+                Ok(ps) if ps.is_empty() => s += "      no compute processes\n",
+                Ok(ps) => {
+                    for (pid, used) in ps {
+                        let used = used.map_or_else(|| "memory unknown".to_owned(), human);
+                        s += &format!("      pid {pid}: {used}\n");
+                    }
+                }
+                Err(e) => s += &format!("      processes unknown ({e})\n"),
+            }
+        }
+        s
+    }
+
+    fn to_json(&self) -> Value {
+        match self {
+            NvmlReport::Missing { what, why } => {
+                json!({ "available": false, "error": format!("{what}: {why}") })
+            }
+            NvmlReport::Loaded {
+                driver_version,
+                cuda_version,
+                devices,
+            } => {
+                let devices = match devices {
+                    Ok(ds) => Value::Array(
+                        ds.iter()
+                            .map(|d| {
+                                json!({
+                                    "index": d.index,
+                                    "name": result_json(&d.name, |n| json!(n)),
+                                    "memory": result_json(&d.memory, |(t, f, u)| {
+                                        json!({ "total": t, "free": f, "used": u })
+                                    }),
+                                    "processes": result_json(&d.processes, |ps| {
+                                        Value::Array(
+                                            ps.iter()
+                                                .map(|(pid, used)| {
+                                                    json!({ "pid": pid, "used_bytes": used })
+                                                })
+                                                .collect(),
+                                        )
+                                    }),
+                                })
+                            })
+                            .collect(),
+                    ),
+                    Err(e) => json!({ "error": e }),
+                };
+                json!({
+                    "available": true,
+                    "driver_version": driver_version,
+                    "cuda_version": cuda_version,
+                    "devices": devices,
+                })
+            }
+        }
+    }
+}
+
+/// The value, or `{"error": "..."}`.
+fn result_json<T>(r: &Result<T, String>, f: impl FnOnce(&T) -> Value) -> Value {
+    match r {
+        Ok(v) => f(v),
+        Err(e) => json!({ "error": e }),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// CUDA driver
+// ---------------------------------------------------------------------------
+
+enum CudaReport {
+    Missing(LoadError),
+    Loaded {
+        library: String,
+        version: Result<i32, String>,
+        devices: Vec<CudaDeviceReport>,
+        /// Why devices could not be listed (e.g. no device, cuInit failed).
+        problem: Option<String>,
+    },
+}
+
+struct CudaDeviceReport {
+    ordinal: u32,
+    caps: Result<DeviceCaps, String>,
+}
+
+fn probe_cuda() -> CudaReport {
+    let driver = match Driver::global() {
+        Ok(d) => d,
+        Err(e) => return CudaReport::Missing(e),
+    };
+    let version = cuda::driver_version().map_err(|e| e.to_string());
+    let (devices, problem) = match cuda::device_count() {
+        Ok(0) => (Vec::new(), Some("no CUDA device found".to_owned())),
+        Ok(n) => (
+            (0..n)
+                .map(|ordinal| CudaDeviceReport {
+                    ordinal,
+                    caps: CudaDevice::open_with(driver.clone(), ordinal)
+                        .map(|d| d.caps().clone())
+                        .map_err(|e| e.to_string()),
+                })
+                .collect(),
+            None,
+        ),
+        Err(e) => (Vec::new(), Some(e.to_string())),
+    };
+    CudaReport::Loaded {
+        library: driver.path().to_owned(),
+        version,
+        devices,
+        problem,
+    }
+}
+
+impl CudaReport {
+    fn to_text(&self) -> String {
+        let (library, version, devices, problem) = match self {
+            CudaReport::Missing(e @ LoadError::Library { .. }) => {
+                return format!("CUDA driver: not found ({e})\n")
+            }
+            CudaReport::Missing(e) => return format!("CUDA driver: unusable ({e})\n"),
+            CudaReport::Loaded {
+                library,
+                version,
+                devices,
+                problem,
+            } => (library, version, devices, problem),
+        };
+        let version = match version {
+            Ok(v) => format!("CUDA {} ({v})", version_string(*v)),
+            Err(e) => format!("version unknown ({e})"),
+        };
+        let mut s = format!("CUDA driver: {version} from {library}");
+        if let Some(p) = problem {
+            return format!("{s}; {p}\n");
+        }
+        s += &format!(", {} device(s)\n", devices.len());
+        for d in devices {
+            match &d.caps {
+                Ok(c) => {
+                    s += &format!(
+                    "  [{}] {}: {} memory, VMM supported, granularity {}, POSIX fd handles: {}\n",
+                    d.ordinal,
+                    c.name,
+                    human(c.total_memory),
+                    human(c.granularity),
+                    if c.posix_fd_handles { "yes" } else { "no" }
+                )
+                }
+                Err(e) => s += &format!("  [{}] unusable: {e}\n", d.ordinal),
+            }
+        }
+        s
+    }
+
+    fn to_json(&self) -> Value {
+        match self {
+            CudaReport::Missing(e) => json!({
+                "available": false,
+                "library": e.path(),
+                "error": e.to_string(),
+            }),
+            CudaReport::Loaded {
+                library,
+                version,
+                devices,
+                problem,
+            } => json!({
+                "available": true,
+                "library": library,
+                "driver_version": version.as_ref().ok(),
+                "driver_version_string": version.as_ref().ok().map(|v| version_string(*v)),
+                "error": problem.clone().or_else(|| version.as_ref().err().cloned()),
+                "devices": devices.iter().map(|d| match &d.caps {
+                    Ok(c) => json!({
+                        "ordinal": d.ordinal,
+                        "available": true,
+                        "name": c.name,
+                        "total_memory": c.total_memory,
+                        "granularity": c.granularity,
+                        "vmm_supported": c.vmm_supported,
+                        "posix_fd_handles": c.posix_fd_handles,
+                    }),
+                    Err(e) => json!({
+                        "ordinal": d.ordinal,
+                        "available": false,
+                        "error": e,
+                    }),
+                }).collect::<Vec<_>>(),
+            }),
+        }
+    }
+}
+
+/// `2 MiB`, `79.6 GiB`, `512 B`.
+fn human(bytes: u64) -> String {
+    if bytes >= GIB {
+        if bytes % GIB == 0 {
+            format!("{} GiB", bytes / GIB)
+        } else {
+            format!("{:.1} GiB", bytes as f64 / GIB as f64)
+        }
+    } else if bytes >= MIB {
+        if bytes % MIB == 0 {
+            format!("{} MiB", bytes / MIB)
+        } else {
+            format!("{:.1} MiB", bytes as f64 / MIB as f64)
+        }
+    } else if bytes >= 1024 {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human(2 * MIB), "2 MiB");
+        assert_eq!(human(80 * GIB), "80 GiB");
+        assert_eq!(human(GIB + GIB / 2), "1.5 GiB");
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(3 * MIB / 2), "1.5 MiB");
+    }
+
+    #[test]
+    fn missing_driver_lists_cpu_backends() {
+        let report = CudaReport::Missing(LoadError::Library {
+            path: "/nonexistent".into(),
+            reason: "cannot open shared object file".into(),
+        });
+        assert_eq!(backends(&report), ["host", "sim"]);
+        assert_eq!(
+            report.to_text(),
+            "CUDA driver: not found (/nonexistent: cannot open shared object file)\n"
+        );
+        assert_eq!(report.to_json()["available"], false);
+    }
 }

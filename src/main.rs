@@ -1,6 +1,10 @@
 //! `vmmalloc`: the command-line front end (device info, trace replay and comparison, benchmarks).
 
+mod calibrate;
+mod compare;
 mod info;
+mod replay_cmd;
+mod report;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -17,11 +21,20 @@ struct Cli {
 enum Command {
     /// Show NVIDIA devices (NVML), the CUDA driver's VMM support, and the backends that work here.
     Info(info::InfoArgs),
+    /// Replay traces against every policy: smallest device each needs, driver cost (the main job).
+    Compare(compare::CompareArgs),
+    /// Replay one trace against one policy on a simulated device and print its stats.
+    Replay(replay_cmd::ReplayArgs),
+    /// Measure each CUDA driver call's latency on a real GPU and write cost-model JSON.
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Info(args) => info::run(args),
+        Command::Compare(args) => compare::run(args),
+        Command::Replay(args) => replay_cmd::run(args),
+        Command::Calibrate(args) => calibrate::run(args),
     }
 }

@@ -15,7 +15,9 @@ pub enum LoadError {
         reason: String,
     },
     /// The library was opened but lacks an entry point (too old a driver, or not libcuda).
-    #[error("{path}: missing symbol `{name}` (is this the CUDA driver library, version 11.2 or newer?)")]
+    #[error(
+        "{path}: missing symbol `{name}` (is this the CUDA driver library, version 11.2 or newer?)"
+    )]
     Symbol {
         /// The missing entry point.
         name: &'static str,

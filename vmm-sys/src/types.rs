@@ -133,7 +133,10 @@ impl CUmemAllocationProp {
     /// Pinned memory on device `ordinal`, exportable as the handle kinds in
     /// `requested_handle_types` (0 for none, or
     /// [`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`]).
-    pub fn pinned_on_device(ordinal: CUdevice, requested_handle_types: CUmemAllocationHandleType) -> Self {
+    pub fn pinned_on_device(
+        ordinal: CUdevice,
+        requested_handle_types: CUmemAllocationHandleType,
+    ) -> Self {
         CUmemAllocationProp {
             type_: CU_MEM_ALLOCATION_TYPE_PINNED,
             requestedHandleTypes: requested_handle_types,

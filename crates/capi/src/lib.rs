@@ -1,1 +1,574 @@
-//! placeholder
+//! `libvmmalloc.so`: vmmalloc as a C ABI shared library, for PyTorch's
+//! `torch.cuda.memory.CUDAPluggableAllocator` and any other C caller.
+//!
+//! # The C API
+//!
+//! ```c
+//! // PyTorch's alloc/free pair (CUDAPluggableAllocator(path, "vmmalloc_malloc", "vmmalloc_free")).
+//! void* vmmalloc_malloc(size_t size, int device, void* stream);          // NULL on failure
+//! void  vmmalloc_free(void* ptr, size_t size, int device, void* stream);
+//! // PyTorch's hooks: set_init_fn, set_reset_fn, set_memory_fraction_fn, set_record_stream_fn.
+//! void  vmmalloc_init(int device_count);
+//! void  vmmalloc_empty_cache(void);
+//! void  vmmalloc_set_memory_fraction(double fraction, int device);
+//! void  vmmalloc_record_stream(void* ptr, void* stream);
+//! // Introspection (strings are owned by the caller: free them with vmmalloc_free_string).
+//! char* vmmalloc_memory_stats_json(int device);   // PyTorch's memory_stats() keys, plus vmmalloc.*
+//! char* vmmalloc_memory_summary(int device);      // PyTorch's memory_summary() table, plus ours
+//! int   vmmalloc_dump_snapshot(const char* path); // PyTorch's snapshot pickle; 0 = ok
+//! int   vmmalloc_reset_peak_stats(int device);
+//! int   vmmalloc_validate(int device);            // checks the allocator's invariants; 0 = ok
+//! // Configuration and errors.
+//! int   vmmalloc_configure(const char* conf);     // instead of VMMALLOC_CONF; before the first allocation
+//! int   vmmalloc_check_config(void);              // 0 if the configuration parses
+//! const char* vmmalloc_last_error(void);          // this thread's last error, or NULL; owned by the library
+//! const char* vmmalloc_version(void);
+//! void  vmmalloc_free_string(char* s);
+//! ```
+//!
+//! `int` results are 0 on success and -1 on failure.
+//!
+//! # Errors
+//!
+//! No call unwinds across the boundary: every entry point catches panics. A
+//! failure returns NULL or -1 (or nothing, for the `void` hooks), sets the
+//! calling thread's last error (see [`vmmalloc_last_error`]) and logs one line
+//! `vmmalloc: error: <call>(<arguments>): <reason>` to stderr (`log:off`
+//! silences it). Freeing an unknown or already freed pointer is reported and
+//! changes nothing. `vmmalloc_free(NULL, ...)` does nothing, as C's `free`.
+//! `vmmalloc_malloc(0, ...)` returns NULL (an empty tensor needs no memory;
+//! PyTorch asks for it) and is logged at `info` level only.
+//!
+//! # State
+//!
+//! One allocator per device ordinal, created on first use, thread-safe. The
+//! configuration ([`config`]) is read once per process, on the first call that
+//! needs it; a bad configuration makes every allocation (and `vmmalloc_init`)
+//! fail with a message naming the key.
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+#![warn(missing_docs)]
+
+pub mod config;
+mod devices;
+mod diag;
+mod dump;
+mod history;
+mod runtime;
+mod summary;
+
+pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
+pub use runtime::MAX_DEVICES;
+
+use config::LogLevel::{Error as LError, Info as LInfo};
+use runtime::Runtime;
+use std::any::Any;
+use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use vmmalloc_alloc::{AllocError, Stats, Stream};
+
+/// Runs an entry point's body: clears the thread's last error, catches any
+/// panic (reported as an internal error, returning `on_panic`).
+fn entry<T>(name: &str, on_panic: T, body: impl FnOnce() -> T) -> T {
+    diag::clear_error();
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(v) => v,
+        Err(p) => {
+            let m = format!(
+                "{name}: internal error (panic: {}); please report it",
+                panic_text(&*p)
+            );
+            diag::fail(LError, LError, &m);
+            on_panic
+        }
+    }
+}
+
+fn panic_text(p: &(dyn Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown payload".into()
+    }
+}
+
+fn fail(rt: &Runtime, level: LogLevel, message: String) {
+    diag::fail(rt.log_level(), level, &message);
+}
+
+fn owned_c_string(s: &str) -> *mut c_char {
+    diag::c_string_lossy(s).into_raw()
+}
+
+fn addr(p: *const c_void) -> u64 {
+    p.addr() as u64
+}
+
+/// Allocates `size` bytes on device `device` for use on `stream` (a
+/// `cudaStream_t`; NULL is the default stream). PyTorch's `alloc_fn`.
+///
+/// Returns NULL on failure (bad configuration, bad ordinal, size 0, out of
+/// memory, driver error) with the reason in [`vmmalloc_last_error`]; with
+/// `on_oom:abort`, out-of-memory aborts the process after logging the report.
+#[no_mangle]
+pub extern "C" fn vmmalloc_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    entry("vmmalloc_malloc", std::ptr::null_mut(), || {
+        let rt = runtime::runtime();
+        let call = || format!("vmmalloc_malloc(size={size}, device={device}, stream={stream:p})");
+        let d = match rt.device(device) {
+            Ok(d) => d,
+            Err(m) => {
+                fail(&rt, LError, format!("{}: {m}", call()));
+                return std::ptr::null_mut();
+            }
+        };
+        if size == 0 {
+            fail(
+                &rt,
+                LInfo,
+                format!("{}: size 0: nothing to allocate, returning NULL (an empty tensor needs no memory)", call()),
+            );
+            return std::ptr::null_mut();
+        }
+        let on_oom = rt.config().map_or(OnOom::Null, |c| c.on_oom);
+        let total = d.device.caps().total_memory;
+        let result = if size as u64 > total {
+            Err((
+                true,
+                format!(
+                    "out of memory: tried to allocate {} on device {device}, which has {} in total",
+                    summary::format_bytes(size as u64),
+                    summary::format_bytes(total)
+                ),
+            ))
+        } else {
+            d.malloc(size as u64, Stream(addr(stream)))
+                .map_err(|e| (e.is_out_of_memory(), e.to_string()))
+        };
+        match result {
+            Ok(a) => std::ptr::with_exposed_provenance_mut(a.ptr as usize),
+            Err((oom, m)) => {
+                fail(&rt, LError, format!("{}: {m}", call()));
+                if oom && on_oom == OnOom::Abort {
+                    diag::log(LError, LError, "aborting (on_oom:abort)");
+                    std::process::abort();
+                }
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Frees `ptr`, returned by [`vmmalloc_malloc`]. PyTorch's `free_fn`: `size`,
+/// `device` and `stream` are what the allocation was made with; `device` says
+/// which allocator to ask first (all are searched if it is wrong), `size` and
+/// `stream` are not needed (the allocator knows them).
+///
+/// NULL does nothing. An unknown or already freed pointer is reported
+/// (last error, one log line) and changes nothing.
+#[no_mangle]
+pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
+    entry("vmmalloc_free", (), || {
+        if ptr.is_null() {
+            return;
+        }
+        let rt = runtime::runtime();
+        let call = || {
+            format!("vmmalloc_free(ptr={ptr:p}, size={size}, device={device}, stream={stream:p})")
+        };
+        if let Err(m) = rt.config() {
+            return fail(&rt, LError, format!("{}: {m}", call()));
+        }
+        let p = addr(ptr);
+        let hint = rt.check_ordinal(device).ok().and_then(|o| rt.existing(o));
+        let candidates = hint.into_iter().chain(
+            rt.active_devices()
+                .filter(|d| Some(d.ordinal) != hint.map(|h| h.ordinal)),
+        );
+        for d in candidates {
+            match d.free(p) {
+                Ok(()) => {
+                    if Some(d.ordinal) != hint.map(|h| h.ordinal) {
+                        diag::log(
+                            rt.log_level(),
+                            LInfo,
+                            &format!("{}: pointer belongs to device {}", call(), d.ordinal),
+                        );
+                    }
+                    return;
+                }
+                Err(AllocError::InvalidPointer { .. }) => continue,
+                Err(e) => return fail(&rt, LError, format!("{}: {e}", call())),
+            }
+        }
+        fail(
+            &rt,
+            LError,
+            format!(
+                "{}: not a live allocation of any device (never allocated here, or already freed)",
+                call()
+            ),
+        );
+    })
+}
+
+/// PyTorch's init hook: called when CUDA is initialised with the number of
+/// devices. Checks the configuration (logging its error) and bounds the valid
+/// ordinals by `device_count`. Allocators are still created on first use.
+#[no_mangle]
+pub extern "C" fn vmmalloc_init(device_count: c_int) {
+    entry("vmmalloc_init", (), || {
+        let rt = runtime::runtime();
+        let config = match rt.config() {
+            Ok(c) => c,
+            Err(m) => return diag::set_error(&format!("vmmalloc_init({device_count}): {m}")),
+        };
+        if device_count < 0 {
+            return fail(
+                &rt,
+                LError,
+                format!("vmmalloc_init({device_count}): negative device count"),
+            );
+        }
+        if device_count > 0 {
+            rt.set_device_count(device_count as u32);
+        }
+        diag::log(
+            config.log,
+            LInfo,
+            &format!(
+                "vmmalloc_init({device_count}): backend {} on device {}",
+                config.effective_policy(),
+                config.device
+            ),
+        );
+    })
+}
+
+/// PyTorch's reset hook (`torch.cuda.empty_cache()`): every allocator returns
+/// the cached memory it can to its device. Errors are reported per device.
+#[no_mangle]
+pub extern "C" fn vmmalloc_empty_cache() {
+    entry("vmmalloc_empty_cache", (), || {
+        let rt = runtime::runtime();
+        for d in rt.active_devices() {
+            if let Err(e) = d.empty_cache() {
+                fail(
+                    &rt,
+                    LError,
+                    format!("vmmalloc_empty_cache(): device {}: {e}", d.ordinal),
+                );
+            }
+        }
+        diag::log(rt.log_level(), LInfo, "vmmalloc_empty_cache()");
+    })
+}
+
+/// PyTorch's memory-fraction hook (`torch.cuda.set_per_process_memory_fraction`):
+/// limits device `device`'s allocator to `fraction` of the device memory
+/// (creating the allocator if needed).
+#[no_mangle]
+pub extern "C" fn vmmalloc_set_memory_fraction(fraction: c_double, device: c_int) {
+    entry("vmmalloc_set_memory_fraction", (), || {
+        let rt = runtime::runtime();
+        let call = format!("vmmalloc_set_memory_fraction({fraction}, {device})");
+        match rt.device(device).and_then(|d| {
+            d.allocator
+                .set_memory_fraction(fraction)
+                .map_err(|e| e.to_string())
+        }) {
+            Ok(()) => diag::log(rt.log_level(), LInfo, &call),
+            Err(m) => fail(&rt, LError, format!("{call}: {m}")),
+        }
+    })
+}
+
+/// PyTorch's record-stream hook (`Tensor.record_stream`): `ptr`'s memory is
+/// also used by `stream` and is reused only after that work completes.
+#[no_mangle]
+pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    entry("vmmalloc_record_stream", (), || {
+        let rt = runtime::runtime();
+        let call = format!("vmmalloc_record_stream(ptr={ptr:p}, stream={stream:p})");
+        if let Err(m) = rt.config() {
+            return fail(&rt, LError, format!("{call}: {m}"));
+        }
+        for d in rt.active_devices() {
+            match d.allocator.record_stream(addr(ptr), Stream(addr(stream))) {
+                Ok(()) => return,
+                Err(AllocError::InvalidPointer { .. }) => continue,
+                Err(e) => return fail(&rt, LError, format!("{call}: {e}")),
+            }
+        }
+        fail(
+            &rt,
+            LError,
+            format!("{call}: not a live allocation of any device"),
+        );
+    })
+}
+
+/// The stats of `device` (zeros for a device not used yet), or why not.
+fn stats_of(rt: &Runtime, device: c_int) -> Result<(u32, Stats), String> {
+    let ordinal = rt.check_ordinal(device)?;
+    let stats = rt
+        .existing(ordinal)
+        .map(|d| d.allocator.stats())
+        .unwrap_or_default();
+    Ok((ordinal, stats))
+}
+
+/// Device `device`'s statistics as a JSON object with PyTorch's
+/// `torch.cuda.memory_stats()` keys (`"allocated_bytes.all.current"`, ...)
+/// plus ours under `vmmalloc.` (`vmmalloc.pages_mapped`,
+/// `vmmalloc.driver_calls.create`, ...). All zeros for a device not used yet.
+/// The caller frees the string with [`vmmalloc_free_string`]; NULL on failure.
+#[no_mangle]
+pub extern "C" fn vmmalloc_memory_stats_json(device: c_int) -> *mut c_char {
+    entry("vmmalloc_memory_stats_json", std::ptr::null_mut(), || {
+        let rt = runtime::runtime();
+        match stats_of(&rt, device)
+            .and_then(|(_, s)| serde_json::to_string(&s.to_map()).map_err(|e| e.to_string()))
+        {
+            Ok(json) => owned_c_string(&json),
+            Err(m) => {
+                fail(
+                    &rt,
+                    LError,
+                    format!("vmmalloc_memory_stats_json({device}): {m}"),
+                );
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Device `device`'s summary: PyTorch's `torch.cuda.memory_summary()` table
+/// followed by vmmalloc's rows (pages mapped and pooled, reclaims, syncs,
+/// driver calls per kind). The caller frees it with [`vmmalloc_free_string`];
+/// NULL on failure.
+#[no_mangle]
+pub extern "C" fn vmmalloc_memory_summary(device: c_int) -> *mut c_char {
+    entry("vmmalloc_memory_summary", std::ptr::null_mut(), || {
+        let rt = runtime::runtime();
+        let made = rt.config().and_then(|c| {
+            let (ordinal, stats) = stats_of(&rt, device)?;
+            let d = rt.existing(ordinal);
+            let policy = c.effective_policy();
+            Ok(summary::summary(
+                &stats,
+                &summary::Context {
+                    device: ordinal,
+                    backend: policy.name(),
+                    device_kind: c.device.name(),
+                    caps: d.map(|d| d.device.caps()),
+                    dropped_events: d
+                        .and_then(|d| d.history.as_ref())
+                        .map_or(0, |h| h.dropped()),
+                },
+            ))
+        });
+        match made {
+            Ok(text) => owned_c_string(&text),
+            Err(m) => {
+                fail(
+                    &rt,
+                    LError,
+                    format!("vmmalloc_memory_summary({device}): {m}"),
+                );
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Writes every device's segments and blocks (and, with `record_history:True`,
+/// the event history) to `path` as a pickle in PyTorch's snapshot schema, the
+/// format of `torch.cuda.memory._dump_snapshot`. Returns 0, or -1 on failure.
+///
+/// # Safety
+///
+/// `path` is NULL (an error) or a NUL-terminated string valid for reads.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_dump_snapshot(path: *const c_char) -> c_int {
+    entry("vmmalloc_dump_snapshot", -1, || {
+        let rt = runtime::runtime();
+        if path.is_null() {
+            fail(
+                &rt,
+                LError,
+                "vmmalloc_dump_snapshot(NULL): path is NULL".into(),
+            );
+            return -1;
+        }
+        // SAFETY: `path` is non-null and, per this function's contract, a
+        // NUL-terminated string valid for reads.
+        let bytes = unsafe { CStr::from_ptr(path) }.to_bytes();
+        let p = Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes));
+        match dump::dump(&rt, p) {
+            Ok(()) => {
+                diag::log(
+                    rt.log_level(),
+                    LInfo,
+                    &format!("snapshot written to {}", p.display()),
+                );
+                0
+            }
+            Err(m) => {
+                fail(
+                    &rt,
+                    LError,
+                    format!("vmmalloc_dump_snapshot({}): {m}", p.display()),
+                );
+                -1
+            }
+        }
+    })
+}
+
+/// Resets device `device`'s peak statistics to their current values
+/// (`torch.cuda.reset_peak_memory_stats`). Returns 0, or -1 on failure.
+#[no_mangle]
+pub extern "C" fn vmmalloc_reset_peak_stats(device: c_int) -> c_int {
+    entry("vmmalloc_reset_peak_stats", -1, || {
+        let rt = runtime::runtime();
+        match rt.check_ordinal(device) {
+            Ok(o) => {
+                if let Some(d) = rt.existing(o) {
+                    d.allocator.reset_peak_stats();
+                }
+                0
+            }
+            Err(m) => {
+                fail(
+                    &rt,
+                    LError,
+                    format!("vmmalloc_reset_peak_stats({device}): {m}"),
+                );
+                -1
+            }
+        }
+    })
+}
+
+/// Checks device `device`'s allocator invariants (and, on host/sim, the
+/// device model's). Returns 0 if they hold (or no allocator exists yet), -1
+/// with the first broken one in [`vmmalloc_last_error`].
+#[no_mangle]
+pub extern "C" fn vmmalloc_validate(device: c_int) -> c_int {
+    entry("vmmalloc_validate", -1, || {
+        let rt = runtime::runtime();
+        let r = rt.check_ordinal(device).and_then(|o| match rt.existing(o) {
+            None => Ok(()),
+            Some(d) => {
+                d.allocator.validate()?;
+                d.device.introspect().map_or(Ok(()), |i| i.check())
+            }
+        });
+        match r {
+            Ok(()) => 0,
+            Err(m) => {
+                fail(&rt, LError, format!("vmmalloc_validate({device}): {m}"));
+                -1
+            }
+        }
+    })
+}
+
+/// Sets the configuration (same syntax as `VMMALLOC_CONF`, which it replaces)
+/// before the first allocation. Returns 0, or -1 if it does not parse (the
+/// previous configuration stays) or allocators exist already.
+///
+/// # Safety
+///
+/// `conf` is NULL (an error) or a NUL-terminated string valid for reads.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_configure(conf: *const c_char) -> c_int {
+    entry("vmmalloc_configure", -1, || {
+        if conf.is_null() {
+            diag::fail(LError, LError, "vmmalloc_configure(NULL): conf is NULL");
+            return -1;
+        }
+        // SAFETY: non-null and, per the contract, a NUL-terminated string.
+        let text = match unsafe { CStr::from_ptr(conf) }.to_str() {
+            Ok(t) => t.to_string(),
+            Err(_) => {
+                diag::fail(
+                    LError,
+                    LError,
+                    "vmmalloc_configure: conf is not valid UTF-8",
+                );
+                return -1;
+            }
+        };
+        match runtime::configure(&text) {
+            Ok(()) => 0,
+            Err(m) => {
+                let level = Config::parse(&text).map_or(LError, |c| c.log);
+                diag::fail(level, LError, &m);
+                -1
+            }
+        }
+    })
+}
+
+/// Returns 0 if the configuration (from [`vmmalloc_configure`] or
+/// `VMMALLOC_CONF`) is valid, -1 with the error in [`vmmalloc_last_error`].
+#[no_mangle]
+pub extern "C" fn vmmalloc_check_config() -> c_int {
+    entry("vmmalloc_check_config", -1, || {
+        match runtime::runtime().config() {
+            Ok(_) => 0,
+            Err(m) => {
+                diag::set_error(&m);
+                -1
+            }
+        }
+    })
+}
+
+/// The error of the most recent `vmmalloc_*` call on this thread, or NULL if
+/// it succeeded. The string is owned by the library and valid until the next
+/// `vmmalloc_*` call on this thread; do not free it.
+#[no_mangle]
+pub extern "C" fn vmmalloc_last_error() -> *const c_char {
+    catch_unwind(diag::last_error_ptr).unwrap_or(std::ptr::null())
+}
+
+/// The library version (a static string).
+#[no_mangle]
+pub extern "C" fn vmmalloc_version() -> *const c_char {
+    const V: &CStr =
+        match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+            Ok(v) => v,
+            Err(_) => c"unknown",
+        };
+    V.as_ptr()
+}
+
+/// Frees a string returned by [`vmmalloc_memory_stats_json`] or
+/// [`vmmalloc_memory_summary`]. NULL does nothing.
+///
+/// # Safety
+///
+/// `s` is NULL or a string returned by one of those functions, not freed yet.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_free_string(s: *mut c_char) {
+    if s.is_null() {
+        return;
+    }
+    // SAFETY: per the contract, `s` came from `CString::into_raw` in this
+    // library and is freed once.
+    let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { CString::from_raw(s) })));
+}
+
+/// Tests only: drops every allocator, the configuration given to
+/// [`vmmalloc_configure`] and the parsed `VMMALLOC_CONF`, so the next call
+/// starts afresh. Pointers allocated before are invalid afterwards.
+#[doc(hidden)]
+#[no_mangle]
+pub extern "C" fn vmmalloc_reset_for_tests() {
+    entry("vmmalloc_reset_for_tests", (), runtime::reset)
+}

@@ -344,22 +344,61 @@ impl<D: Device> Counting<D> {
 pub struct CapacityLimit<D> {
     inner: D,
     limit: u64,
+    caps: DeviceCaps,
     state: Mutex<LimitState>,
 }
 
+/// A charged physical allocation: its size and holders (handles + mappings).
+#[derive(Debug)]
+struct Charge {
+    size: u64,
+    refs: u32,
+}
+
+/// Invariant: `used` = sizes of `charges` + sizes of `plain`. An allocation is
+/// credited back when its last handle is released and its last mapping is gone
+/// (as the driver frees physical memory); handles imported from descriptors this
+/// adaptor exported share their exporter's charge.
 #[derive(Debug, Default)]
 struct LimitState {
     used: u64,
+    /// charge id (the creating handle) -> charge
+    charges: HashMap<u64, Charge>,
+    /// handle -> charge id
     handles: HashMap<u64, u64>,
+    /// mapping start -> charge id
+    mappings: std::collections::BTreeMap<u64, u64>,
+    /// exported descriptor -> charge id
+    exported: HashMap<i32, u64>,
     plain: HashMap<u64, u64>,
+}
+
+impl LimitState {
+    fn drop_ref(&mut self, charge: u64) {
+        if let Some(c) = self.charges.get_mut(&charge) {
+            c.refs -= 1;
+            if c.refs == 0 {
+                self.used -= c.size;
+                self.charges.remove(&charge);
+            }
+        }
+    }
+    fn add_ref(&mut self, charge: u64) {
+        if let Some(c) = self.charges.get_mut(&charge) {
+            c.refs += 1;
+        }
+    }
 }
 
 impl<D: Device> CapacityLimit<D> {
     /// Wraps `inner` with a limit of `limit` bytes.
     pub fn new(inner: D, limit: u64) -> Self {
+        let mut caps = inner.caps().clone();
+        caps.total_memory = caps.total_memory.min(limit);
         CapacityLimit {
             inner,
             limit,
+            caps,
             state: Mutex::new(LimitState::default()),
         }
     }
@@ -391,7 +430,7 @@ impl<D: Device> CapacityLimit<D> {
 
 impl<D: Device> Device for CapacityLimit<D> {
     fn caps(&self) -> &DeviceCaps {
-        self.inner.caps()
+        &self.caps
     }
     fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
         self.inner.reserve(size, align)
@@ -403,7 +442,9 @@ impl<D: Device> Device for CapacityLimit<D> {
         self.charge(Call::Create, size)?;
         match self.inner.create(size) {
             Ok(h) => {
-                self.state.lock().handles.insert(h.0, size);
+                let mut s = self.state.lock();
+                s.charges.insert(h.0, Charge { size, refs: 1 });
+                s.handles.insert(h.0, h.0);
                 Ok(h)
             }
             Err(e) => {
@@ -412,21 +453,37 @@ impl<D: Device> Device for CapacityLimit<D> {
             }
         }
     }
-    /// Releases the handle; the limit is credited at release (a still-mapped
-    /// handle is counted as returned: callers unmap before or right after).
+    /// Releases the handle; the limit is credited once its last mapping is gone too.
     fn release(&self, handle: PhysHandle) -> DeviceResult<()> {
         self.inner.release(handle)?;
         let mut s = self.state.lock();
-        if let Some(size) = s.handles.remove(&handle.0) {
-            s.used -= size;
+        if let Some(c) = s.handles.remove(&handle.0) {
+            s.drop_ref(c);
         }
         Ok(())
     }
     fn map(&self, addr: u64, size: u64, handle: PhysHandle) -> DeviceResult<()> {
-        self.inner.map(addr, size, handle)
+        self.inner.map(addr, size, handle)?;
+        let mut s = self.state.lock();
+        if let Some(&c) = s.handles.get(&handle.0) {
+            s.add_ref(c);
+            s.mappings.insert(addr, c);
+        }
+        Ok(())
     }
     fn unmap(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.inner.unmap(addr, size)
+        self.inner.unmap(addr, size)?;
+        let mut s = self.state.lock();
+        let gone: Vec<(u64, u64)> = s
+            .mappings
+            .range(addr..addr.saturating_add(size))
+            .map(|(&a, &c)| (a, c))
+            .collect();
+        for (a, c) in gone {
+            s.mappings.remove(&a);
+            s.drop_ref(c);
+        }
+        Ok(())
     }
     fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()> {
         self.inner.set_access(addr, size)
@@ -463,10 +520,23 @@ impl<D: Device> Device for CapacityLimit<D> {
         Ok(())
     }
     fn export_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
-        self.inner.export_fd(handle)
+        let fd = self.inner.export_fd(handle)?;
+        let mut s = self.state.lock();
+        if let Some(&c) = s.handles.get(&handle.0) {
+            s.exported.insert(fd, c);
+        }
+        Ok(fd)
     }
     fn import_fd(&self, fd: i32) -> DeviceResult<PhysHandle> {
-        self.inner.import_fd(fd)
+        let h = self.inner.import_fd(fd)?;
+        let mut s = self.state.lock();
+        if let Some(&c) = s.exported.get(&fd) {
+            if s.charges.contains_key(&c) {
+                s.add_ref(c);
+                s.handles.insert(h.0, c);
+            }
+        }
+        Ok(h)
     }
     fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
         self.inner.copy_to_device(dst, src)
@@ -581,4 +651,26 @@ mod tests {
         assert_eq!(dev.used(), 0);
         assert!(dev.inner().live().is_empty());
     }
+
+    #[test]
+    fn capacity_limit_credits_a_mapped_handle_at_its_last_unmap() {
+        let dev = CapacityLimit::new(SimDevice::with_capacity(GIB), 8 * MIB);
+        assert_eq!(dev.caps().total_memory, 8 * MIB);
+        let va = dev.reserve(8 * MIB, 0).unwrap();
+        let h = dev.create(4 * MIB).unwrap();
+        dev.map(va, 4 * MIB, h).unwrap();
+        dev.release(h).unwrap();
+        assert_eq!(dev.used(), 4 * MIB, "still mapped: still charged");
+        dev.unmap(va, 4 * MIB).unwrap();
+        assert_eq!(dev.used(), 0);
+        dev.free_reservation(va, 8 * MIB).unwrap();
+        assert!(dev.inner().live().is_empty());
+    }
+
+    #[test]
+    fn capacity_limit_passes_the_conformance_suite() {
+        let dev = CapacityLimit::new(SimDevice::with_capacity(256 * MIB), 128 * MIB);
+        crate::conformance::run_all(&dev).unwrap();
+    }
 }
+

@@ -1,1 +1,951 @@
-//! TODO
+//! The `cuda` backend: a real GPU through [`vmm_sys`].
+//!
+//! # Contexts
+//!
+//! A [`CudaDevice`] retains the device's *primary* context (the one the CUDA
+//! runtime, and so PyTorch, uses) when it is opened and releases it when it is
+//! dropped. Driver calls act on the calling thread's *current* context, and
+//! threads differ: every method first makes the primary context current on the
+//! calling thread if it is not (`cuCtxGetCurrent`, then `cuCtxSetCurrent` only
+//! when needed), so a device may be used from any thread.
+//!
+//! # Errors
+//!
+//! - `CUDA_ERROR_OUT_OF_MEMORY` (2) becomes [`DeviceError::OutOfMemory`] with
+//!   the requested size and `cuMemGetInfo`'s free/total (0 free when that call
+//!   fails too), so allocators can treat it as recoverable.
+//! - Every other code becomes [`DeviceError::Driver`] with the raw code, the
+//!   driver's name for it (`cuGetErrorName`) and a detail naming the entry point,
+//!   its arguments and `cuGetErrorString`'s description.
+//! - Opening fails with [`DeviceError::Unavailable`] and a one-line reason: no
+//!   library, no device, no such ordinal, no VMM support.
+//!
+//! # Soundness of a safe API over raw handles
+//!
+//! [`Device`] is a safe trait, but the driver cannot validate every raw value
+//! (a stale event or allocation handle may be dereferenced). So this backend
+//! keeps a registry of what it handed out: physical handles, events and
+//! streams are checked before each use (an unknown one is a
+//! [`DeviceError::Rule`], as on the models) and are not destroyed while another
+//! thread is inside a driver call with them; host↔device copies must fall
+//! inside a reservation or plain allocation made by this device, so they can
+//! only ever touch device memory, never host memory that Rust code owns. The
+//! driver validates everything else (address ranges, sizes, alignment) and
+//! answers with an error code.
+//!
+//! Streams are created with `CU_STREAM_NON_BLOCKING` (independent of the legacy
+//! default stream, as PyTorch's are) and events with `CU_EVENT_DISABLE_TIMING`
+//! (the cheap kind PyTorch's allocator records). [`Stream::DEFAULT`] is the
+//! legacy default stream; other [`Stream`] and [`Event`] values are the raw
+//! `CUstream` / `CUevent` pointers.
+
+use crate::{
+    Call, Device, DeviceCaps, DeviceError, DeviceResult, Event, MemInfo, PhysHandle, Rule, Stream,
+};
+use parking_lot::{Mutex, RwLock};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::sync::Arc;
+use vmm_sys::{
+    result_name, CUcontext, CUdevice, CUevent, CUevent_st, CUmemAccessDesc,
+    CUmemAllocationHandleType, CUmemAllocationProp, CUstream, CUstream_st, CuError, Driver,
+    LoadError, CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_NO_DEVICE,
+    CUDA_ERROR_OUT_OF_MEMORY, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+    CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED, CU_EVENT_DISABLE_TIMING,
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_HANDLE_TYPE_NONE,
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_STREAM_NON_BLOCKING,
+};
+
+// ---------------------------------------------------------------------------
+// Process-wide helpers
+// ---------------------------------------------------------------------------
+
+/// The process-wide driver ([`Driver::global`]), or `Unavailable` saying why not.
+fn global_driver() -> DeviceResult<Arc<Driver>> {
+    Driver::global().map_err(|e| unavailable_load(&e))
+}
+
+/// Number of CUDA devices visible to this process (0 when the driver is
+/// installed but finds no device).
+pub fn device_count() -> DeviceResult<u32> {
+    let driver = global_driver()?;
+    match driver.init(0) {
+        Ok(()) => {}
+        Err(e) if e.code == CUDA_ERROR_NO_DEVICE => return Ok(0),
+        Err(e) => return Err(DeviceError::Unavailable(describe(&driver, e))),
+    }
+    let n = driver
+        .device_get_count()
+        .map_err(|e| DeviceError::Unavailable(describe(&driver, e)))?;
+    Ok(u32::try_from(n).unwrap_or(0))
+}
+
+/// The driver's CUDA version (`cuDriverGetVersion`), e.g. 12080 for 12.8
+/// (format it with [`vmm_sys::version_string`]).
+pub fn driver_version() -> DeviceResult<i32> {
+    let driver = global_driver()?;
+    driver
+        .driver_get_version()
+        .map_err(|e| DeviceError::Unavailable(describe(&driver, e)))
+}
+
+/// One line saying why the driver library could not be used.
+fn unavailable_load(e: &LoadError) -> DeviceError {
+    DeviceError::Unavailable(match e {
+        LoadError::Library { .. } => format!("CUDA driver not found ({e})"),
+        LoadError::Symbol { .. } => format!("CUDA driver unusable ({e})"),
+    })
+}
+
+/// `"cuInit: CUDA_ERROR_NO_DEVICE (100): no CUDA-capable device is detected"`.
+fn describe(driver: &Driver, e: CuError) -> String {
+    let name = code_name(driver, e.code);
+    match driver.error_string(e.code) {
+        Some(text) => format!("{}: {name} ({}): {text}", e.call, e.code),
+        None => format!("{}: {name} ({})", e.call, e.code),
+    }
+}
+
+/// The driver's name for a code, else ours, else the number.
+fn code_name(driver: &Driver, code: u32) -> String {
+    driver
+        .error_name(code)
+        .or_else(|| result_name(code).map(str::to_owned))
+        .unwrap_or_else(|| format!("CUresult {code}"))
+}
+
+/// Builds [`DeviceError::Driver`] from a failed call (pure, for testing).
+fn driver_error(
+    call: Call,
+    e: CuError,
+    name: String,
+    text: Option<String>,
+    args: &str,
+) -> DeviceError {
+    let mut detail = format!("{}({args})", e.call);
+    if let Some(text) = text {
+        detail.push_str(": ");
+        detail.push_str(&text);
+    }
+    DeviceError::Driver {
+        call,
+        code: e.code,
+        name,
+        detail,
+    }
+}
+
+fn stream_ptr(s: Stream) -> CUstream {
+    std::ptr::with_exposed_provenance_mut::<CUstream_st>(s.0 as usize)
+}
+
+fn event_ptr(e: Event) -> CUevent {
+    std::ptr::with_exposed_provenance_mut::<CUevent_st>(e.0 as usize)
+}
+
+// ---------------------------------------------------------------------------
+// Registries of what this device handed out
+// ---------------------------------------------------------------------------
+
+/// A retained primary context; released exactly once, on drop.
+struct PrimaryContext {
+    driver: Arc<Driver>,
+    dev: CUdevice,
+    /// Invariant: a live context on which this value holds one retain.
+    ctx: CUcontext,
+}
+
+// SAFETY: a CUcontext is a driver handle that may be used (made current,
+// released) from any thread; the driver API is thread-safe.
+unsafe impl Send for PrimaryContext {}
+// SAFETY: as for Send; `&PrimaryContext` only reads the pointer value.
+unsafe impl Sync for PrimaryContext {}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        // SAFETY: this value owns one retain of the device's primary context
+        // (taken in `CudaDevice::open_with`) and releases it once, here.
+        match unsafe { self.driver.device_primary_ctx_release(self.dev) } {
+            Ok(()) => {}
+            // The driver is shutting down at process exit: nothing to release.
+            Err(e) if e.code == CUDA_ERROR_DEINITIALIZED => {}
+            Err(e) => eprintln!(
+                "vmmalloc: releasing the primary context of CUDA device {}: {}",
+                self.dev,
+                describe(&self.driver, e)
+            ),
+        }
+    }
+}
+
+/// A driver object in a [`Registry`].
+#[derive(Debug)]
+struct Tracked {
+    /// How many times the driver handed this value to us (an import may return
+    /// a handle we already hold); each needs one release.
+    refs: u32,
+    /// Cloned by every call that passes the value to the driver, for the
+    /// duration of the call; destruction waits until this is the only copy.
+    in_use: Arc<()>,
+}
+
+/// Live handles (or events) made by this device, so a stale or foreign value
+/// never reaches the driver and nothing is destroyed while in use.
+#[derive(Debug, Default)]
+struct Registry {
+    live: HashMap<u64, Tracked>,
+}
+
+/// A value taken out of a [`Registry`] for destruction.
+struct Taken {
+    /// Whether this was the last reference (the entry is gone).
+    last: bool,
+    in_use: Arc<()>,
+}
+
+impl Registry {
+    fn insert(&mut self, key: u64) {
+        self.live
+            .entry(key)
+            .and_modify(|t| t.refs += 1)
+            .or_insert_with(|| Tracked {
+                refs: 1,
+                in_use: Arc::new(()),
+            });
+    }
+
+    /// A token held while the value is passed to the driver.
+    fn acquire(&self, key: u64) -> Option<Arc<()>> {
+        self.live.get(&key).map(|t| Arc::clone(&t.in_use))
+    }
+
+    /// Takes one reference for destruction.
+    fn take(&mut self, key: u64) -> Option<Taken> {
+        let t = self.live.get_mut(&key)?;
+        if t.refs > 1 {
+            t.refs -= 1;
+            return Some(Taken {
+                last: false,
+                in_use: Arc::clone(&t.in_use),
+            });
+        }
+        let t = self.live.remove(&key)?;
+        Some(Taken {
+            last: true,
+            in_use: t.in_use,
+        })
+    }
+
+    /// Puts back a reference whose destruction failed.
+    fn restore(&mut self, key: u64, taken: Taken) {
+        match self.live.get_mut(&key) {
+            Some(t) => t.refs += 1,
+            None => {
+                self.live.insert(
+                    key,
+                    Tracked {
+                        refs: 1,
+                        in_use: taken.in_use,
+                    },
+                );
+            }
+        }
+    }
+}
+
+impl Taken {
+    /// Waits until no other thread is inside a driver call with the value
+    /// (only when this was the last reference; calls hold the token briefly).
+    fn wait_unused(&self) {
+        if self.last {
+            while Arc::strong_count(&self.in_use) > 1 {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// Virtual ranges this device reserved or allocated: `start -> len`.
+#[derive(Debug, Default)]
+struct Ranges {
+    reservations: BTreeMap<u64, u64>,
+    allocs: BTreeMap<u64, u64>,
+}
+
+impl Ranges {
+    /// Whether `[addr, addr+len)` lies inside one reservation or allocation.
+    fn contains(&self, addr: u64, len: u64) -> bool {
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        let inside = |m: &BTreeMap<u64, u64>| {
+            m.range(..=addr)
+                .next_back()
+                .is_some_and(|(&start, &size)| addr < start + size && end <= start + size)
+        };
+        inside(&self.reservations) || inside(&self.allocs)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The device
+// ---------------------------------------------------------------------------
+
+/// One CUDA GPU, by ordinal, through its primary context.
+pub struct CudaDevice {
+    driver: Arc<Driver>,
+    dev: CUdevice,
+    ctx: PrimaryContext,
+    caps: DeviceCaps,
+    /// Shareable handle kinds requested for every `cuMemCreate`.
+    handle_types: CUmemAllocationHandleType,
+    /// Copies are checked against these; a copy holds the read lock.
+    ranges: RwLock<Ranges>,
+    handles: Mutex<Registry>,
+    events: Mutex<Registry>,
+    /// Streams never die (the trait has no destroy), so membership suffices.
+    streams: Mutex<HashSet<u64>>,
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("driver", &self.driver.path())
+            .field("caps", &self.caps)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` with the process-wide driver ([`Driver::global`]:
+    /// `libcuda.so.1`, or `VMMALLOC_CUDA_LIBRARY`).
+    pub fn open(ordinal: u32) -> DeviceResult<CudaDevice> {
+        Self::open_with(global_driver()?, ordinal)
+    }
+
+    /// Opens device `ordinal` with the driver library at `path`.
+    pub fn open_library(path: &str, ordinal: u32) -> DeviceResult<CudaDevice> {
+        let driver = Driver::load_from(path).map_err(|e| unavailable_load(&e))?;
+        Self::open_with(driver, ordinal)
+    }
+
+    /// Opens device `ordinal` with a loaded driver: `cuInit`, `cuDeviceGet`,
+    /// checks VMM support, retains the primary context and queries the
+    /// allocation granularity (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`, for pinned
+    /// device memory exportable as POSIX file descriptors where supported).
+    pub fn open_with(driver: Arc<Driver>, ordinal: u32) -> DeviceResult<CudaDevice> {
+        let unavailable = |e: CuError| DeviceError::Unavailable(describe(&driver, e));
+        match driver.init(0) {
+            Ok(()) => {}
+            Err(e) if e.code == CUDA_ERROR_NO_DEVICE => {
+                return Err(DeviceError::Unavailable(format!(
+                    "no CUDA device found ({})",
+                    describe(&driver, e)
+                )))
+            }
+            Err(e) => return Err(unavailable(e)),
+        }
+        let index = i32::try_from(ordinal).map_err(|_| {
+            DeviceError::Unavailable(format!("invalid CUDA device ordinal {ordinal}"))
+        })?;
+        let dev = match driver.device_get(index) {
+            Ok(dev) => dev,
+            Err(e) if e.code == CUDA_ERROR_INVALID_DEVICE => {
+                let count = driver.device_get_count().unwrap_or(0);
+                return Err(DeviceError::Unavailable(format!(
+                    "no CUDA device with ordinal {ordinal} ({count} device(s) present)"
+                )));
+            }
+            Err(e) => return Err(unavailable(e)),
+        };
+        let name = driver.device_get_name(dev).map_err(unavailable)?;
+        let vmm = driver
+            .device_get_attribute(
+                CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+                dev,
+            )
+            .map_err(unavailable)?;
+        if vmm == 0 {
+            return Err(DeviceError::Unavailable(format!(
+                "CUDA device {ordinal} ({name}) does not support the virtual memory management API \
+                 (CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED = 0)"
+            )));
+        }
+        // Older drivers may not know the attribute: treat an error as "no".
+        let posix_fd = driver
+            .device_get_attribute(
+                CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                dev,
+            )
+            .unwrap_or(0)
+            != 0;
+        let total_memory = driver.device_total_mem(dev).map_err(unavailable)? as u64;
+        let ctx = PrimaryContext {
+            ctx: driver.device_primary_ctx_retain(dev).map_err(unavailable)?,
+            driver: Arc::clone(&driver),
+            dev,
+        };
+        // From here on, an early return drops `ctx`, which releases the retain.
+        // SAFETY: `ctx.ctx` was just retained and stays live while `ctx` lives.
+        unsafe { driver.ctx_set_current(ctx.ctx) }.map_err(unavailable)?;
+        let handle_types = if posix_fd {
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        } else {
+            CU_MEM_HANDLE_TYPE_NONE
+        };
+        let prop = CUmemAllocationProp::pinned_on_device(dev, handle_types);
+        let granularity = driver
+            .mem_get_allocation_granularity(&prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+            .map_err(unavailable)? as u64;
+        if granularity == 0 {
+            return Err(DeviceError::Unavailable(format!(
+                "CUDA device {ordinal} ({name}) reported an allocation granularity of 0"
+            )));
+        }
+        Ok(CudaDevice {
+            caps: DeviceCaps {
+                name,
+                ordinal,
+                granularity,
+                total_memory,
+                vmm_supported: true,
+                posix_fd_handles: posix_fd,
+                has_memory: true,
+            },
+            driver,
+            dev,
+            ctx,
+            handle_types,
+            ranges: RwLock::new(Ranges::default()),
+            handles: Mutex::new(Registry::default()),
+            events: Mutex::new(Registry::default()),
+            streams: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// The driver this device calls.
+    pub fn driver(&self) -> &Arc<Driver> {
+        &self.driver
+    }
+
+    /// The driver's `CUdevice` for this ordinal.
+    pub fn cu_device(&self) -> CUdevice {
+        self.dev
+    }
+
+    /// The retained primary context (for interop, e.g. to make it current in
+    /// code that calls the driver directly).
+    pub fn context(&self) -> CUcontext {
+        self.ctx.ctx
+    }
+
+    /// Makes the primary context current on the calling thread if it is not.
+    pub fn make_current(&self) -> DeviceResult<()> {
+        self.bind(Call::DeviceSync)
+    }
+
+    fn bind(&self, call: Call) -> DeviceResult<()> {
+        let current = self
+            .driver
+            .ctx_get_current()
+            .map_err(|e| self.fail(call, e, 0, String::new))?;
+        if current != self.ctx.ctx {
+            // SAFETY: `self.ctx` holds a retain, so the context is live.
+            unsafe { self.driver.ctx_set_current(self.ctx.ctx) }
+                .map_err(|e| self.fail(call, e, 0, || format!("{:p}", self.ctx.ctx)))?;
+        }
+        Ok(())
+    }
+
+    /// Maps a failed call to a [`DeviceError`]; `args` describes the arguments.
+    fn fail(
+        &self,
+        call: Call,
+        e: CuError,
+        requested: u64,
+        args: impl FnOnce() -> String,
+    ) -> DeviceError {
+        if e.code == CUDA_ERROR_OUT_OF_MEMORY {
+            let (free, total) = match self.driver.mem_get_info() {
+                Ok((free, total)) => (free as u64, total as u64),
+                Err(_) => (0, self.caps.total_memory),
+            };
+            return DeviceError::OutOfMemory {
+                call,
+                requested,
+                free,
+                total,
+            };
+        }
+        driver_error(
+            call,
+            e,
+            code_name(&self.driver, e.code),
+            self.driver.error_string(e.code),
+            &args(),
+        )
+    }
+
+    fn prop(&self) -> CUmemAllocationProp {
+        CUmemAllocationProp::pinned_on_device(self.dev, self.handle_types)
+    }
+
+    fn acquire_handle(&self, call: Call, handle: PhysHandle) -> DeviceResult<Arc<()>> {
+        self.handles.lock().acquire(handle.0).ok_or_else(|| {
+            DeviceError::rule(call, Rule::UnknownHandle, format!("handle {:#x}", handle.0))
+        })
+    }
+
+    fn acquire_event(&self, call: Call, event: Event) -> DeviceResult<Arc<()>> {
+        self.events.lock().acquire(event.0).ok_or_else(|| {
+            DeviceError::rule(call, Rule::UnknownEvent, format!("event {:#x}", event.0))
+        })
+    }
+
+    fn check_stream(&self, call: Call, stream: Stream) -> DeviceResult<()> {
+        if stream == Stream::DEFAULT || self.streams.lock().contains(&stream.0) {
+            Ok(())
+        } else {
+            Err(DeviceError::rule(
+                call,
+                Rule::UnknownStream,
+                format!("{stream}"),
+            ))
+        }
+    }
+
+    fn outside(call: Call, addr: u64, len: usize) -> DeviceError {
+        DeviceError::rule(
+            call,
+            Rule::NotAccessible,
+            format!(
+                "[{addr:#x}, +{len:#x}) is not inside a reservation or allocation of this device"
+            ),
+        )
+    }
+}
+
+impl Device for CudaDevice {
+    fn caps(&self) -> &DeviceCaps {
+        &self.caps
+    }
+
+    fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
+        self.bind(Call::Reserve)?;
+        let addr = self
+            .driver
+            .mem_address_reserve(size as usize, align as usize, 0, 0)
+            .map_err(|e| {
+                self.fail(Call::Reserve, e, size, || {
+                    format!("size {size:#x}, alignment {align:#x}")
+                })
+            })?;
+        self.ranges.write().reservations.insert(addr, size);
+        Ok(addr)
+    }
+
+    fn free_reservation(&self, addr: u64, size: u64) -> DeviceResult<()> {
+        self.bind(Call::AddressFree)?;
+        {
+            // Claim the range first, so no other call frees it or copies into it.
+            let mut ranges = self.ranges.write();
+            match ranges.reservations.get(&addr) {
+                Some(&len) if len == size => {
+                    ranges.reservations.remove(&addr);
+                }
+                _ => {
+                    return Err(DeviceError::rule(
+                        Call::AddressFree,
+                        Rule::NotAReservation,
+                        format!("[{addr:#x}, +{size:#x}) was not returned by reserve"),
+                    ))
+                }
+            }
+        }
+        // SAFETY: the range is exactly one this device reserved and has just
+        // claimed; freeing it affects only device addresses, never host memory.
+        // The driver rejects a range that still has mappings or is invalid.
+        unsafe { self.driver.mem_address_free(addr, size as usize) }.map_err(|e| {
+            self.ranges.write().reservations.insert(addr, size);
+            self.fail(Call::AddressFree, e, 0, || {
+                format!("ptr {addr:#x}, size {size:#x}")
+            })
+        })
+    }
+
+    fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
+        self.bind(Call::Create)?;
+        let prop = self.prop();
+        let handle = self
+            .driver
+            .mem_create(size as usize, &prop, 0)
+            .map_err(|e| self.fail(Call::Create, e, size, || format!("size {size:#x}")))?;
+        self.handles.lock().insert(handle);
+        Ok(PhysHandle(handle))
+    }
+
+    fn release(&self, handle: PhysHandle) -> DeviceResult<()> {
+        self.bind(Call::Release)?;
+        let taken = self.handles.lock().take(handle.0).ok_or_else(|| {
+            DeviceError::rule(
+                Call::Release,
+                Rule::UnknownHandle,
+                format!("handle {:#x}", handle.0),
+            )
+        })?;
+        taken.wait_unused();
+        // SAFETY: the handle was made by this device and one of its references
+        // has just been taken out of the registry (so it is released once), and
+        // no other call is using it (`wait_unused`).
+        match unsafe { self.driver.mem_release(handle.0) } {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.handles.lock().restore(handle.0, taken);
+                Err(self.fail(Call::Release, e, 0, || format!("handle {:#x}", handle.0)))
+            }
+        }
+    }
+
+    fn map(&self, addr: u64, size: u64, handle: PhysHandle) -> DeviceResult<()> {
+        self.bind(Call::Map)?;
+        let _in_use = self.acquire_handle(Call::Map, handle)?;
+        // SAFETY: the handle is live (registered, and `_in_use` keeps it from
+        // being released during the call). Mapping touches only device memory;
+        // the driver rejects a range that is not reserved or already mapped.
+        unsafe { self.driver.mem_map(addr, size as usize, 0, handle.0, 0) }.map_err(|e| {
+            self.fail(Call::Map, e, size, || {
+                format!(
+                    "ptr {addr:#x}, size {size:#x}, offset 0, handle {:#x}",
+                    handle.0
+                )
+            })
+        })
+    }
+
+    fn unmap(&self, addr: u64, size: u64) -> DeviceResult<()> {
+        self.bind(Call::Unmap)?;
+        // SAFETY: unmapping affects only device memory: copies through this
+        // device are confined to its own ranges, and the driver rejects a range
+        // that is not mapped. Waiting for queued work is the caller's contract
+        // (see `Device::unmap`); a violation faults on the device, not the host.
+        unsafe { self.driver.mem_unmap(addr, size as usize) }.map_err(|e| {
+            self.fail(Call::Unmap, e, 0, || {
+                format!("ptr {addr:#x}, size {size:#x}")
+            })
+        })
+    }
+
+    fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()> {
+        self.bind(Call::SetAccess)?;
+        let desc = [CUmemAccessDesc::read_write(self.dev)];
+        // SAFETY: granting this device access touches no host memory; the
+        // driver rejects a range that is not fully mapped.
+        unsafe { self.driver.mem_set_access(addr, size as usize, &desc) }.map_err(|e| {
+            self.fail(Call::SetAccess, e, 0, || {
+                format!(
+                    "ptr {addr:#x}, size {size:#x}, read-write for device {}",
+                    self.dev
+                )
+            })
+        })
+    }
+
+    fn mem_info(&self) -> DeviceResult<MemInfo> {
+        self.bind(Call::MemInfo)?;
+        let (free, total) = self
+            .driver
+            .mem_get_info()
+            .map_err(|e| self.fail(Call::MemInfo, e, 0, String::new))?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn alloc(&self, size: u64) -> DeviceResult<u64> {
+        self.bind(Call::Alloc)?;
+        let ptr = self
+            .driver
+            .mem_alloc(size as usize)
+            .map_err(|e| self.fail(Call::Alloc, e, size, || format!("size {size:#x}")))?;
+        self.ranges.write().allocs.insert(ptr, size);
+        Ok(ptr)
+    }
+
+    fn free(&self, ptr: u64) -> DeviceResult<()> {
+        self.bind(Call::Free)?;
+        let size = self.ranges.write().allocs.remove(&ptr).ok_or_else(|| {
+            DeviceError::rule(Call::Free, Rule::UnknownPointer, format!("{ptr:#x}"))
+        })?;
+        // SAFETY: `ptr` came from `cuMemAlloc` on this device and has just been
+        // claimed (so it is freed once); it is device memory, never host memory.
+        unsafe { self.driver.mem_free(ptr) }.map_err(|e| {
+            self.ranges.write().allocs.insert(ptr, size);
+            self.fail(Call::Free, e, 0, || format!("ptr {ptr:#x}"))
+        })
+    }
+
+    fn export_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
+        if !self.caps.posix_fd_handles {
+            return Err(DeviceError::Unsupported {
+                call: Call::Export,
+                what: format!(
+                    "{} cannot export POSIX file descriptor handles",
+                    self.caps.name
+                ),
+            });
+        }
+        self.bind(Call::Export)?;
+        let _in_use = self.acquire_handle(Call::Export, handle)?;
+        // SAFETY: the handle is live (registered and held by `_in_use`) and was
+        // created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR requested
+        // (`posix_fd_handles` is true).
+        unsafe { self.driver.mem_export_to_fd(handle.0) }.map_err(|e| {
+            self.fail(Call::Export, e, 0, || {
+                format!("handle {:#x}, POSIX fd", handle.0)
+            })
+        })
+    }
+
+    fn import_fd(&self, fd: i32) -> DeviceResult<PhysHandle> {
+        if !self.caps.posix_fd_handles {
+            return Err(DeviceError::Unsupported {
+                call: Call::Import,
+                what: format!(
+                    "{} cannot import POSIX file descriptor handles",
+                    self.caps.name
+                ),
+            });
+        }
+        self.bind(Call::Import)?;
+        // SAFETY: the driver only inspects the descriptor (it neither closes nor
+        // writes it) and returns an error for one that is not an exported
+        // allocation; the new handle is registered below and released once.
+        let handle = unsafe { self.driver.mem_import_from_fd(fd) }
+            .map_err(|e| self.fail(Call::Import, e, 0, || format!("fd {fd}, POSIX fd")))?;
+        self.handles.lock().insert(handle);
+        Ok(PhysHandle(handle))
+    }
+
+    fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
+        self.bind(Call::CopyHtoD)?;
+        let ranges = self.ranges.read();
+        if !ranges.contains(dst, src.len() as u64) {
+            return Err(Self::outside(Call::CopyHtoD, dst, src.len()));
+        }
+        // SAFETY: the destination lies in a reservation or allocation of this
+        // device, which stays claimed while `ranges` is held: it is device
+        // memory, never host memory. The driver rejects unmapped or
+        // inaccessible addresses. `src` is readable for its length.
+        unsafe { self.driver.memcpy_htod(dst, src) }.map_err(|e| {
+            self.fail(Call::CopyHtoD, e, 0, || {
+                format!("dst {dst:#x}, {} bytes", src.len())
+            })
+        })
+    }
+
+    fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
+        self.bind(Call::CopyDtoH)?;
+        let ranges = self.ranges.read();
+        if !ranges.contains(src, dst.len() as u64) {
+            return Err(Self::outside(Call::CopyDtoH, src, dst.len()));
+        }
+        let len = dst.len();
+        // SAFETY: the source lies in a reservation or allocation of this
+        // device, held while `ranges` is; the driver rejects unmapped or
+        // inaccessible addresses. `dst` is writable for its length and the copy
+        // has finished when the call returns.
+        unsafe { self.driver.memcpy_dtoh(dst, src) }.map_err(|e| {
+            self.fail(Call::CopyDtoH, e, 0, || {
+                format!("src {src:#x}, {len} bytes")
+            })
+        })
+    }
+
+    fn create_stream(&self) -> DeviceResult<Stream> {
+        self.bind(Call::StreamCreate)?;
+        let s = self
+            .driver
+            .stream_create(CU_STREAM_NON_BLOCKING)
+            .map_err(|e| self.fail(Call::StreamCreate, e, 0, || "CU_STREAM_NON_BLOCKING".into()))?;
+        let raw = s.expose_provenance() as u64;
+        self.streams.lock().insert(raw);
+        Ok(Stream(raw))
+    }
+
+    fn synchronize_stream(&self, stream: Stream) -> DeviceResult<()> {
+        self.check_stream(Call::StreamSync, stream)?;
+        self.bind(Call::StreamSync)?;
+        // SAFETY: the stream is the legacy default stream (null) or one this
+        // device created in its primary context; streams are never destroyed.
+        unsafe { self.driver.stream_synchronize(stream_ptr(stream)) }
+            .map_err(|e| self.fail(Call::StreamSync, e, 0, || format!("{stream}")))
+    }
+
+    fn synchronize(&self) -> DeviceResult<()> {
+        self.bind(Call::DeviceSync)?;
+        self.driver
+            .ctx_synchronize()
+            .map_err(|e| self.fail(Call::DeviceSync, e, 0, String::new))
+    }
+
+    fn create_event(&self) -> DeviceResult<Event> {
+        self.bind(Call::EventCreate)?;
+        let e = self
+            .driver
+            .event_create(CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| self.fail(Call::EventCreate, e, 0, || "CU_EVENT_DISABLE_TIMING".into()))?;
+        let raw = e.expose_provenance() as u64;
+        self.events.lock().insert(raw);
+        Ok(Event(raw))
+    }
+
+    fn record_event(&self, event: Event, stream: Stream) -> DeviceResult<()> {
+        self.check_stream(Call::EventRecord, stream)?;
+        self.bind(Call::EventRecord)?;
+        let _in_use = self.acquire_event(Call::EventRecord, event)?;
+        // SAFETY: the event is live (registered, held by `_in_use`) and the
+        // stream is null or one of ours, both in this device's primary context.
+        unsafe {
+            self.driver
+                .event_record(event_ptr(event), stream_ptr(stream))
+        }
+        .map_err(|e| {
+            self.fail(Call::EventRecord, e, 0, || {
+                format!("event {:#x}, {stream}", event.0)
+            })
+        })
+    }
+
+    fn query_event(&self, event: Event) -> DeviceResult<bool> {
+        self.bind(Call::EventQuery)?;
+        let _in_use = self.acquire_event(Call::EventQuery, event)?;
+        // SAFETY: the event is live (registered, held by `_in_use`).
+        unsafe { self.driver.event_query(event_ptr(event)) }
+            .map_err(|e| self.fail(Call::EventQuery, e, 0, || format!("event {:#x}", event.0)))
+    }
+
+    fn synchronize_event(&self, event: Event) -> DeviceResult<()> {
+        self.bind(Call::EventSync)?;
+        let _in_use = self.acquire_event(Call::EventSync, event)?;
+        // SAFETY: the event is live (registered, held by `_in_use`).
+        unsafe { self.driver.event_synchronize(event_ptr(event)) }
+            .map_err(|e| self.fail(Call::EventSync, e, 0, || format!("event {:#x}", event.0)))
+    }
+
+    fn destroy_event(&self, event: Event) -> DeviceResult<()> {
+        self.bind(Call::EventDestroy)?;
+        let taken = self.events.lock().take(event.0).ok_or_else(|| {
+            DeviceError::rule(
+                Call::EventDestroy,
+                Rule::UnknownEvent,
+                format!("event {:#x}", event.0),
+            )
+        })?;
+        taken.wait_unused();
+        // SAFETY: the event was created by this device, has just been taken out
+        // of the registry (destroyed once) and no other call is using it.
+        match unsafe { self.driver.event_destroy(event_ptr(event)) } {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.events.lock().restore(event.0, taken);
+                Err(self.fail(Call::EventDestroy, e, 0, || format!("event {:#x}", event.0)))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_library_is_unavailable_naming_it() {
+        let err = CudaDevice::open_library("/nonexistent/libcuda.so.1", 0).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, DeviceError::Unavailable(_)), "{err:?}");
+        assert!(text.contains("CUDA driver not found"), "{text}");
+        assert!(text.contains("/nonexistent/libcuda.so.1"), "{text}");
+    }
+
+    #[test]
+    fn library_without_symbols_is_unavailable_naming_the_symbol() {
+        let err = CudaDevice::open_library("libc.so.6", 0).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("unusable") && text.contains("cuInit"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn driver_errors_carry_code_name_and_detail() {
+        let e = CuError {
+            call: "cuMemMap",
+            code: 1,
+        };
+        let err = driver_error(
+            Call::Map,
+            e,
+            "CUDA_ERROR_INVALID_VALUE".into(),
+            Some("invalid argument".into()),
+            "ptr 0x200000, size 0x200000, offset 0, handle 0x1",
+        );
+        assert_eq!(err.cuda_code(), 1);
+        assert_eq!(err.call(), Some(Call::Map));
+        assert!(!err.is_out_of_memory());
+        assert_eq!(
+            err.to_string(),
+            "map: CUDA_ERROR_INVALID_VALUE (1): cuMemMap(ptr 0x200000, size 0x200000, offset 0, \
+             handle 0x1): invalid argument"
+        );
+    }
+
+    #[test]
+    fn registry_counts_references_and_restores() {
+        let mut r = Registry::default();
+        assert!(r.acquire(7).is_none());
+        r.insert(7);
+        r.insert(7); // imported twice: two releases needed
+        let t = r.take(7).unwrap();
+        assert!(!t.last);
+        assert!(r.acquire(7).is_some());
+        let t2 = r.take(7).unwrap();
+        assert!(t2.last);
+        assert!(r.acquire(7).is_none() && r.take(7).is_none());
+        r.restore(7, t2); // the driver refused: the handle is live again
+        assert!(r.acquire(7).is_some());
+        drop(t);
+    }
+
+    #[test]
+    fn destruction_waits_for_calls_in_flight() {
+        let mut r = Registry::default();
+        r.insert(1);
+        let in_flight = r.acquire(1).unwrap();
+        let taken = r.take(1).unwrap();
+        let waiter = std::thread::spawn(move || {
+            taken.wait_unused();
+            true
+        });
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(!waiter.is_finished());
+        drop(in_flight);
+        assert!(waiter.join().unwrap());
+    }
+
+    #[test]
+    fn ranges_contain_only_whole_ranges() {
+        let mut r = Ranges::default();
+        r.reservations.insert(0x1000_0000, 0x40_0000);
+        r.allocs.insert(0x2000_0000, 100);
+        assert!(r.contains(0x1000_0000, 0x40_0000));
+        assert!(r.contains(0x1020_0000, 16));
+        assert!(!r.contains(0x1020_0000, 0x40_0000));
+        assert!(!r.contains(0x0fff_ffff, 2));
+        assert!(r.contains(0x2000_0000, 100));
+        assert!(!r.contains(0x2000_0000, 101));
+        assert!(!r.contains(0x2000_0064, 0));
+        assert!(!r.contains(u64::MAX, 2));
+    }
+}

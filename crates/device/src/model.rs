@@ -135,7 +135,7 @@ impl AddressSpace {
     }
 
     fn aligned(&self, call: Call, what: &str, value: u64) -> DeviceResult<()> {
-        if value % self.granularity != 0 {
+        if !value.is_multiple_of(self.granularity) {
             return Err(DeviceError::rule(
                 call,
                 Rule::Misaligned,
@@ -148,6 +148,18 @@ impl AddressSpace {
     fn positive(call: Call, size: u64) -> DeviceResult<()> {
         if size == 0 {
             return Err(DeviceError::rule(call, Rule::ZeroSize, "size 0"));
+        }
+        Ok(())
+    }
+
+    /// A range whose end overflows `u64` cannot be mapped.
+    fn in_address_space(call: Call, addr: u64, size: u64) -> DeviceResult<()> {
+        if addr.checked_add(size).is_none() {
+            return Err(DeviceError::rule(
+                call,
+                Rule::NotMapped,
+                format!("[{addr:#x}, +{size:#x}) overflows the address space"),
+            ));
         }
         Ok(())
     }
@@ -165,7 +177,7 @@ impl AddressSpace {
     pub fn check_reserve(&self, size: u64, align: u64) -> DeviceResult<()> {
         Self::positive(Call::Reserve, size)?;
         self.aligned(Call::Reserve, "size", size)?;
-        if align != 0 && (!align.is_power_of_two() || align % self.granularity != 0) {
+        if align != 0 && (!align.is_power_of_two() || !align.is_multiple_of(self.granularity)) {
             return Err(DeviceError::rule(
                 Call::Reserve,
                 Rule::Misaligned,
@@ -204,7 +216,7 @@ impl AddressSpace {
     pub fn reserve(&mut self, addr: u64, size: u64, align: u64) -> DeviceResult<()> {
         self.check_reserve(size, align)?;
         self.aligned(Call::Reserve, "address", addr)?;
-        if align != 0 && addr % align != 0 {
+        if align != 0 && !addr.is_multiple_of(align) {
             return Err(DeviceError::rule(Call::Reserve, Rule::Misaligned, "address not aligned as requested"));
         }
         if self.overlapping_reservation(addr, size).is_some() {
@@ -316,6 +328,13 @@ impl AddressSpace {
         Self::positive(Call::Map, size)?;
         self.aligned(Call::Map, "address", addr)?;
         self.aligned(Call::Map, "size", size)?;
+        if addr.checked_add(size).is_none() {
+            return Err(DeviceError::rule(
+                Call::Map,
+                Rule::OutsideReservation,
+                format!("[{addr:#x}, +{size:#x}) overflows the address space"),
+            ));
+        }
         let alloc = self.allocation_of(Call::Map, handle)?;
         let hsize = self.allocations[&alloc].size;
         if size != hsize {
@@ -396,6 +415,7 @@ impl AddressSpace {
         Self::positive(Call::Unmap, size)?;
         self.aligned(Call::Unmap, "address", addr)?;
         self.aligned(Call::Unmap, "size", size)?;
+        Self::in_address_space(Call::Unmap, addr, size)?;
         let maps = self.mappings_in(addr, size);
         if !Self::covered(addr, size, &maps) {
             return Err(DeviceError::rule(
@@ -432,6 +452,7 @@ impl AddressSpace {
         Self::positive(Call::SetAccess, size)?;
         self.aligned(Call::SetAccess, "address", addr)?;
         self.aligned(Call::SetAccess, "size", size)?;
+        Self::in_address_space(Call::SetAccess, addr, size)?;
         if !Self::covered(addr, size, &self.mappings_in(addr, size)) {
             return Err(DeviceError::rule(
                 Call::SetAccess,

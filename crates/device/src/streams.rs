@@ -73,7 +73,7 @@ impl StreamModel {
         self.inner.lock().streams.contains_key(&stream.0)
     }
 
-    fn stream_mut<'a>(g: &'a mut Inner, call: Call, stream: Stream) -> DeviceResult<&'a mut StreamState> {
+    fn stream_mut(g: &mut Inner, call: Call, stream: Stream) -> DeviceResult<&mut StreamState> {
         g.streams
             .get_mut(&stream.0)
             .ok_or_else(|| DeviceError::rule(call, Rule::UnknownStream, format!("{stream}")))

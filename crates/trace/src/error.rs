@@ -25,8 +25,8 @@ pub struct TraceError {
     /// 0-based index of the offending event in that device's event list (for a
     /// snapshot: its position in `device_traces[device]`).
     pub index: Option<usize>,
-    /// What went wrong.
-    pub kind: ErrorKind,
+    /// What went wrong (boxed to keep `Result<T, TraceError>` small).
+    pub kind: Box<ErrorKind>,
 }
 
 /// What went wrong, without the location.
@@ -151,7 +151,13 @@ pub enum ErrorKind {
 impl TraceError {
     /// An error with no location yet.
     pub fn new(kind: ErrorKind) -> Self {
-        TraceError { path: None, line: None, device: None, index: None, kind }
+        TraceError {
+            path: None,
+            line: None,
+            device: None,
+            index: None,
+            kind: Box::new(kind),
+        }
     }
 
     /// Sets the file (keeps a file already set).
@@ -216,6 +222,6 @@ impl fmt::Display for TraceError {
 
 impl std::error::Error for TraceError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        std::error::Error::source(&self.kind)
+        std::error::Error::source(&*self.kind)
     }
 }

@@ -237,7 +237,11 @@ impl DeviceTrace {
         let device = parts.device;
         let err = |kind: ErrorKind| TraceError::new(kind).on_device(device);
         parts.pre_trace.sort_by_key(|a| a.addr);
-        let n_alloc_events = parts.events.iter().filter(|e| e.kind == EventKind::Alloc).count();
+        let n_alloc_events = parts
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::Alloc)
+            .count();
         let n_ids = parts.pre_trace.len() + n_alloc_events;
         if n_ids >= u32::MAX as usize {
             return Err(err(ErrorKind::TooManyAllocs));
@@ -254,7 +258,11 @@ impl DeviceTrace {
             }
             sizes.push(a.size);
             live_bytes = live_bytes.saturating_add(a.size);
-            ops.push(Op::Alloc { id, size: a.size, stream: a.stream });
+            ops.push(Op::Alloc {
+                id,
+                size: a.size,
+                stream: a.stream,
+            });
         }
         let pre_trace_live = live_bytes;
         let mut peak_live = live_bytes;
@@ -270,11 +278,18 @@ impl DeviceTrace {
                     sizes.push(e.size);
                     live_bytes = live_bytes.saturating_add(e.size);
                     peak_live = peak_live.max(live_bytes);
-                    ops.push(Op::Alloc { id, size: e.size, stream: e.stream });
+                    ops.push(Op::Alloc {
+                        id,
+                        size: e.size,
+                        stream: e.stream,
+                    });
                 }
                 EventKind::Free => {
                     if e.size > MAX_SIZE {
-                        return Err(at(ErrorKind::Absurd { field: "size", value: e.size.into() }));
+                        return Err(at(ErrorKind::Absurd {
+                            field: "size",
+                            value: e.size.into(),
+                        }));
                     }
                     let Some(id) = live.remove(&e.addr) else {
                         return Err(at(ErrorKind::FreeOfUnknown { addr: e.addr }));
@@ -361,7 +376,13 @@ impl DeviceTrace {
     /// The distinct streams that allocations use, ascending.
     pub fn streams(&self) -> Vec<u64> {
         let mut s: BTreeSet<u64> = self.parts.pre_trace.iter().map(|a| a.stream).collect();
-        s.extend(self.parts.events.iter().filter(|e| e.kind == EventKind::Alloc).map(|e| e.stream));
+        s.extend(
+            self.parts
+                .events
+                .iter()
+                .filter(|e| e.kind == EventKind::Alloc)
+                .map(|e| e.stream),
+        );
         s.into_iter().collect()
     }
 
@@ -401,7 +422,10 @@ fn check_alloc_size(size: u64) -> std::result::Result<(), ErrorKind> {
     if size == 0 {
         Err(ErrorKind::ZeroSize)
     } else if size > MAX_SIZE {
-        Err(ErrorKind::Absurd { field: "size", value: size.into() })
+        Err(ErrorKind::Absurd {
+            field: "size",
+            value: size.into(),
+        })
     } else {
         Ok(())
     }
@@ -412,15 +436,29 @@ mod tests {
     use super::*;
 
     fn ev(kind: EventKind, addr: u64, size: u64, stream: u64) -> Event {
-        Event { kind, addr, size, stream, time_us: None }
+        Event {
+            kind,
+            addr,
+            size,
+            stream,
+            time_us: None,
+        }
     }
 
     #[test]
     fn ids_are_dense_pre_trace_first_in_address_order() {
         let parts = DeviceTraceParts {
             pre_trace: vec![
-                Alloc { addr: 0x300, size: 30, stream: 0 },
-                Alloc { addr: 0x100, size: 10, stream: 0 },
+                Alloc {
+                    addr: 0x300,
+                    size: 30,
+                    stream: 0,
+                },
+                Alloc {
+                    addr: 0x100,
+                    size: 10,
+                    stream: 0,
+                },
             ],
             events: vec![
                 ev(EventKind::Alloc, 0x200, 20, 7),
@@ -435,11 +473,27 @@ mod tests {
         assert_eq!(
             t.replay_ops(),
             &[
-                Op::Alloc { id: 0, size: 10, stream: 0 },
-                Op::Alloc { id: 1, size: 30, stream: 0 },
-                Op::Alloc { id: 2, size: 20, stream: 7 },
+                Op::Alloc {
+                    id: 0,
+                    size: 10,
+                    stream: 0
+                },
+                Op::Alloc {
+                    id: 1,
+                    size: 30,
+                    stream: 0
+                },
+                Op::Alloc {
+                    id: 2,
+                    size: 20,
+                    stream: 7
+                },
                 Op::Free { id: 0 },
-                Op::Alloc { id: 3, size: 5, stream: 7 },
+                Op::Alloc {
+                    id: 3,
+                    size: 5,
+                    stream: 7
+                },
                 Op::Free { id: 2 },
             ]
         );
@@ -455,22 +509,39 @@ mod tests {
     #[test]
     fn bad_sequences_name_the_event() {
         let cases: Vec<(Vec<Event>, usize, &str)> = vec![
-            (vec![ev(EventKind::Free, 1, 1, 0)], 0, "free of unknown address 0x1"),
+            (
+                vec![ev(EventKind::Free, 1, 1, 0)],
+                0,
+                "free of unknown address 0x1",
+            ),
             (
                 vec![ev(EventKind::Alloc, 1, 1, 0), ev(EventKind::Alloc, 1, 1, 0)],
                 1,
                 "still live",
             ),
             (
-                vec![ev(EventKind::Alloc, 1, 1, 0), ev(EventKind::Free, 1, 1, 0), ev(EventKind::Free, 1, 1, 0)],
+                vec![
+                    ev(EventKind::Alloc, 1, 1, 0),
+                    ev(EventKind::Free, 1, 1, 0),
+                    ev(EventKind::Free, 1, 1, 0),
+                ],
                 2,
                 "free of unknown",
             ),
             (vec![ev(EventKind::Alloc, 1, 0, 0)], 0, "size 0"),
-            (vec![ev(EventKind::Alloc, 1, MAX_SIZE + 1, 0)], 0, "absurd size"),
+            (
+                vec![ev(EventKind::Alloc, 1, MAX_SIZE + 1, 0)],
+                0,
+                "absurd size",
+            ),
         ];
         for (events, index, msg) in cases {
-            let e = DeviceTrace::new(DeviceTraceParts { device: 3, events, ..Default::default() }).unwrap_err();
+            let e = DeviceTrace::new(DeviceTraceParts {
+                device: 3,
+                events,
+                ..Default::default()
+            })
+            .unwrap_err();
             assert_eq!(e.device, Some(3));
             assert_eq!(e.index, Some(index));
             let s = e.to_string();
@@ -478,10 +549,24 @@ mod tests {
             assert!(s.starts_with(&format!("device 3, event {index}: ")), "{s}");
         }
         let dup = DeviceTraceParts {
-            pre_trace: vec![Alloc { addr: 1, size: 1, stream: 0 }, Alloc { addr: 1, size: 2, stream: 0 }],
+            pre_trace: vec![
+                Alloc {
+                    addr: 1,
+                    size: 1,
+                    stream: 0,
+                },
+                Alloc {
+                    addr: 1,
+                    size: 2,
+                    stream: 0,
+                },
+            ],
             ..Default::default()
         };
-        assert!(DeviceTrace::new(dup).unwrap_err().to_string().contains("two pre-trace"));
+        assert!(DeviceTrace::new(dup)
+            .unwrap_err()
+            .to_string()
+            .contains("two pre-trace"));
     }
 
     #[test]

@@ -1,0 +1,455 @@
+//! Looking at the state: `validate()`, snapshots, stats, the out-of-memory
+//! report, and teardown.
+
+use super::block::BlockId;
+use super::engine::State;
+use super::sizes::PoolKind;
+use crate::error::format_bytes;
+use crate::{AllocError, BlockInfo, BlockState, OomReport, SegmentInfo, Snapshot, StatType, Stats, StreamUsage};
+use std::collections::{BTreeMap, HashMap};
+use vmmalloc_device::{Call, Device, MemInfo, Stream};
+
+/// A recount of the stats that describe current state.
+#[derive(Default)]
+struct Recount {
+    allocation: [i64; 3],
+    allocated_bytes: [i64; 3],
+    active: [i64; 3],
+    active_bytes: [i64; 3],
+    requested_bytes: [i64; 3],
+    reserved_bytes: [i64; 3],
+    segment: [i64; 3],
+    inactive_split: [i64; 3],
+    inactive_split_bytes: [i64; 3],
+    oversize_allocations: i64,
+    oversize_segments: i64,
+}
+
+fn add(a: &mut [i64; 3], pool: PoolKind, v: i64) {
+    a[0] += v;
+    a[pool.stat_type() as usize] += v;
+}
+
+impl State {
+    /// The state of a block as the snapshot names it.
+    fn block_state(&self, id: BlockId) -> BlockState {
+        let b = self.slab.get(id);
+        if b.allocated {
+            BlockState::ActiveAllocated
+        } else if b.is_pending_free() {
+            BlockState::ActivePendingFree
+        } else if b.mapped {
+            BlockState::Inactive
+        } else {
+            BlockState::Unmapped
+        }
+    }
+
+    /// Walks a segment from the block at `head`: the blocks in address order.
+    fn walk(&self, head: u64) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        let mut cur = self.slab.at(head);
+        while let Some(id) = cur {
+            out.push(id);
+            cur = self.slab.get(id).next;
+            if out.len() > self.slab.len() {
+                break; // a cycle; validate() reports it
+            }
+        }
+        out
+    }
+
+    /// Every segment as (start, size, pool, stream, expandable).
+    fn segment_ranges(&self) -> Vec<(u64, u64, PoolKind, Stream, bool)> {
+        let mut v: Vec<_> = self
+            .segments
+            .iter()
+            .map(|(&p, s)| (p, s.size, s.pool, s.stream, false))
+            .chain(self.expandable_segments.values().map(|es| {
+                let pool = if es.segment_size == super::sizes::K_SMALL_BUFFER {
+                    PoolKind::Small
+                } else {
+                    PoolKind::Large
+                };
+                (es.ptr, es.size(), pool, es.stream, true)
+            }))
+            .collect();
+        v.sort_by_key(|s| s.0);
+        v
+    }
+
+    /// Stats as PyTorch reports them, plus our driver-call counts.
+    pub fn stats_view(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.driver_calls = self.counter.calls;
+        s.num_stream_syncs = self.counter.stream_syncs;
+        s.pages_mapped = self.expandable_segments.values().map(|e| e.mapped_pages()).sum();
+        s
+    }
+
+    /// PyTorch's `snapshot()` in our [`Snapshot`] shape: one entry per segment
+    /// (an expandable segment is one entry covering its whole reservation, its
+    /// unmapped ranges as [`BlockState::Unmapped`] blocks).
+    pub fn snapshot<D: Device>(&self, dev: &D) -> Snapshot {
+        let mut segments = Vec::new();
+        for (start, total, pool, stream, expandable) in self.segment_ranges() {
+            let mut info = SegmentInfo {
+                address: start,
+                total_size: total,
+                stream,
+                segment_type: pool.name(),
+                allocated_size: 0,
+                active_size: 0,
+                requested_size: 0,
+                is_expandable: expandable,
+                blocks: Vec::new(),
+            };
+            for id in self.walk(start) {
+                let b = self.slab.get(id);
+                let state = self.block_state(id);
+                let active = matches!(state, BlockState::ActiveAllocated | BlockState::ActivePendingFree);
+                if b.allocated {
+                    info.allocated_size += b.size;
+                }
+                if active {
+                    info.active_size += b.size;
+                    info.requested_size += b.requested_size;
+                }
+                info.blocks.push(BlockInfo {
+                    address: b.ptr,
+                    size: b.size,
+                    requested_size: if active { b.requested_size } else { 0 },
+                    state,
+                });
+            }
+            segments.push(info);
+        }
+        Snapshot {
+            device: dev.caps().ordinal,
+            segments,
+            mapped_bytes: self.total_allocated_memory,
+            pooled_bytes: 0,
+        }
+    }
+
+    /// The out-of-memory error `malloc` raises, with PyTorch's figures.
+    pub fn out_of_memory<D: Device>(
+        &self,
+        dev: &D,
+        policy: &'static str,
+        orig_size: u64,
+        alloc_size: u64,
+        info: Option<MemInfo>,
+    ) -> AllocError {
+        let total = info.map_or(dev.caps().total_memory, |i| i.total);
+        let allocated = self.stats.allocated_bytes.all().current.max(0) as u64;
+        let reserved = self.stats.reserved_bytes.all().current.max(0) as u64;
+        let mut per: BTreeMap<Stream, (u64, u64)> = BTreeMap::new();
+        let mut largest_free = 0;
+        for (_, b) in self.slab.iter() {
+            if !b.mapped {
+                continue;
+            }
+            let e = per.entry(b.stream).or_default();
+            if b.allocated {
+                e.0 += b.size;
+            } else if b.is_allocatable() {
+                e.1 += b.size;
+                largest_free = largest_free.max(b.size);
+            }
+        }
+        let allowed = if self.set_fraction {
+            format!("{} allowed; ", format_bytes(self.allowed_memory_maximum))
+        } else {
+            String::new()
+        };
+        let hint = if self.expandable {
+            format!(
+                "{allowed}Every free page was already unmapped and released (release_cached_blocks); the \
+                 remaining reserved memory lies in pages shared with live tensors."
+            )
+        } else {
+            format!(
+                "{allowed}If reserved but unallocated memory is large try setting \
+                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+            )
+        };
+        AllocError::OutOfMemory(Box::new(OomReport {
+            policy,
+            device: dev.caps().ordinal,
+            requested: orig_size,
+            rounded: alloc_size,
+            capacity: if self.set_fraction {
+                self.allowed_memory_maximum.min(total)
+            } else {
+                total
+            },
+            device_free: info.map_or(0, |i| i.free),
+            live: allocated,
+            cached: reserved.saturating_sub(allocated),
+            pooled: 0,
+            largest_free,
+            per_stream: per
+                .into_iter()
+                .map(|(stream, (live, cached))| StreamUsage { stream, live, cached })
+                .collect(),
+            hint,
+        }))
+    }
+
+    /// Checks every invariant; the first broken one is described.
+    pub fn validate<D: Device>(&self, dev: &D) -> Result<(), String> {
+        // 1. Segments do not overlap; each is tiled by its blocks.
+        let ranges = self.segment_ranges();
+        let mut end = 0;
+        let mut seen = 0usize;
+        let mut rc = Recount::default();
+        for &(start, size, pool, stream, expandable) in &ranges {
+            if start < end {
+                return Err(format!("segment {start:#x} overlaps the previous one"));
+            }
+            end = start + size;
+            let ids = self.walk(start);
+            let mut cursor = start;
+            let mut prev: Option<BlockId> = None;
+            for &id in &ids {
+                let b = self.slab.get(id);
+                if b.ptr != cursor {
+                    return Err(format!("segment {start:#x}: block at {:#x}, expected {cursor:#x}", b.ptr));
+                }
+                if b.prev != prev {
+                    return Err(format!("block {:#x}: prev link broken", b.ptr));
+                }
+                if b.size == 0 {
+                    return Err(format!("block {:#x} is empty", b.ptr));
+                }
+                if b.pool != pool || b.stream != stream || b.segment.is_some() != expandable {
+                    return Err(format!("block {:#x} disagrees with its segment (pool/stream/kind)", b.ptr));
+                }
+                if let (Some(p), true) = (prev, b.is_allocatable()) {
+                    let pb = self.slab.get(p);
+                    if pb.is_allocatable() && pb.mapped == b.mapped {
+                        return Err(format!("free neighbours {:#x} and {:#x} were not merged", pb.ptr, b.ptr));
+                    }
+                }
+                cursor += b.size;
+                prev = Some(id);
+            }
+            if cursor != end {
+                return Err(format!("segment {start:#x}: blocks cover {:#x} of {size:#x} bytes", cursor - start));
+            }
+            seen += ids.len();
+            if expandable {
+                // Pages with a handle are exactly the pages under mapped blocks.
+                let es = self
+                    .expandable_segments
+                    .values()
+                    .find(|e| e.ptr == start)
+                    .ok_or("expandable segment vanished")?;
+                let pages = es.max_handles as usize;
+                let mut want = vec![false; pages];
+                for &id in &ids {
+                    let b = self.slab.get(id);
+                    if !b.mapped {
+                        if (b.ptr - start) % es.segment_size != 0 || b.size % es.segment_size != 0 {
+                            return Err(format!("unmapped block {:#x} is not page-aligned", b.ptr));
+                        }
+                        continue;
+                    }
+                    let first = ((b.ptr - start) / es.segment_size) as usize;
+                    let last = ((b.ptr + b.size - 1 - start) / es.segment_size) as usize;
+                    want[first..=last].iter_mut().for_each(|w| *w = true);
+                    add(&mut rc.reserved_bytes, pool, b.size as i64);
+                }
+                for (i, w) in want.iter().enumerate() {
+                    let has = es.handles.get(i).is_some_and(|h| h.is_some());
+                    if has != *w {
+                        return Err(format!("segment {start:#x} page {i}: handle {has}, mapped blocks {w}"));
+                    }
+                }
+                if matches!(es.handles.last(), Some(None)) {
+                    return Err(format!("segment {start:#x}: handles not trimmed"));
+                }
+            } else {
+                add(&mut rc.segment, pool, 1);
+                add(&mut rc.reserved_bytes, pool, size as i64);
+                if size >= self.config.max_split_size {
+                    rc.oversize_segments += 1;
+                }
+            }
+        }
+        if seen != self.slab.len() || self.slab.by_ptr_len() != self.slab.len() {
+            return Err(format!(
+                "{} blocks exist but {seen} lie in segments ({} indexed by address)",
+                self.slab.len(),
+                self.slab.by_ptr_len()
+            ));
+        }
+
+        // 2. Pool sets match block states; stats recount.
+        let mut events: HashMap<BlockId, u32> = HashMap::new();
+        for q in self.cuda_events.values() {
+            for &(_, id) in q {
+                *events.entry(id).or_default() += 1;
+            }
+        }
+        let mut in_blocks = 0;
+        let mut in_unmapped = 0;
+        for (id, b) in self.slab.iter() {
+            let pool = self.pool(b.pool);
+            if pool.kind != b.pool {
+                return Err(format!("block {:#x} is filed under the wrong pool", b.ptr));
+            }
+            let listed = pool.blocks.contains(&b.size_key(id));
+            let listed_unmapped = pool.unmapped.contains(&b.addr_key(id));
+            let free_mapped = b.is_allocatable() && b.mapped;
+            if listed != free_mapped {
+                return Err(format!("block {:#x}: in free set {listed}, free and mapped {free_mapped}", b.ptr));
+            }
+            if listed_unmapped != !b.mapped {
+                return Err(format!("block {:#x}: in unmapped set {listed_unmapped}, mapped {}", b.ptr, b.mapped));
+            }
+            if !b.mapped && !b.is_allocatable() {
+                return Err(format!("unmapped block {:#x} is in use", b.ptr));
+            }
+            in_blocks += listed as usize;
+            in_unmapped += listed_unmapped as usize;
+            if b.allocated != (self.allocated_blocks.get(&b.ptr) == Some(&id)) {
+                return Err(format!("block {:#x}: allocated flag disagrees with the pointer table", b.ptr));
+            }
+            if !b.allocated && !b.stream_uses.is_empty() {
+                return Err(format!("free block {:#x} still lists stream uses", b.ptr));
+            }
+            if events.get(&id).copied().unwrap_or(0) != b.event_count {
+                return Err(format!("block {:#x}: event_count {} disagrees with queued events", b.ptr, b.event_count));
+            }
+            let active = b.allocated || b.is_pending_free();
+            if active != self.active_blocks.contains(&id) {
+                return Err(format!("block {:#x}: active {active} disagrees with active_blocks", b.ptr));
+            }
+            if b.allocated {
+                add(&mut rc.allocation, b.pool, 1);
+                add(&mut rc.allocated_bytes, b.pool, b.size as i64);
+                if b.size >= self.config.max_split_size {
+                    rc.oversize_allocations += 1;
+                }
+            }
+            if active {
+                add(&mut rc.active, b.pool, 1);
+                add(&mut rc.active_bytes, b.pool, b.size as i64);
+                add(&mut rc.requested_bytes, b.pool, b.requested_size as i64);
+            }
+            if free_mapped && b.segment.is_none() && b.is_split() {
+                add(&mut rc.inactive_split, b.pool, 1);
+                add(&mut rc.inactive_split_bytes, b.pool, b.size as i64);
+            }
+        }
+        let listed: usize = [&self.small_blocks, &self.large_blocks].iter().map(|p| p.blocks.len()).sum();
+        let listed_u: usize = [&self.small_blocks, &self.large_blocks].iter().map(|p| p.unmapped.len()).sum();
+        if listed != in_blocks || listed_u != in_unmapped {
+            return Err(format!(
+                "pool sets list {listed}+{listed_u} blocks, {in_blocks}+{in_unmapped} of them live"
+            ));
+        }
+        if self.allocated_blocks.len() as i64 != rc.allocation[0] || self.active_blocks.len() as i64 != rc.active[0] {
+            return Err("pointer table or active set holds stale entries".into());
+        }
+        let s = &self.stats;
+        let arrays: [(&str, &crate::stats::StatArray, &[i64; 3]); 9] = [
+            ("allocation", &s.allocation, &rc.allocation),
+            ("allocated_bytes", &s.allocated_bytes, &rc.allocated_bytes),
+            ("active", &s.active, &rc.active),
+            ("active_bytes", &s.active_bytes, &rc.active_bytes),
+            ("requested_bytes", &s.requested_bytes, &rc.requested_bytes),
+            ("reserved_bytes", &s.reserved_bytes, &rc.reserved_bytes),
+            ("segment", &s.segment, &rc.segment),
+            ("inactive_split", &s.inactive_split, &rc.inactive_split),
+            ("inactive_split_bytes", &s.inactive_split_bytes, &rc.inactive_split_bytes),
+        ];
+        for (name, arr, want) in arrays {
+            for (t, tn) in [(StatType::All, "all"), (StatType::Small, "small_pool"), (StatType::Large, "large_pool")] {
+                let got = arr.get(t).current;
+                if got != want[t as usize] {
+                    return Err(format!("stat {name}.{tn}.current is {got}, recount {}", want[t as usize]));
+                }
+            }
+        }
+        if s.oversize_allocations.current != rc.oversize_allocations || s.oversize_segments.current != rc.oversize_segments {
+            return Err("oversize stats disagree with a recount".into());
+        }
+        if self.total_allocated_memory as i64 != rc.reserved_bytes[0] {
+            return Err(format!(
+                "total_allocated_memory {} != reserved recount {}",
+                self.total_allocated_memory, rc.reserved_bytes[0]
+            ));
+        }
+        for q in self.cuda_events.values() {
+            if q.is_empty() {
+                return Err("an empty event queue was kept".into());
+            }
+        }
+
+        // 3. The device agrees.
+        if let Some(i) = dev.introspect() {
+            for (_, b) in self.slab.iter() {
+                if b.mapped && !i.is_accessible(b.ptr, b.size) {
+                    return Err(format!("block {:#x} (+{:#x}) is not accessible on the device", b.ptr, b.size));
+                }
+            }
+            let live = i.live();
+            let pages: u64 = self.expandable_segments.values().map(|e| e.mapped_pages()).sum();
+            if live.plain_allocs < self.segments.len()
+                || live.reservations < self.expandable_segments.len()
+                || (live.handles as u64) < pages
+                || (live.mappings as u64) < pages
+                || live.physical_bytes < self.total_allocated_memory
+            {
+                return Err(format!(
+                    "device holds {live:?}, allocator {} segments, {} expandable segments, {pages} pages, {} bytes",
+                    self.segments.len(),
+                    self.expandable_segments.len(),
+                    self.total_allocated_memory
+                ));
+            }
+            i.check()?;
+        }
+        Ok(())
+    }
+
+    /// Gives everything back to the device (errors are logged): events, plain
+    /// segments (`cudaFree` synchronizes), then, after a device synchronize,
+    /// every page and reservation of the expandable segments.
+    pub fn teardown<D: Device>(&mut self, dev: &D, policy: &str) {
+        let mut events: Vec<_> = std::mem::take(&mut self.event_pool);
+        for q in std::mem::take(&mut self.cuda_events).into_values() {
+            events.extend(q.into_iter().map(|(ev, _)| ev));
+        }
+        for ev in events {
+            self.counter.add(Call::EventDestroy);
+            if let Err(e) = dev.destroy_event(ev) {
+                eprintln!("vmmalloc: {policy}: destroying an event on drop failed: {e}");
+            }
+        }
+        for &ptr in self.segments.keys() {
+            self.counter.add(Call::Free);
+            if let Err(e) = dev.free(ptr) {
+                eprintln!("vmmalloc: {policy}: freeing segment {ptr:#x} on drop failed: {e}");
+            }
+        }
+        self.segments.clear();
+        if !self.expandable_segments.is_empty() {
+            self.counter.add(Call::DeviceSync);
+            if let Err(e) = dev.synchronize() {
+                eprintln!("vmmalloc: {policy}: device synchronize on drop failed: {e}");
+            }
+        }
+        for (_, mut es) in std::mem::take(&mut self.expandable_segments) {
+            es.destroy(dev, &mut self.counter);
+        }
+        for h in std::mem::take(&mut self.counter.orphans) {
+            if let Err(e) = dev.release(h) {
+                eprintln!("vmmalloc: {policy}: releasing an orphaned handle on drop failed: {e}");
+            }
+        }
+    }
+}

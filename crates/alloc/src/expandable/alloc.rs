@@ -1,0 +1,324 @@
+//! The fast path: `malloc`, `free`, `record_stream`, block split and merge.
+
+use super::blocks::{Block, BlockState, PoolKind, MIN_BLOCK, NIL};
+use super::pages::Backing;
+use super::segment::{Segment, StreamEntry};
+use super::Inner;
+use crate::{AllocError, AllocResult, Allocation};
+use bitvec::vec::BitVec;
+use vmmalloc_device::{round_up, Device, Stream};
+
+impl Inner {
+    /// Index of `stream`'s entry, created on first use.
+    #[inline]
+    pub(super) fn stream_index(&mut self, stream: Stream) -> u32 {
+        if let Some(i) = self.streams.iter().position(|e| e.stream == stream) {
+            return i as u32;
+        }
+        self.streams.push(StreamEntry::new(stream));
+        (self.streams.len() - 1) as u32
+    }
+
+    /// Records a change of segment `seg`'s inactive-split contribution
+    /// (`before` as returned by [`Segment::inactive_split`] earlier).
+    #[inline]
+    pub(super) fn split_changed(&mut self, seg: u32, before: (i64, i64)) {
+        let s = self.seg(seg);
+        let after = s.inactive_split(self.layout.page);
+        let k = s.kind.stat();
+        if after.0 != before.0 {
+            self.stats.inactive_split_bytes.update(k, after.0 - before.0);
+        }
+        if after.1 != before.1 {
+            self.stats.inactive_split.update(k, after.1 - before.1);
+        }
+    }
+
+    /// Allocates `size` bytes on `stream`.
+    pub(super) fn malloc<D: Device + ?Sized>(&mut self, dev: &D, size: u64, stream: Stream) -> AllocResult<Allocation> {
+        if size == 0 {
+            return Err(AllocError::InvalidSize {
+                size,
+                reason: "size must be positive".into(),
+            });
+        }
+        if size > self.layout.total {
+            return Err(AllocError::InvalidSize {
+                size,
+                reason: format!("larger than the device memory ({} bytes)", self.layout.total),
+            });
+        }
+        let rounded = round_up(size, MIN_BLOCK);
+        if !self.events.pending.is_empty() {
+            self.process_events(dev);
+        }
+        let kind = PoolKind::for_size(rounded);
+        let owner = self.stream_index(stream);
+        let mut waited_for_events = false;
+        loop {
+            let found = self.streams[owner as usize].pools[kind as usize]
+                .free
+                .range((rounded, 0, 0)..)
+                .next()
+                .map(|k| k.2);
+            let (idx, new_seg) = match found {
+                Some(i) => (i, None),
+                None => {
+                    let (seg, i) = self.new_segment(dev, owner, kind)?;
+                    (i, Some(seg))
+                }
+            };
+            let (addr, seg) = (self.slab[idx].addr, self.slab[idx].seg);
+            let (p0, p1) = self.seg(seg).page_span(&self.layout, addr, rounded);
+            if self.seg(seg).all_mapped(p0, p1) && self.unready.is_empty() {
+                return Ok(self.take_block(idx, size, rounded, stream));
+            }
+            match self.back_pages(dev, seg, p0, p1) {
+                Ok(()) => return Ok(self.take_block(idx, size, rounded, stream)),
+                Err(e) => {
+                    if let Some(s) = new_seg {
+                        self.retire_segment_if_empty(s);
+                    }
+                    match e {
+                        Backing::Fail(e) => return Err(e),
+                        Backing::Short(_) if !waited_for_events && !self.events.pending.is_empty() => {
+                            // Last resort before giving up: blocks waiting for other
+                            // streams' events. Wait for those events (not the device)
+                            // and try again from the top: merges may change blocks.
+                            waited_for_events = true;
+                            self.sync_pending(dev);
+                        }
+                        Backing::Short(lacking) => {
+                            self.trim_pool(dev);
+                            return Err(self.oom(dev, size, rounded, stream, lacking));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Opens a new segment for (`owner`, `kind`): one arena slice, covered by a
+    /// single free block. Returns `(segment, block)`.
+    fn new_segment<D: Device + ?Sized>(&mut self, dev: &D, owner: u32, kind: PoolKind) -> AllocResult<(u32, u32)> {
+        let l = self.layout;
+        let base = self.arenas.take_slice(dev, &mut self.stats, l.slice, l.slices_per_arena)?;
+        let pages = l.slice.div_ceil(l.page) as usize;
+        let seg_idx = match self.vacant_segments.pop() {
+            Some(i) => i,
+            None => {
+                self.segments.push(None);
+                (self.segments.len() - 1) as u32
+            }
+        };
+        let block = self.slab.insert(Block {
+            addr: base,
+            size: l.slice,
+            requested: 0,
+            freed_at: 0,
+            prev: NIL,
+            next: NIL,
+            seg: seg_idx,
+            state: BlockState::Free,
+            pending_events: 0,
+            streams: Vec::new(),
+        });
+        self.segments[seg_idx as usize] = Some(Segment {
+            base,
+            len: l.slice,
+            owner,
+            kind,
+            first: block,
+            mapped: BitVec::repeat(false, pages),
+            handles: Vec::new(),
+            mapped_pages: 0,
+            active_blocks: 0,
+            active_bytes: 0,
+            free_blocks: 1,
+        });
+        let pool = &mut self.streams[owner as usize].pools[kind as usize];
+        pool.segments.push(seg_idx);
+        pool.free.insert((l.slice, base, block));
+        self.stats.segment.update(kind.stat(), 1);
+        Ok((seg_idx, block))
+    }
+
+    /// Turns free block `idx` (whose pages are mapped) into an allocation of
+    /// `rounded` bytes, splitting off the remainder.
+    #[inline]
+    fn take_block(&mut self, idx: u32, size: u64, rounded: u64, stream: Stream) -> Allocation {
+        let (bsize, addr, seg) = {
+            let b = &self.slab[idx];
+            (b.size, b.addr, b.seg)
+        };
+        let (owner, kind) = {
+            let s = self.seg(seg);
+            (s.owner, s.kind)
+        };
+        let before = self.seg(seg).inactive_split(self.layout.page);
+        let free = &mut self.streams[owner as usize].pools[kind as usize].free;
+        free.remove(&(bsize, addr, idx));
+        if bsize > rounded {
+            let (next, freed_at) = (self.slab[idx].next, self.slab[idx].freed_at);
+            let rest = self.slab.insert(Block {
+                addr: addr + rounded,
+                size: bsize - rounded,
+                requested: 0,
+                freed_at,
+                prev: idx,
+                next,
+                seg,
+                state: BlockState::Free,
+                pending_events: 0,
+                streams: Vec::new(),
+            });
+            if next != NIL {
+                self.slab[next].prev = rest;
+            }
+            self.slab[idx].next = rest;
+            self.streams[owner as usize].pools[kind as usize]
+                .free
+                .insert((bsize - rounded, addr + rounded, rest));
+        } else {
+            self.seg_mut(seg).free_blocks -= 1;
+        }
+        let b = &mut self.slab[idx];
+        b.size = rounded;
+        b.requested = size;
+        b.state = BlockState::Allocated;
+        let s = self.seg_mut(seg);
+        s.active_blocks += 1;
+        s.active_bytes += rounded;
+        self.split_changed(seg, before);
+        self.live.insert(addr, idx);
+        let k = kind.stat();
+        let st = &mut self.stats;
+        st.allocation.update(k, 1);
+        st.active.update(k, 1);
+        st.allocated_bytes.update(k, rounded as i64);
+        st.active_bytes.update(k, rounded as i64);
+        st.requested_bytes.update(k, size as i64);
+        Allocation {
+            ptr: addr,
+            requested: size,
+            size: rounded,
+            stream,
+        }
+    }
+
+    /// Frees the allocation at `ptr`.
+    pub(super) fn free<D: Device + ?Sized>(&mut self, dev: &D, ptr: u64) -> AllocResult<()> {
+        let Some(idx) = self.live.remove(&ptr) else {
+            return Err(AllocError::InvalidPointer { ptr });
+        };
+        let mut pending = false;
+        if !self.slab[idx].streams.is_empty() {
+            match self.record_free_events(dev, idx) {
+                Ok(n) => pending = n > 0,
+                Err(e) => {
+                    self.live.insert(ptr, idx);
+                    return Err(e);
+                }
+            }
+        }
+        let (size, requested, seg) = {
+            let b = &self.slab[idx];
+            (b.size, b.requested, b.seg)
+        };
+        let k = self.seg(seg).kind.stat();
+        let st = &mut self.stats;
+        st.allocation.update(k, -1);
+        st.allocated_bytes.update(k, -(size as i64));
+        st.requested_bytes.update(k, -(requested as i64));
+        if pending {
+            self.slab[idx].state = BlockState::PendingFree;
+        } else {
+            self.free_block(idx);
+        }
+        Ok(())
+    }
+
+    /// Makes an allocated or pending-free block free: merges it with free
+    /// neighbours and files it in the free index.
+    pub(super) fn free_block(&mut self, idx: u32) {
+        self.tick += 1;
+        let seg = self.slab[idx].seg;
+        let (owner, kind) = {
+            let s = self.seg(seg);
+            (s.owner, s.kind)
+        };
+        let before = self.seg(seg).inactive_split(self.layout.page);
+        let size = self.slab[idx].size;
+        {
+            let s = self.seg_mut(seg);
+            s.active_blocks -= 1;
+            s.active_bytes -= size;
+            s.free_blocks += 1;
+        }
+        let tick = self.tick;
+        let b = &mut self.slab[idx];
+        b.state = BlockState::Free;
+        b.requested = 0;
+        b.freed_at = tick;
+        let (prev, next) = (b.prev, b.next);
+        let free = &mut self.streams[owner as usize].pools[kind as usize].free;
+        let mut merged = 0;
+        if prev != NIL && self.slab[prev].state == BlockState::Free {
+            let p = &self.slab[prev];
+            free.remove(&(p.size, p.addr, prev));
+            let (paddr, psize, pprev, pfreed) = (p.addr, p.size, p.prev, p.freed_at);
+            let b = &mut self.slab[idx];
+            b.addr = paddr;
+            b.size += psize;
+            b.prev = pprev;
+            b.freed_at = b.freed_at.max(pfreed);
+            if pprev != NIL {
+                self.slab[pprev].next = idx;
+            } else {
+                self.seg_mut(seg).first = idx;
+            }
+            self.slab.remove(prev);
+            merged += 1;
+        }
+        let free = &mut self.streams[owner as usize].pools[kind as usize].free;
+        if next != NIL && self.slab[next].state == BlockState::Free {
+            let n = &self.slab[next];
+            free.remove(&(n.size, n.addr, next));
+            let (nsize, nnext, nfreed) = (n.size, n.next, n.freed_at);
+            let b = &mut self.slab[idx];
+            b.size += nsize;
+            b.next = nnext;
+            b.freed_at = b.freed_at.max(nfreed);
+            if nnext != NIL {
+                self.slab[nnext].prev = idx;
+            }
+            self.slab.remove(next);
+            merged += 1;
+        }
+        let b = &self.slab[idx];
+        let key = (b.size, b.addr, idx);
+        self.streams[owner as usize].pools[kind as usize].free.insert(key);
+        self.seg_mut(seg).free_blocks -= merged;
+        self.split_changed(seg, before);
+        let k = kind.stat();
+        self.stats.active.update(k, -1);
+        self.stats.active_bytes.update(k, -(size as i64));
+    }
+
+    /// Notes that `stream` uses the allocation at `ptr` too.
+    pub(super) fn record_stream(&mut self, ptr: u64, stream: Stream) -> AllocResult<()> {
+        let Some(&idx) = self.live.get(&ptr) else {
+            return Err(AllocError::InvalidPointer { ptr });
+        };
+        let seg = self.slab[idx].seg;
+        let owner = self.seg(seg).owner;
+        if self.streams[owner as usize].stream == stream {
+            return Ok(());
+        }
+        let b = &mut self.slab[idx];
+        if !b.streams.contains(&stream) {
+            b.streams.push(stream);
+        }
+        Ok(())
+    }
+}

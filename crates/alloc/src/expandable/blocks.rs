@@ -1,0 +1,187 @@
+//! Blocks: the 512-byte-granular pieces a segment is split into.
+//!
+//! Blocks live in a [`Slab`] and are linked in address order inside their
+//! segment (`prev`/`next`). Invariants (checked by `validate`):
+//! - the blocks of a segment tile `[base, base + slice)` without gaps;
+//! - no two neighbours are both [`BlockState::Free`] (free neighbours merge);
+//! - a free block is in its (stream, pool) free index under `(size, addr, idx)`,
+//!   and nothing else is;
+//! - an allocated block is in the live map under its address.
+
+use std::collections::BTreeSet;
+use std::hash::{BuildHasherDefault, Hasher};
+use vmmalloc_device::Stream;
+
+/// "No block" in a link.
+pub(crate) const NIL: u32 = u32::MAX;
+
+/// Requests are rounded up to a multiple of this (PyTorch's `kMinBlockSize`).
+pub const MIN_BLOCK: u64 = 512;
+
+/// Requests up to this size use the small pool (PyTorch's `kSmallSize`).
+pub const SMALL_SIZE: u64 = 1 << 20;
+
+/// What a block holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    /// Free: in the free index, reusable on its stream.
+    Free,
+    /// Handed to a caller.
+    Allocated,
+    /// Freed by the caller, waiting for events on other streams.
+    PendingFree,
+}
+
+/// One block.
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    /// First byte.
+    pub addr: u64,
+    /// Bytes (a multiple of [`MIN_BLOCK`]).
+    pub size: u64,
+    /// Bytes the caller asked for (0 when free).
+    pub requested: u64,
+    /// Allocator tick at which (the newest part of) this block was freed;
+    /// orders reclaim (oldest first) and decides whether its stream must be
+    /// waited for before its pages are unmapped.
+    pub freed_at: u64,
+    /// Previous block in the segment, or [`NIL`].
+    pub prev: u32,
+    /// Next block in the segment, or [`NIL`].
+    pub next: u32,
+    /// Segment index.
+    pub seg: u32,
+    /// State.
+    pub state: BlockState,
+    /// Events still outstanding while [`BlockState::PendingFree`].
+    pub pending_events: u32,
+    /// Streams other than the segment's that used this block (`record_stream`).
+    pub streams: Vec<Stream>,
+}
+
+impl Block {
+    /// One past the last byte.
+    #[inline]
+    pub fn end(&self) -> u64 {
+        self.addr + self.size
+    }
+}
+
+/// Storage for blocks with stable `u32` indices and slot reuse.
+#[derive(Debug, Default)]
+pub(crate) struct Slab {
+    blocks: Vec<Block>,
+    vacant: Vec<u32>,
+}
+
+impl Slab {
+    /// Stores a block and returns its index.
+    #[inline]
+    pub fn insert(&mut self, b: Block) -> u32 {
+        match self.vacant.pop() {
+            Some(i) => {
+                self.blocks[i as usize] = b;
+                i
+            }
+            None => {
+                self.blocks.push(b);
+                (self.blocks.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Frees a slot (the block must be unlinked already).
+    #[inline]
+    pub fn remove(&mut self, i: u32) {
+        let b = &mut self.blocks[i as usize];
+        b.size = 0;
+        b.streams = Vec::new();
+        self.vacant.push(i);
+    }
+
+    /// Number of occupied slots.
+    pub fn len(&self) -> usize {
+        self.blocks.len() - self.vacant.len()
+    }
+}
+
+impl std::ops::Index<u32> for Slab {
+    type Output = Block;
+    #[inline]
+    fn index(&self, i: u32) -> &Block {
+        &self.blocks[i as usize]
+    }
+}
+
+impl std::ops::IndexMut<u32> for Slab {
+    #[inline]
+    fn index_mut(&mut self, i: u32) -> &mut Block {
+        &mut self.blocks[i as usize]
+    }
+}
+
+/// Free blocks of one (stream, pool), ordered for best fit: `(size, addr, index)`.
+pub(crate) type FreeIndex = BTreeSet<(u64, u64, u32)>;
+
+/// A multiplicative hasher for 512-byte-aligned addresses (the live map's
+/// keys): one multiply, no per-byte loop.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 29)
+    }
+}
+
+/// Live allocations: address -> block index.
+pub(crate) type LiveMap = std::collections::HashMap<u64, u32, BuildHasherDefault<AddrHasher>>;
+
+/// Which pool a request goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PoolKind {
+    /// Requests of at most [`SMALL_SIZE`] bytes.
+    Small = 0,
+    /// Larger requests.
+    Large = 1,
+}
+
+impl PoolKind {
+    /// The pool of a (rounded) request.
+    #[inline]
+    pub fn for_size(size: u64) -> PoolKind {
+        if size <= SMALL_SIZE {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        }
+    }
+
+    /// The matching PyTorch stat type.
+    #[inline]
+    pub fn stat(self) -> crate::StatType {
+        match self {
+            PoolKind::Small => crate::StatType::Small,
+            PoolKind::Large => crate::StatType::Large,
+        }
+    }
+
+    /// `"small"` / `"large"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PoolKind::Small => "small",
+            PoolKind::Large => "large",
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! Options of the expandable allocator and the layout they resolve to.
+
+use crate::{AllocError, AllocResult};
+use vmmalloc_device::{round_up, DeviceCaps};
+
+/// Options of the expandable allocator (`VMMALLOC_CONF` keys of the same names).
+///
+/// `Default` gives the documented defaults; [`ExpandableConfig::resolve`]
+/// checks the options against a device and rejects bad ones with an
+/// [`AllocError::InvalidOption`] that names the option.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpandableConfig {
+    /// Bytes of one physical page (one `cuMemCreate` handle). `None`: the
+    /// device's allocation granularity (2 MiB on current GPUs). Must be a
+    /// positive multiple of the granularity, at most the device memory.
+    pub page_size: Option<u64>,
+    /// Bytes of virtual address space reserved per arena (`cuMemAddressReserve`).
+    /// `None`: 4 × device memory. Each arena is cut into slices of the device
+    /// memory size (rounded up to the page size), one slice per segment; more
+    /// arenas are reserved when the slices run out. Must be a multiple of the
+    /// page size and hold at least one slice.
+    pub arena_size: Option<u64>,
+    /// Bytes of unmapped pages kept in the page pool. Pages above this are
+    /// released to the driver (`cuMemRelease`) as soon as they are pooled.
+    /// Default: `u64::MAX` (keep every page until `empty_cache`).
+    pub release_threshold: u64,
+    /// Fraction of device memory this allocator may hold, mapped or pooled, in
+    /// (0, 1]. Default 1.0. [`crate::Allocator::set_memory_fraction`] changes it
+    /// at run time.
+    pub memory_fraction: f64,
+}
+
+impl Default for ExpandableConfig {
+    fn default() -> Self {
+        ExpandableConfig {
+            page_size: None,
+            arena_size: None,
+            release_threshold: u64::MAX,
+            memory_fraction: 1.0,
+        }
+    }
+}
+
+/// Sizes derived from the options and the device; fixed for the allocator's life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Layout {
+    /// Bytes of one physical page.
+    pub page: u64,
+    /// `log2(page)` when the page size is a power of two (fast index math).
+    pub page_shift: Option<u32>,
+    /// Bytes of address space per segment: device memory rounded up to pages.
+    pub slice: u64,
+    /// Slices per arena.
+    pub slices_per_arena: u64,
+    /// Device memory in bytes.
+    pub total: u64,
+}
+
+impl Layout {
+    /// Bytes of an arena reservation.
+    pub fn arena_bytes(&self) -> u64 {
+        self.slices_per_arena * self.slice
+    }
+
+    /// Index of the page holding byte `offset` of a segment.
+    #[inline]
+    pub fn page_of(&self, offset: u64) -> u64 {
+        match self.page_shift {
+            Some(s) => offset >> s,
+            None => offset / self.page,
+        }
+    }
+
+    /// The most pages a memory fraction allows.
+    pub fn limit_pages(&self, fraction: f64) -> u64 {
+        ((self.total as f64 * fraction) as u64).min(self.total) / self.page
+    }
+}
+
+/// Checks a memory fraction.
+pub(crate) fn check_fraction(fraction: f64) -> AllocResult<()> {
+    if fraction.is_finite() && fraction > 0.0 && fraction <= 1.0 {
+        Ok(())
+    } else {
+        Err(AllocError::InvalidOption(format!(
+            "memory_fraction must be in (0, 1], got {fraction}"
+        )))
+    }
+}
+
+impl ExpandableConfig {
+    /// Checks the options against a device and derives the layout.
+    pub(crate) fn resolve(&self, caps: &DeviceCaps) -> AllocResult<Layout> {
+        let g = caps.granularity;
+        if !caps.vmm_supported {
+            return Err(AllocError::InvalidOption(format!(
+                "the expandable allocator needs the virtual-memory API, which {} does not support",
+                caps.name
+            )));
+        }
+        if g == 0 || caps.total_memory < g {
+            return Err(AllocError::InvalidOption(format!(
+                "device {} reports granularity {g} and memory {}: cannot place pages",
+                caps.name, caps.total_memory
+            )));
+        }
+        let page = self.page_size.unwrap_or(g);
+        if page == 0 || page % g != 0 {
+            return Err(AllocError::InvalidOption(format!(
+                "page_size must be a positive multiple of the allocation granularity ({g} bytes), got {page}"
+            )));
+        }
+        if page > caps.total_memory {
+            return Err(AllocError::InvalidOption(format!(
+                "page_size ({page} bytes) is larger than the device memory ({} bytes)",
+                caps.total_memory
+            )));
+        }
+        let slice = round_up(caps.total_memory, page);
+        let arena = match self.arena_size {
+            Some(a) => a,
+            None => 4 * slice,
+        };
+        if arena % page != 0 {
+            return Err(AllocError::InvalidOption(format!(
+                "arena_size must be a multiple of page_size ({page} bytes), got {arena}"
+            )));
+        }
+        if arena < slice {
+            return Err(AllocError::InvalidOption(format!(
+                "arena_size ({arena} bytes) must hold at least one segment slice \
+                 (the device memory rounded up to page_size: {slice} bytes)"
+            )));
+        }
+        check_fraction(self.memory_fraction)?;
+        Ok(Layout {
+            page,
+            page_shift: page.is_power_of_two().then(|| page.trailing_zeros()),
+            slice,
+            slices_per_arena: arena / slice,
+            total: caps.total_memory,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmmalloc_device::{sim::SimDevice, Device, GIB, MIB};
+
+    fn caps() -> DeviceCaps {
+        SimDevice::with_capacity(GIB).caps().clone()
+    }
+
+    #[test]
+    fn defaults_resolve_to_granularity_pages_and_four_slices() {
+        let l = ExpandableConfig::default().resolve(&caps()).unwrap();
+        assert_eq!(l.page, 2 * MIB);
+        assert_eq!(l.page_shift, Some(21));
+        assert_eq!(l.slice, GIB);
+        assert_eq!(l.slices_per_arena, 4);
+        assert_eq!(l.limit_pages(1.0), 512);
+        assert_eq!(l.limit_pages(0.5), 256);
+    }
+
+    #[test]
+    fn bad_options_are_named() {
+        let bad = |cfg: ExpandableConfig, key: &str| {
+            let e = cfg.resolve(&caps()).unwrap_err();
+            assert!(matches!(e, AllocError::InvalidOption(_)), "{e}");
+            assert!(e.to_string().contains(key), "{e} should name {key}");
+        };
+        bad(ExpandableConfig { page_size: Some(3 * MIB), ..Default::default() }, "page_size");
+        bad(ExpandableConfig { page_size: Some(0), ..Default::default() }, "page_size");
+        bad(ExpandableConfig { page_size: Some(2 * GIB), ..Default::default() }, "page_size");
+        bad(ExpandableConfig { arena_size: Some(GIB / 2), ..Default::default() }, "arena_size");
+        bad(ExpandableConfig { arena_size: Some(GIB + MIB), ..Default::default() }, "arena_size");
+        bad(ExpandableConfig { memory_fraction: 0.0, ..Default::default() }, "memory_fraction");
+        bad(ExpandableConfig { memory_fraction: f64::NAN, ..Default::default() }, "memory_fraction");
+    }
+
+    #[test]
+    fn non_power_of_two_pages_use_division() {
+        let cfg = ExpandableConfig { page_size: Some(6 * MIB), ..Default::default() };
+        let l = cfg.resolve(&caps()).unwrap();
+        assert_eq!(l.page_shift, None);
+        assert_eq!(l.page_of(6 * MIB - 1), 0);
+        assert_eq!(l.page_of(6 * MIB), 1);
+        assert_eq!(l.slice, round_up(GIB, 6 * MIB));
+    }
+}

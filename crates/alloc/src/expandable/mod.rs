@@ -1,0 +1,231 @@
+//! `expandable`: ours — one address arena per device, a physical page pool,
+//! and targeted page reclaim instead of PyTorch's global flush.
+//!
+//! # Shape
+//!
+//! - One virtual **arena** per allocator ([`arena`]): a single reservation of
+//!   `arena_size` bytes (default 4 × device memory) cut into slices of the
+//!   device memory size. Another arena is reserved when slices run out, so
+//!   the allocator never fails for lack of address space while pages are free.
+//! - One **segment** per (stream, pool) ([`segment`]), each owning a slice.
+//!   Pools: small (requests ≤ 1 MiB) and large. A segment grows by mapping
+//!   pages where its blocks need them; its page occupancy is a bit vector.
+//! - **Blocks** ([`blocks`]) split and merge at 512 B inside a segment; best fit
+//!   by `(size, addr)` among the free blocks of the request's (stream, pool).
+//! - A physical **page pool** ([`pages`]): pages unmapped from free space keep
+//!   their handle and are mapped again without `release`/`create`; handles go
+//!   back to the driver above `release_threshold` or on `empty_cache`.
+//! - **Targeted reclaim** ([`reclaim`]): when `create` fails with out-of-memory
+//!   (or the memory-fraction limit is reached) only as many whole free pages as
+//!   the request lacks are unmapped, least recently freed first, after waiting
+//!   for the streams that last used them — never a device-wide sync.
+//! - **Stream safety** ([`events`]): a freed block is reused at once on its own
+//!   stream; blocks used on other streams (`record_stream`) wait for events.
+//!
+//! # Locking
+//!
+//! One `parking_lot::Mutex` guards all state; every public method takes it once.
+//! Device calls are made under the lock (they are cheap except in slow paths,
+//! which are rare by design). See `docs/expandable.md`.
+//!
+//! # Cost
+//!
+//! A cache hit costs one lock, one `BTreeSet` lookup + removal (+ insertion of
+//! the split remainder), one hash-map insertion, and no device call. `free` is
+//! one hash-map removal, at most two neighbour merges and one `BTreeSet`
+//! insertion.
+
+mod alloc;
+mod arena;
+mod blocks;
+mod config;
+mod events;
+mod pages;
+mod reclaim;
+mod report;
+mod segment;
+mod snapshot;
+mod teardown;
+mod validate;
+
+pub use blocks::{MIN_BLOCK, SMALL_SIZE};
+pub use config::ExpandableConfig;
+
+use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
+use arena::Arenas;
+use blocks::{LiveMap, Slab};
+use config::Layout;
+use events::Events;
+use parking_lot::Mutex;
+use segment::{Segment, StreamEntry};
+use vmmalloc_device::{Device, PhysHandle};
+
+/// Every piece of allocator state, guarded by one mutex.
+pub(crate) struct Inner {
+    /// Sizes derived from the options and the device.
+    layout: Layout,
+    /// The memory fraction in force.
+    fraction: f64,
+    /// Most pages that may be mapped + pooled (from the memory fraction).
+    limit_pages: u64,
+    /// Pooled bytes kept before releasing handles.
+    release_threshold: u64,
+    /// All blocks.
+    slab: Slab,
+    /// Allocated blocks by address.
+    live: LiveMap,
+    /// Streams seen, with their pools.
+    streams: Vec<StreamEntry>,
+    /// Segments; `None` = retired slot.
+    segments: Vec<Option<Segment>>,
+    /// Retired segment slots to reuse.
+    vacant_segments: Vec<u32>,
+    /// Address-space reservations.
+    arenas: Arenas,
+    /// Unmapped pages whose handle is kept (the page pool).
+    pool: Vec<PhysHandle>,
+    /// Event pool and blocks waiting for events.
+    events: Events,
+    /// Pages that are mapped but not yet accessible, `(segment, page)`: only
+    /// after a `set_access` failed and the rollback unmap failed too.
+    unready: Vec<(u32, u64)>,
+    /// Counts frees; orders reclaim and stream waits.
+    tick: u64,
+    /// Counters.
+    stats: Stats,
+}
+
+impl Inner {
+    /// The segment with index `i` (a live segment by construction).
+    #[inline]
+    fn seg(&self, i: u32) -> &Segment {
+        match &self.segments[i as usize] {
+            Some(s) => s,
+            None => unreachable!("segment {i} is retired but still referenced"),
+        }
+    }
+
+    /// The segment with index `i`, mutably.
+    #[inline]
+    fn seg_mut(&mut self, i: u32) -> &mut Segment {
+        match &mut self.segments[i as usize] {
+            Some(s) => s,
+            None => unreachable!("segment {i} is retired but still referenced"),
+        }
+    }
+
+    /// Pages mapped in all segments.
+    fn mapped_pages(&self) -> u64 {
+        self.stats.pages_mapped
+    }
+}
+
+/// Our allocator: page-level reclaim, page pool, one address arena per device.
+///
+/// Generic over the device (`Arc<dyn Device>` when built by
+/// [`crate::build`], `Arc<SimDevice>` in tests). Thread-safe: one mutex guards
+/// the state.
+pub struct ExpandableAllocator<D: Device> {
+    device: D,
+    inner: Mutex<Inner>,
+}
+
+impl<D: Device> ExpandableAllocator<D> {
+    /// Creates the allocator over `device`. Makes no device call: the arena is
+    /// reserved by the first allocation. Fails with
+    /// [`crate::AllocError::InvalidOption`] when an option does not fit the device.
+    pub fn new(device: D, config: ExpandableConfig) -> AllocResult<Self> {
+        let layout = config.resolve(device.caps())?;
+        let stats = Stats {
+            max_split_size: i64::MAX,
+            ..Stats::default()
+        };
+        Ok(ExpandableAllocator {
+            device,
+            inner: Mutex::new(Inner {
+                layout,
+                fraction: config.memory_fraction,
+                limit_pages: layout.limit_pages(config.memory_fraction),
+                release_threshold: config.release_threshold,
+                slab: Slab::default(),
+                live: LiveMap::default(),
+                streams: Vec::new(),
+                segments: Vec::new(),
+                vacant_segments: Vec::new(),
+                arenas: Arenas::default(),
+                pool: Vec::new(),
+                events: Events::default(),
+                unready: Vec::new(),
+                tick: 0,
+                stats,
+            }),
+        })
+    }
+
+    /// The device this allocator draws from.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// Bytes of one physical page.
+    pub fn page_size(&self) -> u64 {
+        self.inner.lock().layout.page
+    }
+
+    /// Bytes of address space per segment.
+    pub fn segment_slice(&self) -> u64 {
+        self.inner.lock().layout.slice
+    }
+}
+
+impl<D: Device> Allocator for ExpandableAllocator<D> {
+    fn name(&self) -> &'static str {
+        "expandable"
+    }
+
+    fn malloc(&self, size: u64, stream: Stream) -> AllocResult<Allocation> {
+        self.inner.lock().malloc(&self.device, size, stream)
+    }
+
+    fn free(&self, ptr: u64) -> AllocResult<()> {
+        self.inner.lock().free(&self.device, ptr)
+    }
+
+    fn record_stream(&self, ptr: u64, stream: Stream) -> AllocResult<()> {
+        self.inner.lock().record_stream(ptr, stream)
+    }
+
+    fn empty_cache(&self) -> AllocResult<()> {
+        self.inner.lock().empty_cache(&self.device)
+    }
+
+    fn set_memory_fraction(&self, fraction: f64) -> AllocResult<()> {
+        self.inner.lock().set_memory_fraction(&self.device, fraction)
+    }
+
+    fn stats(&self) -> Stats {
+        self.inner.lock().stats.clone()
+    }
+
+    fn reset_peak_stats(&self) {
+        self.inner.lock().stats.reset_peak();
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let ordinal = self.device.caps().ordinal;
+        self.inner.lock().snapshot(ordinal)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        self.inner.lock().validate(&self.device)
+    }
+}
+
+impl<D: Device> Drop for ExpandableAllocator<D> {
+    /// Waits for the streams that own segments, unmaps every page, releases
+    /// every handle, destroys events and frees the arenas. Errors are logged
+    /// (each call is retried once), never raised.
+    fn drop(&mut self) {
+        self.inner.get_mut().teardown(&self.device);
+    }
+}

@@ -1,0 +1,314 @@
+//! Physical pages: the page pool, mapping pages under a block, unmapping
+//! runs, and rolling back a half-done mapping.
+//!
+//! Invariants (checked by `validate`): every handle is in exactly one place —
+//! mapped at one page of one segment, or in the pool; `stats.pages_mapped` and
+//! `stats.pages_pooled` equal those counts; mapped pages are accessible unless
+//! listed in `unready`.
+
+use super::reclaim::Exclude;
+use super::Inner;
+use crate::AllocError;
+use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
+
+/// Why pages could not be provided.
+#[derive(Debug)]
+pub(crate) enum Backing {
+    /// Not enough physical memory: this many pages are still lacking.
+    Short(u64),
+    /// A device call failed (not out-of-memory); the operation was rolled back.
+    Fail(AllocError),
+}
+
+impl Inner {
+    /// Address of page `p` of segment `seg`.
+    #[inline]
+    fn page_addr(&self, seg: u32, p: u64) -> u64 {
+        self.seg(seg).base + p * self.layout.page
+    }
+
+    /// Records a new mapping of `h` at page `p` of `seg` (stats included).
+    fn note_mapped(&mut self, seg: u32, p: u64, h: PhysHandle) {
+        let before = self.seg(seg).inactive_split(self.layout.page);
+        self.seg_mut(seg).set_mapped(p, h);
+        self.split_changed(seg, before);
+        let k = self.seg(seg).kind.stat();
+        self.stats.reserved_bytes.update(k, self.layout.page as i64);
+        self.stats.pages_mapped += 1;
+    }
+
+    /// Records that page `p` of `seg` was unmapped; its handle goes to the pool.
+    fn note_unmapped(&mut self, seg: u32, p: u64) {
+        let before = self.seg(seg).inactive_split(self.layout.page);
+        let h = self.seg_mut(seg).clear_mapped(p);
+        self.split_changed(seg, before);
+        let k = self.seg(seg).kind.stat();
+        self.stats.reserved_bytes.update(k, -(self.layout.page as i64));
+        self.stats.pages_mapped -= 1;
+        if !self.unready.is_empty() {
+            self.unready.retain(|&(s, q)| !(s == seg && q == p));
+        }
+        if let Some(h) = h {
+            self.pool_put(h);
+        }
+    }
+
+    /// Puts a handle in the pool.
+    #[inline]
+    pub(super) fn pool_put(&mut self, h: PhysHandle) {
+        self.pool.push(h);
+        self.stats.pages_pooled = self.pool.len() as u64;
+    }
+
+    /// Moves up to `n - got.len()` pooled handles into `got`.
+    fn pool_take(&mut self, got: &mut Vec<PhysHandle>, n: u64) {
+        while (got.len() as u64) < n {
+            match self.pool.pop() {
+                Some(h) => got.push(h),
+                None => break,
+            }
+        }
+        self.stats.pages_pooled = self.pool.len() as u64;
+    }
+
+    /// Releases pooled handles above the release threshold. Stops at the first
+    /// failed release (the handle stays pooled).
+    pub(super) fn trim_pool<D: Device + ?Sized>(&mut self, dev: &D) {
+        let page = self.layout.page;
+        while (self.pool.len() as u64).saturating_mul(page) > self.release_threshold {
+            let Some(h) = self.pool.pop() else { break };
+            if self.release_handle(dev, h).is_err() {
+                self.pool.push(h);
+                break;
+            }
+        }
+        self.stats.pages_pooled = self.pool.len() as u64;
+    }
+
+    /// Releases every pooled handle; failed ones stay pooled, the first error
+    /// is returned.
+    pub(super) fn release_pool<D: Device + ?Sized>(&mut self, dev: &D) -> Result<(), DeviceError> {
+        let mut kept = Vec::new();
+        let mut first_err = None;
+        while let Some(h) = self.pool.pop() {
+            if let Err(e) = self.release_handle(dev, h) {
+                kept.push(h);
+                first_err.get_or_insert(e);
+            }
+        }
+        self.pool = kept;
+        self.stats.pages_pooled = self.pool.len() as u64;
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// `cuMemRelease`, counted.
+    pub(super) fn release_handle<D: Device + ?Sized>(&mut self, dev: &D, h: PhysHandle) -> Result<(), DeviceError> {
+        self.stats.driver_calls.add(Call::Release);
+        dev.release(h)?;
+        self.stats.num_device_free += 1;
+        Ok(())
+    }
+
+    /// Unmaps pages `[first, first + count)` of `seg` in one call; their
+    /// handles go to the pool. On failure nothing changes.
+    pub(super) fn unmap_run<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        seg: u32,
+        first: u64,
+        count: u64,
+    ) -> Result<(), DeviceError> {
+        let addr = self.page_addr(seg, first);
+        self.stats.driver_calls.add(Call::Unmap);
+        dev.unmap(addr, count * self.layout.page)?;
+        for p in first..first + count {
+            self.note_unmapped(seg, p);
+        }
+        Ok(())
+    }
+
+    /// Makes pages `[p0, p1]` of `seg` mapped and accessible, taking pages
+    /// from the pool, the driver, or a targeted reclaim. On failure every page
+    /// this call mapped is unmapped again (handles go to the pool).
+    pub(super) fn back_pages<D: Device + ?Sized>(&mut self, dev: &D, seg: u32, p0: u64, p1: u64) -> Result<(), Backing> {
+        self.fix_unready(dev, seg, p0, p1).map_err(|e| Backing::Fail(e.into()))?;
+        let missing: Vec<u64> = {
+            let s = self.seg(seg);
+            (p0..=p1).filter(|&p| !s.mapped[p as usize]).collect()
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let n = missing.len() as u64;
+        if n > self.limit_pages {
+            return Err(Backing::Short(n - self.limit_pages));
+        }
+        let handles = self.acquire(dev, n, Some((seg, p0, p1)))?;
+        self.map_pages(dev, seg, &missing, handles).map_err(|e| Backing::Fail(e.into()))
+    }
+
+    /// Gives access to mapped-but-unready pages inside `[p0, p1]` of `seg`.
+    fn fix_unready<D: Device + ?Sized>(&mut self, dev: &D, seg: u32, p0: u64, p1: u64) -> Result<(), DeviceError> {
+        let todo: Vec<u64> = self
+            .unready
+            .iter()
+            .filter(|&&(s, p)| s == seg && (p0..=p1).contains(&p))
+            .map(|&(_, p)| p)
+            .collect();
+        for p in todo {
+            let addr = self.page_addr(seg, p);
+            self.stats.driver_calls.add(Call::SetAccess);
+            dev.set_access(addr, self.layout.page)?;
+            self.unready.retain(|&(s, q)| !(s == seg && q == p));
+        }
+        Ok(())
+    }
+
+    /// `n` handles: pooled first, then created, then reclaimed. On shortage the
+    /// handles gathered go back to the pool.
+    pub(super) fn acquire<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        n: u64,
+        exclude: Exclude,
+    ) -> Result<Vec<PhysHandle>, Backing> {
+        let mut got = Vec::with_capacity(n as usize);
+        self.pool_take(&mut got, n);
+        let mut retried = false;
+        if (got.len() as u64) < n {
+            // Proactive: creating the rest would pass the memory-fraction limit.
+            let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
+            let want = n - got.len() as u64;
+            let headroom = self.limit_pages.saturating_sub(held);
+            if want > headroom {
+                retried = true;
+                let lack = want - headroom;
+                if self.reclaimable(exclude) >= lack {
+                    self.reclaim(dev, lack, exclude);
+                    self.pool_take(&mut got, n);
+                }
+            }
+            while (got.len() as u64) < n {
+                let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
+                if held >= self.limit_pages {
+                    break;
+                }
+                self.stats.driver_calls.add(Call::Create);
+                match dev.create(self.layout.page) {
+                    Ok(h) => {
+                        self.stats.num_device_alloc += 1;
+                        got.push(h);
+                    }
+                    Err(e) if e.is_out_of_memory() => break,
+                    Err(e) => {
+                        for h in got {
+                            self.pool_put(h);
+                        }
+                        self.trim_pool(dev);
+                        return Err(Backing::Fail(e.into()));
+                    }
+                }
+            }
+            if (got.len() as u64) < n {
+                // The driver is out of memory: take free pages from elsewhere.
+                retried = true;
+                let lack = n - got.len() as u64;
+                if self.reclaimable(exclude) >= lack {
+                    self.reclaim(dev, lack, exclude);
+                    self.pool_take(&mut got, n);
+                }
+            }
+        }
+        if retried {
+            self.stats.num_alloc_retries += 1;
+        }
+        if (got.len() as u64) < n {
+            let lacking = n - got.len() as u64;
+            for h in got {
+                self.pool_put(h);
+            }
+            return Err(Backing::Short(lacking));
+        }
+        Ok(got)
+    }
+
+    /// Maps `handles` at the `pages` of `seg` (ascending), one `set_access`
+    /// per contiguous run. On failure, unmaps what it mapped.
+    fn map_pages<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        seg: u32,
+        pages: &[u64],
+        mut handles: Vec<PhysHandle>,
+    ) -> Result<(), DeviceError> {
+        let page = self.layout.page;
+        let mut done: Vec<u64> = Vec::with_capacity(pages.len());
+        let mut i = 0;
+        while i < pages.len() {
+            let start = pages[i];
+            let mut count = 1;
+            while i + (count as usize) < pages.len() && pages[i + count as usize] == start + count {
+                count += 1;
+            }
+            for p in start..start + count {
+                let Some(h) = handles.pop() else {
+                    unreachable!("acquire returned one handle per missing page")
+                };
+                let addr = self.page_addr(seg, p);
+                self.stats.driver_calls.add(Call::Map);
+                match dev.map(addr, page, h) {
+                    Ok(()) => {
+                        self.note_mapped(seg, p, h);
+                        done.push(p);
+                    }
+                    Err(e) => {
+                        self.pool_put(h);
+                        return Err(self.undo_mapping(dev, seg, &done, handles, e));
+                    }
+                }
+            }
+            let addr = self.page_addr(seg, start);
+            self.stats.driver_calls.add(Call::SetAccess);
+            if let Err(e) = dev.set_access(addr, count * page) {
+                return Err(self.undo_mapping(dev, seg, &done, handles, e));
+            }
+            i += count as usize;
+        }
+        Ok(())
+    }
+
+    /// Rolls back pages mapped by a failed [`Inner::map_pages`]: unmaps them
+    /// (run by run, then page by page), pools their handles and the unused
+    /// ones. A page that cannot be unmapped stays mapped and is listed as
+    /// unready (mapped, maybe inaccessible). Returns `err`.
+    fn undo_mapping<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        seg: u32,
+        done: &[u64],
+        unused: Vec<PhysHandle>,
+        err: DeviceError,
+    ) -> DeviceError {
+        for h in unused {
+            self.pool_put(h);
+        }
+        let mut i = 0;
+        while i < done.len() {
+            let start = done[i];
+            let mut count = 1;
+            while i + (count as usize) < done.len() && done[i + count as usize] == start + count {
+                count += 1;
+            }
+            if self.unmap_run(dev, seg, start, count).is_err() {
+                for p in start..start + count {
+                    if self.unmap_run(dev, seg, p, 1).is_err() {
+                        self.unready.push((seg, p));
+                    }
+                }
+            }
+            i += count as usize;
+        }
+        self.trim_pool(dev);
+        err
+    }
+}

@@ -1,0 +1,126 @@
+//! The out-of-memory report: what was asked, what is live, cached, pooled,
+//! the largest free range, per stream, and what would help.
+
+use super::blocks::BlockState;
+use super::Inner;
+use crate::error::format_bytes;
+use crate::{AllocError, OomReport, StreamUsage};
+use vmmalloc_device::{Call, Device, Stream};
+
+impl Inner {
+    /// Longest run of contiguous mapped bytes inside a free block.
+    fn largest_mapped_run(&self, idx: u32) -> u64 {
+        let b = &self.slab[idx];
+        let s = self.seg(b.seg);
+        let page = self.layout.page;
+        let (p0, p1) = s.page_span(&self.layout, b.addr, b.size);
+        let (mut best, mut cur) = (0u64, 0u64);
+        for p in p0..=p1 {
+            if s.mapped[p as usize] {
+                let lo = (s.base + p * page).max(b.addr);
+                let hi = (s.base + (p + 1) * page).min(b.end());
+                cur += hi - lo;
+                best = best.max(cur);
+            } else {
+                cur = 0;
+            }
+        }
+        best
+    }
+
+    /// Counts an out-of-memory error and explains it.
+    pub(super) fn oom<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        size: u64,
+        rounded: u64,
+        stream: Stream,
+        lacking_pages: u64,
+    ) -> AllocError {
+        self.stats.num_ooms += 1;
+        self.stats.driver_calls.add(Call::MemInfo);
+        let device_free = dev.mem_info().map(|m| m.free).unwrap_or(0);
+        let page = self.layout.page;
+        let capacity = self.limit_pages * page;
+        let mut per_stream = Vec::with_capacity(self.streams.len());
+        let mut largest_free = 0;
+        let mut pending_bytes = 0;
+        for e in &self.streams {
+            let (mut live, mut mapped) = (0u64, 0u64);
+            for pool in &e.pools {
+                for &si in &pool.segments {
+                    let s = self.seg(si);
+                    live += s.active_bytes;
+                    mapped += s.mapped_bytes(page);
+                }
+                for &(_, _, idx) in &pool.free {
+                    largest_free = largest_free.max(self.largest_mapped_run(idx));
+                }
+            }
+            per_stream.push(StreamUsage {
+                stream: e.stream,
+                live,
+                cached: mapped.saturating_sub(live),
+            });
+        }
+        for p in &self.events.pending {
+            if self.slab[p.block].state == BlockState::PendingFree {
+                pending_bytes += self.slab[p.block].size;
+            }
+        }
+        let live = self.stats.allocated_bytes.all().current as u64;
+        let mapped = self.mapped_pages() * page;
+        let pooled = self.pool.len() as u64 * page;
+        let active = self.stats.active_bytes.all().current as u64;
+        let mut hint = format!(
+            "On {stream}, {} more of physical pages were needed ({} pages of {}) after reclaiming every free page.",
+            format_bytes(lacking_pages * page),
+            lacking_pages,
+            format_bytes(page)
+        );
+        if rounded > capacity {
+            hint.push_str(" The request alone exceeds the memory limit.");
+        } else if live + rounded > capacity {
+            hint.push_str(&format!(
+                " Live tensors ({}) plus this request exceed the limit: free tensors or reduce the batch size.",
+                format_bytes(live)
+            ));
+        } else {
+            hint.push_str(&format!(
+                " Pages partly used by live tensors cannot be reclaimed ({} mapped for {} active); \
+                 a larger page_size wastes more, a smaller one less.",
+                format_bytes(mapped),
+                format_bytes(active)
+            ));
+        }
+        if pending_bytes > 0 {
+            hint.push_str(&format!(
+                " {} wait for events on other streams (record_stream).",
+                format_bytes(pending_bytes)
+            ));
+        }
+        if self.fraction < 1.0 {
+            hint.push_str(&format!(
+                " The memory fraction {} caps this allocator at {}.",
+                self.fraction,
+                format_bytes(capacity)
+            ));
+        } else if device_free + mapped + pooled < self.layout.total / 2 {
+            hint.push_str(" Other users of the device hold much of its memory.");
+        }
+        AllocError::OutOfMemory(Box::new(OomReport {
+            policy: "expandable",
+            device: dev.caps().ordinal,
+            requested: size,
+            rounded,
+            capacity,
+            device_free,
+            live,
+            cached: mapped.saturating_sub(active),
+            pooled,
+            largest_free,
+            per_stream,
+            hint,
+        }))
+    }
+}

@@ -1,0 +1,90 @@
+//! Snapshot: segments and blocks in PyTorch's `memory_snapshot()` shape.
+//!
+//! Free blocks are cut at page-mapping boundaries: mapped parts are
+//! `inactive`, unmapped parts `unmapped`.
+
+use super::blocks::{BlockState as B, NIL};
+use super::segment::Segment;
+use super::Inner;
+use crate::{BlockInfo, BlockState, SegmentInfo, Snapshot};
+
+impl Inner {
+    /// Cuts free block `[addr, end)` of `s` into mapped / unmapped pieces.
+    fn free_pieces(&self, s: &Segment, addr: u64, end: u64, out: &mut Vec<BlockInfo>) {
+        let page = self.layout.page;
+        let mut cur = addr;
+        while cur < end {
+            let p = self.layout.page_of(cur - s.base);
+            let mapped = s.mapped[p as usize];
+            // Extend over pages with the same mapping state.
+            let mut q = p + 1;
+            let last = self.layout.page_of(end - 1 - s.base);
+            while q <= last && s.mapped[q as usize] == mapped {
+                q += 1;
+            }
+            let piece_end = (s.base + q * page).min(end);
+            let state = if mapped { BlockState::Inactive } else { BlockState::Unmapped };
+            match out.last_mut() {
+                Some(prev) if prev.state == state && prev.address + prev.size == cur => prev.size += piece_end - cur,
+                _ => out.push(BlockInfo {
+                    address: cur,
+                    size: piece_end - cur,
+                    requested_size: 0,
+                    state,
+                }),
+            }
+            cur = piece_end;
+        }
+    }
+
+    /// The allocator's segments and blocks.
+    pub(super) fn snapshot(&self, ordinal: u32) -> Snapshot {
+        let mut segments = Vec::new();
+        for s in self.segments.iter().flatten() {
+            let mut blocks = Vec::new();
+            let (mut allocated, mut active, mut requested) = (0, 0, 0);
+            let mut i = s.first;
+            while i != NIL {
+                let b = &self.slab[i];
+                match b.state {
+                    B::Free => self.free_pieces(s, b.addr, b.end(), &mut blocks),
+                    B::Allocated | B::PendingFree => {
+                        let state = if b.state == B::Allocated {
+                            allocated += b.size;
+                            requested += b.requested;
+                            BlockState::ActiveAllocated
+                        } else {
+                            BlockState::ActivePendingFree
+                        };
+                        active += b.size;
+                        blocks.push(BlockInfo {
+                            address: b.addr,
+                            size: b.size,
+                            requested_size: b.requested,
+                            state,
+                        });
+                    }
+                }
+                i = b.next;
+            }
+            segments.push(SegmentInfo {
+                address: s.base,
+                total_size: s.len,
+                stream: self.streams[s.owner as usize].stream,
+                segment_type: s.kind.name(),
+                allocated_size: allocated,
+                active_size: active,
+                requested_size: requested,
+                is_expandable: true,
+                blocks,
+            });
+        }
+        segments.sort_by_key(|s| s.address);
+        Snapshot {
+            device: ordinal,
+            segments,
+            mapped_bytes: self.mapped_pages() * self.layout.page,
+            pooled_bytes: self.pool.len() as u64 * self.layout.page,
+        }
+    }
+}

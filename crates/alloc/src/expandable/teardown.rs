@@ -1,0 +1,143 @@
+//! Giving memory back: `empty_cache`, the memory fraction, retiring
+//! segments, and the final teardown on drop.
+
+use super::blocks::{BlockState, NIL};
+use super::config::check_fraction;
+use super::Inner;
+use crate::{AllocError, AllocResult};
+use vmmalloc_device::{Call, Device, DeviceError, DeviceResult};
+
+/// Runs a device call, retrying it once (teardown only: a transient failure
+/// must not leak a handle or a reservation).
+fn twice<T>(mut f: impl FnMut() -> DeviceResult<T>) -> DeviceResult<T> {
+    f().or_else(|_| f())
+}
+
+impl Inner {
+    /// Retires segment `seg` if it holds no active block and no mapped page:
+    /// its slice goes back to the arena.
+    pub(super) fn retire_segment_if_empty(&mut self, seg: u32) -> bool {
+        let s = self.seg(seg);
+        if s.active_blocks > 0 || s.mapped_pages > 0 || self.unready.iter().any(|u| u.0 == seg) {
+            return false;
+        }
+        let (owner, kind, first, base) = (s.owner, s.kind, s.first, s.base);
+        let b = &self.slab[first];
+        debug_assert!(b.state == BlockState::Free && b.next == NIL);
+        let key = (b.size, b.addr, first);
+        let pool = &mut self.streams[owner as usize].pools[kind as usize];
+        pool.free.remove(&key);
+        pool.segments.retain(|&x| x != seg);
+        self.slab.remove(first);
+        self.segments[seg as usize] = None;
+        self.vacant_segments.push(seg);
+        self.arenas.give_back(base, self.layout.slice);
+        self.stats.segment.update(kind.stat(), -1);
+        true
+    }
+
+    /// Returns every cached byte: waits for pending events, unmaps every
+    /// whole free page (waiting only for the streams that used them), releases
+    /// every pooled handle, retires empty segments and frees empty arenas.
+    pub(super) fn empty_cache<D: Device + ?Sized>(&mut self, dev: &D) -> AllocResult<()> {
+        let mut first_err: Option<DeviceError> = None;
+        if let Err(e) = self.sync_pending(dev) {
+            first_err.get_or_insert(e);
+        }
+        if let Err(e) = self.unmap_all_free(dev) {
+            first_err.get_or_insert(e);
+        }
+        if let Err(e) = self.release_pool(dev) {
+            first_err.get_or_insert(e);
+        }
+        let segs: Vec<u32> = (0..self.segments.len() as u32)
+            .filter(|&i| self.segments[i as usize].is_some())
+            .collect();
+        for s in segs {
+            self.retire_segment_if_empty(s);
+        }
+        if let Err(e) = self.arenas.free_empty(dev, &mut self.stats) {
+            first_err.get_or_insert(e);
+        }
+        first_err.map_or(Ok(()), |e| Err(AllocError::Device(e)))
+    }
+
+    /// Caps mapped + pooled pages at `fraction` of device memory; releases
+    /// pooled pages above the new cap at once (mapped pages are reclaimed by
+    /// later allocations instead of creating new ones).
+    pub(super) fn set_memory_fraction<D: Device + ?Sized>(&mut self, dev: &D, fraction: f64) -> AllocResult<()> {
+        check_fraction(fraction)?;
+        self.fraction = fraction;
+        self.limit_pages = self.layout.limit_pages(fraction);
+        while self.mapped_pages() + self.pool.len() as u64 > self.limit_pages {
+            let Some(h) = self.pool.pop() else { break };
+            if let Err(e) = self.release_handle(dev, h) {
+                self.pool_put(h);
+                return Err(e.into());
+            }
+        }
+        self.stats.pages_pooled = self.pool.len() as u64;
+        Ok(())
+    }
+
+    /// Gives everything back to the device (drop). Errors are logged.
+    pub(super) fn teardown<D: Device + ?Sized>(&mut self, dev: &D) {
+        let log = |what: &str, e: &DeviceError| eprintln!("vmmalloc: expandable: {what} on drop failed: {e}");
+        // Pages may still be used by queued work: wait for the streams that own them.
+        for i in 0..self.streams.len() {
+            let has_pages = self.streams[i]
+                .pools
+                .iter()
+                .any(|p| p.segments.iter().any(|&s| self.seg(s).mapped_pages > 0));
+            if has_pages {
+                let stream = self.streams[i].stream;
+                self.stats.driver_calls.add(Call::StreamSync);
+                if let Err(e) = twice(|| dev.synchronize_stream(stream)) {
+                    log("stream synchronize", &e);
+                }
+            }
+        }
+        for p in std::mem::take(&mut self.events.pending) {
+            self.stats.driver_calls.add(Call::EventSync);
+            if let Err(e) = twice(|| dev.synchronize_event(p.event)) {
+                log("event synchronize", &e);
+            }
+            self.events.free.push(p.event);
+        }
+        let page = self.layout.page;
+        for seg in self.segments.iter_mut().flatten() {
+            let runs = seg.mapped_runs(0, seg.mapped.len() as u64);
+            for (first, count) in runs {
+                self.stats.driver_calls.add(Call::Unmap);
+                let addr = seg.base + first * page;
+                match twice(|| dev.unmap(addr, count * page)) {
+                    Ok(()) => {}
+                    Err(e) => log("unmap", &e),
+                }
+            }
+            for h in seg.handles.drain(..).flatten() {
+                self.pool.push(h);
+            }
+            seg.mapped.fill(false);
+            seg.mapped_pages = 0;
+        }
+        for h in std::mem::take(&mut self.pool) {
+            self.stats.driver_calls.add(Call::Release);
+            if let Err(e) = twice(|| dev.release(h)) {
+                log("release", &e);
+            }
+        }
+        for ev in std::mem::take(&mut self.events.free) {
+            self.stats.driver_calls.add(Call::EventDestroy);
+            if let Err(e) = twice(|| dev.destroy_event(ev)) {
+                log("event destroy", &e);
+            }
+        }
+        for a in std::mem::take(&mut self.arenas.list) {
+            self.stats.driver_calls.add(Call::AddressFree);
+            if let Err(e) = twice(|| dev.free_reservation(a.base, a.size)) {
+                log("address free", &e);
+            }
+        }
+    }
+}

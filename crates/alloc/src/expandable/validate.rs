@@ -1,0 +1,260 @@
+//! `validate()`: every invariant, recounted from scratch.
+//!
+//! - blocks tile each segment, links agree, free neighbours are merged;
+//! - free blocks are exactly the free index; allocated blocks exactly the live map;
+//! - every active byte is on a mapped page, and accessible on a model device;
+//! - page bitmaps, handle tables, the pool and `unready` agree; no handle twice;
+//! - stats equal a recount;
+//! - arenas' slices match the segments;
+//! - on a model device: its own invariants hold and its live reservations,
+//!   handles and mappings equal ours (the allocator must be the device's only
+//!   virtual-memory user).
+
+use super::blocks::{BlockState, NIL};
+use super::Inner;
+use crate::stats::StatArray;
+use std::collections::HashSet;
+use vmmalloc_device::Device;
+
+/// Recounted values per pool: `[small, large]`.
+#[derive(Default)]
+struct Recount {
+    allocation: [i64; 2],
+    allocated_bytes: [i64; 2],
+    requested_bytes: [i64; 2],
+    active: [i64; 2],
+    active_bytes: [i64; 2],
+    reserved_bytes: [i64; 2],
+    segment: [i64; 2],
+    inactive_split: [i64; 2],
+    inactive_split_bytes: [i64; 2],
+}
+
+fn check_stat(name: &str, arr: &StatArray, want: [i64; 2]) -> Result<(), String> {
+    let got = [arr.0[1].current, arr.0[2].current];
+    if got != want || arr.0[0].current != want[0] + want[1] {
+        return Err(format!(
+            "stat {name}: (all, small, large) = ({}, {}, {}) but a recount gives ({}, {}, {})",
+            arr.0[0].current,
+            got[0],
+            got[1],
+            want[0] + want[1],
+            want[0],
+            want[1]
+        ));
+    }
+    Ok(())
+}
+
+impl Inner {
+    /// Checks every invariant; describes the first broken one.
+    pub(super) fn validate<D: Device + ?Sized>(&self, dev: &D) -> Result<(), String> {
+        let page = self.layout.page;
+        let model = dev.introspect();
+        let mut rc = Recount::default();
+        let mut handles: HashSet<u64> = HashSet::new();
+        let mut blocks_seen = 0usize;
+        let mut allocated_seen = 0usize;
+        let mut free_seen = vec![[0usize; 2]; self.streams.len()];
+        let mut bases = Vec::new();
+        let mut mapped_total = 0u64;
+        for (si, s) in self.segments.iter().enumerate() {
+            let Some(s) = s else { continue };
+            let si = si as u32;
+            let k = s.kind as usize;
+            bases.push(s.base);
+            let owner = self
+                .streams
+                .get(s.owner as usize)
+                .ok_or_else(|| format!("segment {si}: unknown owner {}", s.owner))?;
+            if !owner.pools[k].segments.contains(&si) {
+                return Err(format!("segment {si} is not listed in its stream pool"));
+            }
+            // Pages.
+            if s.mapped.count_ones() as u64 != s.mapped_pages {
+                return Err(format!("segment {si}: mapped_pages {} but {} bits set", s.mapped_pages, s.mapped.count_ones()));
+            }
+            for (p, h) in s.handles.iter().enumerate() {
+                if h.is_some() != s.mapped[p] {
+                    return Err(format!("segment {si} page {p}: handle table and bitmap disagree"));
+                }
+                if let Some(h) = h {
+                    if !handles.insert(h.0) {
+                        return Err(format!("handle {:#x} is mapped twice", h.0));
+                    }
+                }
+            }
+            if s.mapped[s.handles.len().min(s.mapped.len())..].any() {
+                return Err(format!("segment {si}: a page beyond the handle table is marked mapped"));
+            }
+            mapped_total += s.mapped_pages;
+            rc.reserved_bytes[k] += (s.mapped_pages * page) as i64;
+            rc.segment[k] += 1;
+            // Blocks.
+            let (mut active_blocks, mut active_bytes, mut free_blocks) = (0u32, 0u64, 0u32);
+            let mut cursor = s.base;
+            let mut prev = NIL;
+            let mut prev_free = false;
+            let mut i = s.first;
+            while i != NIL {
+                let b = &self.slab[i];
+                blocks_seen += 1;
+                if blocks_seen > self.slab.len() {
+                    return Err("block links form a cycle".into());
+                }
+                if b.seg != si || b.prev != prev || b.addr != cursor || b.size == 0 || b.size % 512 != 0 {
+                    return Err(format!(
+                        "segment {si}: block {i} at {:#x}+{:#x} (seg {}, prev {}) breaks the tiling at {cursor:#x}",
+                        b.addr, b.size, b.seg, b.prev
+                    ));
+                }
+                match b.state {
+                    BlockState::Free => {
+                        if prev_free {
+                            return Err(format!("free block {:#x} was not merged with its free neighbour", b.addr));
+                        }
+                        if !owner.pools[k].free.contains(&(b.size, b.addr, i)) {
+                            return Err(format!("free block {:#x} is missing from the free index", b.addr));
+                        }
+                        if b.pending_events != 0 || !b.streams.is_empty() || b.requested != 0 {
+                            return Err(format!("free block {:#x} carries allocation state", b.addr));
+                        }
+                        free_blocks += 1;
+                        free_seen[s.owner as usize][k] += 1;
+                    }
+                    BlockState::Allocated | BlockState::PendingFree => {
+                        let (p0, p1) = s.page_span(&self.layout, b.addr, b.size);
+                        if !s.all_mapped(p0, p1) {
+                            return Err(format!("active block {:#x}+{:#x} is not fully mapped", b.addr, b.size));
+                        }
+                        if self.unready.iter().any(|&(us, up)| us == si && (p0..=p1).contains(&up)) {
+                            return Err(format!("active block {:#x} lies on a page without access", b.addr));
+                        }
+                        if let Some(m) = model {
+                            if !m.is_accessible(b.addr, b.size) {
+                                return Err(format!(
+                                    "active block {:#x}+{:#x} is not accessible on the device",
+                                    b.addr, b.size
+                                ));
+                            }
+                        }
+                        active_blocks += 1;
+                        active_bytes += b.size;
+                        rc.active[k] += 1;
+                        rc.active_bytes[k] += b.size as i64;
+                        if b.state == BlockState::Allocated {
+                            if self.live.get(&b.addr) != Some(&i) {
+                                return Err(format!("allocated block {:#x} is missing from the live map", b.addr));
+                            }
+                            if b.requested == 0 || b.requested > b.size || b.pending_events != 0 {
+                                return Err(format!("allocated block {:#x} has bad sizes or events", b.addr));
+                            }
+                            allocated_seen += 1;
+                            rc.allocation[k] += 1;
+                            rc.allocated_bytes[k] += b.size as i64;
+                            rc.requested_bytes[k] += b.requested as i64;
+                        } else {
+                            let n = self.events.pending.iter().filter(|p| p.block == i).count();
+                            if b.pending_events == 0 || n != b.pending_events as usize {
+                                return Err(format!(
+                                    "pending block {:#x}: {} events counted, {n} pending",
+                                    b.addr, b.pending_events
+                                ));
+                            }
+                        }
+                    }
+                }
+                prev_free = b.state == BlockState::Free;
+                cursor = b.end();
+                prev = i;
+                i = b.next;
+            }
+            if cursor != s.base + s.len {
+                return Err(format!("segment {si}: blocks end at {cursor:#x}, segment at {:#x}", s.base + s.len));
+            }
+            if (active_blocks, active_bytes, free_blocks) != (s.active_blocks, s.active_bytes, s.free_blocks) {
+                return Err(format!(
+                    "segment {si}: counters (active {}, {} B, free {}) but recount ({active_blocks}, {active_bytes} B, {free_blocks})",
+                    s.active_blocks, s.active_bytes, s.free_blocks
+                ));
+            }
+            let (sb, sn) = s.inactive_split(page);
+            rc.inactive_split_bytes[k] += sb;
+            rc.inactive_split[k] += sn;
+        }
+        if blocks_seen != self.slab.len() {
+            return Err(format!("{} blocks stored but {blocks_seen} reachable", self.slab.len()));
+        }
+        if allocated_seen != self.live.len() {
+            return Err(format!("live map has {} entries, {allocated_seen} allocated blocks", self.live.len()));
+        }
+        for (e, seen) in self.streams.iter().zip(&free_seen) {
+            for k in 0..2 {
+                if e.pools[k].free.len() != seen[k] {
+                    return Err(format!(
+                        "{}: free index has {} entries, {} free blocks",
+                        e.stream,
+                        e.pools[k].free.len(),
+                        seen[k]
+                    ));
+                }
+                for &si in &e.pools[k].segments {
+                    match self.segments.get(si as usize) {
+                        Some(Some(s)) if s.kind as usize == k && self.streams[s.owner as usize].stream == e.stream => {}
+                        _ => return Err(format!("{}: lists segment {si} it does not own", e.stream)),
+                    }
+                }
+            }
+        }
+        for p in &self.events.pending {
+            if self.slab[p.block].state != BlockState::PendingFree {
+                return Err(format!("pending event {:?} names a block that is not pending", p.event));
+            }
+        }
+        for &(s, p) in &self.unready {
+            match self.segments.get(s as usize) {
+                Some(Some(seg)) if seg.mapped[p as usize] => {}
+                _ => return Err(format!("unready page {p} of segment {s} is not mapped")),
+            }
+        }
+        for h in &self.pool {
+            if !handles.insert(h.0) {
+                return Err(format!("pooled handle {:#x} is also mapped or pooled twice", h.0));
+            }
+        }
+        let st = &self.stats;
+        if st.pages_mapped != mapped_total || st.pages_pooled != self.pool.len() as u64 {
+            return Err(format!(
+                "stats say {} pages mapped / {} pooled, recount {mapped_total} / {}",
+                st.pages_mapped,
+                st.pages_pooled,
+                self.pool.len()
+            ));
+        }
+        check_stat("allocation", &st.allocation, rc.allocation)?;
+        check_stat("allocated_bytes", &st.allocated_bytes, rc.allocated_bytes)?;
+        check_stat("requested_bytes", &st.requested_bytes, rc.requested_bytes)?;
+        check_stat("active", &st.active, rc.active)?;
+        check_stat("active_bytes", &st.active_bytes, rc.active_bytes)?;
+        check_stat("reserved_bytes", &st.reserved_bytes, rc.reserved_bytes)?;
+        check_stat("segment", &st.segment, rc.segment)?;
+        check_stat("inactive_split", &st.inactive_split, rc.inactive_split)?;
+        check_stat("inactive_split_bytes", &st.inactive_split_bytes, rc.inactive_split_bytes)?;
+        if st.num_sync_all_streams != 0 {
+            return Err("a device-wide synchronize was counted".into());
+        }
+        self.arenas.check(&bases, self.layout.slice)?;
+        if let Some(m) = model {
+            m.check().map_err(|e| format!("device model: {e}"))?;
+            let live = m.live();
+            let ours = (self.arenas.list.len(), mapped_total as usize + self.pool.len(), mapped_total as usize);
+            if (live.reservations, live.handles, live.mappings) != ours {
+                return Err(format!(
+                    "device holds {} reservations, {} handles, {} mappings; the allocator accounts for {}, {}, {}",
+                    live.reservations, live.handles, live.mappings, ours.0, ours.1, ours.2
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,821 @@
+//! `VMMALLOC_CONF`: the plug-in's configuration.
+//!
+//! Same shape as `PYTORCH_CUDA_ALLOC_CONF`: `key:value` pairs separated by
+//! commas, e.g. `backend:expandable,release_threshold_mb:1024`. Whitespace
+//! around keys and values is ignored, empty items are skipped, and a key given
+//! twice takes its last value (so `VMMALLOC_CONF="$VMMALLOC_CONF,log:info"`
+//! works). Commas inside `[...]` belong to the value (PyTorch's
+//! `roundup_power2_divisions:[256:1,512:2]` list syntax).
+//!
+//! An unknown key or a bad value is a [`ConfigError`] that names the key and
+//! lists what is valid; nothing ever falls back silently to a default.
+//! [`KEYS`] is the single list of keys, defaults and meanings that the error
+//! messages and docs/pytorch.md are written from.
+
+use std::fmt;
+use std::str::FromStr;
+use vmmalloc_alloc::{Policy, PolicyOptions};
+use vmmalloc_device::{GIB, MIB};
+
+/// The environment variable the configuration is read from.
+pub const ENV_VAR: &str = "VMMALLOC_CONF";
+
+/// One configuration key: its name, default and meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyDoc {
+    /// The key as written in `VMMALLOC_CONF`.
+    pub name: &'static str,
+    /// The default, as the user would write it (or a description of it).
+    pub default: &'static str,
+    /// What it does, one sentence.
+    pub meaning: &'static str,
+}
+
+/// Every key `VMMALLOC_CONF` accepts, in documentation order.
+pub const KEYS: [KeyDoc; 15] = [
+    KeyDoc {
+        name: "backend",
+        default: "expandable",
+        meaning: "allocation policy: expandable (ours) | caching (PyTorch's caching allocator) | \
+                  torch-es (PyTorch's expandable_segments:True) | native (one driver allocation per request)",
+    },
+    KeyDoc {
+        name: "device",
+        default: "cuda",
+        meaning: "device backend: cuda (a real GPU) | host (CPU memory with the driver's rules, for tests) | \
+                  sim (bookkeeping only, no memory behind the pointers)",
+    },
+    KeyDoc {
+        name: "page_size_mb",
+        default: "policy default (the device granularity, 2 MiB)",
+        meaning: "expandable: size of the physical pages mapped into segments, in MiB",
+    },
+    KeyDoc {
+        name: "arena_gb",
+        default: "policy default",
+        meaning: "expandable: virtual address space reserved per device, in GiB",
+    },
+    KeyDoc {
+        name: "release_threshold_mb",
+        default: "policy default",
+        meaning: "expandable: unmapped pages kept in the pool before they are released to the driver, in MiB",
+    },
+    KeyDoc {
+        name: "capacity_gb",
+        default: "4 (host), 80 (sim)",
+        meaning: "host and sim only: device memory in GiB (decimals allowed); an error with device:cuda",
+    },
+    KeyDoc {
+        name: "device_count",
+        default: "1",
+        meaning: "host and sim only: number of device ordinals (0 .. device_count-1)",
+    },
+    KeyDoc {
+        name: "record_history",
+        default: "False",
+        meaning: "True: record alloc/free/segment events per device for vmmalloc_dump_snapshot's device_traces",
+    },
+    KeyDoc {
+        name: "max_entries",
+        default: "100000",
+        meaning: "history ring buffer size per device: the oldest events are dropped beyond it",
+    },
+    KeyDoc {
+        name: "log",
+        default: "error",
+        meaning: "stderr logging: off | error (one line per failure) | info (also allocator creation and hooks)",
+    },
+    KeyDoc {
+        name: "on_oom",
+        default: "null",
+        meaning: "null: malloc returns NULL on out-of-memory (the C contract) | abort: log the report and abort \
+                  (PyTorch does not check a pluggable allocator's NULL)",
+    },
+    KeyDoc {
+        name: "max_split_size_mb",
+        default: "unlimited",
+        meaning: "caching, torch-es: PyTorch's max_split_size_mb (blocks at least this large are not split)",
+    },
+    KeyDoc {
+        name: "roundup_power2_divisions",
+        default: "0 (off)",
+        meaning: "caching, torch-es: PyTorch's roundup_power2_divisions (a number or a [size:div,...] list)",
+    },
+    KeyDoc {
+        name: "garbage_collection_threshold",
+        default: "0 (off)",
+        meaning: "caching, torch-es: PyTorch's garbage_collection_threshold, a fraction in (0, 1)",
+    },
+    KeyDoc {
+        name: "expandable_segments",
+        default: "False",
+        meaning: "caching only: accepted for PYTORCH_CUDA_ALLOC_CONF compatibility; use backend:torch-es instead",
+    },
+];
+
+/// The names in [`KEYS`], comma-separated, for error messages.
+pub fn key_names() -> String {
+    KEYS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
+}
+
+/// A configuration error. Its message names the key and what is valid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{ENV_VAR}: {message}")]
+pub struct ConfigError {
+    /// The key at fault, if the error is about one key.
+    pub key: Option<String>,
+    /// What is wrong and what is valid.
+    pub message: String,
+}
+
+impl ConfigError {
+    fn bad_value(key: &str, value: &str, valid: &str) -> Self {
+        ConfigError {
+            key: Some(key.to_string()),
+            message: format!("bad value `{value}` for key `{key}`; valid: {valid}"),
+        }
+    }
+}
+
+/// Which [`vmmalloc_device::Device`] backend the allocators run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// A real GPU through the CUDA driver.
+    Cuda,
+    /// CPU memory with the driver's rules (memfd + mmap): pointers are writable.
+    Host,
+    /// Bookkeeping only; pointers are not backed by memory.
+    Sim,
+}
+
+impl DeviceKind {
+    /// Every kind, in documentation order.
+    pub const ALL: [DeviceKind; 3] = [DeviceKind::Cuda, DeviceKind::Host, DeviceKind::Sim];
+
+    /// The kind's name in `VMMALLOC_CONF`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Host => "host",
+            DeviceKind::Sim => "sim",
+        }
+    }
+}
+
+impl fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How much the plug-in writes to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    /// Nothing.
+    Off,
+    /// One line per failed call.
+    Error,
+    /// Failures, plus allocator creation, configuration and hooks.
+    Info,
+}
+
+impl LogLevel {
+    /// Every level, quietest first.
+    pub const ALL: [LogLevel; 3] = [LogLevel::Off, LogLevel::Error, LogLevel::Info];
+
+    /// The level's name in `VMMALLOC_CONF`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LogLevel::Off => "off",
+            LogLevel::Error => "error",
+            LogLevel::Info => "info",
+        }
+    }
+}
+
+/// What `vmmalloc_malloc` does when the allocator is out of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnOom {
+    /// Return NULL (and set the last error).
+    Null,
+    /// Log the report and abort the process.
+    Abort,
+}
+
+impl OnOom {
+    /// Every choice, default first.
+    pub const ALL: [OnOom; 2] = [OnOom::Null, OnOom::Abort];
+
+    /// The choice's name in `VMMALLOC_CONF`.
+    pub fn name(self) -> &'static str {
+        match self {
+            OnOom::Null => "null",
+            OnOom::Abort => "abort",
+        }
+    }
+}
+
+/// The parsed configuration. [`Default`] is what an empty `VMMALLOC_CONF` means.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// `backend`: the allocation policy.
+    pub backend: Policy,
+    /// `device`: the device backend.
+    pub device: DeviceKind,
+    /// `page_size_mb`: expandable page size in bytes (`None`: the policy's default).
+    pub page_size: Option<u64>,
+    /// `arena_gb`: expandable arena size in bytes (`None`: the policy's default).
+    pub arena_size: Option<u64>,
+    /// `release_threshold_mb`: expandable pool release threshold in bytes.
+    pub release_threshold: Option<u64>,
+    /// `capacity_gb`: host/sim device memory in bytes (`None`: 4 GiB host, 80 GiB sim).
+    pub capacity: Option<u64>,
+    /// `device_count`: host/sim device ordinals.
+    pub device_count: u32,
+    /// `record_history`: keep an event history for snapshots.
+    pub record_history: bool,
+    /// `max_entries`: history ring-buffer size per device.
+    pub max_entries: usize,
+    /// `log`: stderr verbosity.
+    pub log: LogLevel,
+    /// `on_oom`: NULL or abort.
+    pub on_oom: OnOom,
+    /// `max_split_size_mb`, in bytes (caching, torch-es).
+    pub max_split_size: Option<u64>,
+    /// `roundup_power2_divisions`, as written (caching, torch-es).
+    pub roundup_power2_divisions: Option<String>,
+    /// `garbage_collection_threshold` (caching, torch-es).
+    pub garbage_collection_threshold: Option<f64>,
+    /// `expandable_segments` (caching; accepted for compatibility).
+    pub expandable_segments: Option<bool>,
+    /// The text this configuration was parsed from.
+    pub source: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            backend: Policy::Expandable,
+            device: DeviceKind::Cuda,
+            page_size: None,
+            arena_size: None,
+            release_threshold: None,
+            capacity: None,
+            device_count: 1,
+            record_history: false,
+            max_entries: 100_000,
+            log: LogLevel::Error,
+            on_oom: OnOom::Null,
+            max_split_size: None,
+            roundup_power2_divisions: None,
+            garbage_collection_threshold: None,
+            expandable_segments: None,
+            source: String::new(),
+        }
+    }
+}
+
+/// Default host capacity: small enough for a CI machine.
+pub const DEFAULT_HOST_CAPACITY: u64 = 4 * GIB;
+/// Default sim capacity: an 80 GiB GPU.
+pub const DEFAULT_SIM_CAPACITY: u64 = 80 * GIB;
+/// Granularity of the host and sim devices the plug-in creates.
+pub const MODEL_GRANULARITY: u64 = 2 * MIB;
+
+impl Config {
+    /// Reads `VMMALLOC_CONF` (unset means the defaults).
+    pub fn from_env() -> Result<Config, ConfigError> {
+        match std::env::var(ENV_VAR) {
+            Ok(s) => Config::parse(&s),
+            Err(std::env::VarError::NotPresent) => Ok(Config::default()),
+            Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError {
+                key: None,
+                message: "the value is not valid UTF-8".into(),
+            }),
+        }
+    }
+
+    /// Parses `key:value,key:value`.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let mut c = Config {
+            source: text.to_string(),
+            ..Config::default()
+        };
+        for item in split_items(text)? {
+            let item = item.trim();
+            if item.is_empty() {
+                continue;
+            }
+            let (key, value) = item.split_once(':').ok_or_else(|| ConfigError {
+                key: Some(item.to_string()),
+                message: format!(
+                    "`{item}` is not a key:value pair; valid keys: {}",
+                    key_names()
+                ),
+            })?;
+            c.set(key.trim(), value.trim())?;
+        }
+        c.check()?;
+        Ok(c)
+    }
+
+    fn set(&mut self, key: &str, v: &str) -> Result<(), ConfigError> {
+        match key {
+            "backend" => {
+                self.backend = Policy::from_str(v).map_err(|_| {
+                    ConfigError::bad_value(key, v, &Policy::ALL.map(Policy::name).join(" | "))
+                })?
+            }
+            "device" => {
+                self.device = DeviceKind::ALL
+                    .into_iter()
+                    .find(|d| d.name() == v)
+                    .ok_or_else(|| {
+                        ConfigError::bad_value(
+                            key,
+                            v,
+                            &DeviceKind::ALL.map(DeviceKind::name).join(" | "),
+                        )
+                    })?
+            }
+            "page_size_mb" => self.page_size = Some(positive_int(key, v)? * MIB),
+            "arena_gb" => self.arena_size = Some(positive_int(key, v)? * GIB),
+            "release_threshold_mb" => self.release_threshold = Some(int(key, v)? * MIB),
+            "capacity_gb" => {
+                let gb = positive_float(key, v)?;
+                let bytes = (gb * GIB as f64) as u64 / MODEL_GRANULARITY * MODEL_GRANULARITY;
+                if bytes == 0 || gb > (1u64 << 20) as f64 {
+                    return Err(ConfigError::bad_value(
+                        key,
+                        v,
+                        "a number of GiB from 0.002 (one 2 MiB page) to 1048576",
+                    ));
+                }
+                self.capacity = Some(bytes);
+            }
+            "device_count" => {
+                let n = positive_int(key, v)?;
+                if n > crate::runtime::MAX_DEVICES as u64 {
+                    return Err(ConfigError::bad_value(
+                        key,
+                        v,
+                        &format!("an integer from 1 to {}", crate::runtime::MAX_DEVICES),
+                    ));
+                }
+                self.device_count = n as u32;
+            }
+            "record_history" => self.record_history = boolean(key, v)?,
+            "max_entries" => {
+                let n = positive_int(key, v)?;
+                self.max_entries = usize::try_from(n).map_err(|_| {
+                    ConfigError::bad_value(key, v, "a positive integer that fits in memory")
+                })?;
+            }
+            "log" => {
+                self.log = LogLevel::ALL
+                    .into_iter()
+                    .find(|l| l.name() == v)
+                    .ok_or_else(|| {
+                        ConfigError::bad_value(
+                            key,
+                            v,
+                            &LogLevel::ALL.map(LogLevel::name).join(" | "),
+                        )
+                    })?
+            }
+            "on_oom" => {
+                self.on_oom = OnOom::ALL
+                    .into_iter()
+                    .find(|o| o.name() == v)
+                    .ok_or_else(|| {
+                        ConfigError::bad_value(key, v, &OnOom::ALL.map(OnOom::name).join(" | "))
+                    })?
+            }
+            "max_split_size_mb" => {
+                let mb = positive_int(key, v)?;
+                if mb * MIB <= 20 * MIB {
+                    // PyTorch's own check: max_split_size_mb must exceed kLargeBuffer (20 MiB).
+                    return Err(ConfigError::bad_value(
+                        key,
+                        v,
+                        "an integer number of MiB above 20",
+                    ));
+                }
+                self.max_split_size = Some(mb * MIB);
+            }
+            "roundup_power2_divisions" => {
+                check_roundup(key, v)?;
+                self.roundup_power2_divisions = Some(v.to_string());
+            }
+            "garbage_collection_threshold" => {
+                let t = positive_float(key, v)?;
+                if t >= 1.0 {
+                    return Err(ConfigError::bad_value(
+                        key,
+                        v,
+                        "a fraction strictly between 0 and 1",
+                    ));
+                }
+                self.garbage_collection_threshold = Some(t);
+            }
+            "expandable_segments" => self.expandable_segments = Some(boolean(key, v)?),
+            _ => {
+                return Err(ConfigError {
+                    key: Some(key.to_string()),
+                    message: format!("unknown key `{key}`; valid keys: {}", key_names()),
+                })
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks combinations of keys.
+    fn check(&self) -> Result<(), ConfigError> {
+        if self.device == DeviceKind::Cuda {
+            for (given, key) in [
+                (self.capacity.is_some(), "capacity_gb"),
+                (self.device_count != 1, "device_count"),
+            ] {
+                if given {
+                    return Err(ConfigError {
+                        key: Some(key.into()),
+                        message: format!(
+                            "`{key}` applies to device:host and device:sim only; on device:cuda the GPU decides \
+                             (limit memory with torch.cuda.set_per_process_memory_fraction)"
+                        ),
+                    });
+                }
+            }
+        }
+        if self.expandable_segments == Some(true) && self.backend != Policy::Caching {
+            return Err(ConfigError {
+                key: Some("expandable_segments".into()),
+                message: format!(
+                    "`expandable_segments:True` only makes sense with backend:caching (it selects torch-es); \
+                     backend is {}",
+                    self.backend
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The policy actually built: `backend:caching` with `expandable_segments:True`
+    /// is PyTorch's expandable segments, i.e. `torch-es`.
+    pub fn effective_policy(&self) -> Policy {
+        if self.backend == Policy::Caching && self.expandable_segments == Some(true) {
+            Policy::TorchEs
+        } else {
+            self.backend
+        }
+    }
+
+    /// Memory of each host/sim device, in bytes.
+    pub fn model_capacity(&self) -> u64 {
+        self.capacity.unwrap_or(match self.device {
+            DeviceKind::Sim => DEFAULT_SIM_CAPACITY,
+            _ => DEFAULT_HOST_CAPACITY,
+        })
+    }
+
+    /// The PyTorch caching options as `PYTORCH_CUDA_ALLOC_CONF` text (for the
+    /// baselines' parser and for `allocator_settings`).
+    pub fn pytorch_alloc_conf(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(m) = self.max_split_size {
+            parts.push(format!("max_split_size_mb:{}", m / MIB));
+        }
+        if let Some(r) = &self.roundup_power2_divisions {
+            parts.push(format!("roundup_power2_divisions:{r}"));
+        }
+        if let Some(g) = self.garbage_collection_threshold {
+            parts.push(format!("garbage_collection_threshold:{g}"));
+        }
+        if let Some(e) = self.expandable_segments {
+            parts.push(format!(
+                "expandable_segments:{}",
+                if e { "True" } else { "False" }
+            ));
+        }
+        parts.join(",")
+    }
+
+    /// The options handed to [`vmmalloc_alloc::build`].
+    pub fn policy_options(&self) -> PolicyOptions {
+        // TODO(lead): wire these once ExpandableConfig grows its fields:
+        //   options.expandable.page_size = self.page_size (bytes, Option),
+        //   options.expandable.arena_size = self.arena_size,
+        //   options.expandable.release_threshold = self.release_threshold.
+        // and once CachingConfig::parse lands:
+        //   options.caching = CachingConfig::parse(&self.pytorch_alloc_conf())?
+        // (map its error into ConfigError naming the key). Until then the values are
+        // validated here and reported in allocator_settings and the summary, but the
+        // placeholder policies ignore them.
+        PolicyOptions::default()
+    }
+
+    /// `key: value` for every setting, for `allocator_settings` and the summary.
+    pub fn settings(&self) -> Vec<(&'static str, String)> {
+        let opt =
+            |v: Option<u64>, unit: u64| v.map_or("default".to_string(), |b| (b / unit).to_string());
+        vec![
+            ("backend", self.effective_policy().name().to_string()),
+            ("device", self.device.name().to_string()),
+            ("page_size_mb", opt(self.page_size, MIB)),
+            ("arena_gb", opt(self.arena_size, GIB)),
+            ("release_threshold_mb", opt(self.release_threshold, MIB)),
+            (
+                "capacity_gb",
+                match self.device {
+                    DeviceKind::Cuda => "device".to_string(),
+                    _ => format!("{}", self.model_capacity() as f64 / GIB as f64),
+                },
+            ),
+            ("device_count", self.device_count.to_string()),
+            (
+                "record_history",
+                if self.record_history { "True" } else { "False" }.to_string(),
+            ),
+            ("max_entries", self.max_entries.to_string()),
+            ("log", self.log.name().to_string()),
+            ("on_oom", self.on_oom.name().to_string()),
+            ("pytorch_alloc_conf", self.pytorch_alloc_conf()),
+        ]
+    }
+}
+
+/// Splits on commas outside `[...]`.
+fn split_items(text: &str) -> Result<Vec<&str>, ConfigError> {
+    let mut items = Vec::new();
+    let mut depth = 0i32;
+    let mut start = 0;
+    for (i, ch) in text.char_indices() {
+        match ch {
+            '[' => depth += 1,
+            ']' => {
+                depth -= 1;
+                if depth < 0 {
+                    break;
+                }
+            }
+            ',' if depth == 0 => {
+                items.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if depth != 0 {
+        return Err(ConfigError {
+            key: None,
+            message: format!("unbalanced `[` `]` in `{text}`"),
+        });
+    }
+    items.push(&text[start..]);
+    Ok(items)
+}
+
+fn int(key: &str, v: &str) -> Result<u64, ConfigError> {
+    v.parse::<u64>()
+        .ok()
+        .filter(|n| n.checked_mul(GIB).is_some())
+        .ok_or_else(|| ConfigError::bad_value(key, v, "a non-negative integer"))
+}
+
+fn positive_int(key: &str, v: &str) -> Result<u64, ConfigError> {
+    match int(key, v) {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(ConfigError::bad_value(key, v, "a positive integer")),
+    }
+}
+
+fn positive_float(key: &str, v: &str) -> Result<f64, ConfigError> {
+    match v.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(ConfigError::bad_value(key, v, "a positive number")),
+    }
+}
+
+fn boolean(key: &str, v: &str) -> Result<bool, ConfigError> {
+    match v {
+        "True" | "true" | "1" => Ok(true),
+        "False" | "false" | "0" => Ok(false),
+        _ => Err(ConfigError::bad_value(key, v, "True | False")),
+    }
+}
+
+/// PyTorch's forms: `N`, or `[size:N,...,>:N]` with powers of two as divisions.
+fn check_roundup(key: &str, v: &str) -> Result<(), ConfigError> {
+    let valid = "a power of two (or 0), or a list like [256:1,512:2,>:4] of sizes in MiB (or >) and powers of two";
+    let is_div = |s: &str| {
+        s.trim()
+            .parse::<u64>()
+            .is_ok_and(|n| n == 0 || n.is_power_of_two())
+    };
+    let ok = if let Some(inner) = v.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
+        !inner.trim().is_empty()
+            && inner.split(',').all(|pair| {
+                pair.split_once(':').is_some_and(|(size, div)| {
+                    let size = size.trim();
+                    (size == ">" || size.parse::<u64>().is_ok_and(|n| n > 0)) && is_div(div)
+                })
+            })
+    } else {
+        is_div(v)
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::bad_value(key, v, valid))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_is_default() {
+        let c = Config::parse("").unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(Config::parse(" , ,").unwrap().backend, Policy::Expandable);
+    }
+
+    #[test]
+    fn every_key_parses() {
+        let c = Config::parse(
+            "backend:native, device:host,page_size_mb:4,arena_gb:64,release_threshold_mb:0,capacity_gb:0.5,\
+             device_count:2,record_history:True,max_entries:10,log:info,on_oom:abort",
+        )
+        .unwrap();
+        assert_eq!(c.backend, Policy::Native);
+        assert_eq!(c.device, DeviceKind::Host);
+        assert_eq!(c.page_size, Some(4 * MIB));
+        assert_eq!(c.arena_size, Some(64 * GIB));
+        assert_eq!(c.release_threshold, Some(0));
+        assert_eq!(c.capacity, Some(GIB / 2));
+        assert_eq!(c.device_count, 2);
+        assert!(c.record_history);
+        assert_eq!(c.max_entries, 10);
+        assert_eq!(c.log, LogLevel::Info);
+        assert_eq!(c.on_oom, OnOom::Abort);
+        let p = Config::parse(
+            "backend:caching,max_split_size_mb:512,roundup_power2_divisions:[256:1,512:2,>:8],\
+             garbage_collection_threshold:0.6,expandable_segments:True",
+        )
+        .unwrap();
+        assert_eq!(p.max_split_size, Some(512 * MIB));
+        assert_eq!(
+            p.roundup_power2_divisions.as_deref(),
+            Some("[256:1,512:2,>:8]")
+        );
+        assert_eq!(p.effective_policy(), Policy::TorchEs);
+        assert_eq!(
+            p.pytorch_alloc_conf(),
+            "max_split_size_mb:512,roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.6,\
+             expandable_segments:True"
+        );
+    }
+
+    #[test]
+    fn every_documented_key_is_accepted() {
+        let sample = |k: &str| match k {
+            "backend" => "native",
+            "device" => "sim",
+            "record_history" | "expandable_segments" => "False",
+            "log" => "off",
+            "on_oom" => "null",
+            "capacity_gb" => "1",
+            "garbage_collection_threshold" => "0.5",
+            "max_split_size_mb" => "64",
+            _ => "1",
+        };
+        for k in KEYS {
+            let text = format!("device:sim,{}:{}", k.name, sample(k.name));
+            Config::parse(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
+    }
+
+    #[test]
+    fn last_value_wins() {
+        assert_eq!(
+            Config::parse("backend:native,backend:caching")
+                .unwrap()
+                .backend,
+            Policy::Caching
+        );
+    }
+
+    #[test]
+    fn unknown_key_names_it_and_lists_valid_ones() {
+        let e = Config::parse("backend:native,colour:blue").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("colour"));
+        let m = e.to_string();
+        assert!(m.starts_with("VMMALLOC_CONF: unknown key `colour`"), "{m}");
+        for k in KEYS {
+            assert!(m.contains(k.name), "{m} lacks {}", k.name);
+        }
+    }
+
+    #[test]
+    fn bad_values_name_the_key_and_the_choices() {
+        for (text, key, needle) in [
+            (
+                "backend:fast",
+                "backend",
+                "expandable | caching | torch-es | native",
+            ),
+            ("device:tpu", "device", "cuda | host | sim"),
+            ("log:loud", "log", "off | error | info"),
+            ("on_oom:panic", "on_oom", "null | abort"),
+            ("record_history:yes", "record_history", "True | False"),
+            ("page_size_mb:0", "page_size_mb", "positive integer"),
+            ("page_size_mb:-2", "page_size_mb", "positive integer"),
+            ("arena_gb:1.5", "arena_gb", "positive integer"),
+            (
+                "release_threshold_mb:x",
+                "release_threshold_mb",
+                "non-negative integer",
+            ),
+            (
+                "device:host,capacity_gb:0",
+                "capacity_gb",
+                "positive number",
+            ),
+            (
+                "device:host,capacity_gb:nan",
+                "capacity_gb",
+                "positive number",
+            ),
+            (
+                "device:sim,capacity_gb:0.0001",
+                "capacity_gb",
+                "one 2 MiB page",
+            ),
+            ("device:sim,device_count:65", "device_count", "1 to 64"),
+            ("max_entries:0", "max_entries", "positive integer"),
+            ("max_split_size_mb:20", "max_split_size_mb", "above 20"),
+            (
+                "roundup_power2_divisions:3",
+                "roundup_power2_divisions",
+                "power of two",
+            ),
+            (
+                "roundup_power2_divisions:[256:3]",
+                "roundup_power2_divisions",
+                "power of two",
+            ),
+            (
+                "garbage_collection_threshold:1.0",
+                "garbage_collection_threshold",
+                "between 0 and 1",
+            ),
+            (
+                "capacity_gb:4",
+                "capacity_gb",
+                "device:host and device:sim only",
+            ),
+            (
+                "device_count:2",
+                "device_count",
+                "device:host and device:sim only",
+            ),
+            (
+                "backend:native,expandable_segments:True",
+                "expandable_segments",
+                "backend:caching",
+            ),
+        ] {
+            let e = Config::parse(text).unwrap_err();
+            assert_eq!(e.key.as_deref(), Some(key), "{text}: {e}");
+            let m = e.to_string();
+            assert!(m.contains(key) && m.contains(needle), "{text}: {m}");
+        }
+    }
+
+    #[test]
+    fn malformed_items_are_errors() {
+        let e = Config::parse("backend").unwrap_err();
+        assert!(e.to_string().contains("not a key:value pair"), "{e}");
+        assert!(Config::parse("roundup_power2_divisions:[256:1").is_err());
+        assert!(Config::parse("a]:b").is_err());
+    }
+
+    #[test]
+    fn capacity_defaults_per_device() {
+        assert_eq!(
+            Config::parse("device:host").unwrap().model_capacity(),
+            4 * GIB
+        );
+        assert_eq!(
+            Config::parse("device:sim").unwrap().model_capacity(),
+            80 * GIB
+        );
+        assert_eq!(
+            Config::parse("device:sim,capacity_gb:1.001")
+                .unwrap()
+                .model_capacity(),
+            GIB
+        );
+    }
+}

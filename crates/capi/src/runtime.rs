@@ -1,0 +1,290 @@
+//! The process-wide state behind the C ABI: the configuration and one
+//! allocator per device ordinal, created lazily and thread-safely.
+//!
+//! A [`Runtime`] is created on the first exported call that needs it, from the
+//! text given to `vmmalloc_configure` or else from `VMMALLOC_CONF`. It keeps
+//! the parse result, good or bad: with a bad configuration every call that
+//! needs an allocator fails with the same message naming the key (logged once).
+//! Allocators live in a fixed array of [`MAX_DEVICES`] slots, each a
+//! `OnceLock` filled under a creation lock, so the hot path (malloc/free on an
+//! existing allocator) takes no lock of ours beyond the allocator's own.
+
+use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
+use crate::diag;
+use crate::history::History;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use vmmalloc_alloc::{AllocError, Allocation, Allocator, Stream};
+use vmmalloc_device::Device;
+
+/// Device ordinals the plug-in can serve (0 .. MAX_DEVICES-1).
+pub const MAX_DEVICES: usize = 64;
+
+/// One device's allocator and what it was built over.
+pub struct DeviceState {
+    /// The ordinal.
+    pub ordinal: u32,
+    /// The device.
+    pub device: Arc<dyn Device>,
+    /// The allocator.
+    pub allocator: Box<dyn Allocator>,
+    /// The event history (`record_history:True`).
+    pub history: Option<History>,
+}
+
+impl DeviceState {
+    /// Allocates, recording the events when history is on.
+    pub fn malloc(&self, size: u64, stream: Stream) -> Result<Allocation, AllocError> {
+        let Some(h) = &self.history else {
+            return self.allocator.malloc(size, stream);
+        };
+        let mut ring = h.lock();
+        let r = self.allocator.malloc(size, stream);
+        match &r {
+            Ok(a) => {
+                ring.segment_events(&*self.allocator);
+                ring.push_alloc(a.ptr, a.requested, stream.0);
+            }
+            Err(AllocError::OutOfMemory(rep)) => {
+                ring.push_oom(rep.requested, rep.device_free, stream.0)
+            }
+            Err(_) => {}
+        }
+        r
+    }
+
+    /// Frees, recording the events when history is on.
+    pub fn free(&self, ptr: u64) -> Result<(), AllocError> {
+        let Some(h) = &self.history else {
+            return self.allocator.free(ptr);
+        };
+        let mut ring = h.lock();
+        let r = self.allocator.free(ptr);
+        if r.is_ok() {
+            ring.push_free(ptr);
+            ring.segment_events(&*self.allocator);
+        }
+        r
+    }
+
+    /// Returns cached memory to the device, recording segment events.
+    pub fn empty_cache(&self) -> Result<(), AllocError> {
+        let Some(h) = &self.history else {
+            return self.allocator.empty_cache();
+        };
+        let mut ring = h.lock();
+        let r = self.allocator.empty_cache();
+        ring.segment_events(&*self.allocator);
+        r
+    }
+}
+
+/// The configuration and the per-device allocators of this process.
+pub struct Runtime {
+    /// The configuration, or why it is invalid.
+    pub config: Result<Config, ConfigError>,
+    /// The configured log level (`error` when the configuration is bad).
+    log: LogLevel,
+    /// Device count PyTorch reported through `vmmalloc_init` (0: not called).
+    init_count: AtomicU32,
+    /// Whether the configuration error was logged already.
+    config_error_logged: AtomicBool,
+    slots: Box<[OnceLock<Arc<DeviceState>>]>,
+    creating: Mutex<()>,
+}
+
+struct Global {
+    runtime: Option<Arc<Runtime>>,
+    /// Text from `vmmalloc_configure`, used instead of `VMMALLOC_CONF`.
+    conf_override: Option<String>,
+}
+
+static GLOBAL: RwLock<Global> = RwLock::new(Global {
+    runtime: None,
+    conf_override: None,
+});
+
+fn read_global() -> std::sync::RwLockReadGuard<'static, Global> {
+    GLOBAL.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write_global() -> std::sync::RwLockWriteGuard<'static, Global> {
+    GLOBAL.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The runtime, created on first use.
+pub fn runtime() -> Arc<Runtime> {
+    if let Some(rt) = &read_global().runtime {
+        return rt.clone();
+    }
+    let mut g = write_global();
+    if let Some(rt) = &g.runtime {
+        return rt.clone();
+    }
+    let config = match &g.conf_override {
+        Some(text) => Config::parse(text),
+        None => Config::from_env(),
+    };
+    let rt = Arc::new(Runtime::new(config));
+    if let Ok(c) = &rt.config {
+        diag::log(
+            c.log,
+            LogLevel::Info,
+            &format!(
+                "configured from {}: {}",
+                if g.conf_override.is_some() {
+                    "vmmalloc_configure"
+                } else {
+                    "VMMALLOC_CONF"
+                },
+                c.settings()
+                    .iter()
+                    .map(|(k, v)| format!("{k}:{v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        );
+    }
+    g.runtime = Some(rt.clone());
+    rt
+}
+
+/// Sets the configuration text used instead of `VMMALLOC_CONF`. Fails if it
+/// does not parse, or if an allocator exists already.
+pub fn configure(text: &str) -> Result<(), String> {
+    let parsed = Config::parse(text).map_err(|e| e.to_string())?;
+    let mut g = write_global();
+    if let Some(rt) = &g.runtime {
+        if rt.active_devices().next().is_some() {
+            return Err(format!(
+                "vmmalloc_configure: allocators exist already (devices {}); configure before the first allocation",
+                rt.active_devices().map(|d| d.ordinal.to_string()).collect::<Vec<_>>().join(", ")
+            ));
+        }
+    }
+    g.conf_override = Some(text.to_string());
+    g.runtime = None;
+    diag::log(
+        parsed.log,
+        LogLevel::Info,
+        &format!("vmmalloc_configure(\"{text}\") accepted"),
+    );
+    Ok(())
+}
+
+/// Drops every allocator and the configuration (tests only: pointers from
+/// before are invalid afterwards).
+pub fn reset() {
+    let mut g = write_global();
+    g.runtime = None;
+    g.conf_override = None;
+}
+
+impl Runtime {
+    fn new(config: Result<Config, ConfigError>) -> Self {
+        let log = config.as_ref().map_or(LogLevel::Error, |c| c.log);
+        Runtime {
+            config,
+            log,
+            init_count: AtomicU32::new(0),
+            config_error_logged: AtomicBool::new(false),
+            slots: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+            creating: Mutex::new(()),
+        }
+    }
+
+    /// The configuration, or its error (logged the first time only).
+    pub fn config(&self) -> Result<&Config, String> {
+        match &self.config {
+            Ok(c) => Ok(c),
+            Err(e) => {
+                let m = e.to_string();
+                if !self.config_error_logged.swap(true, Ordering::Relaxed) {
+                    diag::log(self.log, LogLevel::Error, &m);
+                }
+                Err(m)
+            }
+        }
+    }
+
+    /// Records PyTorch's device count (from the init hook).
+    pub fn set_device_count(&self, n: u32) {
+        self.init_count.store(n, Ordering::Relaxed);
+    }
+
+    /// Checks that `device` is a valid ordinal; returns it as an index.
+    pub fn check_ordinal(&self, device: i32) -> Result<u32, String> {
+        let config = self.config()?;
+        let init = self.init_count.load(Ordering::Relaxed);
+        let mut limit = MAX_DEVICES as u32;
+        let mut why = format!("vmmalloc serves ordinals 0..{}", MAX_DEVICES - 1);
+        if config.device != DeviceKind::Cuda && config.device_count < limit {
+            limit = config.device_count;
+            why = format!(
+                "device:{} has device_count:{}",
+                config.device, config.device_count
+            );
+        }
+        if init > 0 && init < limit {
+            limit = init;
+            why = format!("vmmalloc_init reported {init} device(s)");
+        }
+        match u32::try_from(device) {
+            Ok(d) if d < limit => Ok(d),
+            _ => Err(format!("invalid device ordinal {device}: {why}")),
+        }
+    }
+
+    /// The allocator of `device` if it exists (no creation).
+    pub fn existing(&self, device: u32) -> Option<&Arc<DeviceState>> {
+        self.slots.get(device as usize).and_then(OnceLock::get)
+    }
+
+    /// Devices whose allocator exists, in ordinal order.
+    pub fn active_devices(&self) -> impl Iterator<Item = &Arc<DeviceState>> {
+        self.slots.iter().filter_map(OnceLock::get)
+    }
+
+    /// The allocator of `device`, created on first use.
+    pub fn device(&self, device: i32) -> Result<&Arc<DeviceState>, String> {
+        let ordinal = self.check_ordinal(device)?;
+        let slot = &self.slots[ordinal as usize];
+        if let Some(s) = slot.get() {
+            return Ok(s);
+        }
+        let _g = self.creating.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = slot.get() {
+            return Ok(s);
+        }
+        let config = self.config()?;
+        let dev = crate::devices::open(config, ordinal)?;
+        let policy = config.effective_policy();
+        let allocator = vmmalloc_alloc::build(policy, dev.clone(), &config.policy_options())
+            .map_err(|e| {
+                format!("cannot create the {policy} allocator on device {ordinal}: {e}")
+            })?;
+        let caps = dev.caps();
+        diag::log(
+            config.log,
+            LogLevel::Info,
+            &format!(
+                "device {ordinal}: {policy} allocator on {} ({}, {} bytes, granularity {} bytes)",
+                config.device, caps.name, caps.total_memory, caps.granularity
+            ),
+        );
+        let state = Arc::new(DeviceState {
+            ordinal,
+            device: dev,
+            allocator,
+            history: config
+                .record_history
+                .then(|| History::new(config.max_entries)),
+        });
+        Ok(slot.get_or_init(|| state))
+    }
+
+    /// The configured log level, or `error` when the configuration is bad.
+    pub fn log_level(&self) -> LogLevel {
+        self.log
+    }
+}

@@ -1,0 +1,1077 @@
+//! The C ABI as a C caller (and PyTorch) sees it: `libvmmalloc.so` loaded
+//! with libloading, driven over `device:host` (real CPU memory behind the
+//! pointers) and `device:sim`.
+//!
+//! The library's state is per process, so tests that share this process take
+//! [`serial`] and start from `vmmalloc_reset_for_tests` + `vmmalloc_configure`;
+//! tests of how `VMMALLOC_CONF` itself is read run in a child process (this
+//! binary re-executed on one test, see [`in_child`]).
+//!
+//! Every behaviour test runs over the four backends. A backend whose policy
+//! still answers "not implemented" is skipped with a `SKIP` line (set
+//! `VMMALLOC_TEST_REQUIRE_ALL_BACKENDS=1` to make that a failure).
+
+use libloading::Library;
+use serde_pickle::{HashableValue, Value};
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+const MIB: usize = 1 << 20;
+const BACKENDS: [&str; 4] = ["expandable", "caching", "torch-es", "native"];
+
+type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
+type FreeFn = unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void);
+
+/// Function pointers into the loaded library (which is never unloaded).
+struct Api {
+    malloc: MallocFn,
+    free: FreeFn,
+    init: unsafe extern "C" fn(c_int),
+    empty_cache: unsafe extern "C" fn(),
+    set_memory_fraction: unsafe extern "C" fn(c_double, c_int),
+    record_stream: unsafe extern "C" fn(*mut c_void, *mut c_void),
+    stats_json: unsafe extern "C" fn(c_int) -> *mut c_char,
+    summary: unsafe extern "C" fn(c_int) -> *mut c_char,
+    dump_snapshot: unsafe extern "C" fn(*const c_char) -> c_int,
+    reset_peak_stats: unsafe extern "C" fn(c_int) -> c_int,
+    validate: unsafe extern "C" fn(c_int) -> c_int,
+    configure: unsafe extern "C" fn(*const c_char) -> c_int,
+    check_config: unsafe extern "C" fn() -> c_int,
+    last_error: unsafe extern "C" fn() -> *const c_char,
+    version: unsafe extern "C" fn() -> *const c_char,
+    free_string: unsafe extern "C" fn(*mut c_char),
+    reset: unsafe extern "C" fn(),
+}
+
+/// `target/<profile>/libvmmalloc.so`, next to this test's `deps/` directory.
+fn library_path() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
+    profile_dir.join("libvmmalloc.so")
+}
+
+fn api() -> &'static Api {
+    static API: OnceLock<Api> = OnceLock::new();
+    API.get_or_init(|| {
+        let path = library_path();
+        assert!(
+            path.is_file(),
+            "{} is missing: cargo builds the cdylib before this test",
+            path.display()
+        );
+        // SAFETY: loading our own library runs no initialisers with preconditions.
+        let lib = unsafe { Library::new(&path) }
+            .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
+        let lib: &'static Library = Box::leak(Box::new(lib));
+        macro_rules! sym {
+            ($name:literal) => {
+                // SAFETY: the symbol is declared with this exact C signature in
+                // crates/capi/src/lib.rs; the library stays loaded (leaked).
+                *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                    .unwrap_or_else(|e| panic!("symbol {}: {e}", $name))
+            };
+        }
+        Api {
+            malloc: sym!("vmmalloc_malloc"),
+            free: sym!("vmmalloc_free"),
+            init: sym!("vmmalloc_init"),
+            empty_cache: sym!("vmmalloc_empty_cache"),
+            set_memory_fraction: sym!("vmmalloc_set_memory_fraction"),
+            record_stream: sym!("vmmalloc_record_stream"),
+            stats_json: sym!("vmmalloc_memory_stats_json"),
+            summary: sym!("vmmalloc_memory_summary"),
+            dump_snapshot: sym!("vmmalloc_dump_snapshot"),
+            reset_peak_stats: sym!("vmmalloc_reset_peak_stats"),
+            validate: sym!("vmmalloc_validate"),
+            configure: sym!("vmmalloc_configure"),
+            check_config: sym!("vmmalloc_check_config"),
+            last_error: sym!("vmmalloc_last_error"),
+            version: sym!("vmmalloc_version"),
+            free_string: sym!("vmmalloc_free_string"),
+            reset: sym!("vmmalloc_reset_for_tests"),
+        }
+    })
+}
+
+// Safe wrappers. Each exported function is sound for any argument values
+// except the documented pointer contracts, which these wrappers uphold.
+
+fn malloc(size: usize, device: i32) -> *mut c_void {
+    // SAFETY: vmmalloc_malloc has no pointer preconditions (the stream is opaque).
+    unsafe { (api().malloc)(size, device, std::ptr::null_mut()) }
+}
+
+fn free(ptr: *mut c_void, size: usize, device: i32) {
+    // SAFETY: vmmalloc_free accepts any pointer value (unknown ones are reported).
+    unsafe { (api().free)(ptr, size, device, std::ptr::null_mut()) }
+}
+
+fn last_error() -> Option<String> {
+    // SAFETY: no preconditions; the result is NULL or a NUL-terminated string
+    // valid until the next call on this thread, copied at once.
+    let p = unsafe { (api().last_error)() };
+    // SAFETY: see above.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+fn take_string(p: *mut c_char) -> Option<String> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: a non-null result of stats_json/summary is an owned C string,
+    // read once and freed once.
+    let s = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+    // SAFETY: as above.
+    unsafe { (api().free_string)(p) };
+    Some(s)
+}
+
+fn stats(device: i32) -> BTreeMap<String, i64> {
+    // SAFETY: no preconditions.
+    let json = take_string(unsafe { (api().stats_json)(device) })
+        .unwrap_or_else(|| panic!("stats_json({device}): {:?}", last_error()));
+    serde_json::from_str(&json).expect("stats are a JSON object of integers")
+}
+
+fn summary(device: i32) -> Option<String> {
+    // SAFETY: no preconditions.
+    take_string(unsafe { (api().summary)(device) })
+}
+
+fn configure(conf: &str) -> Result<(), String> {
+    let c = CString::new(conf).unwrap();
+    // SAFETY: `c` is a NUL-terminated string.
+    match unsafe { (api().configure)(c.as_ptr()) } {
+        0 => Ok(()),
+        _ => Err(last_error().expect("a failed configure sets the last error")),
+    }
+}
+
+fn dump_snapshot(path: &Path) -> Result<(), String> {
+    let c = CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a NUL-terminated string.
+    match unsafe { (api().dump_snapshot)(c.as_ptr()) } {
+        0 => Ok(()),
+        _ => Err(last_error().expect("a failed dump sets the last error")),
+    }
+}
+
+fn validate(device: i32) {
+    // SAFETY: no preconditions.
+    let rc = unsafe { (api().validate)(device) };
+    assert_eq!(rc, 0, "validate({device}): {:?}", last_error());
+}
+
+fn reset() {
+    // SAFETY: no preconditions; callers hold `serial` and drop all pointers first.
+    unsafe { (api().reset)() }
+}
+
+/// Serialises the tests that share this process's library state.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Starts from a fresh state configured with `conf`.
+fn fresh(conf: &str) {
+    reset();
+    configure(conf).unwrap_or_else(|e| panic!("configure({conf}): {e}"));
+}
+
+/// Configures `backend` over a host device with `extra` options, or returns
+/// false (after printing SKIP) if that policy is not implemented yet.
+fn setup(backend: &str, extra: &str) -> bool {
+    let conf = format!("device:host,capacity_gb:1,log:off,backend:{backend}{extra}");
+    fresh(&conf);
+    let p = malloc(4096, 0);
+    if p.is_null() {
+        let e = last_error().unwrap_or_default();
+        if e.contains("not implemented")
+            && std::env::var_os("VMMALLOC_TEST_REQUIRE_ALL_BACKENDS").is_none()
+        {
+            eprintln!("SKIP: backend {backend} is not implemented yet ({e})");
+            return false;
+        }
+        panic!("{conf}: first malloc failed: {e}");
+    }
+    free(p, 4096, 0);
+    assert_eq!(last_error(), None);
+    fresh(&conf);
+    true
+}
+
+fn fill(p: *mut c_void, len: usize, seed: u8) {
+    // SAFETY: `p` is a live host-device allocation of at least `len` bytes
+    // (device:host backs pointers with real, writable memory).
+    unsafe { std::ptr::write_bytes(p.cast::<u8>(), seed, len) }
+}
+
+fn check(p: *mut c_void, len: usize, seed: u8) {
+    // SAFETY: as in `fill`; reading initialised bytes we wrote.
+    let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) };
+    if let Some(i) = bytes.iter().position(|b| *b != seed) {
+        panic!("byte {i} of {p:p} is {:#x}, wrote {seed:#x}", bytes[i]);
+    }
+}
+
+/// Runs the calling test in a child process with `env` (this binary,
+/// filtered to `test`), and returns true in the child, where the body should
+/// run; in the parent it checks the child passed and returns false.
+fn in_child(test: &str, env: &[(&str, &str)]) -> bool {
+    if std::env::var("VMMALLOC_CAPI_CHILD").as_deref() == Ok(test) {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("VMMALLOC_CAPI_CHILD", test)
+        .env_remove("VMMALLOC_CONF")
+        .envs(env.iter().copied())
+        .output()
+        .expect("re-exec the test binary");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "child {test} failed:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child did not run {test}:\n{text}"
+    );
+    false
+}
+
+// ---------------------------------------------------------------------------
+// Allocation, writing, freeing
+// ---------------------------------------------------------------------------
+
+#[test]
+fn allocations_are_writable_disjoint_and_freed() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, "") {
+            continue;
+        }
+        let sizes = [
+            1usize,
+            511,
+            512,
+            4096,
+            MIB,
+            MIB + 1,
+            3 * MIB,
+            20 * MIB + 7,
+            64 * MIB,
+        ];
+        let mut live = Vec::new();
+        for (i, &s) in sizes.iter().enumerate() {
+            let p = malloc(s, 0);
+            assert!(!p.is_null(), "{backend}: malloc({s}): {:?}", last_error());
+            assert_eq!(last_error(), None);
+            fill(p, s, i as u8 + 1);
+            live.push((p, s, i as u8 + 1));
+            validate(0);
+        }
+        let mut ranges: Vec<(usize, usize)> = live.iter().map(|(p, s, _)| (p.addr(), *s)).collect();
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{backend}: {w:x?} overlap");
+        }
+        for &(p, s, seed) in &live {
+            check(p, s, seed);
+        }
+        let st = stats(0);
+        assert_eq!(
+            st["allocation.all.current"],
+            sizes.len() as i64,
+            "{backend}"
+        );
+        assert_eq!(
+            st["requested_bytes.all.current"],
+            sizes.iter().sum::<usize>() as i64,
+            "{backend}"
+        );
+        assert!(
+            st["allocated_bytes.all.current"] >= st["requested_bytes.all.current"],
+            "{backend}"
+        );
+        assert!(
+            st["reserved_bytes.all.current"] >= st["allocated_bytes.all.current"],
+            "{backend}"
+        );
+        // Free every other one, allocate again, and check the survivors' bytes.
+        for &(p, s, _) in live.iter().step_by(2) {
+            free(p, s, 0);
+            assert_eq!(last_error(), None, "{backend}");
+        }
+        let again = malloc(5 * MIB, 0);
+        assert!(!again.is_null(), "{backend}: {:?}", last_error());
+        fill(again, 5 * MIB, 0xee);
+        for &(p, s, seed) in live.iter().skip(1).step_by(2) {
+            check(p, s, seed);
+            free(p, s, 0);
+        }
+        free(again, 5 * MIB, 0);
+        validate(0);
+        let st = stats(0);
+        assert_eq!(st["allocation.all.current"], 0, "{backend}");
+        assert_eq!(st["requested_bytes.all.current"], 0, "{backend}");
+        assert_eq!(
+            st["requested_bytes.all.peak"] as usize,
+            sizes.iter().sum::<usize>(),
+            "{backend}"
+        );
+        // empty_cache leaves no reserved memory that holds no allocation.
+        // SAFETY: no preconditions.
+        unsafe { (api().empty_cache)() };
+        assert_eq!(last_error(), None, "{backend}");
+        validate(0);
+    }
+    reset();
+}
+
+#[test]
+fn concurrent_threads_allocate_write_and_free() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, "") {
+            continue;
+        }
+        std::thread::scope(|s| {
+            for t in 0..8u8 {
+                s.spawn(move || {
+                    let mut held: Vec<(usize, usize)> = Vec::new();
+                    let mut x = 0x9e37_79b9u32.wrapping_mul(t as u32 + 1);
+                    for i in 0..300 {
+                        x ^= x << 13;
+                        x ^= x >> 17;
+                        x ^= x << 5;
+                        if held.len() > 6 || (x % 3 == 0 && !held.is_empty()) {
+                            let (p, sz) = held.swap_remove(x as usize % held.len());
+                            let p = std::ptr::with_exposed_provenance_mut::<c_void>(p);
+                            check(p, sz.min(4096), t);
+                            free(p, sz, 0);
+                            assert_eq!(last_error(), None, "{backend} thread {t} step {i}");
+                        } else {
+                            let sz = 1 + (x as usize % (3 * MIB));
+                            let p = malloc(sz, 0);
+                            assert!(
+                                !p.is_null(),
+                                "{backend} thread {t}: malloc({sz}): {:?}",
+                                last_error()
+                            );
+                            fill(p, sz.min(4096), t);
+                            held.push((p.expose_provenance(), sz));
+                        }
+                    }
+                    for (p, sz) in held {
+                        let p = std::ptr::with_exposed_provenance_mut::<c_void>(p);
+                        check(p, sz.min(4096), t);
+                        free(p, sz, 0);
+                    }
+                });
+            }
+        });
+        validate(0);
+        let st = stats(0);
+        assert_eq!(st["allocation.all.current"], 0, "{backend}");
+        assert_eq!(st["requested_bytes.all.current"], 0, "{backend}");
+        assert!(
+            st["allocation.all.allocated"] > 800,
+            "{backend}: {}",
+            st["allocation.all.allocated"]
+        );
+    }
+    reset();
+}
+
+// ---------------------------------------------------------------------------
+// Statistics, summary
+// ---------------------------------------------------------------------------
+
+#[test]
+fn stats_json_has_pytorch_keys_and_right_values() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, "") {
+            continue;
+        }
+        let st = stats(0);
+        for metric in [
+            "allocation",
+            "segment",
+            "active",
+            "inactive_split",
+            "allocated_bytes",
+            "reserved_bytes",
+            "active_bytes",
+            "inactive_split_bytes",
+            "requested_bytes",
+        ] {
+            for pool in ["all", "small_pool", "large_pool"] {
+                for field in ["current", "peak", "allocated", "freed"] {
+                    let k = format!("{metric}.{pool}.{field}");
+                    assert!(st.contains_key(&k), "{backend}: missing {k}");
+                }
+            }
+        }
+        for k in [
+            "num_alloc_retries",
+            "num_ooms",
+            "num_sync_all_streams",
+            "num_device_alloc",
+            "num_device_free",
+            "max_split_size",
+            "oversize_allocations.current",
+            "oversize_segments.peak",
+            "vmmalloc.pages_mapped",
+            "vmmalloc.pages_pooled",
+        ] {
+            assert!(st.contains_key(k), "{backend}: missing {k}");
+        }
+        let a = malloc(100, 0);
+        let b = malloc(3 * MIB, 0);
+        assert!(
+            !a.is_null() && !b.is_null(),
+            "{backend}: {:?}",
+            last_error()
+        );
+        let st = stats(0);
+        assert_eq!(
+            st["requested_bytes.all.current"],
+            100 + 3 * MIB as i64,
+            "{backend}"
+        );
+        assert_eq!(st["requested_bytes.small_pool.current"], 100, "{backend}");
+        assert_eq!(
+            st["requested_bytes.large_pool.current"],
+            3 * MIB as i64,
+            "{backend}"
+        );
+        assert_eq!(st["allocation.all.current"], 2, "{backend}");
+        assert!(st["num_device_alloc"] >= 1, "{backend}");
+        free(b, 3 * MIB, 0);
+        let st = stats(0);
+        assert_eq!(st["requested_bytes.all.current"], 100, "{backend}");
+        assert_eq!(
+            st["requested_bytes.all.peak"],
+            100 + 3 * MIB as i64,
+            "{backend}"
+        );
+        assert_eq!(st["requested_bytes.all.freed"], 3 * MIB as i64, "{backend}");
+        // SAFETY: no preconditions.
+        assert_eq!(unsafe { (api().reset_peak_stats)(0) }, 0);
+        assert_eq!(stats(0)["requested_bytes.all.peak"], 100, "{backend}");
+        free(a, 100, 0);
+        // A device not used yet reports zeros; an invalid one is an error.
+        fresh(&format!(
+            "device:host,capacity_gb:1,log:off,backend:{backend},device_count:2"
+        ));
+        assert_eq!(stats(1)["allocation.all.current"], 0);
+        // SAFETY: no preconditions.
+        assert!(unsafe { (api().stats_json)(2) }.is_null());
+        assert!(
+            last_error().unwrap().contains("invalid device ordinal 2"),
+            "{:?}",
+            last_error()
+        );
+    }
+    reset();
+}
+
+#[test]
+fn summary_is_pytorch_table_plus_vmmalloc_rows() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, "") {
+            continue;
+        }
+        let p = malloc(3 * MIB, 0);
+        assert!(!p.is_null());
+        let text = summary(0).unwrap_or_else(|| panic!("summary: {:?}", last_error()));
+        for l in text.lines() {
+            assert_eq!(l.chars().count(), 77, "{backend}: {l:?}");
+            assert!(l.starts_with('|') && l.ends_with('|'), "{backend}: {l:?}");
+        }
+        for needle in [
+            "vmmalloc CUDA memory summary, device ID 0",
+            "CUDA OOMs: 0",
+            "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ",
+            " Requested memory      |   3072 KiB |   3072 KiB |   3072 KiB |      0 B   ",
+            " Allocations           |       1    |       1    |       1    |       0    ",
+            "      from large pool",
+            "Oversize GPU segments",
+            &format!("vmmalloc: backend {backend} on host device"),
+            "Mapped pages",
+            "Pooled pages",
+            "Driver calls",
+        ] {
+            assert!(text.contains(needle), "{backend}: no {needle:?} in\n{text}");
+        }
+        free(p, 3 * MIB, 0);
+    }
+    reset();
+}
+
+// ---------------------------------------------------------------------------
+// Snapshots
+// ---------------------------------------------------------------------------
+
+fn get<'a>(v: &'a Value, k: &str) -> &'a Value {
+    match v {
+        Value::Dict(d) => d
+            .get(&HashableValue::String(k.into()))
+            .unwrap_or_else(|| panic!("no key {k:?} in {v:?}")),
+        _ => panic!("{v:?} is not a dict"),
+    }
+}
+
+fn int(v: &Value) -> i64 {
+    match v {
+        Value::I64(i) => *i,
+        _ => panic!("{v:?} is not an int"),
+    }
+}
+
+fn list(v: &Value) -> &Vec<Value> {
+    match v {
+        Value::List(l) => l,
+        _ => panic!("{v:?} is not a list"),
+    }
+}
+
+fn string(v: &Value) -> &str {
+    match v {
+        Value::String(s) => s,
+        _ => panic!("{v:?} is not a str"),
+    }
+}
+
+fn read_pickle(path: &Path) -> Value {
+    let bytes = std::fs::read(path).unwrap();
+    serde_pickle::value_from_slice(&bytes, serde_pickle::DeOptions::new()).expect("valid pickle")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("vmmalloc-capi-{}-{name}", std::process::id()))
+}
+
+#[test]
+fn snapshot_has_pytorch_schema_and_history() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, ",record_history:True") {
+            continue;
+        }
+        let sizes = [1000usize, 2 * MIB, 30 * MIB];
+        let ptrs: Vec<_> = sizes.iter().map(|&s| malloc(s, 0)).collect();
+        assert!(
+            ptrs.iter().all(|p| !p.is_null()),
+            "{backend}: {:?}",
+            last_error()
+        );
+        free(ptrs[1], sizes[1], 0);
+        let path = tmp(&format!("{backend}.pickle"));
+        dump_snapshot(&path).unwrap();
+        let snap = read_pickle(&path);
+
+        let mut live: HashSet<(i64, i64)> = HashSet::new();
+        for seg in list(get(&snap, "segments")) {
+            assert_eq!(int(get(seg, "device")), 0);
+            let (addr, total) = (int(get(seg, "address")), int(get(seg, "total_size")));
+            assert!(
+                ["small", "large"].contains(&string(get(seg, "segment_type"))),
+                "{backend}"
+            );
+            int(get(seg, "stream"));
+            for k in ["allocated_size", "active_size", "requested_size"] {
+                assert!((0..=total).contains(&int(get(seg, k))), "{backend}: {k}");
+            }
+            assert!(matches!(get(seg, "is_expandable"), Value::Bool(_)));
+            assert!(list(get(seg, "frames")).is_empty());
+            // Blocks tile the segment (what _memory_viz.segsum asserts).
+            let mut at = addr;
+            for b in list(get(seg, "blocks")) {
+                assert_eq!(int(get(b, "address")), at, "{backend}: blocks leave a gap");
+                let size = int(get(b, "size"));
+                let state = string(get(b, "state"));
+                assert!(
+                    [
+                        "active_allocated",
+                        "active_pending_free",
+                        "inactive",
+                        "unmapped"
+                    ]
+                    .contains(&state),
+                    "{backend}: state {state}"
+                );
+                assert!(int(get(b, "requested_size")) <= size);
+                assert!(list(get(b, "frames")).is_empty());
+                if state == "active_allocated" {
+                    live.insert((at, int(get(b, "requested_size"))));
+                }
+                at += size;
+            }
+            assert_eq!(
+                at,
+                addr + total,
+                "{backend}: blocks do not cover the segment"
+            );
+        }
+        let expected: HashSet<(i64, i64)> = [0, 2]
+            .iter()
+            .map(|&i| (ptrs[i].addr() as i64, sizes[i] as i64))
+            .collect();
+        assert_eq!(
+            live, expected,
+            "{backend}: active blocks are the live allocations"
+        );
+
+        let traces = list(get(&snap, "device_traces"));
+        assert_eq!(traces.len(), 1);
+        let events: Vec<(String, i64, i64)> = list(&traces[0])
+            .iter()
+            .map(|e| {
+                for k in ["stream", "time_us"] {
+                    int(get(e, k));
+                }
+                assert!(list(get(e, "frames")).is_empty());
+                (
+                    string(get(e, "action")).to_string(),
+                    int(get(e, "addr")),
+                    int(get(e, "size")),
+                )
+            })
+            .collect();
+        let user: Vec<_> = events
+            .iter()
+            .filter(|e| !e.0.starts_with("segment_"))
+            .cloned()
+            .collect();
+        let a = |i: usize| ptrs[i].addr() as i64;
+        assert_eq!(
+            user,
+            vec![
+                ("alloc".into(), a(0), sizes[0] as i64),
+                ("alloc".into(), a(1), sizes[1] as i64),
+                ("alloc".into(), a(2), sizes[2] as i64),
+                ("free_requested".into(), a(1), sizes[1] as i64),
+                ("free_completed".into(), a(1), sizes[1] as i64),
+            ],
+            "{backend}"
+        );
+        // Every allocation lies in memory a segment event made available first.
+        for (i, e) in events.iter().enumerate().filter(|(_, e)| e.0 == "alloc") {
+            let covered = events[..i].iter().any(|s| {
+                (s.0 == "segment_alloc" || s.0 == "segment_map")
+                    && s.1 <= e.1
+                    && e.1 + e.2 <= s.1 + s.2
+            });
+            assert!(
+                covered,
+                "{backend}: alloc at {:#x} has no segment event before it: {events:?}",
+                e.1
+            );
+        }
+        let settings = get(&snap, "allocator_settings");
+        assert!(string(get(settings, "VMMALLOC_CONF")).contains(&format!("backend:{backend}")));
+        assert_eq!(string(get(settings, "backend")), backend);
+
+        // Our own reader takes it back: the live allocations, as written.
+        let trace = vmmalloc_trace::pytorch::read_snapshot(&path)
+            .unwrap_or_else(|e| panic!("{backend}: {e}"));
+        let dev = trace.device(0).expect("device 0");
+        assert_eq!(dev.allocs(), 3, "{backend}");
+        assert_eq!(
+            dev.final_live_bytes(),
+            (sizes[0] + sizes[2]) as u64,
+            "{backend}"
+        );
+        assert!(
+            dev.pre_trace().is_empty(),
+            "{backend}: {:?}",
+            dev.pre_trace()
+        );
+
+        free(ptrs[0], sizes[0], 0);
+        free(ptrs[2], sizes[2], 0);
+        std::fs::remove_file(&path).ok();
+    }
+    reset();
+}
+
+#[test]
+fn history_is_a_bounded_ring_and_off_by_default() {
+    let _g = serial();
+    fresh("device:host,capacity_gb:1,log:off,backend:native,record_history:True,max_entries:4");
+    let ptrs: Vec<_> = (0..10).map(|i| malloc(4096 + i, 0)).collect();
+    let path = tmp("ring.pickle");
+    dump_snapshot(&path).unwrap();
+    let snap = read_pickle(&path);
+    let ev = list(&list(get(&snap, "device_traces"))[0]).clone();
+    assert_eq!(ev.len(), 4, "{ev:?}");
+    // The newest survive, in order: the last allocation is the last event.
+    let last = ev.last().unwrap();
+    assert_eq!(string(get(last, "action")), "alloc");
+    assert_eq!(int(get(last, "addr")), ptrs[9].addr() as i64);
+    for p in ptrs {
+        free(p, 0, 0);
+    }
+    let text = summary(0).unwrap();
+    assert!(text.contains("History dropped"), "{text}");
+
+    fresh("device:host,capacity_gb:1,log:off,backend:native");
+    let p = malloc(4096, 0);
+    dump_snapshot(&path).unwrap();
+    let snap = read_pickle(&path);
+    assert!(list(&list(get(&snap, "device_traces"))[0]).is_empty());
+    assert_eq!(list(get(&snap, "segments")).len(), 1);
+    free(p, 4096, 0);
+    std::fs::remove_file(&path).ok();
+    reset();
+}
+
+// ---------------------------------------------------------------------------
+// Bad input
+// ---------------------------------------------------------------------------
+
+#[test]
+fn bad_inputs_are_reported_and_change_nothing() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, ",device_count:2") {
+            continue;
+        }
+        let keep = malloc(MIB, 0);
+        assert!(!keep.is_null());
+        fill(keep, MIB, 0x5a);
+        let before = stats(0);
+        let expect_err = |what: &str, needle: &str| {
+            let e = last_error().unwrap_or_else(|| panic!("{backend}: {what} set no error"));
+            assert!(
+                e.contains(needle),
+                "{backend}: {what}: {e:?} lacks {needle:?}"
+            );
+        };
+
+        // NULL free: nothing, like C's free.
+        free(std::ptr::null_mut(), 0, 0);
+        assert_eq!(last_error(), None, "{backend}");
+        // Unknown pointers, inside and outside our memory.
+        let bogus = keep.wrapping_byte_add(8);
+        free(bogus, 8, 0);
+        expect_err("free of an interior pointer", "not a live allocation");
+        free(std::ptr::with_exposed_provenance_mut(0xdead_0000), 8, 0);
+        expect_err("free of an unknown pointer", "not a live allocation");
+        // Double free.
+        let p = malloc(4096, 0);
+        free(p, 4096, 0);
+        assert_eq!(last_error(), None);
+        free(p, 4096, 0);
+        expect_err("double free", "not a live allocation");
+        // Size 0 and absurd sizes.
+        assert!(malloc(0, 0).is_null());
+        expect_err("size 0", "size 0");
+        for size in [usize::MAX, usize::MAX / 2, (1 << 30) + 1, 1 << 40] {
+            assert!(malloc(size, 0).is_null(), "{backend}: {size}");
+            expect_err("absurd size", "out of memory");
+        }
+        // Bad ordinals.
+        for d in [-1, 2, 64, i32::MAX, i32::MIN] {
+            assert!(malloc(16, d).is_null());
+            expect_err("bad ordinal", &format!("invalid device ordinal {d}"));
+        }
+        // Wrong device hint on free: found anyway.
+        let q = malloc(4096, 1);
+        assert!(!q.is_null(), "{backend}: {:?}", last_error());
+        free(q, 4096, 0);
+        assert_eq!(last_error(), None, "{backend}");
+        assert_eq!(stats(1)["allocation.all.current"], 0);
+        free(q, 4096, 7);
+        expect_err("double free with a bad hint", "not a live allocation");
+        // Hooks with bad arguments.
+        // SAFETY: the hooks take any values; pointers are opaque to them.
+        unsafe {
+            (api().record_stream)(bogus, std::ptr::null_mut());
+            expect_err(
+                "record_stream of an unknown pointer",
+                "not a live allocation",
+            );
+            (api().set_memory_fraction)(2.0, 0);
+            expect_err("fraction 2.0", "fraction");
+            (api().set_memory_fraction)(0.5, 9);
+            expect_err("fraction on a bad ordinal", "invalid device ordinal 9");
+            assert_eq!((api().dump_snapshot)(std::ptr::null()), -1);
+            expect_err("dump to NULL", "NULL");
+            assert_eq!((api().configure)(std::ptr::null()), -1);
+            expect_err("configure(NULL)", "NULL");
+            assert!((api().summary)(-3).is_null());
+            expect_err("summary of a bad ordinal", "invalid device ordinal -3");
+            assert_eq!((api().reset_peak_stats)(99), -1);
+            (api().free_string)(std::ptr::null_mut());
+        }
+        assert!(dump_snapshot(Path::new("/nonexistent-dir/x.pickle"))
+            .unwrap_err()
+            .contains("/nonexistent-dir"));
+
+        // Nothing changed: same stats (but the OOM counter), the kept bytes intact.
+        let after = stats(0);
+        for k in [
+            "allocation.all.current",
+            "requested_bytes.all.current",
+            "allocated_bytes.all.current",
+        ] {
+            assert_eq!(before[k], after[k], "{backend}: {k}");
+        }
+        check(keep, MIB, 0x5a);
+        validate(0);
+        validate(1);
+        free(keep, MIB, 0);
+        assert_eq!(last_error(), None);
+    }
+    reset();
+}
+
+#[test]
+fn out_of_memory_is_explained_in_pytorch_shape() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, ",record_history:True") {
+            continue;
+        }
+        fresh(&format!(
+            "device:host,capacity_gb:0.0625,log:off,backend:{backend},record_history:True"
+        ));
+        let a = malloc(40 * MIB, 0);
+        assert!(!a.is_null(), "{backend}: {:?}", last_error());
+        assert!(malloc(40 * MIB, 0).is_null(), "{backend}: 80 MiB fit in 64");
+        let e = last_error().unwrap();
+        for needle in [
+            "Tried to allocate 40.00 MiB",
+            "GPU 0 has a total capacity of 64.00 MiB",
+            "of which",
+        ] {
+            assert!(e.contains(needle), "{backend}: {e}");
+        }
+        assert_eq!(stats(0)["num_ooms"], 1, "{backend}");
+        let text = summary(0).unwrap();
+        assert!(text.contains("CUDA OOMs: 1 "), "{backend}: {text}");
+        let path = tmp(&format!("oom-{backend}.pickle"));
+        dump_snapshot(&path).unwrap();
+        let snap = read_pickle(&path);
+        let ev = list(&list(get(&snap, "device_traces"))[0]);
+        let oom = ev
+            .iter()
+            .find(|e| string(get(e, "action")) == "oom")
+            .expect("an oom event");
+        assert_eq!(int(get(oom, "size")), 40 * MIB as i64);
+        assert_eq!(int(get(oom, "addr")), int(get(oom, "device_free")));
+        std::fs::remove_file(&path).ok();
+        free(a, 40 * MIB, 0);
+        validate(0);
+        // After the free, the same request succeeds.
+        let b = malloc(40 * MIB, 0);
+        assert!(!b.is_null(), "{backend}: {:?}", last_error());
+        free(b, 40 * MIB, 0);
+    }
+    reset();
+}
+
+#[test]
+fn memory_fraction_limits_the_allocator() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, "") {
+            continue;
+        }
+        // Before any allocation, as torch.cuda.set_per_process_memory_fraction is used.
+        // SAFETY: no preconditions.
+        unsafe { (api().set_memory_fraction)(0.25, 0) };
+        assert_eq!(last_error(), None, "{backend}");
+        assert!(
+            malloc(300 * MIB, 0).is_null(),
+            "{backend}: 300 MiB fit in a quarter of 1 GiB"
+        );
+        assert!(last_error()
+            .unwrap()
+            .contains("Tried to allocate 300.00 MiB"));
+        let p = malloc(200 * MIB, 0);
+        assert!(!p.is_null(), "{backend}: {:?}", last_error());
+        free(p, 200 * MIB, 0);
+        validate(0);
+    }
+    reset();
+}
+
+#[test]
+fn record_stream_and_init_hooks() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, ",device_count:4") {
+            continue;
+        }
+        let p = malloc(MIB, 0);
+        // SAFETY: the hooks take any values.
+        unsafe {
+            (api().record_stream)(p, std::ptr::null_mut());
+            assert_eq!(last_error(), None, "{backend}");
+            // PyTorch reports 2 GPUs: ordinals 2 and 3 become invalid.
+            (api().init)(2);
+            assert_eq!(last_error(), None, "{backend}");
+        }
+        assert!(!malloc(16, 1).is_null(), "{backend}: {:?}", last_error());
+        assert!(malloc(16, 2).is_null());
+        assert!(last_error()
+            .unwrap()
+            .contains("vmmalloc_init reported 2 device(s)"));
+        free(p, MIB, 0);
+    }
+    reset();
+}
+
+#[test]
+fn sim_devices_are_separate_per_ordinal() {
+    let _g = serial();
+    fresh("device:sim,device_count:3,log:off,backend:native,record_history:True");
+    assert!(
+        malloc((80 << 30) + 1, 0).is_null(),
+        "more than the 80 GiB device"
+    );
+    let a = malloc(60 << 30, 0);
+    let b = malloc(60 << 30, 2);
+    assert!(!a.is_null() && !b.is_null(), "{:?}", last_error());
+    assert_eq!(stats(0)["allocation.all.current"], 1);
+    assert_eq!(stats(1)["allocation.all.current"], 0);
+    assert_eq!(stats(2)["allocation.all.current"], 1);
+    let path = tmp("sim.pickle");
+    dump_snapshot(&path).unwrap();
+    let snap = read_pickle(&path);
+    let devices: Vec<i64> = list(get(&snap, "segments"))
+        .iter()
+        .map(|s| int(get(s, "device")))
+        .collect();
+    assert_eq!(devices, vec![0, 2]);
+    assert_eq!(list(get(&snap, "device_traces")).len(), 3);
+    assert!(summary(2).unwrap().contains("on sim device"));
+    free(b, 0, 0);
+    assert_eq!(last_error(), None, "found on device 2 despite the hint");
+    free(a, 0, 0);
+    std::fs::remove_file(&path).ok();
+    reset();
+}
+
+// ---------------------------------------------------------------------------
+// Configuration
+// ---------------------------------------------------------------------------
+
+#[test]
+fn configure_rejects_bad_text_and_late_calls() {
+    let _g = serial();
+    reset();
+    let e = configure("device:host,colour:blue").unwrap_err();
+    assert!(
+        e.contains("unknown key `colour`") && e.contains("valid keys: backend, device"),
+        "{e}"
+    );
+    let e = configure("device:host,backend:fast").unwrap_err();
+    assert!(
+        e.contains("`backend`") && e.contains("expandable | caching | torch-es | native"),
+        "{e}"
+    );
+    fresh("device:host,capacity_gb:1,log:off,backend:native");
+    let p = malloc(16, 0);
+    assert!(!p.is_null());
+    let e = configure("device:sim").unwrap_err();
+    assert!(e.contains("before the first allocation"), "{e}");
+    assert!(
+        summary(0)
+            .unwrap()
+            .contains("backend native on host device"),
+        "still host"
+    );
+    free(p, 16, 0);
+    // SAFETY: no preconditions; the result is a static string.
+    let v = unsafe { CStr::from_ptr((api().version)()) };
+    assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+    reset();
+}
+
+#[test]
+fn bad_env_config_fails_the_first_malloc_naming_the_key() {
+    if !in_child(
+        "bad_env_config_fails_the_first_malloc_naming_the_key",
+        &[("VMMALLOC_CONF", "device:host,colour:blue")],
+    ) {
+        return;
+    }
+    // SAFETY: no preconditions.
+    unsafe { (api().init)(1) };
+    let e = last_error().expect("init reports the bad configuration");
+    assert!(e.contains("VMMALLOC_CONF: unknown key `colour`"), "{e}");
+    assert!(malloc(4096, 0).is_null());
+    let e = last_error().unwrap();
+    assert!(
+        e.contains("unknown key `colour`") && e.contains("valid keys:"),
+        "{e}"
+    );
+    assert!(
+        e.contains("record_history") && e.contains("capacity_gb"),
+        "lists every key: {e}"
+    );
+    // SAFETY: no preconditions.
+    assert_eq!(unsafe { (api().check_config)() }, -1);
+    assert!(malloc(4096, 0).is_null(), "and every later one");
+    free(std::ptr::with_exposed_provenance_mut(0x1000), 1, 0);
+    assert!(last_error().unwrap().contains("colour"));
+}
+
+#[test]
+fn bad_env_value_names_the_key_and_valid_values() {
+    if !in_child(
+        "bad_env_value_names_the_key_and_valid_values",
+        &[("VMMALLOC_CONF", "device:host,log:loud")],
+    ) {
+        return;
+    }
+    assert!(malloc(4096, 0).is_null());
+    let e = last_error().unwrap();
+    assert!(
+        e.contains("bad value `loud` for key `log`; valid: off | error | info"),
+        "{e}"
+    );
+}
+
+#[test]
+fn env_config_is_read_once_at_first_use() {
+    if !in_child(
+        "env_config_is_read_once_at_first_use",
+        &[(
+            "VMMALLOC_CONF",
+            "device:host, capacity_gb:0.5 ,backend:native,log:off",
+        )],
+    ) {
+        return;
+    }
+    // SAFETY: no preconditions.
+    assert_eq!(unsafe { (api().check_config)() }, 0);
+    let p = malloc(MIB, 0);
+    assert!(!p.is_null(), "{:?}", last_error());
+    fill(p, MIB, 7);
+    let text = summary(0).unwrap();
+    assert!(text.contains("backend native on host device"), "{text}");
+    assert!(text.contains("512.00 MiB"), "capacity_gb:0.5: {text}");
+    // Changing the variable later has no effect: the configuration was read once.
+    std::env::set_var("VMMALLOC_CONF", "device:sim");
+    let q = malloc(MIB, 0);
+    fill(q, MIB, 8);
+    check(p, MIB, 7);
+    free(p, MIB, 0);
+    free(q, MIB, 0);
+    assert_eq!(last_error(), None);
+}

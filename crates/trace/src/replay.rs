@@ -1,0 +1,317 @@
+//! The replayer: runs a policy over a trace's allocation ops on a `sim` device,
+//! and the capacity search built on it.
+
+use crate::model::Op;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use vmmalloc_alloc::{build, Allocator, Policy, PolicyOptions};
+use vmmalloc_device::cost::CostModel;
+use vmmalloc_device::sim::{SimConfig, SimDevice};
+use vmmalloc_device::{round_up, Call, CallCounts, Device, Stream, MIB};
+
+/// How to replay.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    /// The policy.
+    pub policy: Policy,
+    /// Simulated device memory in bytes.
+    pub capacity: u64,
+    /// Allocation granularity of the simulated device.
+    pub granularity: u64,
+    /// Cost model of the simulated device.
+    pub cost: CostModel,
+    /// Policy options.
+    pub options: PolicyOptions,
+    /// Stop at the first out-of-memory (capacity search) instead of skipping the
+    /// failed allocation and going on (reports).
+    pub stop_at_oom: bool,
+    /// Record up to this many (op index, live, reserved) samples of memory over time (0: none).
+    pub timeline_samples: usize,
+    /// Run `validate()` every this many ops (0: never) — slow, for tests.
+    pub validate_every: usize,
+}
+
+impl ReplayConfig {
+    /// A config with defaults for `policy` on a device of `capacity` bytes.
+    pub fn new(policy: Policy, capacity: u64) -> Self {
+        ReplayConfig {
+            policy,
+            capacity,
+            granularity: 2 * MIB,
+            cost: CostModel::default(),
+            options: PolicyOptions::default(),
+            stop_at_oom: false,
+            timeline_samples: 0,
+            validate_every: 0,
+        }
+    }
+}
+
+/// One sample of memory over time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Index of the op after which the sample was taken.
+    pub op: usize,
+    /// Requested bytes of live allocations.
+    pub live: u64,
+    /// Bytes the allocator held from the device (`reserved_bytes`).
+    pub reserved: u64,
+}
+
+/// What a replay measured.
+#[derive(Debug, Clone)]
+pub struct ReplayResult {
+    /// The policy.
+    pub policy: Policy,
+    /// Device capacity used.
+    pub capacity: u64,
+    /// Whether every allocation succeeded.
+    pub ok: bool,
+    /// Out-of-memory errors.
+    pub ooms: u64,
+    /// Op index of the first out-of-memory.
+    pub first_oom: Option<usize>,
+    /// The first out-of-memory message.
+    pub oom_message: Option<String>,
+    /// Ops replayed.
+    pub ops: usize,
+    /// Peak of requested live bytes during the replay.
+    pub peak_live: u64,
+    /// Peak reserved bytes (`reserved_bytes.all.peak`).
+    pub peak_reserved: u64,
+    /// Allocator retries (`num_alloc_retries`).
+    pub retries: u64,
+    /// Synchronizations forced (device, stream and event syncs at the device).
+    pub syncs: u64,
+    /// Device calls per kind.
+    pub driver_calls: CallCounts,
+    /// Modeled driver time, microseconds.
+    pub modeled_driver_us: f64,
+    /// CPU time of the replay loop.
+    pub cpu_time: Duration,
+    /// Memory over time (if asked for).
+    pub timeline: Vec<Sample>,
+    /// An error that is not out-of-memory (a policy bug or a bad trace), if any.
+    pub error: Option<String>,
+}
+
+impl ReplayResult {
+    /// Device calls that touch memory (everything but event queries/records and info).
+    pub fn memory_calls(&self) -> u64 {
+        [
+            Call::Reserve,
+            Call::AddressFree,
+            Call::Create,
+            Call::Release,
+            Call::Map,
+            Call::Unmap,
+            Call::SetAccess,
+            Call::Alloc,
+            Call::Free,
+        ]
+        .iter()
+        .map(|c| self.driver_calls.get(*c))
+        .sum()
+    }
+}
+
+/// Replays `ops` with `config`.
+pub fn replay(ops: &[Op], config: &ReplayConfig) -> ReplayResult {
+    let mut sim_config = SimConfig::with_capacity(config.capacity);
+    sim_config.granularity = config.granularity;
+    sim_config.cost = config.cost;
+    let sim = Arc::new(SimDevice::new(sim_config));
+    let device: Arc<dyn Device> = sim.clone();
+    let mut result = ReplayResult {
+        policy: config.policy,
+        capacity: config.capacity,
+        ok: true,
+        ooms: 0,
+        first_oom: None,
+        oom_message: None,
+        ops: 0,
+        peak_live: 0,
+        peak_reserved: 0,
+        retries: 0,
+        syncs: 0,
+        driver_calls: CallCounts::default(),
+        modeled_driver_us: 0.0,
+        cpu_time: Duration::ZERO,
+        timeline: Vec::new(),
+        error: None,
+    };
+    let alloc = match build(config.policy, device, &config.options) {
+        Ok(a) => a,
+        Err(e) => {
+            result.ok = false;
+            result.error = Some(format!("creating {}: {e}", config.policy));
+            return result;
+        }
+    };
+    let start = Instant::now();
+    run_ops(&*alloc, &sim, ops, config, &mut result);
+    result.cpu_time = start.elapsed();
+    let stats = alloc.stats();
+    result.peak_reserved = stats.reserved_bytes.all().peak.max(0) as u64;
+    result.retries = stats.num_alloc_retries;
+    drop(alloc);
+    let counts = sim.counts();
+    result.syncs = counts.syncs();
+    result.driver_calls = counts;
+    result.modeled_driver_us = sim.modeled_us();
+    result
+}
+
+fn run_ops(alloc: &dyn Allocator, sim: &SimDevice, ops: &[Op], config: &ReplayConfig, result: &mut ReplayResult) {
+    // Dense id -> pointer (u64::MAX: not live / failed).
+    let mut ptrs: Vec<u64> = Vec::new();
+    let mut sizes: Vec<u64> = Vec::new();
+    let mut streams: HashMap<u64, Stream> = HashMap::new();
+    let mut live: u64 = 0;
+    let sample_every = if config.timeline_samples > 0 {
+        (ops.len() / config.timeline_samples).max(1)
+    } else {
+        usize::MAX
+    };
+    for (i, op) in ops.iter().enumerate() {
+        match *op {
+            Op::Alloc { id, size, stream } => {
+                let id = id as usize;
+                if ptrs.len() <= id {
+                    ptrs.resize(id + 1, u64::MAX);
+                    sizes.resize(id + 1, 0);
+                }
+                let s = match streams.get(&stream) {
+                    Some(s) => *s,
+                    None => {
+                        let s = if stream == 0 {
+                            Stream::DEFAULT
+                        } else {
+                            match sim.create_stream() {
+                                Ok(s) => s,
+                                Err(e) => {
+                                    result.error = Some(format!("op {i}: creating a stream: {e}"));
+                                    result.ok = false;
+                                    return;
+                                }
+                            }
+                        };
+                        streams.insert(stream, s);
+                        s
+                    }
+                };
+                match alloc.malloc(size, s) {
+                    Ok(a) => {
+                        ptrs[id] = a.ptr;
+                        sizes[id] = size;
+                        live += size;
+                        result.peak_live = result.peak_live.max(live);
+                    }
+                    Err(e) if e.is_out_of_memory() => {
+                        result.ok = false;
+                        result.ooms += 1;
+                        if result.first_oom.is_none() {
+                            result.first_oom = Some(i);
+                            result.oom_message = Some(e.to_string());
+                        }
+                        if config.stop_at_oom {
+                            result.ops = i + 1;
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        result.ok = false;
+                        result.error = Some(format!("op {i}: malloc({size}) failed: {e}"));
+                        result.ops = i + 1;
+                        return;
+                    }
+                }
+            }
+            Op::Free { id } => {
+                let id = id as usize;
+                let ptr = ptrs.get(id).copied().unwrap_or(u64::MAX);
+                if ptr != u64::MAX {
+                    if let Err(e) = alloc.free(ptr) {
+                        result.ok = false;
+                        result.error = Some(format!("op {i}: free({ptr:#x}) failed: {e}"));
+                        result.ops = i + 1;
+                        return;
+                    }
+                    ptrs[id] = u64::MAX;
+                    live -= sizes[id];
+                }
+            }
+        }
+        if config.validate_every > 0 && i % config.validate_every == 0 {
+            if let Err(e) = alloc.validate() {
+                result.ok = false;
+                result.error = Some(format!("op {i}: invariant broken: {e}"));
+                result.ops = i + 1;
+                return;
+            }
+        }
+        if i % sample_every == 0 {
+            let reserved = alloc.stats().reserved_bytes.all().current.max(0) as u64;
+            result.timeline.push(Sample { op: i, live, reserved });
+        }
+    }
+    result.ops = ops.len();
+}
+
+/// The result of a capacity search for one policy.
+#[derive(Debug, Clone)]
+pub struct CapacitySearch {
+    /// Smallest capacity (multiple of the granularity) that replays without out-of-memory,
+    /// or `None` if even the upper bound failed.
+    pub min_capacity: Option<u64>,
+    /// Replays run.
+    pub probes: usize,
+}
+
+/// Finds, by bisection to the granularity, the smallest device capacity with
+/// which `config.policy` replays `ops` without out-of-memory. `peak_live` is
+/// the trace's peak live bytes (the lower bound); the search gives up above
+/// `max_capacity`.
+pub fn min_capacity(ops: &[Op], peak_live: u64, config: &ReplayConfig, max_capacity: u64) -> CapacitySearch {
+    let g = config.granularity;
+    let runs = |cap: u64| {
+        let mut c = config.clone();
+        c.capacity = cap;
+        c.stop_at_oom = true;
+        c.timeline_samples = 0;
+        let r = replay(ops, &c);
+        r.ok
+    };
+    let mut probes = 0;
+    // Lowest capacity that may work: the peak of live bytes, in whole granules.
+    let mut lo = round_up(peak_live.max(1), g).saturating_sub(g); // known (or assumed) to fail
+    let mut hi = round_up((peak_live as f64 * 1.05) as u64 + g, g);
+    loop {
+        probes += 1;
+        if runs(hi) {
+            break;
+        }
+        lo = hi;
+        if hi >= max_capacity {
+            return CapacitySearch {
+                min_capacity: None,
+                probes,
+            };
+        }
+        hi = round_up((hi * 2).min(max_capacity), g);
+    }
+    while hi - lo > g {
+        let mid = lo + ((hi - lo) / g / 2) * g;
+        probes += 1;
+        if runs(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    CapacitySearch {
+        min_capacity: Some(hi),
+        probes,
+    }
+}

@@ -1,0 +1,122 @@
+//! Generated workloads: determinism by seed, sanity of sizes, streams and frees.
+
+use std::time::Instant;
+
+use vmmalloc_trace::workloads::{workload_by_name, workload_params, WORKLOADS};
+use vmmalloc_trace::{text, EventKind, Op, Trace};
+
+const GIB: u64 = 1 << 30;
+
+fn summary(t: &Trace) -> String {
+    let d = &t.devices[0];
+    format!(
+        "{}: {} events, {} allocs, peak live {} ({:.2} GiB), streams {:?}",
+        t.name,
+        d.events().len(),
+        d.allocs(),
+        d.peak_live_bytes(),
+        d.peak_live_bytes() as f64 / GIB as f64,
+        d.streams()
+    )
+}
+
+#[test]
+fn same_seed_same_trace_other_seed_other_trace() {
+    for w in WORKLOADS {
+        let a = workload_by_name(w).unwrap();
+        let b = workload_by_name(w).unwrap();
+        assert_eq!(a, b, "{w}");
+        let c = workload_by_name(&format!("{w}:seed=7")).unwrap();
+        assert_ne!(a.devices[0].events(), c.devices[0].events(), "{w}");
+        assert_eq!(c.name, format!("{w}:seed=7"));
+    }
+}
+
+#[test]
+fn defaults_are_realistic_and_consistent() {
+    // (name, min peak live, max peak live, min streams)
+    let expect = [
+        ("train-varlen", 20 * GIB, 60 * GIB, 3),
+        ("serve-kv", 18 * GIB, 60 * GIB, 2),
+        ("frag-adversary", 10 * GIB, 60 * GIB, 1),
+    ];
+    for (w, lo, hi, streams) in expect {
+        let start = Instant::now();
+        let t = workload_by_name(w).unwrap();
+        let took = start.elapsed();
+        println!("{} (generated in {took:?})", summary(&t));
+        let d = &t.devices[0];
+        assert!(
+            d.peak_live_bytes() >= lo && d.peak_live_bytes() <= hi,
+            "{}",
+            summary(&t)
+        );
+        assert!(d.streams().len() >= streams, "{}", summary(&t));
+        assert!(
+            (5_000..=100_000).contains(&d.events().len()),
+            "{}",
+            summary(&t)
+        );
+        assert!(d.pre_trace().is_empty());
+        // Every free names a live id (also checked on build); ids are dense.
+        let mut live = vec![false; d.num_ids() as usize];
+        for op in d.replay_ops() {
+            match *op {
+                Op::Alloc { id, size, .. } => {
+                    assert!(!live[id as usize] && size > 0);
+                    live[id as usize] = true;
+                }
+                Op::Free { id } => {
+                    assert!(live[id as usize], "free of unknown id {id} in {w}");
+                    live[id as usize] = false;
+                }
+            }
+        }
+        assert!(d
+            .events()
+            .iter()
+            .all(|e| matches!(e.kind, EventKind::Alloc | EventKind::Free)));
+    }
+}
+
+#[test]
+fn overrides_change_the_trace() {
+    let small = workload_by_name("train-varlen:steps=2,layers=4,len_max=256").unwrap();
+    let ckpt =
+        workload_by_name("train-varlen:steps=2,layers=4,len_max=256,checkpointing=true").unwrap();
+    assert!(ckpt.devices[0].peak_live_bytes() < small.devices[0].peak_live_bytes());
+    assert!(small.devices[0].events().len() < 3_000);
+    let kv = workload_by_name("serve-kv:steps=100,max_running=4").unwrap();
+    assert!(kv.devices[0].events().len() < 2_000);
+    let frag = workload_by_name("frag-adversary:rounds=1,blocks=10,align_kb=1").unwrap();
+    assert!(frag.devices[0]
+        .replay_ops()
+        .iter()
+        .any(|op| matches!(op, Op::Alloc { size, .. } if size % (2 << 20) != 0)));
+}
+
+#[test]
+fn out_of_range_values_name_the_key() {
+    for (spec, key) in [
+        ("train-varlen:steps=0", "steps"),
+        ("train-varlen:len_min=100,len_max=50", "len_max"),
+        ("train-varlen:len_max=100000000", "len_max"),
+        ("serve-kv:chunk_min=64,chunk_max=16", "chunk_max"),
+        ("serve-kv:arrival_rate=-1", "arrival_rate"),
+        ("frag-adversary:big_min_mb=8", "big_min_mb"),
+        ("frag-adversary:align_kb=0", "align_kb"),
+    ] {
+        let e = workload_by_name(spec).unwrap_err().to_string();
+        assert!(e.contains(&format!("`{key}`")), "{spec}: {e}");
+    }
+}
+
+#[test]
+fn workloads_survive_the_text_format() {
+    for w in WORKLOADS {
+        let t = workload_by_name(&format!("{w}:seed=3")).unwrap();
+        let back = text::parse_text(&text::to_text(&t), "x").unwrap();
+        assert_eq!(back, t, "{w}");
+    }
+    assert!(workload_params("serve-kv").unwrap().len() > 10);
+}

@@ -1,0 +1,95 @@
+"""``python -m vmmalloc [options] (script.py | -m module) [args...]``
+
+Enables vmmalloc as PyTorch's CUDA allocator (configured by ``VMMALLOC_CONF``
+or ``--conf``), then runs the script (or module) as ``__main__`` with the
+remaining arguments, as ``python script.py args...`` would.
+
+Options (before the script):
+  --conf CONF        configuration, replacing $VMMALLOC_CONF
+  --summary          print vmmalloc's memory summary of device 0 to stderr at exit
+  --snapshot PATH    write a snapshot pickle (PyTorch's schema) to PATH at exit
+  --version          print the library version and exit
+  -h, --help         this help
+"""
+
+import atexit
+import os
+import runpy
+import sys
+
+
+def _usage(code):
+    (sys.stdout if code == 0 else sys.stderr).write(__doc__)
+    return code
+
+
+def parse(argv):
+    """Splits argv into (options dict, target kind, target, script args)."""
+    opts = {"conf": None, "summary": False, "snapshot": None, "version": False, "help": False}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            opts["help"] = True
+            return opts, None, None, []
+        if a == "--version":
+            opts["version"] = True
+            return opts, None, None, []
+        if a == "--summary":
+            opts["summary"] = True
+        elif a in ("--conf", "--snapshot"):
+            if i + 1 >= len(argv):
+                raise ValueError(f"{a} needs a value")
+            opts[a[2:]] = argv[i + 1]
+            i += 1
+        elif a.startswith("--conf=") or a.startswith("--snapshot="):
+            k, v = a[2:].split("=", 1)
+            opts[k] = v
+        elif a == "-m":
+            if i + 1 >= len(argv):
+                raise ValueError("-m needs a module name")
+            return opts, "module", argv[i + 1], argv[i + 2:]
+        elif a.startswith("-"):
+            raise ValueError(f"unknown option {a}")
+        else:
+            return opts, "script", a, argv[i + 1:]
+        i += 1
+    raise ValueError("no script or -m module given")
+
+
+def main(argv=None):
+    """Entry point; returns an exit status (the script's own SystemExit propagates)."""
+    import vmmalloc
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        opts, kind, target, args = parse(argv)
+    except ValueError as e:
+        sys.stderr.write(f"vmmalloc: {e}\n")
+        return _usage(2)
+    if opts["help"]:
+        return _usage(0)
+    if opts["version"]:
+        print(vmmalloc.version())
+        return 0
+    try:
+        vmmalloc.enable(opts["conf"])
+    except (vmmalloc.VmmallocError, FileNotFoundError) as e:
+        sys.stderr.write(f"vmmalloc: cannot enable: {e}\n")
+        return 2
+    if opts["summary"]:
+        atexit.register(lambda: sys.stderr.write(vmmalloc.memory_summary(0)))
+    if opts["snapshot"]:
+        atexit.register(vmmalloc.dump_snapshot, opts["snapshot"])
+    if kind == "module":
+        sys.argv = [target] + list(args)
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target] + list(args)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

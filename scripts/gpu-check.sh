@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# gpu-check.sh — vmmalloc on a real NVIDIA GPU (A100 / H100 / H200), in one call.
+#
+#   1. Fails clearly (exit 1, one line "no NVIDIA GPU/driver found: ...") where
+#      there is no nvidia-smi, no GPU, or no libcuda.
+#   2. Prints the driver version, device names, allocation granularity and VMM
+#      support (`vmmalloc info`).
+#   3. Runs every #[ignore]d GPU test suite (see "GPU test suites" below).
+#   4. Calibrates the cost model: each driver call's median latency over
+#      ITERATIONS calls (`vmmalloc calibrate`), written as JSON
+#      {"device", "driver_version", "costs_us": {reserve, create, map, ...}, ...}
+#      to $OUT (a file; or, if $OUT is a directory, $OUT/gpu-calibration.json),
+#      default ./gpu-calibration.json.
+#
+# Environment:
+#   OUT                    where the calibration JSON goes (see above)
+#   ITERATIONS             timed calls per driver call kind (default 200, min 100)
+#   VMMALLOC_TEST_DEVICE   GPU ordinal to test and calibrate (default 0)
+#   VMMALLOC_CUDA_LIBRARY  driver library to load instead of libcuda.so.1
+#   CARGO_FLAGS            extra cargo flags, e.g. "--offline"
+#
+# Exit status: 0 when every step passed, 1 otherwise (each step still runs).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+no_gpu() {
+    echo "no NVIDIA GPU/driver found: $*" >&2
+    exit 1
+}
+
+# ---------------------------------------------------------------------------
+# 1. Is there a GPU and a driver?
+# ---------------------------------------------------------------------------
+
+command -v nvidia-smi >/dev/null 2>&1 || no_gpu "nvidia-smi is not installed"
+if ! gpus="$(nvidia-smi -L 2>&1)"; then
+    no_gpu "nvidia-smi -L failed: $(printf '%s' "$gpus" | head -n 1)"
+fi
+grep -q '^GPU ' <<<"$gpus" || no_gpu "nvidia-smi lists no GPU"
+
+cuda_lib="${VMMALLOC_CUDA_LIBRARY:-libcuda.so.1}"
+find_lib() {
+    local name=$1 dir
+    if [[ $name == */* ]]; then
+        [[ -e $name ]]
+        return
+    fi
+    local ldconfig
+    ldconfig="$(command -v ldconfig || echo /sbin/ldconfig)"
+    if [[ -x $ldconfig ]] && "$ldconfig" -p 2>/dev/null | grep -qF "$name"; then
+        return 0
+    fi
+    local IFS=:
+    for dir in ${LD_LIBRARY_PATH:-} /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu \
+        /usr/lib64 /usr/lib /usr/local/nvidia/lib64 /usr/local/cuda/compat /usr/lib/wsl/lib; do
+        [[ -n $dir && -e $dir/$name ]] && return 0
+    done
+    return 1
+}
+find_lib "$cuda_lib" || no_gpu "$cuda_lib not found (ldconfig -p, LD_LIBRARY_PATH, standard paths)"
+
+command -v cargo >/dev/null 2>&1 || { echo "gpu-check: cargo is not installed" >&2; exit 1; }
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+started=$SECONDS
+failures=()
+section() { printf '\n=== %s\n' "$*"; }
+# run_step NAME CMD...: runs CMD, records a failure without stopping.
+run_step() {
+    local name=$1
+    shift
+    echo "--- $name: $*"
+    local t0=$SECONDS
+    if "$@"; then
+        echo "--- $name: ok ($((SECONDS - t0)) s)"
+    else
+        local rc=$?
+        echo "--- $name: FAILED (exit $rc, $((SECONDS - t0)) s)"
+        failures+=("$name")
+    fi
+}
+
+# shellcheck disable=SC2206  # CARGO_FLAGS is split on purpose
+cargo_flags=(${CARGO_FLAGS:-})
+target_dir="${CARGO_TARGET_DIR:-target}"
+bin="$target_dir/release/vmmalloc"
+device="${VMMALLOC_TEST_DEVICE:-0}"
+iterations="${ITERATIONS:-200}"
+out="${OUT:-gpu-calibration.json}"
+if [[ -d $out ]]; then
+    out="$out/gpu-calibration.json"
+fi
+
+section "GPUs (nvidia-smi)"
+echo "$gpus"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv || true
+
+section "build"
+cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} --bin vmmalloc
+
+# ---------------------------------------------------------------------------
+# 2. Driver version, devices, granularity, VMM support
+# ---------------------------------------------------------------------------
+
+section "vmmalloc info"
+"$bin" info
+info_json="$("$bin" info --json)"
+if ! grep -q '"vmm_supported": true' <<<"$info_json"; then
+    no_gpu "the CUDA driver reports no device with virtual memory management: $("$bin" info | grep '^CUDA driver' || true)"
+fi
+
+# ---------------------------------------------------------------------------
+# 3. GPU test suites (each test #[ignore]d so that `cargo test` skips it
+#    where there is no GPU). One run_step per suite, single-threaded so that
+#    memory figures are not disturbed by concurrent tests.
+# ---------------------------------------------------------------------------
+
+section "GPU test suites"
+export VMMALLOC_TEST_DEVICE="$device"
+run_step "device (cuda backend)" \
+    cargo test --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-device -- --ignored --test-threads=1
+# ---- more GPU suites: add one run_step per suite here ---------------------
+# run_step "allocator policies on cuda" \
+#     cargo test --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-alloc -- --ignored --test-threads=1
+# ---- end of GPU suites -----------------------------------------------------
+
+# ---------------------------------------------------------------------------
+# 4. Cost-model calibration
+# ---------------------------------------------------------------------------
+
+section "calibrate (median of $iterations calls each) -> $out"
+run_step "calibrate" "$bin" calibrate --device "$device" --iterations "$iterations" --json "$out"
+
+section "summary ($((SECONDS - started)) s)"
+if ((${#failures[@]} > 0)); then
+    echo "FAILED: ${failures[*]}"
+    exit 1
+fi
+echo "all GPU checks passed; calibration in $out"

@@ -1,0 +1,347 @@
+//! `vmmalloc compare`: replay traces against every policy, find each one's
+//! smallest device, and report overhead and driver cost.
+
+use crate::report;
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::{json, Map, Value};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
+use vmmalloc_alloc::Policy;
+use vmmalloc_device::cost::CostModel;
+use vmmalloc_device::{round_up, Call, CallCounts, GIB, MIB};
+use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig, ReplayResult};
+use vmmalloc_trace::{DeviceTrace, Input, Trace};
+
+/// The built-in set: the bundled real snapshot plus the three workloads.
+pub const BUILTIN_FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/cs336_lm_step.pickle");
+
+/// Arguments of `vmmalloc compare`.
+#[derive(clap::Args, Debug)]
+pub struct CompareArgs {
+    /// Snapshots (.pickle), text traces, or workload names (`train-varlen`,
+    /// `serve-kv:seed=3`, ...). Default: the bundled snapshot and the three workloads.
+    pub inputs: Vec<String>,
+    /// Policies to compare, comma-separated.
+    #[arg(long, default_value = "expandable,caching,torch-es,native", value_delimiter = ',')]
+    pub policies: Vec<String>,
+    /// Write the results as JSON to FILE (`-` for standard output).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<String>,
+    /// Write report.md and SVG plots to DIR.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Cost model overrides, e.g. `create=40,map=2` (µs per call).
+    #[arg(long, value_name = "KEY=US,...")]
+    pub cost: Option<String>,
+    /// Device granularity in MiB for the simulated device.
+    #[arg(long, default_value_t = 2)]
+    pub granularity_mb: u64,
+}
+
+/// One policy's figures on one trace.
+#[derive(Debug, Clone)]
+pub struct PolicyRow {
+    /// The policy.
+    pub policy: Policy,
+    /// Smallest capacity that runs the trace.
+    pub min_capacity: Option<u64>,
+    /// Replay at the tight capacity (1.05 × peak live).
+    pub tight: ReplayResult,
+    /// Replay on an unlimited device.
+    pub unlimited: ReplayResult,
+}
+
+/// Everything measured on one (trace, device).
+#[derive(Debug, Clone)]
+pub struct TraceRow {
+    /// Trace name.
+    pub name: String,
+    /// Device index.
+    pub device: u32,
+    /// Events on that device.
+    pub events: usize,
+    /// Allocations replayed (pre-trace included).
+    pub allocs: usize,
+    /// Bytes live before the trace began.
+    pub pre_trace_live: u64,
+    /// Peak live requested bytes.
+    pub peak_live: u64,
+    /// Tight capacity used.
+    pub tight_capacity: u64,
+    /// Warnings from the reader.
+    pub warnings: usize,
+    /// Per policy.
+    pub policies: Vec<PolicyRow>,
+}
+
+impl PolicyRow {
+    /// min capacity / peak live.
+    pub fn overhead(&self, peak_live: u64) -> Option<f64> {
+        self.min_capacity.map(|c| c as f64 / peak_live.max(1) as f64)
+    }
+}
+
+/// Capacity of the "unlimited" device: far above any trace's need.
+pub fn unlimited_capacity(peak_live: u64) -> u64 {
+    round_up((peak_live * 8).max(80 * GIB), GIB)
+}
+
+/// Tight capacity: 1.05 × peak live, rounded up to the granularity.
+pub fn tight_capacity(peak_live: u64, granularity: u64) -> u64 {
+    round_up((peak_live as f64 * 1.05).ceil() as u64, granularity)
+}
+
+/// Measures one device trace against the policies.
+pub fn measure(name: &str, dt: &DeviceTrace, policies: &[Policy], base: &ReplayConfig, tick: &(dyn Fn() + Sync)) -> TraceRow {
+    let ops = dt.replay_ops();
+    let peak_live = dt.peak_live_bytes();
+    let tight_cap = tight_capacity(peak_live, base.granularity);
+    let unl = unlimited_capacity(peak_live);
+    let rows: Mutex<Vec<PolicyRow>> = Mutex::new(Vec::new());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(policies.len()).max(1);
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&policy) = policies.get(i) else { break };
+                let mut cfg = base.clone();
+                cfg.policy = policy;
+                let search = min_capacity(ops, peak_live, &cfg, unl);
+                let mut tcfg = cfg.clone();
+                tcfg.capacity = tight_cap;
+                tcfg.timeline_samples = 400;
+                let tight = replay(ops, &tcfg);
+                let mut ucfg = cfg.clone();
+                ucfg.capacity = unl;
+                let unlimited = replay(ops, &ucfg);
+                rows.lock().unwrap().push(PolicyRow {
+                    policy,
+                    min_capacity: search.min_capacity,
+                    tight,
+                    unlimited,
+                });
+                tick();
+            });
+        }
+    });
+    let mut policies_rows = rows.into_inner().unwrap();
+    policies_rows.sort_by_key(|r| policies.iter().position(|p| *p == r.policy));
+    TraceRow {
+        name: name.to_string(),
+        device: dt.device(),
+        events: dt.events().len(),
+        allocs: dt.allocs(),
+        pre_trace_live: dt.pre_trace_live_bytes(),
+        peak_live,
+        tight_capacity: tight_cap,
+        warnings: dt.warnings().len(),
+        policies: policies_rows,
+    }
+}
+
+fn calls_json(c: &CallCounts) -> Value {
+    let mut m = Map::new();
+    for call in Call::ALL {
+        let n = c.get(call);
+        if n > 0 {
+            m.insert(call.name().to_string(), json!(n));
+        }
+    }
+    Value::Object(m)
+}
+
+/// The JSON document (schema version 1).
+pub fn to_json(rows: &[TraceRow]) -> Value {
+    let traces: Vec<Value> = rows
+        .iter()
+        .map(|t| {
+            let mut pols = Map::new();
+            for p in &t.policies {
+                pols.insert(
+                    p.policy.name().to_string(),
+                    json!({
+                        "min_capacity_bytes": p.min_capacity,
+                        "overhead": p.overhead(t.peak_live),
+                        "tight": {
+                            "capacity_bytes": t.tight_capacity,
+                            "ok": p.tight.ok,
+                            "ooms": p.tight.ooms,
+                            "retries": p.tight.retries,
+                            "syncs": p.tight.syncs,
+                            "driver_calls": calls_json(&p.tight.driver_calls),
+                            "modeled_driver_us": p.tight.modeled_driver_us,
+                        },
+                        "unlimited": {
+                            "peak_reserved_bytes": p.unlimited.peak_reserved,
+                            "driver_calls": calls_json(&p.unlimited.driver_calls),
+                            "modeled_driver_us": p.unlimited.modeled_driver_us,
+                        },
+                    }),
+                );
+            }
+            json!({
+                "name": t.name,
+                "device": t.device,
+                "events": t.events,
+                "allocs": t.allocs,
+                "pre_trace_live_bytes": t.pre_trace_live,
+                "peak_live_bytes": t.peak_live,
+                "policies": Value::Object(pols),
+            })
+        })
+        .collect();
+    json!({ "version": 1, "traces": traces })
+}
+
+/// Formats bytes as GiB with two decimals.
+pub fn gib(b: u64) -> String {
+    format!("{:.2}", b as f64 / GIB as f64)
+}
+
+/// The comparison table (plain text, aligned).
+pub fn table(rows: &[TraceRow]) -> String {
+    let header = [
+        "trace", "dev", "peak live GiB", "policy", "min cap GiB", "overhead", "tight ok", "driver calls", "driver ms",
+        "syncs",
+    ];
+    let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
+    for t in rows {
+        for p in &t.policies {
+            lines.push(vec![
+                t.name.clone(),
+                t.device.to_string(),
+                gib(t.peak_live),
+                p.policy.name().to_string(),
+                p.min_capacity.map_or("-".into(), gib),
+                p.overhead(t.peak_live).map_or("-".into(), |o| format!("{o:.3}")),
+                if p.tight.ok { "yes".into() } else { format!("no ({} ooms)", p.tight.ooms) },
+                p.tight.memory_calls().to_string(),
+                format!("{:.1}", p.tight.modeled_driver_us / 1000.0),
+                p.tight.syncs.to_string(),
+            ]);
+        }
+    }
+    let widths: Vec<usize> = (0..header.len()).map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0)).collect();
+    let mut out = String::new();
+    for (n, l) in lines.iter().enumerate() {
+        let cells: Vec<String> = l
+            .iter()
+            .enumerate()
+            .map(|(i, c)| if i <= 3 { format!("{c:<w$}", w = widths[i]) } else { format!("{c:>w$}", w = widths[i]) })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+        if n == 0 {
+            out.push_str(&widths.iter().map(|w| "-".repeat(*w)).collect::<Vec<_>>().join("  "));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Loads the inputs (or the built-in set).
+pub fn load_inputs(inputs: &[String]) -> Result<Vec<Trace>> {
+    let specs: Vec<String> = if inputs.is_empty() {
+        let mut v = vec![BUILTIN_FIXTURE.to_string()];
+        v.extend(vmmalloc_trace::WORKLOADS.iter().map(|s| s.to_string()));
+        v
+    } else {
+        inputs.to_vec()
+    };
+    specs
+        .iter()
+        .map(|s| {
+            let input: Input = s.parse().with_context(|| format!("input `{s}`"))?;
+            input.load().with_context(|| format!("loading `{s}`"))
+        })
+        .collect()
+}
+
+/// Parses a policy list.
+pub fn parse_policies(names: &[String]) -> Result<Vec<Policy>> {
+    let mut out = Vec::new();
+    for n in names.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        let p: Policy = n.parse()?;
+        if !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    if out.is_empty() {
+        bail!("no policies given");
+    }
+    Ok(out)
+}
+
+/// Builds the base replay config from the command line.
+pub fn base_config(cost: Option<&str>, granularity_mb: u64) -> Result<ReplayConfig> {
+    let mut cfg = ReplayConfig::new(Policy::Expandable, 0);
+    let mut model = CostModel::default();
+    if let Some(c) = cost {
+        model.parse_overrides(c).map_err(anyhow::Error::msg)?;
+    }
+    cfg.cost = model;
+    if granularity_mb == 0 || !granularity_mb.is_power_of_two() {
+        bail!("--granularity-mb must be a power of two, got {granularity_mb}");
+    }
+    cfg.granularity = granularity_mb * MIB;
+    Ok(cfg)
+}
+
+/// Runs `vmmalloc compare`.
+pub fn run(args: CompareArgs) -> Result<()> {
+    let policies = parse_policies(&args.policies)?;
+    let base = base_config(args.cost.as_deref(), args.granularity_mb)?;
+    let traces = load_inputs(&args.inputs)?;
+    let total: u64 = traces.iter().map(|t| t.devices.len() as u64).sum::<u64>() * policies.len() as u64;
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
+    bar.set_style(ProgressStyle::with_template("{elapsed:>4} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
+    let started = Instant::now();
+    let shown = std::sync::atomic::AtomicBool::new(false);
+    let tick = || {
+        bar.inc(1);
+        if started.elapsed().as_secs_f64() > 1.0 && !shown.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
+    };
+    let mut rows = Vec::new();
+    for t in &traces {
+        for dt in &t.devices {
+            bar.set_message(format!("{} (device {})", t.name, dt.device()));
+            rows.push(measure(&t.name, dt, &policies, &base, &tick));
+        }
+    }
+    bar.finish_and_clear();
+    let json_to_stdout = args.json.as_deref() == Some("-");
+    if !json_to_stdout {
+        print!("{}", table(&rows));
+        println!("overhead = min capacity / peak live; driver calls, time and syncs at the tight capacity (1.05 x peak live).");
+    }
+    if let Some(j) = &args.json {
+        let text = serde_json::to_string_pretty(&to_json(&rows))?;
+        if j == "-" {
+            println!("{text}");
+        } else {
+            std::fs::write(j, text + "\n").with_context(|| format!("writing {j}"))?;
+        }
+    }
+    if let Some(dir) = &args.out {
+        report::write(dir, &rows, &base).with_context(|| format!("writing the report to {}", dir.display()))?;
+        if !json_to_stdout {
+            println!("report written to {}", dir.join("report.md").display());
+        }
+    }
+    for t in &rows {
+        if t.warnings > 0 && !json_to_stdout {
+            eprintln!("note: {} device {}: {} reader warnings", t.name, t.device, t.warnings);
+        }
+        for p in &t.policies {
+            if let Some(e) = p.tight.error.as_ref().or(p.unlimited.error.as_ref()) {
+                eprintln!("error: {} on {}: {e}", p.policy, t.name);
+            }
+        }
+    }
+    Ok(())
+}

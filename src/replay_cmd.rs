@@ -1,0 +1,114 @@
+//! `vmmalloc replay`: replay one input against one policy and print its stats.
+
+use crate::compare::{base_config, gib, load_inputs};
+use anyhow::{bail, Result};
+use vmmalloc_alloc::Policy;
+use vmmalloc_device::{Call, GIB, MIB};
+use vmmalloc_trace::replay::replay;
+
+/// Arguments of `vmmalloc replay`.
+#[derive(clap::Args, Debug)]
+pub struct ReplayArgs {
+    /// A snapshot (.pickle), a text trace, or a workload name.
+    pub input: String,
+    /// The policy.
+    #[arg(long, default_value = "expandable")]
+    pub policy: String,
+    /// Simulated device capacity, e.g. `80GiB`, `14.5G`, `512MiB` or bytes.
+    #[arg(long, default_value = "80GiB")]
+    pub capacity: String,
+    /// Only this device of the trace (default: all).
+    #[arg(long)]
+    pub device: Option<u32>,
+    /// Cost model overrides, e.g. `create=40,map=2`.
+    #[arg(long)]
+    pub cost: Option<String>,
+    /// Device granularity in MiB.
+    #[arg(long, default_value_t = 2)]
+    pub granularity_mb: u64,
+}
+
+/// Parses a size with an optional unit (B, K/KiB, M/MiB, G/GiB, T/TiB; decimal allowed).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num.parse().map_err(|_| anyhow::anyhow!("`{s}` is not a size (e.g. 80GiB, 512MiB, 1048576)"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1u64,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => MIB,
+        "g" | "gb" | "gib" => GIB,
+        "t" | "tb" | "tib" => 1 << 40,
+        u => bail!("unknown size unit `{u}` in `{s}` (use B, KiB, MiB, GiB or TiB)"),
+    };
+    if !(v.is_finite() && v > 0.0) {
+        bail!("size `{s}` must be positive");
+    }
+    Ok((v * mult as f64).round() as u64)
+}
+
+/// Runs `vmmalloc replay`.
+pub fn run(args: ReplayArgs) -> Result<()> {
+    let policy: Policy = args.policy.parse()?;
+    let mut cfg = base_config(args.cost.as_deref(), args.granularity_mb)?;
+    cfg.policy = policy;
+    cfg.capacity = vmmalloc_device::round_up(parse_size(&args.capacity)?, cfg.granularity);
+    let traces = load_inputs(std::slice::from_ref(&args.input))?;
+    let mut any = false;
+    for t in &traces {
+        for dt in t.devices.iter().filter(|d| args.device.is_none_or(|x| x == d.device())) {
+            any = true;
+            let r = replay(dt.replay_ops(), &cfg);
+            println!("{} device {} — policy {} on a {} GiB simulated device", t.name, dt.device(), policy, gib(cfg.capacity));
+            let rows: Vec<(&str, String)> = vec![
+                ("result", if r.ok { "ok".into() } else { format!("{} out-of-memory errors", r.ooms) }),
+                ("events", dt.events().len().to_string()),
+                ("ops replayed", r.ops.to_string()),
+                ("peak live (trace)", format!("{} GiB ({} bytes)", gib(dt.peak_live_bytes()), dt.peak_live_bytes())),
+                ("peak live (replayed)", format!("{} GiB", gib(r.peak_live))),
+                ("peak reserved", format!("{} GiB", gib(r.peak_reserved))),
+                ("retries", r.retries.to_string()),
+                ("syncs", r.syncs.to_string()),
+                ("modeled driver time", format!("{:.3} ms", r.modeled_driver_us / 1000.0)),
+                ("replay CPU time", format!("{:.3} ms", r.cpu_time.as_secs_f64() * 1000.0)),
+            ];
+            for (k, v) in rows {
+                println!("  {k:<22} {v}");
+            }
+            println!("  driver calls:");
+            for c in Call::ALL {
+                let n = r.driver_calls.get(c);
+                if n > 0 {
+                    println!("    {:<20} {n}", c.driver_symbol());
+                }
+            }
+            if let Some(m) = &r.oom_message {
+                println!("  first out-of-memory (event {}): {m}", r.first_oom.unwrap_or(0));
+            }
+            if let Some(e) = &r.error {
+                println!("  error: {e}");
+            }
+        }
+    }
+    if !any {
+        bail!("no device of the input matched");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("80GiB").unwrap(), 80 * GIB);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 * GIB / 2);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 * MIB);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("-1G").is_err());
+        assert!(parse_size("0").is_err());
+    }
+}

@@ -1,0 +1,150 @@
+//! End-to-end tests of `vmmalloc compare` and `vmmalloc replay` on small inputs.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_vmmalloc"))
+}
+
+/// A small text trace with two streams and a pre-trace allocation (sizes in MiB).
+fn small_trace(dir: &std::path::Path) -> PathBuf {
+    let mib = 1u64 << 20;
+    let mut s = String::from("vmmalloc-trace 1\nname small\ndevice 0\n");
+    s.push_str(&format!("pre 0x100000000 {} 0\n", 8 * mib));
+    let mut addr = 0x200000000u64;
+    let mut live = Vec::new();
+    for i in 0..40u64 {
+        let size = (1 + (i * 7) % 13) * mib + 4096 * i;
+        let stream = if i % 3 == 0 { 7 } else { 0 };
+        s.push_str(&format!("alloc {addr:#x} {size} {stream} {}\n", i * 10));
+        live.push(addr);
+        addr += 64 * mib;
+        if i % 2 == 1 {
+            let a = live.remove(0);
+            s.push_str(&format!("free {a:#x}\n"));
+        }
+    }
+    let path = dir.join("small.trace");
+    std::fs::write(&path, s).unwrap();
+    path
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("vmmalloc-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn compare_json_matches_the_schema() {
+    let dir = tmpdir("json");
+    let trace = small_trace(&dir);
+    let out = bin()
+        .args(["compare", trace.to_str().unwrap(), "--policies", "expandable,caching,torch-es,native", "--json", "-"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("stdout is exactly the JSON document");
+    assert_eq!(v["version"], 1);
+    let traces = v["traces"].as_array().unwrap();
+    assert_eq!(traces.len(), 1);
+    let t = &traces[0];
+    let keys: Vec<&str> = t.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+    let mut expected = vec!["name", "device", "events", "allocs", "pre_trace_live_bytes", "peak_live_bytes", "policies"];
+    expected.sort();
+    let mut got = keys.clone();
+    got.sort();
+    assert_eq!(got, expected);
+    assert_eq!(t["name"], "small");
+    assert_eq!(t["pre_trace_live_bytes"], 8u64 << 20);
+    assert!(t["peak_live_bytes"].as_u64().unwrap() > 8 << 20);
+    let pols = t["policies"].as_object().unwrap();
+    assert_eq!(pols.len(), 4);
+    for (name, p) in pols {
+        let mut k: Vec<&String> = p.as_object().unwrap().keys().collect();
+        k.sort();
+        assert_eq!(k, ["min_capacity_bytes", "overhead", "tight", "unlimited"], "{name}");
+        let mut tk: Vec<&String> = p["tight"].as_object().unwrap().keys().collect();
+        tk.sort();
+        assert_eq!(tk, ["capacity_bytes", "driver_calls", "modeled_driver_us", "ok", "ooms", "retries", "syncs"], "{name}");
+        let mut uk: Vec<&String> = p["unlimited"].as_object().unwrap().keys().collect();
+        uk.sort();
+        assert_eq!(uk, ["driver_calls", "modeled_driver_us", "peak_reserved_bytes"], "{name}");
+        let peak = t["peak_live_bytes"].as_u64().unwrap();
+        let tight = p["tight"]["capacity_bytes"].as_u64().unwrap();
+        assert_eq!(tight % (2 << 20), 0);
+        assert!(tight as f64 >= peak as f64 * 1.05 && (tight as f64) < peak as f64 * 1.05 + (2u64 << 20) as f64);
+        if let Some(min) = p["min_capacity_bytes"].as_u64() {
+            assert!(min >= peak, "{name}: min capacity below peak live");
+            let o = p["overhead"].as_f64().unwrap();
+            assert!((o - min as f64 / peak as f64).abs() < 1e-9);
+        }
+        assert!(p["unlimited"]["peak_reserved_bytes"].as_u64().unwrap() >= peak, "{name}");
+    }
+    // native makes one alloc per request: its overhead is exactly the rounding.
+    assert!(pols["native"]["overhead"].as_f64().unwrap() < 1.02);
+}
+
+#[test]
+fn compare_writes_report_and_plots() {
+    let dir = tmpdir("report");
+    let trace = small_trace(&dir);
+    let out_dir = dir.join("out");
+    let out = bin()
+        .args(["compare", trace.to_str().unwrap(), "--policies", "native,expandable", "--out", out_dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("overhead") && table.contains("native") && table.contains("small"), "{table}");
+    let md = std::fs::read_to_string(out_dir.join("report.md")).unwrap();
+    assert!(md.contains("| native |") && md.contains("overhead.svg"));
+    for f in ["overhead.svg", "memory-small-d0.svg"] {
+        let svg = std::fs::read_to_string(out_dir.join(f)).unwrap();
+        assert!(svg.starts_with("<svg") && svg.contains("</svg>"), "{f}");
+    }
+    // Piped: no progress bar escape codes on stderr.
+    assert!(!String::from_utf8_lossy(&out.stderr).contains('\u{1b}'));
+}
+
+#[test]
+fn replay_prints_stats_and_reports_oom() {
+    let dir = tmpdir("replay");
+    let trace = small_trace(&dir);
+    let ok = bin()
+        .args(["replay", trace.to_str().unwrap(), "--policy", "native", "--capacity", "4GiB"])
+        .output()
+        .unwrap();
+    assert!(ok.status.success());
+    let text = String::from_utf8_lossy(&ok.stdout);
+    assert!(text.contains("result") && text.contains("ok") && text.contains("cuMemAlloc_v2"), "{text}");
+    let tight = bin()
+        .args(["replay", trace.to_str().unwrap(), "--policy", "native", "--capacity", "16MiB"])
+        .output()
+        .unwrap();
+    assert!(tight.status.success());
+    let text = String::from_utf8_lossy(&tight.stdout);
+    assert!(text.contains("out-of-memory"), "{text}");
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let dir = tmpdir("bad");
+    let junk = dir.join("junk.pickle");
+    std::fs::write(&junk, b"\x80\x04\x95garbage").unwrap();
+    for args in [
+        vec!["compare", junk.to_str().unwrap()],
+        vec!["compare", "no-such-workload"],
+        vec!["compare", "train-varlen", "--policies", "bogus"],
+        vec!["replay", "frag-adversary", "--capacity", "lots"],
+    ] {
+        let out = bin().args(&args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(err.contains("Error"), "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,366 @@
+//! The virtual-memory-management entry points: reserve, free, create,
+//! release, map, unmap, set access, granularity, export and import.
+//!
+//! Each call checks what the driver checks before touching memory (pointers,
+//! flags, the allocation properties, the device), then hands the rest to the
+//! owning device's [`vmmalloc_device::host::HostDevice`], whose model names
+//! the broken rule and its code. The owning device of an address is the one
+//! that reserved it; of a handle, the one that created (or imported) it.
+#![allow(non_snake_case)]
+
+use crate::state::{code, fake, Fake};
+use crate::{get, put, run, Fail, Res};
+use std::ffi::{c_int, c_void};
+use vmm_sys::{
+    CUdeviceptr, CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationHandleType,
+    CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult, CUDA_ERROR_NOT_SUPPORTED,
+    CU_MEM_ACCESS_FLAGS_PROT_NONE, CU_MEM_ACCESS_FLAGS_PROT_READ, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+    CU_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_LOCATION_TYPE_DEVICE,
+};
+use vmmalloc_device::{Device, Rule};
+
+/// `CU_MEM_HANDLE_TYPE_WIN32`.
+const CU_MEM_HANDLE_TYPE_WIN32: u32 = 0x2;
+/// `CU_MEM_HANDLE_TYPE_WIN32_KMT`.
+const CU_MEM_HANDLE_TYPE_WIN32_KMT: u32 = 0x4;
+/// `CU_MEM_HANDLE_TYPE_FABRIC`.
+const CU_MEM_HANDLE_TYPE_FABRIC: u32 = 0x8;
+
+/// Checks a shareable handle type named in an export or import: only POSIX
+/// file descriptors exist on this (Linux) fake.
+fn check_handle_type(t: CUmemAllocationHandleType) -> Res<()> {
+    match t {
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR => Ok(()),
+        CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT | CU_MEM_HANDLE_TYPE_FABRIC => Err(code(
+            CUDA_ERROR_NOT_SUPPORTED,
+            format!("handle type {t:#x} is not supported (only POSIX file descriptors)"),
+        )),
+        _ => Err(Fail::invalid(format!("handle type {t:#x} is not a CUmemAllocationHandleType"))),
+    }
+}
+
+/// Checks allocation properties as `cuMemCreate` and
+/// `cuMemGetAllocationGranularity` do; returns the device ordinal and whether
+/// POSIX file descriptor export was requested.
+fn check_prop(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
+    if p.type_ != CU_MEM_ALLOCATION_TYPE_PINNED {
+        return Err(Fail::invalid(format!(
+            "prop->type {} is not CU_MEM_ALLOCATION_TYPE_PINNED",
+            p.type_
+        )));
+    }
+    if p.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+        return Err(Fail::invalid(format!(
+            "prop->location.type {} is not CU_MEM_LOCATION_TYPE_DEVICE",
+            p.location.type_
+        )));
+    }
+    f.device(p.location.id)?;
+    let posix = match p.requestedHandleTypes {
+        CU_MEM_HANDLE_TYPE_NONE => false,
+        t => {
+            for bit in [1u32, 2, 4, 8] {
+                if t & bit != 0 {
+                    check_handle_type(bit)?;
+                }
+            }
+            if t & !0xf != 0 {
+                return Err(Fail::invalid(format!("prop->requestedHandleTypes {t:#x} has unknown bits")));
+            }
+            true
+        }
+    };
+    let flags = &p.allocFlags;
+    if flags.compressionType != 0 {
+        return Err(code(CUDA_ERROR_NOT_SUPPORTED, "compressible memory is not supported"));
+    }
+    if flags.gpuDirectRDMACapable > 1 || flags.usage != 0 || flags.reserved != [0; 4] {
+        return Err(Fail::invalid(format!("prop->allocFlags {flags:?}: unsupported or reserved bits set")));
+    }
+    Ok((p.location.id as usize, posix))
+}
+
+/// `CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t
+/// alignment, CUdeviceptr addr, unsigned long long flags)`: a real `PROT_NONE`
+/// range of this process, owned by the current context's device. The `addr`
+/// hint is ignored (the driver may ignore it too); `flags` must be 0.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    ptr: *mut CUdeviceptr,
+    size: usize,
+    alignment: usize,
+    addr: CUdeviceptr,
+    flags: u64,
+) -> CUresult {
+    let _ = addr;
+    run("cuMemAddressReserve", || {
+        let f = fake()?;
+        if ptr.is_null() {
+            return Err(Fail::invalid("ptr is NULL"));
+        }
+        if flags != 0 {
+            return Err(Fail::invalid(format!("flags {flags:#x} must be 0")));
+        }
+        let dev = f.current()?;
+        let host = f.host(dev);
+        let start = host.reserve(size as u64, alignment as u64)?;
+        f.add_reservation(start, size as u64, dev, host);
+        // SAFETY: the caller passes a writable CUdeviceptr (cuda.h); non-null checked above.
+        unsafe { put(ptr, start, "ptr") }
+    })
+}
+
+/// `CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)`: exactly a
+/// reserved range with nothing mapped in it.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    run("cuMemAddressFree", || {
+        let f = fake()?;
+        let (_, host) = f.judge(ptr);
+        host.free_reservation(ptr, size as u64)?;
+        f.remove_reservation(ptr);
+        Ok(())
+    })
+}
+
+/// `CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+/// const CUmemAllocationProp *prop, unsigned long long flags)`: a memfd of
+/// `size` bytes on `prop->location.id`. Checks the properties (pinned, on a
+/// valid device, POSIX-fd or no handle type, no compression) and `flags` = 0;
+/// `CUDA_ERROR_OUT_OF_MEMORY` past the device's capacity.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CUresult {
+    run("cuMemCreate", || {
+        let f = fake()?;
+        if handle.is_null() {
+            return Err(Fail::invalid("handle is NULL"));
+        }
+        // SAFETY: the caller passes null or a readable CUmemAllocationProp (cuda.h).
+        let p = unsafe { get(prop, "prop") }?;
+        if flags != 0 {
+            return Err(Fail::invalid(format!("flags {flags:#x} must be 0")));
+        }
+        let (dev, posix) = check_prop(f, &p)?;
+        let host = f.host(dev);
+        let inner = host.create(size as u64)?;
+        let value = f.add_handle(dev, host, inner, posix);
+        // SAFETY: non-null (checked above) and writable (cuda.h).
+        unsafe { put(handle, value, "handle") }
+    })
+}
+
+/// `CUresult cuMemRelease(CUmemGenericAllocationHandle handle)`: the memory
+/// goes back to the device once its last mapping is gone.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    run("cuMemRelease", || {
+        let f = fake()?;
+        let e = f.handle(handle)?;
+        e.host.release(e.inner)?;
+        f.remove_handle(handle);
+        Ok(())
+    })
+}
+
+/// `CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+/// CUmemGenericAllocationHandle handle, unsigned long long flags)`: the whole
+/// handle (offset 0, size = its size, as `cuda.h` requires today) into an
+/// unmapped part of one reservation; `flags` must be 0.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: u64,
+) -> CUresult {
+    run("cuMemMap", || {
+        let f = fake()?;
+        if offset != 0 {
+            return Err(Fail::invalid(format!("offset {offset:#x} must be 0")));
+        }
+        if flags != 0 {
+            return Err(Fail::invalid(format!("flags {flags:#x} must be 0")));
+        }
+        let e = f.handle(handle)?;
+        if let Some((owner, _)) = f.owner_of(ptr) {
+            if owner != e.dev {
+                return Err(code(
+                    CUDA_ERROR_NOT_SUPPORTED,
+                    format!(
+                        "mapping device {}'s memory into device {owner}'s reservation is not modelled by the fake",
+                        e.dev
+                    ),
+                ));
+            }
+        }
+        Ok(e.host.map(ptr, size as u64, e.inner)?)
+    })
+}
+
+/// `CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)`: whole mappings only,
+/// none still used by queued work (`fakeCudaSubmitWork`).
+#[no_mangle]
+pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    run("cuMemUnmap", || {
+        let (_, host) = fake()?.judge(ptr);
+        Ok(host.unmap(ptr, size as u64)?)
+    })
+}
+
+/// `CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const
+/// CUmemAccessDesc *desc, size_t count)`: the range must be fully mapped; every
+/// descriptor must name the owning device (peer access is not modelled:
+/// `CUDA_ERROR_NOT_SUPPORTED`) with `CU_MEM_ACCESS_FLAGS_PROT_READWRITE` (read-only
+/// and revoking are not modelled either).
+#[no_mangle]
+pub unsafe extern "C" fn cuMemSetAccess(
+    ptr: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    run("cuMemSetAccess", || {
+        let f = fake()?;
+        if desc.is_null() || count == 0 {
+            return Err(Fail::invalid(format!("desc {desc:p} with count {count}: no descriptor")));
+        }
+        // Peer checks only for a known range: for any other the model names the rule.
+        let owner = f.owner_of(ptr);
+        let (dev, host) = owner.clone().unwrap_or_else(|| f.judge(ptr));
+        for i in 0..count {
+            // SAFETY: `desc` points to `count` readable descriptors (cuda.h);
+            // `i < count` keeps the offset inside that array.
+            let d = unsafe { get(desc.add(i), "desc") }?;
+            if d.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+                return Err(Fail::invalid(format!(
+                    "desc[{i}].location.type {} is not CU_MEM_LOCATION_TYPE_DEVICE",
+                    d.location.type_
+                )));
+            }
+            f.device(d.location.id)?;
+            if owner.is_some() && d.location.id as usize != dev {
+                return Err(code(
+                    CUDA_ERROR_NOT_SUPPORTED,
+                    format!(
+                        "desc[{i}] grants device {} access to device {dev}'s memory: peer access is not modelled",
+                        d.location.id
+                    ),
+                ));
+            }
+            match d.flags {
+                CU_MEM_ACCESS_FLAGS_PROT_READWRITE => {}
+                CU_MEM_ACCESS_FLAGS_PROT_NONE | CU_MEM_ACCESS_FLAGS_PROT_READ => {
+                    return Err(code(
+                        CUDA_ERROR_NOT_SUPPORTED,
+                        format!("desc[{i}].flags {}: only read-write access is modelled", d.flags),
+                    ))
+                }
+                other => return Err(Fail::invalid(format!("desc[{i}].flags {other} is not a CUmemAccess_flags"))),
+            }
+        }
+        Ok(host.set_access(ptr, size as u64)?)
+    })
+}
+
+/// `CUresult cuMemGetAllocationGranularity(size_t *granularity, const
+/// CUmemAllocationProp *prop, CUmemAllocationGranularity_flags option)`:
+/// `FAKE_CUDA_GRANULARITY_KB` for both the minimum and the recommended granularity.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(
+    granularity: *mut usize,
+    prop: *const CUmemAllocationProp,
+    option: CUmemAllocationGranularity_flags,
+) -> CUresult {
+    run("cuMemGetAllocationGranularity", || {
+        let f = fake()?;
+        if granularity.is_null() {
+            return Err(Fail::invalid("granularity is NULL"));
+        }
+        // SAFETY: the caller passes null or a readable CUmemAllocationProp (cuda.h).
+        let p = unsafe { get(prop, "prop") }?;
+        check_prop(f, &p)?;
+        if option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED {
+            return Err(Fail::invalid(format!("option {option} is not a granularity flag")));
+        }
+        // SAFETY: non-null (checked above) and writable (cuda.h).
+        unsafe { put(granularity, f.config.granularity as usize, "granularity") }
+    })
+}
+
+/// `CUresult cuMemExportToShareableHandle(void *shareableHandle,
+/// CUmemGenericAllocationHandle handle, CUmemAllocationHandleType handleType,
+/// unsigned long long flags)`: for `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`,
+/// writes a new descriptor (the caller's to close) into the `int` at
+/// `shareableHandle`. The handle must have been created with that type requested.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    shareableHandle: *mut c_void,
+    handle: CUmemGenericAllocationHandle,
+    handleType: CUmemAllocationHandleType,
+    flags: u64,
+) -> CUresult {
+    run("cuMemExportToShareableHandle", || {
+        let f = fake()?;
+        if shareableHandle.is_null() {
+            return Err(Fail::invalid("shareableHandle is NULL"));
+        }
+        if flags != 0 {
+            return Err(Fail::invalid(format!("flags {flags:#x} must be 0")));
+        }
+        check_handle_type(handleType)?;
+        let e = f.handle(handle)?;
+        if !e.posix_fd {
+            return Err(Fail::invalid(format!(
+                "handle {handle:#x} was created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR requested"
+            )));
+        }
+        let fd = e.host.export_fd(e.inner)?;
+        // SAFETY: for POSIX file descriptors `shareableHandle` points to a
+        // writable int (cuda.h); non-null checked above.
+        unsafe { put(shareableHandle.cast::<c_int>(), fd, "shareableHandle") }
+    })
+}
+
+/// `CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle
+/// *handle, void *osHandle, CUmemAllocationHandleType shHandleType)`: for POSIX
+/// file descriptors `osHandle` is the descriptor itself, `(void *)(uintptr_t)fd`;
+/// the new handle names the same memory (on whichever device made it) and the
+/// descriptor stays the caller's.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    osHandle: *mut c_void,
+    shHandleType: CUmemAllocationHandleType,
+) -> CUresult {
+    run("cuMemImportFromShareableHandle", || {
+        let f = fake()?;
+        if handle.is_null() {
+            return Err(Fail::invalid("handle is NULL"));
+        }
+        check_handle_type(shHandleType)?;
+        let raw = osHandle.expose_provenance();
+        let fd = c_int::try_from(raw)
+            .map_err(|_| Fail::invalid(format!("osHandle {raw:#x} is not a file descriptor")))?;
+        let mut last = None;
+        for dev in 0..f.device_count() {
+            let host = f.host(dev);
+            match host.import_fd(fd) {
+                Ok(inner) => {
+                    let value = f.add_handle(dev, host, inner, true);
+                    // SAFETY: non-null (checked above) and writable (cuda.h).
+                    return unsafe { put(handle, value, "handle") };
+                }
+                Err(e) if e.broken_rule() == Some(Rule::UnknownShareableHandle) => last = Some(e),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(last.map_or_else(|| Fail::invalid(format!("fd {fd}: no device")), Fail::from))
+    })
+}
