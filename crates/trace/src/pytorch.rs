@@ -42,6 +42,9 @@ use crate::error::{ErrorKind, Result, TraceError};
 use crate::model::{Block, BlockState, Event, EventKind, Segment, Trace, MAX_SIZE};
 use crate::reconstruct::{build_device, RawDevice};
 
+/// Device indices a snapshot may use (a larger one is treated as corrupt input).
+pub const MAX_DEVICES: u32 = 1024;
+
 /// The `action` values this reader knows.
 pub const ACTIONS: [&str; 10] = [
     "alloc",
@@ -113,8 +116,12 @@ pub fn parse_snapshot(bytes: &[u8], name: &str) -> Result<Trace> {
     let mut per_device: Vec<Vec<Event>> = Vec::new();
     if let Some(v) = traces_v {
         for (d, dv) in as_list(v, "`device_traces`")?.iter().enumerate() {
-            let device =
-                u32::try_from(d).map_err(|_| ErrorKind::Schema("too many devices".into()))?;
+            let device = u32::try_from(d)
+                .ok()
+                .filter(|&d| d < MAX_DEVICES)
+                .ok_or_else(|| {
+                    ErrorKind::Schema(format!("more than {MAX_DEVICES} device traces"))
+                })?;
             let list = as_list(dv, "a device trace").map_err(|e| e.on_device(device))?;
             let mut events = Vec::with_capacity(list.len());
             for (i, ev) in list.iter().enumerate() {
@@ -291,7 +298,8 @@ fn parse_segment(v: &Value) -> std::result::Result<Segment, String> {
     let d = as_dict(v).ok_or_else(|| format!("is {}, expected a dict", type_name(v)))?;
     let e = |k: ErrorKind| k.to_string();
     let device = match int(d, "device").map_err(e)? {
-        Some(x) => u32::try_from(x).map_err(|_| format!("device {x} out of range"))?,
+        Some(x) if (0..MAX_DEVICES as i128).contains(&x) => x as u32,
+        Some(x) => return Err(format!("device {x} out of range (0..{MAX_DEVICES})")),
         None => 0,
     };
     let address = to_u64(

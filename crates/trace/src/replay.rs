@@ -286,7 +286,7 @@ pub fn min_capacity(ops: &[Op], peak_live: u64, config: &ReplayConfig, max_capac
     let mut probes = 0;
     // Lowest capacity that may work: the peak of live bytes, in whole granules.
     let mut lo = round_up(peak_live.max(1), g).saturating_sub(g); // known (or assumed) to fail
-    let mut hi = round_up((peak_live as f64 * 1.05) as u64 + g, g);
+    let mut hi = round_up((peak_live as f64 * 1.05) as u64 + g, g).min(max_capacity);
     loop {
         probes += 1;
         if runs(hi) {
@@ -313,5 +313,72 @@ pub fn min_capacity(ops: &[Op], peak_live: u64, config: &ReplayConfig, max_capac
     CapacitySearch {
         min_capacity: Some(hi),
         probes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ops() -> Vec<Op> {
+        // 3 allocations of 3 MiB + 100 B live at the peak, on two streams.
+        let s = 3 * MIB + 100;
+        vec![
+            Op::Alloc { id: 0, size: s, stream: 0 },
+            Op::Alloc { id: 1, size: s, stream: 5 },
+            Op::Free { id: 0 },
+            Op::Alloc { id: 2, size: s, stream: 0 },
+            Op::Alloc { id: 3, size: s, stream: 5 },
+            Op::Free { id: 1 },
+            Op::Free { id: 2 },
+            Op::Free { id: 3 },
+        ]
+    }
+
+    #[test]
+    fn replay_counts_live_bytes_and_calls() {
+        let mut cfg = ReplayConfig::new(Policy::Native, 64 * MIB);
+        cfg.timeline_samples = 100;
+        cfg.validate_every = 1;
+        let r = replay(&ops(), &cfg);
+        assert!(r.ok, "{:?}", r.error);
+        assert_eq!(r.peak_live, 3 * (3 * MIB + 100));
+        assert_eq!(r.driver_calls.get(Call::Alloc), 4);
+        assert_eq!(r.driver_calls.get(Call::Free), 4);
+        assert_eq!(r.timeline.len(), 8);
+        assert!(r.modeled_driver_us > 0.0);
+    }
+
+    #[test]
+    fn out_of_memory_is_counted_and_skipped() {
+        let cfg = ReplayConfig::new(Policy::Native, 8 * MIB);
+        let r = replay(&ops(), &cfg);
+        assert!(!r.ok);
+        assert_eq!(r.ooms, 1);
+        assert_eq!(r.first_oom, Some(4));
+        assert!(r.oom_message.unwrap().contains("Tried to allocate"));
+        assert!(r.error.is_none(), "the free of a failed allocation is skipped");
+        let mut stop = cfg.clone();
+        stop.stop_at_oom = true;
+        assert_eq!(replay(&ops(), &stop).ops, 5);
+    }
+
+    #[test]
+    fn capacity_search_finds_the_smallest_device() {
+        let peak = 3 * (3 * MIB + 100);
+        let cfg = ReplayConfig::new(Policy::Native, 0);
+        let s = min_capacity(&ops(), peak, &cfg, 1 << 40);
+        // native charges 512-byte-rounded sizes: 3 x (3 MiB + 512) fits in 10 MiB, not in 8 MiB.
+        assert_eq!(s.min_capacity, Some(10 * MIB));
+        let below = ReplayConfig::new(Policy::Native, 8 * MIB);
+        assert!(!replay(&ops(), &below).ok);
+        assert!(s.probes >= 2);
+    }
+
+    #[test]
+    fn capacity_search_gives_up_above_the_limit() {
+        let cfg = ReplayConfig::new(Policy::Native, 0);
+        let s = min_capacity(&ops(), 3 * (3 * MIB + 100), &cfg, 4 * MIB);
+        assert_eq!(s.min_capacity, None);
     }
 }

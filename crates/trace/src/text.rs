@@ -152,6 +152,16 @@ pub fn parse_text(text: &str, default_name: &str) -> Result<Trace> {
                 let addr = parse_u64(f[0], "address").map_err(at)?;
                 let size = parse_u64(f[1], "size").map_err(at)?;
                 let stream = parse_u64(f[2], "stream").map_err(at)?;
+                if size == 0 {
+                    return Err(at(ErrorKind::ZeroSize).on_device(sec.parts.device));
+                }
+                if size > crate::model::MAX_SIZE {
+                    let kind = ErrorKind::Absurd {
+                        field: "size",
+                        value: size.into(),
+                    };
+                    return Err(at(kind).on_device(sec.parts.device));
+                }
                 if sec.live.insert(addr, (size, stream)).is_some() {
                     return Err(at(ErrorKind::DuplicatePre { addr }).on_device(sec.parts.device));
                 }
@@ -516,6 +526,12 @@ alloc 1 5 0
                 "`pre` after",
             ),
             ("vmmalloc-trace 1\nfree 1 2\n", 2, "ADDR alone"),
+            ("vmmalloc-trace 1\npre 1 0 0\n", 2, "size 0"),
+            (
+                "vmmalloc-trace 1\npre 1 1 0\npre 1 2 0\n",
+                3,
+                "two pre-trace allocations",
+            ),
         ];
         for (text, line, msg) in cases {
             let e = parse_text(text, "t").unwrap_err();

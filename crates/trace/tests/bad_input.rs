@@ -291,6 +291,25 @@ fn bad_layout_is_named() {
             .contains("segment 0: block 0: unknown state `haunted`"),
         "{e}"
     );
+    let far = dict(vec![
+        ("device", Value::I64(1 << 40)),
+        ("address", Value::I64(0)),
+        ("total_size", Value::I64(1 << 21)),
+    ]);
+    let v = dict(vec![
+        ("segments", Value::List(vec![far])),
+        ("device_traces", Value::List(vec![])),
+    ]);
+    let e = parse_snapshot(
+        &serde_pickle::value_to_vec(&v, SerOptions::new()).unwrap(),
+        "x",
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("segment 0: device 1099511627776 out of range"),
+        "{e}"
+    );
     let trace_not_list = dict(vec![("device_traces", Value::List(vec![Value::I64(3)]))]);
     let e = parse_snapshot(
         &serde_pickle::value_to_vec(&trace_not_list, SerOptions::new()).unwrap(),
