@@ -9,6 +9,7 @@ pub const CUDA_ERROR_CONTEXT_IS_DESTROYED: CUresult = 709;
 
 /// `(code, name, description)` for every code the fake knows, with the real
 /// driver's wording.
+#[rustfmt::skip]
 const TABLE: &[(CUresult, &CStr, &CStr)] = &[
     (0, c"CUDA_SUCCESS", c"no error"),
     (1, c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
@@ -40,7 +41,10 @@ pub fn description(code: CUresult) -> Option<&'static CStr> {
 
 /// The name as a Rust string, or the number (for trace lines).
 pub fn name_or_number(code: CUresult) -> String {
-    name(code).map_or_else(|| format!("CUresult {code}"), |n| n.to_string_lossy().into_owned())
+    name(code).map_or_else(
+        || format!("CUresult {code}"),
+        |n| n.to_string_lossy().into_owned(),
+    )
 }
 
 #[cfg(test)]

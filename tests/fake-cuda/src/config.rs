@@ -80,7 +80,11 @@ impl Config {
     /// Reads the configuration through `get` (a variable's value, if set).
     /// Empty values count as unset.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, String> {
-        let get = |key: &str| get(key).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
+        let get = |key: &str| {
+            get(key)
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty())
+        };
         let mut c = Config::default();
         if let Some(v) = get("FAKE_CUDA_DEVICES") {
             c.devices = parse_u64("FAKE_CUDA_DEVICES", &v)?
@@ -94,9 +98,9 @@ impl Config {
                 .split(',')
                 .map(|part| {
                     let mb = parse_u64("FAKE_CUDA_CAPACITY_MB", part.trim())?;
-                    mb.checked_mul(MIB)
-                        .filter(|b| *b > 0)
-                        .ok_or_else(|| format!("FAKE_CUDA_CAPACITY_MB={v}: {mb} MiB is out of range"))
+                    mb.checked_mul(MIB).filter(|b| *b > 0).ok_or_else(|| {
+                        format!("FAKE_CUDA_CAPACITY_MB={v}: {mb} MiB is out of range")
+                    })
                 })
                 .collect::<Result<_, _>>()?;
         }
@@ -160,17 +164,23 @@ fn parse_fail(v: &str, default_code: Option<CUresult>) -> Result<Vec<FailRule>, 
         .map(|item| {
             let mut parts = item.split(':');
             let name = parts.next().unwrap_or_default();
-            let entry = ENTRY_POINTS.iter().copied().find(|e| *e == name).ok_or_else(|| {
-                format!(
-                    "FAKE_CUDA_FAIL: unknown entry point `{name}` (expected one of: {})",
-                    ENTRY_POINTS.join(", ")
-                )
-            })?;
+            let entry = ENTRY_POINTS
+                .iter()
+                .copied()
+                .find(|e| *e == name)
+                .ok_or_else(|| {
+                    format!(
+                        "FAKE_CUDA_FAIL: unknown entry point `{name}` (expected one of: {})",
+                        ENTRY_POINTS.join(", ")
+                    )
+                })?;
             let nth = match parts.next() {
                 Some(n) => parse_u64("FAKE_CUDA_FAIL", n)
                     .ok()
                     .filter(|n| *n > 0)
-                    .ok_or_else(|| format!("FAKE_CUDA_FAIL: `{item}`: the call number must be 1 or more"))?,
+                    .ok_or_else(|| {
+                        format!("FAKE_CUDA_FAIL: `{item}`: the call number must be 1 or more")
+                    })?,
                 None => return Err(format!("FAKE_CUDA_FAIL: `{item}`: expected entry:N[:code]")),
             };
             let code = match parts.next() {
@@ -195,7 +205,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn cfg(vars: &[(&str, &str)]) -> Result<Config, String> {
-        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         Config::from_lookup(|k| map.get(k).cloned())
     }
 
@@ -217,18 +230,29 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.devices, 3);
-        assert_eq!([c.capacity(0), c.capacity(1), c.capacity(2)], [512 << 20, 256 << 20, 256 << 20]);
+        assert_eq!(
+            [c.capacity(0), c.capacity(1), c.capacity(2)],
+            [512 << 20, 256 << 20, 256 << 20]
+        );
         assert_eq!(c.granularity, 64 << 10);
     }
 
     #[test]
     fn fail_rules_and_default_codes() {
-        let c = cfg(&[("FAKE_CUDA_FAIL", "cuMemCreate:3, cuMemMap:1,cuMemUnmap:2:700")]).unwrap();
+        let c = cfg(&[(
+            "FAKE_CUDA_FAIL",
+            "cuMemCreate:3, cuMemMap:1,cuMemUnmap:2:700",
+        )])
+        .unwrap();
         assert_eq!(c.injected("cuMemCreate", 3), Some(2));
         assert_eq!(c.injected("cuMemCreate", 2), None);
         assert_eq!(c.injected("cuMemMap", 1), Some(999));
         assert_eq!(c.injected("cuMemUnmap", 2), Some(700));
-        let c = cfg(&[("FAKE_CUDA_FAIL", "cuMemCreate:1"), ("FAKE_CUDA_FAIL_CODE", "1")]).unwrap();
+        let c = cfg(&[
+            ("FAKE_CUDA_FAIL", "cuMemCreate:1"),
+            ("FAKE_CUDA_FAIL_CODE", "1"),
+        ])
+        .unwrap();
         assert_eq!(c.injected("cuMemCreate", 1), Some(1));
     }
 
@@ -249,7 +273,11 @@ mod tests {
             ("FAKE_CUDA_TRACE", "yes"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err();
-            let var = if k == "FAKE_CUDA_FAIL_CODE" { k } else { k.trim_end_matches("_CODE") };
+            let var = if k == "FAKE_CUDA_FAIL_CODE" {
+                k
+            } else {
+                k.trim_end_matches("_CODE")
+            };
             assert!(e.contains(var), "{k}={v}: {e}");
         }
     }

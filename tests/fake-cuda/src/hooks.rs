@@ -8,7 +8,9 @@ use crate::state::fake;
 use crate::{call_count, last_error, put, run, Fail};
 use std::ffi::{c_char, c_int, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use vmm_sys::{CUdeviceptr, CUresult, CUstream, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_UNKNOWN, CUDA_SUCCESS};
+use vmm_sys::{
+    CUdeviceptr, CUresult, CUstream, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_UNKNOWN, CUDA_SUCCESS,
+};
 use vmmalloc_device::Introspect;
 
 /// Live objects of one device (`fakeCudaLive`). All fields are counts except
@@ -38,6 +40,9 @@ pub struct FakeCudaLive {
 }
 
 /// `CUresult fakeCudaLive(int ordinal, FakeCudaLive *out)`.
+///
+/// # Safety
+/// As `cuda.h` requires: `out` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn fakeCudaLive(ordinal: c_int, out: *mut FakeCudaLive) -> CUresult {
     run("fakeCudaLive", || {
@@ -61,6 +66,9 @@ pub unsafe extern "C" fn fakeCudaLive(ordinal: c_int, out: *mut FakeCudaLive) ->
 /// `CUresult fakeCudaCheck(int ordinal)`: checks the device's model and host
 /// bookkeeping invariants; `CUDA_ERROR_UNKNOWN` (with the reason in
 /// `fakeCudaLastError`) if one is broken.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn fakeCudaCheck(ordinal: c_int) -> CUresult {
     run("fakeCudaCheck", || {
@@ -76,8 +84,15 @@ pub unsafe extern "C" fn fakeCudaCheck(ordinal: c_int) -> CUresult {
 /// queues a work item on `stream` (null: the current context's default stream)
 /// that uses `[addr, addr+len)` (len 0: no memory), as a kernel launch would.
 /// It stays pending until a stream, event or context synchronize.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
-pub unsafe extern "C" fn fakeCudaSubmitWork(stream: CUstream, addr: CUdeviceptr, len: usize) -> CUresult {
+pub unsafe extern "C" fn fakeCudaSubmitWork(
+    stream: CUstream,
+    addr: CUdeviceptr,
+    len: usize,
+) -> CUresult {
     run("fakeCudaSubmitWork", || {
         let s = fake()?.stream(stream.expose_provenance())?;
         s.host.streams().submit(s.inner, addr, len as u64)?;
@@ -88,6 +103,9 @@ pub unsafe extern "C" fn fakeCudaSubmitWork(stream: CUstream, addr: CUdeviceptr,
 /// `CUresult fakeCudaCallCount(const char *entry, unsigned long long *count)`:
 /// calls made to a CUDA entry point since the library was loaded (failed and
 /// injected ones included). Works before `cuInit`.
+///
+/// # Safety
+/// As `cuda.h` requires: `entry`, `count` are each null or valid for what this call reads or writes through them.
 #[no_mangle]
 pub unsafe extern "C" fn fakeCudaCallCount(entry: *const c_char, count: *mut u64) -> CUresult {
     run("fakeCudaCallCount", || {
@@ -96,7 +114,8 @@ pub unsafe extern "C" fn fakeCudaCallCount(entry: *const c_char, count: *mut u64
         }
         // SAFETY: the caller passes a NUL-terminated string.
         let name = unsafe { CStr::from_ptr(entry) }.to_string_lossy();
-        let n = call_count(&name).ok_or_else(|| Fail::invalid(format!("`{name}` is not an entry point")))?;
+        let n = call_count(&name)
+            .ok_or_else(|| Fail::invalid(format!("`{name}` is not an entry point")))?;
         // SAFETY: the caller passes null or a writable unsigned long long.
         unsafe { put(count, n, "count") }
     })
@@ -106,6 +125,9 @@ pub unsafe extern "C" fn fakeCudaCallCount(entry: *const c_char, count: *mut u64
 /// call on this thread failed (`"cuMemMap -> CUDA_ERROR_INVALID_VALUE (1):
 /// map: range is already mapped: ..."`), NUL-terminated and truncated to
 /// `len`; empty if none failed. Does not change the recorded error itself.
+///
+/// # Safety
+/// As `cuda.h` requires: `buf` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn fakeCudaLastError(buf: *mut c_char, len: usize) -> CUresult {
     let done = catch_unwind(AssertUnwindSafe(|| {

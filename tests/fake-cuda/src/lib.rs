@@ -17,6 +17,10 @@
 //! `fakeCuda` let tests look inside ([`hooks`]). docs/fake-cuda.md says what
 //! the fake proves and what only a real GPU can.
 //!
+//! The exports are declared with vmm-sys's `#[repr(C)]` copies of the
+//! `cuda.h` types (checked against the real header by vmm-sys's layout test),
+//! so the fake checks the values we pass, not the structures' layout.
+//!
 //! Every export catches panics and returns `CUDA_ERROR_UNKNOWN` (999) instead
 //! of unwinding into C.
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
@@ -30,6 +34,7 @@ pub mod state;
 
 use config::{Config, Trace};
 use std::cell::RefCell;
+use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -151,7 +156,7 @@ fn note_failure(entry: &str, fail: &Fail) {
         fail.why
     );
     if config().is_ok_and(|c| c.trace >= Trace::Errors) {
-        eprintln!("fake-cuda: {line}");
+        let _ = writeln!(std::io::stderr(), "fake-cuda: {line}");
     }
     LAST_ERROR.with(|l| *l.borrow_mut() = line);
 }
@@ -183,7 +188,8 @@ pub fn run(entry: &'static str, body: impl FnOnce() -> Res<()>) -> CUresult {
     match result {
         Ok(()) => {
             if config().is_ok_and(|c| c.trace >= Trace::All) {
-                eprintln!("fake-cuda: {entry} -> CUDA_SUCCESS");
+                // Not eprintln!, which panics when stderr is gone.
+                let _ = writeln!(std::io::stderr(), "fake-cuda: {entry} -> CUDA_SUCCESS");
             }
             CUDA_SUCCESS
         }

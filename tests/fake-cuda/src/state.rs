@@ -24,7 +24,7 @@ use vmm_sys::{
 };
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::model::LiveCounts;
-use vmmalloc_device::{Device, Event, Introspect, PhysHandle, Stream};
+use vmmalloc_device::{Event, Introspect, PhysHandle, Rule, Stream};
 
 /// The initialized driver (set by the first successful `cuInit`).
 static FAKE: OnceLock<Fake> = OnceLock::new();
@@ -353,7 +353,13 @@ impl Fake {
     // -- Allocation handles ---------------------------------------------------
 
     /// Registers a handle made by device `dev`; returns the driver-wide value.
-    pub fn add_handle(&self, dev: usize, host: Arc<HostDevice>, inner: PhysHandle, posix_fd: bool) -> u64 {
+    pub fn add_handle(
+        &self,
+        dev: usize,
+        host: Arc<HostDevice>,
+        inner: PhysHandle,
+        posix_fd: bool,
+    ) -> u64 {
         let mut t = self.tables.lock();
         let value = t.next_handle;
         t.next_handle += 1;
@@ -377,7 +383,12 @@ impl Fake {
             .handles
             .get(&value)
             .cloned()
-            .ok_or_else(|| Fail::invalid(format!("handle {value:#x} is unknown or released")))
+            .ok_or_else(|| {
+                Fail::invalid(format!(
+                    "{}: handle {value:#x}",
+                    Rule::UnknownHandle.describe()
+                ))
+            })
     }
 
     /// Forgets a released handle.
@@ -402,7 +413,10 @@ impl Fake {
 
     /// Records a plain allocation made by device `dev`.
     pub fn add_plain(&self, addr: u64, len: u64, dev: usize, host: Arc<HostDevice>) {
-        self.tables.lock().plain.insert(addr, Range { len, dev, host });
+        self.tables
+            .lock()
+            .plain
+            .insert(addr, Range { len, dev, host });
     }
 
     /// Forgets a freed plain allocation.
@@ -462,7 +476,9 @@ impl Fake {
             .streams
             .get(&(value as u64))
             .cloned()
-            .ok_or_else(|| invalid_handle(format!("stream {value:#x} is unknown")))
+            .ok_or_else(|| {
+                invalid_handle(format!("{}: {value:#x}", Rule::UnknownStream.describe()))
+            })
     }
 
     /// Registers an event of device `dev`; returns its `CUevent` value.
@@ -481,7 +497,7 @@ impl Fake {
             .events
             .get(&(value as u64))
             .cloned()
-            .ok_or_else(|| invalid_handle(format!("event {value:#x} is unknown or destroyed")))
+            .ok_or_else(|| invalid_handle(format!("{}: {value:#x}", Rule::UnknownEvent.describe())))
     }
 
     /// Forgets a destroyed event.
@@ -503,7 +519,7 @@ pub fn code(code: CUresult, why: impl Into<String>) -> Fail {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vmmalloc_device::MIB;
+    use vmmalloc_device::{Device, MIB};
 
     fn small() -> Fake {
         Fake::new(Config {

@@ -14,6 +14,9 @@ use vmmalloc_device::Device;
 
 /// `CUresult cuMemGetInfo_v2(size_t *free, size_t *total)` of the current
 /// context's device: free = capacity minus physical memory in use.
+///
+/// # Safety
+/// As `cuda.h` requires: `free`, `total` are each null or valid for what this call reads or writes through them.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
     run("cuMemGetInfo_v2", || {
@@ -35,6 +38,9 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 /// anonymous mapping on the current context's device, charged against its
 /// capacity in 512-byte units (`CUDA_ERROR_OUT_OF_MEMORY` past it); size 0 is
 /// `CUDA_ERROR_INVALID_VALUE`.
+///
+/// # Safety
+/// As `cuda.h` requires: `dptr` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
     run("cuMemAlloc_v2", || {
@@ -54,6 +60,9 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
 /// `CUresult cuMemFree_v2(CUdeviceptr dptr)`: exactly a pointer `cuMemAlloc`
 /// returned, once (completes queued work first, as the driver's implicit
 /// synchronization does).
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     run("cuMemFree_v2", || {
@@ -68,6 +77,9 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
 
 /// `CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost,
 /// size_t ByteCount)`: synchronous copy into mapped, accessible device memory.
+///
+/// # Safety
+/// As `cuda.h` requires: `srcHost` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyHtoD_v2(
     dstDevice: CUdeviceptr,
@@ -94,6 +106,9 @@ pub unsafe extern "C" fn cuMemcpyHtoD_v2(
 
 /// `CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t
 /// ByteCount)`: synchronous copy out of mapped, accessible device memory.
+///
+/// # Safety
+/// As `cuda.h` requires: `dstHost` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(
     dstHost: *mut c_void,

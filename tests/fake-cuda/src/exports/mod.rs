@@ -33,6 +33,9 @@ const CU_DEVICE_ATTRIBUTE_MAX: CUdevice_attribute = 144;
 /// creates the devices. Fails with `CUDA_ERROR_INVALID_VALUE` for non-zero
 /// flags or a malformed configuration (said on stderr), and with
 /// `CUDA_ERROR_NO_DEVICE` when `FAKE_CUDA_DEVICES=0`.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuInit(Flags: c_uint) -> CUresult {
     run("cuInit", || {
@@ -55,6 +58,9 @@ pub unsafe extern "C" fn cuInit(Flags: c_uint) -> CUresult {
 
 /// `CUresult cuDriverGetVersion(int *driverVersion)`: 12080 (CUDA 12.8).
 /// Works before `cuInit`, as in the driver.
+///
+/// # Safety
+/// As `cuda.h` requires: `driverVersion` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuDriverGetVersion(driverVersion: *mut c_int) -> CUresult {
     run("cuDriverGetVersion", || {
@@ -65,6 +71,9 @@ pub unsafe extern "C" fn cuDriverGetVersion(driverVersion: *mut c_int) -> CUresu
 
 /// `CUresult cuDeviceGet(CUdevice *device, int ordinal)`: the device handle is
 /// the ordinal; `CUDA_ERROR_INVALID_DEVICE` for an ordinal out of range.
+///
+/// # Safety
+/// As `cuda.h` requires: `device` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> CUresult {
     run("cuDeviceGet", || {
@@ -76,6 +85,9 @@ pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> C
 }
 
 /// `CUresult cuDeviceGetCount(int *count)`.
+///
+/// # Safety
+/// As `cuda.h` requires: `count` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
     run("cuDeviceGetCount", || {
@@ -87,6 +99,9 @@ pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
 
 /// `CUresult cuDeviceGetName(char *name, int len, CUdevice dev)`: writes at
 /// most `len` bytes, NUL included (truncating the name).
+///
+/// # Safety
+/// As `cuda.h` requires: `name` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUdevice) -> CUresult {
     run("cuDeviceGetName", || {
@@ -116,30 +131,30 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUd
 /// VMM and POSIX-fd handles supported, 0 for what the fake does not do.
 fn attribute(attrib: CUdevice_attribute, ordinal: i32) -> Option<c_int> {
     Some(match attrib {
-        1 => 1024,                // MAX_THREADS_PER_BLOCK
-        2 | 3 => 1024,            // MAX_BLOCK_DIM_X/Y
-        4 => 64,                  // MAX_BLOCK_DIM_Z
-        5 => i32::MAX,            // MAX_GRID_DIM_X
-        6 | 7 => 65535,           // MAX_GRID_DIM_Y/Z
-        8 => 48 * 1024,           // MAX_SHARED_MEMORY_PER_BLOCK
-        9 => 64 * 1024,           // TOTAL_CONSTANT_MEMORY
-        10 => 32,                 // WARP_SIZE
-        12 => 65536,              // MAX_REGISTERS_PER_BLOCK
-        13 => 1_755_000,          // CLOCK_RATE (kHz)
-        16 => 132,                // MULTIPROCESSOR_COUNT
-        19 | 31 | 41 => 1,        // CAN_MAP_HOST_MEMORY, CONCURRENT_KERNELS, UNIFIED_ADDRESSING
-        33 => 0x10 + ordinal,     // PCI_BUS_ID
-        36 => 2_619_000,          // MEMORY_CLOCK_RATE (kHz)
-        37 => 5120,               // GLOBAL_MEMORY_BUS_WIDTH
-        38 => 50 * 1024 * 1024,   // L2_CACHE_SIZE
-        39 => 2048,               // MAX_THREADS_PER_MULTIPROCESSOR
-        40 => 3,                  // ASYNC_ENGINE_COUNT
-        75 => 9,                  // COMPUTE_CAPABILITY_MAJOR
-        76 => 0,                  // COMPUTE_CAPABILITY_MINOR
-        78 | 83 | 89 => 1,        // STREAM_PRIORITIES, MANAGED_MEMORY, CONCURRENT_MANAGED_ACCESS
-        102 => 1,                 // VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED
-        103 => 1,                 // HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
-        115 => 1,                 // MEMORY_POOLS_SUPPORTED
+        1 => 1024,              // MAX_THREADS_PER_BLOCK
+        2 | 3 => 1024,          // MAX_BLOCK_DIM_X/Y
+        4 => 64,                // MAX_BLOCK_DIM_Z
+        5 => i32::MAX,          // MAX_GRID_DIM_X
+        6 | 7 => 65535,         // MAX_GRID_DIM_Y/Z
+        8 => 48 * 1024,         // MAX_SHARED_MEMORY_PER_BLOCK
+        9 => 64 * 1024,         // TOTAL_CONSTANT_MEMORY
+        10 => 32,               // WARP_SIZE
+        12 => 65536,            // MAX_REGISTERS_PER_BLOCK
+        13 => 1_755_000,        // CLOCK_RATE (kHz)
+        16 => 132,              // MULTIPROCESSOR_COUNT
+        19 | 31 | 41 => 1,      // CAN_MAP_HOST_MEMORY, CONCURRENT_KERNELS, UNIFIED_ADDRESSING
+        33 => 0x10 + ordinal,   // PCI_BUS_ID
+        36 => 2_619_000,        // MEMORY_CLOCK_RATE (kHz)
+        37 => 5120,             // GLOBAL_MEMORY_BUS_WIDTH
+        38 => 50 * 1024 * 1024, // L2_CACHE_SIZE
+        39 => 2048,             // MAX_THREADS_PER_MULTIPROCESSOR
+        40 => 3,                // ASYNC_ENGINE_COUNT
+        75 => 9,                // COMPUTE_CAPABILITY_MAJOR
+        76 => 0,                // COMPUTE_CAPABILITY_MINOR
+        78 | 83 | 89 => 1,      // STREAM_PRIORITIES, MANAGED_MEMORY, CONCURRENT_MANAGED_ACCESS
+        102 => 1,               // VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED
+        103 => 1,               // HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+        115 => 1,               // MEMORY_POOLS_SUPPORTED
         a if a == 0 || a >= CU_DEVICE_ATTRIBUTE_MAX => return None,
         _ => 0,
     })
@@ -149,6 +164,9 @@ fn attribute(attrib: CUdevice_attribute, ordinal: i32) -> Option<c_int> {
 /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED` (102) and
 /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED` (103) are 1;
 /// an attribute outside the enumeration is `CUDA_ERROR_INVALID_VALUE`.
+///
+/// # Safety
+/// As `cuda.h` requires: `pi` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetAttribute(
     pi: *mut c_int,
@@ -165,6 +183,9 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
 }
 
 /// `CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)`: the configured capacity.
+///
+/// # Safety
+/// As `cuda.h` requires: `bytes` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
     run("cuDeviceTotalMem_v2", || {
@@ -176,6 +197,9 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
 
 /// `CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)`: one
 /// more reference on the device's primary context (the same value every time).
+///
+/// # Safety
+/// As `cuda.h` requires: `pctx` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
     run("cuDevicePrimaryCtxRetain", || {
@@ -195,13 +219,21 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
 /// destroys the context and frees everything still allocated in it (said on
 /// stderr when something was). Releasing an unretained context is
 /// `CUDA_ERROR_INVALID_CONTEXT`.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
-    run("cuDevicePrimaryCtxRelease_v2", || fake()?.release_primary(dev))
+    run("cuDevicePrimaryCtxRelease_v2", || {
+        fake()?.release_primary(dev)
+    })
 }
 
 /// `CUresult cuCtxGetCurrent(CUcontext *pctx)`: the calling thread's current
 /// context, null if none.
+///
+/// # Safety
+/// As `cuda.h` requires: `pctx` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
     run("cuCtxGetCurrent", || {
@@ -214,6 +246,9 @@ pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
 
 /// `CUresult cuCtxSetCurrent(CUcontext ctx)`: null unsets; anything but a
 /// device's primary context is `CUDA_ERROR_INVALID_CONTEXT`.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
     run("cuCtxSetCurrent", || {
@@ -232,6 +267,9 @@ pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
 
 /// `CUresult cuCtxSynchronize(void)`: completes all queued work of the
 /// current context's device.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
     run("cuCtxSynchronize", || {
@@ -270,15 +308,23 @@ unsafe fn error_text(
 /// `CUresult cuGetErrorName(CUresult error, const char **pStr)`: a static
 /// string such as `"CUDA_ERROR_OUT_OF_MEMORY"`; for an unknown code, NULL and
 /// `CUDA_ERROR_INVALID_VALUE`. Works before `cuInit`.
+///
+/// # Safety
+/// As `cuda.h` requires: `pStr` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorName(error: CUresult, pStr: *mut *const c_char) -> CUresult {
     // SAFETY: `pStr` is null or writable (cuda.h).
-    run("cuGetErrorName", || unsafe { error_text(error, pStr, codes::name) })
+    run("cuGetErrorName", || unsafe {
+        error_text(error, pStr, codes::name)
+    })
 }
 
 /// `CUresult cuGetErrorString(CUresult error, const char **pStr)`: a static
 /// description such as `"out of memory"`; for an unknown code, NULL and
 /// `CUDA_ERROR_INVALID_VALUE`. Works before `cuInit`.
+///
+/// # Safety
+/// As `cuda.h` requires: `pStr` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorString(error: CUresult, pStr: *mut *const c_char) -> CUresult {
     // SAFETY: `pStr` is null or writable (cuda.h).

@@ -22,6 +22,9 @@ const CU_EVENT_INTERPROCESS: c_uint = 0x4;
 
 /// `CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)` in the
 /// current context; flags `CU_STREAM_DEFAULT` or `CU_STREAM_NON_BLOCKING`.
+///
+/// # Safety
+/// As `cuda.h` requires: `phStream` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(phStream: *mut CUstream, Flags: c_uint) -> CUresult {
     run("cuStreamCreate", || {
@@ -30,18 +33,29 @@ pub unsafe extern "C" fn cuStreamCreate(phStream: *mut CUstream, Flags: c_uint) 
             return Err(Fail::invalid("phStream is NULL"));
         }
         if Flags & !CU_STREAM_NON_BLOCKING != 0 {
-            return Err(Fail::invalid(format!("flags {Flags:#x} are not CU_STREAM_* flags")));
+            return Err(Fail::invalid(format!(
+                "flags {Flags:#x} are not CU_STREAM_* flags"
+            )));
         }
         let dev = f.current()?;
         let host = f.host(dev);
         let inner = host.create_stream()?;
         let value = f.add_stream(dev, host, inner) as usize;
         // SAFETY: non-null (checked above) and writable (cuda.h).
-        unsafe { put(phStream, std::ptr::with_exposed_provenance_mut(value), "phStream") }
+        unsafe {
+            put(
+                phStream,
+                std::ptr::with_exposed_provenance_mut(value),
+                "phStream",
+            )
+        }
     })
 }
 
 /// `CUresult cuStreamSynchronize(CUstream hStream)`: completes the work queued on it.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamSynchronize(hStream: CUstream) -> CUresult {
     run("cuStreamSynchronize", || {
@@ -52,6 +66,9 @@ pub unsafe extern "C" fn cuStreamSynchronize(hStream: CUstream) -> CUresult {
 
 /// `CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)` in the
 /// current context; flags from `CU_EVENT_*` (`INTERPROCESS` needs `DISABLE_TIMING`).
+///
+/// # Safety
+/// As `cuda.h` requires: `phEvent` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventCreate(phEvent: *mut CUevent, Flags: c_uint) -> CUresult {
     run("cuEventCreate", || {
@@ -63,19 +80,30 @@ pub unsafe extern "C" fn cuEventCreate(phEvent: *mut CUevent, Flags: c_uint) -> 
         if Flags & !known != 0
             || (Flags & CU_EVENT_INTERPROCESS != 0 && Flags & CU_EVENT_DISABLE_TIMING == 0)
         {
-            return Err(Fail::invalid(format!("flags {Flags:#x} are not valid CU_EVENT_* flags")));
+            return Err(Fail::invalid(format!(
+                "flags {Flags:#x} are not valid CU_EVENT_* flags"
+            )));
         }
         let dev = f.current()?;
         let host = f.host(dev);
         let inner = host.create_event()?;
         let value = f.add_event(dev, host, inner) as usize;
         // SAFETY: non-null (checked above) and writable (cuda.h).
-        unsafe { put(phEvent, std::ptr::with_exposed_provenance_mut(value), "phEvent") }
+        unsafe {
+            put(
+                phEvent,
+                std::ptr::with_exposed_provenance_mut(value),
+                "phEvent",
+            )
+        }
     })
 }
 
 /// `CUresult cuEventRecord(CUevent hEvent, CUstream hStream)`: event and stream
 /// must belong to the same device.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventRecord(hEvent: CUevent, hStream: CUstream) -> CUresult {
     run("cuEventRecord", || {
@@ -95,6 +123,9 @@ pub unsafe extern "C" fn cuEventRecord(hEvent: CUevent, hStream: CUstream) -> CU
 /// `CUresult cuEventQuery(CUevent hEvent)`: `CUDA_SUCCESS` when the work
 /// before its last record has completed, `CUDA_ERROR_NOT_READY` (600) while
 /// some is still queued.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventQuery(hEvent: CUevent) -> CUresult {
     run("cuEventQuery", || {
@@ -102,12 +133,18 @@ pub unsafe extern "C" fn cuEventQuery(hEvent: CUevent) -> CUresult {
         if e.host.query_event(e.inner)? {
             Ok(())
         } else {
-            Err(Fail::new(CUDA_ERROR_NOT_READY, "work recorded before the event is still queued"))
+            Err(Fail::new(
+                CUDA_ERROR_NOT_READY,
+                "work recorded before the event is still queued",
+            ))
         }
     })
 }
 
 /// `CUresult cuEventSynchronize(CUevent hEvent)`: completes the work the event waits for.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventSynchronize(hEvent: CUevent) -> CUresult {
     run("cuEventSynchronize", || {
@@ -117,6 +154,9 @@ pub unsafe extern "C" fn cuEventSynchronize(hEvent: CUevent) -> CUresult {
 }
 
 /// `CUresult cuEventDestroy_v2(CUevent hEvent)`.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventDestroy_v2(hEvent: CUevent) -> CUresult {
     run("cuEventDestroy_v2", || {

@@ -14,8 +14,9 @@ use std::ffi::{c_int, c_void};
 use vmm_sys::{
     CUdeviceptr, CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationHandleType,
     CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult, CUDA_ERROR_NOT_SUPPORTED,
-    CU_MEM_ACCESS_FLAGS_PROT_NONE, CU_MEM_ACCESS_FLAGS_PROT_READ, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+    CU_MEM_ACCESS_FLAGS_PROT_NONE, CU_MEM_ACCESS_FLAGS_PROT_READ,
+    CU_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ALLOCATION_TYPE_PINNED,
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
     CU_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_LOCATION_TYPE_DEVICE,
 };
 use vmmalloc_device::{Device, Rule};
@@ -32,11 +33,15 @@ const CU_MEM_HANDLE_TYPE_FABRIC: u32 = 0x8;
 fn check_handle_type(t: CUmemAllocationHandleType) -> Res<()> {
     match t {
         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR => Ok(()),
-        CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT | CU_MEM_HANDLE_TYPE_FABRIC => Err(code(
-            CUDA_ERROR_NOT_SUPPORTED,
-            format!("handle type {t:#x} is not supported (only POSIX file descriptors)"),
-        )),
-        _ => Err(Fail::invalid(format!("handle type {t:#x} is not a CUmemAllocationHandleType"))),
+        CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT | CU_MEM_HANDLE_TYPE_FABRIC => {
+            Err(code(
+                CUDA_ERROR_NOT_SUPPORTED,
+                format!("handle type {t:#x} is not supported (only POSIX file descriptors)"),
+            ))
+        }
+        _ => Err(Fail::invalid(format!(
+            "handle type {t:#x} is not a CUmemAllocationHandleType"
+        ))),
     }
 }
 
@@ -66,17 +71,24 @@ fn check_prop(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
                 }
             }
             if t & !0xf != 0 {
-                return Err(Fail::invalid(format!("prop->requestedHandleTypes {t:#x} has unknown bits")));
+                return Err(Fail::invalid(format!(
+                    "prop->requestedHandleTypes {t:#x} has unknown bits"
+                )));
             }
             true
         }
     };
     let flags = &p.allocFlags;
     if flags.compressionType != 0 {
-        return Err(code(CUDA_ERROR_NOT_SUPPORTED, "compressible memory is not supported"));
+        return Err(code(
+            CUDA_ERROR_NOT_SUPPORTED,
+            "compressible memory is not supported",
+        ));
     }
     if flags.gpuDirectRDMACapable > 1 || flags.usage != 0 || flags.reserved != [0; 4] {
-        return Err(Fail::invalid(format!("prop->allocFlags {flags:?}: unsupported or reserved bits set")));
+        return Err(Fail::invalid(format!(
+            "prop->allocFlags {flags:?}: unsupported or reserved bits set"
+        )));
     }
     Ok((p.location.id as usize, posix))
 }
@@ -85,6 +97,9 @@ fn check_prop(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
 /// alignment, CUdeviceptr addr, unsigned long long flags)`: a real `PROT_NONE`
 /// range of this process, owned by the current context's device. The `addr`
 /// hint is ignored (the driver may ignore it too); `flags` must be 0.
+///
+/// # Safety
+/// As `cuda.h` requires: `ptr` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAddressReserve(
     ptr: *mut CUdeviceptr,
@@ -113,6 +128,9 @@ pub unsafe extern "C" fn cuMemAddressReserve(
 
 /// `CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)`: exactly a
 /// reserved range with nothing mapped in it.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
     run("cuMemAddressFree", || {
@@ -129,6 +147,9 @@ pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUre
 /// `size` bytes on `prop->location.id`. Checks the properties (pinned, on a
 /// valid device, POSIX-fd or no handle type, no compression) and `flags` = 0;
 /// `CUDA_ERROR_OUT_OF_MEMORY` past the device's capacity.
+///
+/// # Safety
+/// As `cuda.h` requires: `handle`, `prop` are each null or valid for what this call reads or writes through them.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemCreate(
     handle: *mut CUmemGenericAllocationHandle,
@@ -157,6 +178,9 @@ pub unsafe extern "C" fn cuMemCreate(
 
 /// `CUresult cuMemRelease(CUmemGenericAllocationHandle handle)`: the memory
 /// goes back to the device once its last mapping is gone.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
     run("cuMemRelease", || {
@@ -172,6 +196,9 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
 /// CUmemGenericAllocationHandle handle, unsigned long long flags)`: the whole
 /// handle (offset 0, size = its size, as `cuda.h` requires today) into an
 /// unmapped part of one reservation; `flags` must be 0.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemMap(
     ptr: CUdeviceptr,
@@ -206,6 +233,9 @@ pub unsafe extern "C" fn cuMemMap(
 
 /// `CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)`: whole mappings only,
 /// none still used by queued work (`fakeCudaSubmitWork`).
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     run("cuMemUnmap", || {
@@ -219,6 +249,9 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
 /// descriptor must name the owning device (peer access is not modelled:
 /// `CUDA_ERROR_NOT_SUPPORTED`) with `CU_MEM_ACCESS_FLAGS_PROT_READWRITE` (read-only
 /// and revoking are not modelled either).
+///
+/// # Safety
+/// As `cuda.h` requires: `desc` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemSetAccess(
     ptr: CUdeviceptr,
@@ -229,7 +262,9 @@ pub unsafe extern "C" fn cuMemSetAccess(
     run("cuMemSetAccess", || {
         let f = fake()?;
         if desc.is_null() || count == 0 {
-            return Err(Fail::invalid(format!("desc {desc:p} with count {count}: no descriptor")));
+            return Err(Fail::invalid(format!(
+                "desc {desc:p} with count {count}: no descriptor"
+            )));
         }
         // Peer checks only for a known range: for any other the model names the rule.
         let owner = f.owner_of(ptr);
@@ -259,10 +294,17 @@ pub unsafe extern "C" fn cuMemSetAccess(
                 CU_MEM_ACCESS_FLAGS_PROT_NONE | CU_MEM_ACCESS_FLAGS_PROT_READ => {
                     return Err(code(
                         CUDA_ERROR_NOT_SUPPORTED,
-                        format!("desc[{i}].flags {}: only read-write access is modelled", d.flags),
+                        format!(
+                            "desc[{i}].flags {}: only read-write access is modelled",
+                            d.flags
+                        ),
                     ))
                 }
-                other => return Err(Fail::invalid(format!("desc[{i}].flags {other} is not a CUmemAccess_flags"))),
+                other => {
+                    return Err(Fail::invalid(format!(
+                        "desc[{i}].flags {other} is not a CUmemAccess_flags"
+                    )))
+                }
             }
         }
         Ok(host.set_access(ptr, size as u64)?)
@@ -272,6 +314,9 @@ pub unsafe extern "C" fn cuMemSetAccess(
 /// `CUresult cuMemGetAllocationGranularity(size_t *granularity, const
 /// CUmemAllocationProp *prop, CUmemAllocationGranularity_flags option)`:
 /// `FAKE_CUDA_GRANULARITY_KB` for both the minimum and the recommended granularity.
+///
+/// # Safety
+/// As `cuda.h` requires: `granularity`, `prop` are each null or valid for what this call reads or writes through them.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetAllocationGranularity(
     granularity: *mut usize,
@@ -286,8 +331,12 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
         // SAFETY: the caller passes null or a readable CUmemAllocationProp (cuda.h).
         let p = unsafe { get(prop, "prop") }?;
         check_prop(f, &p)?;
-        if option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED {
-            return Err(Fail::invalid(format!("option {option} is not a granularity flag")));
+        if option != CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        {
+            return Err(Fail::invalid(format!(
+                "option {option} is not a granularity flag"
+            )));
         }
         // SAFETY: non-null (checked above) and writable (cuda.h).
         unsafe { put(granularity, f.config.granularity as usize, "granularity") }
@@ -299,6 +348,9 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
 /// unsigned long long flags)`: for `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`,
 /// writes a new descriptor (the caller's to close) into the `int` at
 /// `shareableHandle`. The handle must have been created with that type requested.
+///
+/// # Safety
+/// As `cuda.h` requires: `shareableHandle` is null or valid for what this call reads or writes through it.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemExportToShareableHandle(
     shareableHandle: *mut c_void,
@@ -333,6 +385,9 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
 /// file descriptors `osHandle` is the descriptor itself, `(void *)(uintptr_t)fd`;
 /// the new handle names the same memory (on whichever device made it) and the
 /// descriptor stays the caller's.
+///
+/// # Safety
+/// As `cuda.h` requires: `handle` is null or writable; `osHandle` is the descriptor's value, never dereferenced.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     handle: *mut CUmemGenericAllocationHandle,
@@ -345,9 +400,8 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
             return Err(Fail::invalid("handle is NULL"));
         }
         check_handle_type(shHandleType)?;
-        let raw = osHandle.expose_provenance();
-        let fd = c_int::try_from(raw)
-            .map_err(|_| Fail::invalid(format!("osHandle {raw:#x} is not a file descriptor")))?;
+        // `(void *)(uintptr_t)fd` in C sign-extends an int; its low 32 bits are the fd.
+        let fd = osHandle.expose_provenance() as c_int;
         let mut last = None;
         for dev in 0..f.device_count() {
             let host = f.host(dev);

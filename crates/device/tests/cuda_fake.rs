@@ -1,0 +1,1188 @@
+//! The `cuda` backend and vmm-sys against the fake libcuda (`tests/fake-cuda`),
+//! in every `cargo test`, on machines without a GPU.
+//!
+//! The fake is a workspace member built as `target/<profile>/libcuda.so`;
+//! integration tests of this crate do not build it, so the first test that
+//! needs it runs `cargo build -p fake-cuda` (same profile and target
+//! directory; a no-op when it is up to date). Set `VMMALLOC_FAKE_CUDA` to a
+//! built library to skip that.
+//!
+//! The fake reads its configuration (`FAKE_CUDA_*`) once and keeps its state
+//! (devices, contexts, call counts) for the life of the process, so every test
+//! runs its body in a child process of this test binary, with the environment
+//! it asks for: tests cannot see each other's objects, injected failures or
+//! call counts, and live-object counts are exact. A child's output (with the
+//! fake's trace of every failed call) is shown when it fails.
+//!
+//! What this proves and what it cannot: docs/fake-cuda.md.
+
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+use vmm_sys::{
+    CUmemAccessDesc, CUmemAllocationProp, Driver, CU_MEM_ACCESS_FLAGS_PROT_READ,
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+};
+use vmmalloc_device::cuda::{self, CudaDevice};
+use vmmalloc_device::{
+    conformance, Call, Device, DeviceError, DeviceResult, Event, PhysHandle, Rule, Stream, MIB,
+};
+
+/// Names a prebuilt fake library (skips the build); also how children find it.
+const LIBRARY_ENV: &str = "VMMALLOC_FAKE_CUDA";
+/// Set in a child to the name of the test it runs.
+const CHILD_ENV: &str = "VMMALLOC_FAKE_CUDA_CHILD";
+
+// ---------------------------------------------------------------------------
+// Building and finding the fake
+
+/// `target/<profile>` (or `target/<triple>/<profile>`) of this test binary,
+/// which lives in its `deps/`.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent()
+        .and_then(Path::parent)
+        .unwrap_or_else(|| panic!("{} is not in target/<profile>/deps", exe.display()))
+        .to_path_buf()
+}
+
+/// Builds the fake with `cargo build -p fake-cuda` into this binary's target
+/// directory and profile, and returns the path of `libcuda.so`.
+fn build_fake() -> Result<PathBuf, String> {
+    let dir = profile_dir();
+    let profile = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or("unnamed profile directory")?
+        .to_owned();
+    let parent = dir.parent().ok_or("no target directory")?;
+    // target/<triple>/<profile> when cross-compiling: the target directory
+    // holds CACHEDIR.TAG, a triple directory does not.
+    let (target_dir, triple) = if parent.join("CACHEDIR.TAG").exists() {
+        (parent.to_path_buf(), None)
+    } else {
+        let triple = parent
+            .file_name()
+            .and_then(|n| n.to_str())
+            .map(str::to_owned);
+        (
+            parent.parent().ok_or("no target directory")?.to_path_buf(),
+            triple,
+        )
+    };
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml");
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "--quiet", "-p", "fake-cuda", "--manifest-path"])
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target_dir);
+    match profile.as_str() {
+        "debug" => {}
+        "release" => {
+            cmd.arg("--release");
+        }
+        other => {
+            cmd.args(["--profile", other]);
+        }
+    }
+    if let Some(t) = &triple {
+        cmd.args(["--target", t]);
+    }
+    let out = cmd.output().map_err(|e| format!("running {cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let lib = dir.join("libcuda.so");
+    if !lib.exists() {
+        return Err(format!(
+            "{cmd:?} succeeded but {} does not exist",
+            lib.display()
+        ));
+    }
+    Ok(lib)
+}
+
+/// The fake library: `VMMALLOC_FAKE_CUDA`, else built once per process.
+fn fake_library() -> PathBuf {
+    static LIB: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    LIB.get_or_init(|| match std::env::var_os(LIBRARY_ENV) {
+        Some(p) if !p.is_empty() => Ok(PathBuf::from(p)),
+        _ => build_fake(),
+    })
+    .clone()
+    .unwrap_or_else(|e| panic!("cannot build the fake libcuda: {e}"))
+}
+
+// ---------------------------------------------------------------------------
+// Running a test in a child process
+
+/// Runs `body` in a child process of this test binary whose environment has
+/// `env` (on top of `FAKE_CUDA_TRACE=1` and `VMMALLOC_CUDA_LIBRARY` pointing at
+/// the fake; the parent's own `FAKE_CUDA_*` variables are removed).
+fn in_child(name: &str, env: &[(&str, &str)], body: impl FnOnce(&Fake)) {
+    if std::env::var(CHILD_ENV).as_deref() == Ok(name) {
+        body(&Fake::load());
+        return;
+    }
+    let lib = fake_library();
+    let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("FAKE_CUDA_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env(CHILD_ENV, name)
+        .env(LIBRARY_ENV, &lib)
+        .env(vmm_sys::LIBRARY_ENV, &lib)
+        .env("FAKE_CUDA_TRACE", "1")
+        .envs(env.iter().copied());
+    let out = cmd.output().expect("run the test binary as a child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let ran = stdout.contains(&format!("test {name} ... ok")) && stdout.contains("1 passed");
+    assert!(
+        out.status.success() && ran,
+        "child running `{name}` with {env:?} failed ({})\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
+        out.status
+    );
+}
+
+/// `#[test] fn name() { ... }` whose body runs in a child process (see
+/// [`in_child`]), with optional `FAKE_CUDA_*` settings.
+macro_rules! fake_test {
+    ($(#[$m:meta])* fn $name:ident($fake:ident) $body:block) => {
+        fake_test!($(#[$m])* env [] fn $name($fake) $body);
+    };
+    ($(#[$m:meta])* env [$(($k:expr, $v:expr)),* $(,)?] fn $name:ident($fake:ident) $body:block) => {
+        $(#[$m])*
+        #[test]
+        fn $name() {
+            in_child(stringify!($name), &[$(($k, $v)),*], |$fake: &Fake| $body);
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------
+// The fake, loaded, with its test hooks
+
+/// `FakeCudaLive` of tests/fake-cuda/src/hooks.rs.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Live {
+    reservations: u64,
+    handles: u64,
+    mappings: u64,
+    plain_allocs: u64,
+    physical_bytes: u64,
+    events: u64,
+    streams: u64,
+    primary_refs: u64,
+    destroyed_live: u64,
+}
+
+impl Live {
+    /// Nothing left but streams (which cannot be destroyed) and context retains.
+    fn is_clean(&self) -> bool {
+        Live {
+            streams: 0,
+            primary_refs: 0,
+            ..*self
+        } == Live::default()
+    }
+}
+
+type LiveFn = unsafe extern "C" fn(c_int, *mut Live) -> u32;
+type CheckFn = unsafe extern "C" fn(c_int) -> u32;
+type SubmitFn = unsafe extern "C" fn(*mut c_void, u64, usize) -> u32;
+type CallCountFn = unsafe extern "C" fn(*const c_char, *mut u64) -> u32;
+type LastErrorFn = unsafe extern "C" fn(*mut c_char, usize) -> u32;
+
+/// The loaded fake: a vmm-sys driver on it and its `fakeCuda*` hooks.
+struct Fake {
+    driver: Arc<Driver>,
+    live: LiveFn,
+    check: CheckFn,
+    submit: SubmitFn,
+    call_count: CallCountFn,
+    last_error: LastErrorFn,
+}
+
+/// Resolves `name` in the already loaded library `handle`.
+///
+/// # Safety
+/// `F` is the symbol's real function-pointer type.
+unsafe fn sym<F: Copy>(handle: *mut c_void, name: &str) -> F {
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    let c = CString::new(name).unwrap();
+    // SAFETY: `handle` came from dlopen and `c` is NUL-terminated.
+    let p = unsafe { libc::dlsym(handle, c.as_ptr()) };
+    assert!(!p.is_null(), "the fake does not export {name}");
+    // SAFETY: a non-null symbol of type F (function contract), same size as a pointer.
+    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
+}
+
+impl Fake {
+    /// Loads the fake through vmm-sys and finds its hooks.
+    fn load() -> Fake {
+        let path = fake_library();
+        let driver = Driver::load_from(&path).unwrap_or_else(|e| panic!("loading the fake: {e}"));
+        let c = CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: RTLD_NOLOAD only returns the library vmm-sys already loaded
+        // (one more reference, never released: the library stays loaded).
+        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        assert!(!handle.is_null(), "{} is not loaded", path.display());
+        // SAFETY: the types are those of tests/fake-cuda/src/hooks.rs.
+        unsafe {
+            Fake {
+                live: sym(handle, "fakeCudaLive"),
+                check: sym(handle, "fakeCudaCheck"),
+                submit: sym(handle, "fakeCudaSubmitWork"),
+                call_count: sym(handle, "fakeCudaCallCount"),
+                last_error: sym(handle, "fakeCudaLastError"),
+                driver,
+            }
+        }
+    }
+
+    /// Opens device `ordinal` through the `cuda` backend.
+    fn open(&self, ordinal: u32) -> CudaDevice {
+        CudaDevice::open_with(Arc::clone(&self.driver), ordinal)
+            .unwrap_or_else(|e| panic!("opening fake device {ordinal}: {e}"))
+    }
+
+    fn live(&self, ordinal: i32) -> Live {
+        let mut l = Live::default();
+        // SAFETY: `l` is a writable FakeCudaLive.
+        let rc = unsafe { (self.live)(ordinal, &mut l) };
+        assert_eq!(rc, 0, "fakeCudaLive({ordinal})");
+        l
+    }
+
+    /// Checks the fake device's model invariants.
+    fn check(&self, ordinal: i32) {
+        // SAFETY: no pointers.
+        let rc = unsafe { (self.check)(ordinal) };
+        assert_eq!(rc, 0, "fake device {ordinal}: {}", self.last_error());
+    }
+
+    /// Queues work on `stream` that uses `[addr, addr+len)`, as a kernel would.
+    fn submit(&self, stream: Stream, addr: u64, len: u64) {
+        // SAFETY: the stream value came from the backend (a fake CUstream) or is null.
+        let rc = unsafe {
+            (self.submit)(
+                std::ptr::with_exposed_provenance_mut(stream.0 as usize),
+                addr,
+                len as usize,
+            )
+        };
+        assert_eq!(rc, 0, "fakeCudaSubmitWork: {}", self.last_error());
+    }
+
+    /// Calls made so far to a CUDA entry point.
+    fn calls(&self, entry: &str) -> u64 {
+        let c = CString::new(entry).unwrap();
+        let mut n = 0u64;
+        // SAFETY: a NUL-terminated string and a writable u64.
+        let rc = unsafe { (self.call_count)(c.as_ptr(), &mut n) };
+        assert_eq!(rc, 0, "fakeCudaCallCount({entry})");
+        n
+    }
+
+    /// Why the last failed call on this thread failed, as the fake says.
+    fn last_error(&self) -> String {
+        let mut buf = vec![0 as c_char; 1024];
+        // SAFETY: `buf` is writable for its length.
+        let rc = unsafe { (self.last_error)(buf.as_mut_ptr(), buf.len()) };
+        assert_eq!(rc, 0);
+        // SAFETY: the hook NUL-terminates within the buffer.
+        unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// `cuInit` and a primary context current on this thread, for raw calls.
+    fn raw_context(&self, ordinal: i32) -> vmm_sys::CUcontext {
+        let d = &self.driver;
+        d.init(0).unwrap();
+        let dev = d.device_get(ordinal).unwrap();
+        let ctx = d.device_primary_ctx_retain(dev).unwrap();
+        // SAFETY: just retained.
+        unsafe { d.ctx_set_current(ctx) }.unwrap();
+        ctx
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Helpers
+
+/// Asserts that `r` failed the way the model says `rule` fails: either the
+/// backend caught it before calling the driver (`DeviceError::Rule`) or the
+/// fake did (`DeviceError::Driver` with the rule's code, the driver's name for
+/// it, and the fake naming the rule).
+#[track_caller]
+fn expect_rule<T: std::fmt::Debug>(fake: &Fake, r: DeviceResult<T>, rule: Rule) -> DeviceError {
+    let e = r.expect_err(&format!("expected {rule:?}"));
+    assert_eq!(e.cuda_code(), rule.cuda_code(), "{e}");
+    match &e {
+        DeviceError::Rule { rule: got, .. } => assert_eq!(*got, rule, "{e}"),
+        DeviceError::Driver { code, name, .. } => {
+            assert_eq!(*code, rule.cuda_code(), "{e}");
+            assert_eq!(Some(name.as_str()), vmm_sys::result_name(*code), "{e}");
+            let why = fake.last_error();
+            assert!(
+                why.contains(rule.describe()),
+                "expected {rule:?}, the fake said: {why}"
+            );
+        }
+        other => panic!("expected {rule:?}, got {other:?}"),
+    }
+    e
+}
+
+/// Asserts that the fake rejected `r` itself (not the backend's own checks).
+#[track_caller]
+fn expect_driver<T: std::fmt::Debug>(fake: &Fake, r: DeviceResult<T>, rule: Rule) {
+    let e = expect_rule(fake, r, rule);
+    assert!(
+        matches!(e, DeviceError::Driver { .. }),
+        "the backend answered itself: {e:?}"
+    );
+}
+
+/// Asserts a raw vmm-sys call failed with `code`.
+#[track_caller]
+fn expect_code<T: std::fmt::Debug>(r: Result<T, vmm_sys::CuError>, code: u32) {
+    match r {
+        Err(e) => assert_eq!(e.code, code, "{e}"),
+        Ok(v) => panic!("expected CUresult {code}, got Ok({v:?})"),
+    }
+}
+
+/// A byte pattern.
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect()
+}
+
+/// Asserts the device's fake counterpart is clean and consistent.
+#[track_caller]
+fn assert_clean(fake: &Fake, ordinal: i32) {
+    fake.check(ordinal);
+    let l = fake.live(ordinal);
+    assert!(l.is_clean(), "device {ordinal} still holds {l:?}");
+}
+
+// ---------------------------------------------------------------------------
+// The conformance suite
+
+fake_test! {
+    /// The whole conformance suite through the `cuda` backend; afterwards the
+    /// fake holds nothing, and dropping the device releases its context
+    /// without the driver having to clean up after it.
+    fn conformance_suite_passes(fake) {
+        let dev = fake.open(0);
+        if let Err(e) = conformance::run_all(&dev) {
+            panic!("conformance on the fake failed:\n{e}");
+        }
+        assert_clean(fake, 0);
+        assert_eq!(fake.live(0).primary_refs, 1);
+        drop(dev);
+        let l = fake.live(0);
+        assert_eq!((l.primary_refs, l.destroyed_live), (0, 0), "{l:?}");
+    }
+}
+
+fake_test! {
+    /// Each scenario alone, on a fresh device each time, leaves nothing behind.
+    env [("FAKE_CUDA_CAPACITY_MB", "256")]
+    fn each_scenario_alone_leaves_nothing_behind(fake) {
+        for (name, scenario) in conformance::scenarios::<CudaDevice>() {
+            let dev = fake.open(0);
+            scenario(&dev).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_clean(fake, 0);
+            drop(dev);
+            assert_eq!(fake.live(0).destroyed_live, 0, "{name}");
+        }
+    }
+}
+
+fake_test! {
+    /// Capacity and granularity come from the environment, and the suite
+    /// passes with a granularity other than 2 MiB.
+    env [("FAKE_CUDA_CAPACITY_MB", "96"), ("FAKE_CUDA_GRANULARITY_KB", "64")]
+    fn caps_follow_the_configuration(fake) {
+        let dev = fake.open(0);
+        let caps = dev.caps();
+        assert_eq!(caps.granularity, 64 * 1024);
+        assert_eq!(caps.total_memory, 96 * MIB);
+        assert!(caps.vmm_supported && caps.posix_fd_handles && caps.has_memory, "{caps:?}");
+        assert_eq!(caps.name, "vmmalloc fake-cuda device 0");
+        assert_eq!(caps.ordinal, 0);
+        conformance::run_all(&dev).unwrap();
+        assert_clean(fake, 0);
+        assert_eq!(cuda::device_count().unwrap(), 1);
+        assert_eq!(cuda::driver_version().unwrap(), 12080);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// One test per driver rule, through the `cuda` backend
+
+fake_test! {
+    fn rule_misaligned_sizes_and_addresses(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        expect_driver(fake, dev.create(g / 2), Rule::Misaligned);
+        expect_driver(fake, dev.reserve(g + g / 2, 0), Rule::Misaligned);
+        expect_driver(fake, dev.reserve(g, 3 * g), Rule::Misaligned);
+        let va = dev.reserve(4 * g, 0).unwrap();
+        let h = dev.create(g).unwrap();
+        expect_driver(fake, dev.map(va + g / 2, g, h), Rule::Misaligned);
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 4 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_zero_size(fake) {
+        let dev = fake.open(0);
+        expect_driver(fake, dev.create(0), Rule::ZeroSize);
+        expect_driver(fake, dev.reserve(0, 0), Rule::ZeroSize);
+        expect_driver(fake, dev.alloc(0), Rule::ZeroSize);
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_map_covers_a_whole_handle(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(4 * g, 0).unwrap();
+        let h = dev.create(2 * g).unwrap();
+        expect_driver(fake, dev.map(va, g, h), Rule::PartialHandleMap);
+        expect_driver(fake, dev.map(va, 4 * g, h), Rule::PartialHandleMap);
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 4 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_map_inside_one_reservation(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(2 * g, 0).unwrap();
+        let h = dev.create(2 * g).unwrap();
+        expect_driver(fake, dev.map(va + g, 2 * g, h), Rule::OutsideReservation);
+        // Never reserved at all.
+        let gone = dev.reserve(2 * g, 0).unwrap();
+        dev.free_reservation(gone, 2 * g).unwrap();
+        expect_driver(fake, dev.map(gone, 2 * g, h), Rule::OutsideReservation);
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 2 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_no_map_over_a_mapping(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(2 * g, 0).unwrap();
+        let a = dev.create(2 * g).unwrap();
+        let b = dev.create(g).unwrap();
+        dev.map(va, 2 * g, a).unwrap();
+        expect_driver(fake, dev.map(va + g, g, b), Rule::AlreadyMapped);
+        dev.unmap(va, 2 * g).unwrap();
+        dev.release(a).unwrap();
+        dev.release(b).unwrap();
+        dev.free_reservation(va, 2 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_set_access_and_unmap_need_mapped_ranges(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(3 * g, 0).unwrap();
+        let h = dev.create(g).unwrap();
+        dev.map(va, g, h).unwrap();
+        expect_driver(fake, dev.set_access(va, 2 * g), Rule::NotMapped);
+        expect_driver(fake, dev.unmap(va + g, g), Rule::NotMapped);
+        dev.set_access(va, g).unwrap();
+        dev.unmap(va, g).unwrap();
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 3 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_unmap_whole_mappings_only(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(2 * g, 0).unwrap();
+        let h = dev.create(2 * g).unwrap();
+        dev.map(va, 2 * g, h).unwrap();
+        expect_driver(fake, dev.unmap(va, g), Rule::PartialUnmap);
+        expect_driver(fake, dev.unmap(va + g, g), Rule::PartialUnmap);
+        dev.unmap(va, 2 * g).unwrap();
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 2 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    /// A released handle is refused by the backend's registry, and by the
+    /// fake when the raw value reaches it.
+    fn rule_unknown_handle(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let h = dev.create(g).unwrap();
+        dev.release(h).unwrap();
+        expect_rule(fake, dev.release(h), Rule::UnknownHandle);
+        expect_rule(fake, dev.map(0, g, h), Rule::UnknownHandle);
+        expect_rule(fake, dev.release(PhysHandle(12345)), Rule::UnknownHandle);
+        // SAFETY: the fake validates handles (that is the point of the test).
+        expect_code(unsafe { fake.driver.mem_release(h.0) }, 1);
+        assert!(fake.last_error().contains(Rule::UnknownHandle.describe()), "{}", fake.last_error());
+        // SAFETY: as above; nothing is mapped at 0.
+        expect_code(unsafe { fake.driver.mem_map(0, g as usize, 0, h.0, 0) }, 1);
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_free_exactly_a_reservation(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(4 * g, 0).unwrap();
+        expect_rule(fake, dev.free_reservation(va + g, g), Rule::NotAReservation);
+        expect_rule(fake, dev.free_reservation(va, 2 * g), Rule::NotAReservation);
+        // SAFETY: the fake checks the range against its reservations.
+        expect_code(unsafe { fake.driver.mem_address_free(va, 2 * g as usize) }, 1);
+        assert!(fake.last_error().contains(Rule::NotAReservation.describe()), "{}", fake.last_error());
+        // SAFETY: as above.
+        expect_code(unsafe { fake.driver.mem_address_free(va + g, g as usize) }, 1);
+        dev.free_reservation(va, 4 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    /// Freeing a reservation with mappings fails in the driver; the backend
+    /// gives the range back to its own books, so it can still be freed later.
+    fn rule_no_free_of_a_reservation_in_use(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(2 * g, 0).unwrap();
+        let h = dev.create(g).unwrap();
+        dev.map(va + g, g, h).unwrap();
+        dev.set_access(va + g, g).unwrap();
+        expect_driver(fake, dev.free_reservation(va, 2 * g), Rule::ReservationInUse);
+        // Still the backend's: copies into it are allowed, and it frees later.
+        dev.copy_to_device(va + g, &[1, 2, 3]).unwrap();
+        dev.unmap(va + g, g).unwrap();
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 2 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    /// Copies need mapped and accessible memory: the fake's pages are
+    /// `PROT_NONE` until `cuMemSetAccess`, and the model says 700.
+    fn rule_memory_is_accessible_only_after_set_access(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(2 * g, 0).unwrap();
+        expect_driver(fake, dev.copy_to_device(va, &[1; 16]), Rule::NotAccessible);
+        let h = dev.create(g).unwrap();
+        dev.map(va, g, h).unwrap();
+        expect_driver(fake, dev.copy_to_device(va, &[1; 16]), Rule::NotAccessible);
+        let mut back = [0u8; 16];
+        expect_driver(fake, dev.copy_from_device(va, &mut back), Rule::NotAccessible);
+        dev.set_access(va, g).unwrap();
+        dev.copy_to_device(va, &[1; 16]).unwrap();
+        // Past the end of the mapping.
+        expect_driver(fake, dev.copy_to_device(va + g - 8, &[1; 16]), Rule::NotAccessible);
+        // Outside every range of this device: the backend refuses to pass it on.
+        expect_rule(fake, dev.copy_to_device(va + 2 * g, &[1; 16]), Rule::NotAccessible);
+        dev.unmap(va, g).unwrap();
+        expect_driver(fake, dev.copy_from_device(va, &mut back), Rule::NotAccessible);
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 2 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    /// Pages used by queued work may not be unmapped until the stream is
+    /// synchronized; the event recorded after the work is not ready until then.
+    fn rule_no_unmap_under_queued_work(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(2 * g, 0).unwrap();
+        let h = dev.create(2 * g).unwrap();
+        dev.map(va, 2 * g, h).unwrap();
+        dev.set_access(va, 2 * g).unwrap();
+        let s = dev.create_stream().unwrap();
+        fake.submit(s, va + g, 4096);
+        let e = dev.create_event().unwrap();
+        dev.record_event(e, s).unwrap();
+        assert!(!dev.query_event(e).unwrap(), "event ready while work is queued");
+        expect_driver(fake, dev.unmap(va, 2 * g), Rule::InUseByStream);
+        dev.synchronize_stream(s).unwrap();
+        assert!(dev.query_event(e).unwrap());
+        // Again, waited for through the event this time.
+        fake.submit(s, va, 16);
+        dev.record_event(e, s).unwrap();
+        expect_driver(fake, dev.unmap(va, 2 * g), Rule::InUseByStream);
+        dev.synchronize_event(e).unwrap();
+        dev.unmap(va, 2 * g).unwrap();
+        // And on the default stream, through a device-wide synchronize.
+        dev.map(va, 2 * g, h).unwrap();
+        fake.submit(Stream::DEFAULT, va, 16);
+        expect_driver(fake, dev.unmap(va, 2 * g), Rule::InUseByStream);
+        dev.synchronize().unwrap();
+        dev.unmap(va, 2 * g).unwrap();
+        dev.destroy_event(e).unwrap();
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 2 * g).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_unknown_pointer(fake) {
+        let dev = fake.open(0);
+        let p = dev.alloc(1000).unwrap();
+        dev.free(p).unwrap();
+        expect_rule(fake, dev.free(p), Rule::UnknownPointer);
+        // SAFETY: the fake validates the pointer.
+        expect_code(unsafe { fake.driver.mem_free(p) }, 1);
+        assert!(fake.last_error().contains(Rule::UnknownPointer.describe()), "{}", fake.last_error());
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_unknown_stream_and_event(fake) {
+        let dev = fake.open(0);
+        expect_rule(fake, dev.synchronize_stream(Stream(0xdead_0000)), Rule::UnknownStream);
+        let e = dev.create_event().unwrap();
+        expect_rule(fake, dev.record_event(e, Stream(0xdead_0000)), Rule::UnknownStream);
+        dev.destroy_event(e).unwrap();
+        expect_rule(fake, dev.destroy_event(e), Rule::UnknownEvent);
+        expect_rule(fake, dev.query_event(e), Rule::UnknownEvent);
+        expect_rule(fake, dev.query_event(Event(42)), Rule::UnknownEvent);
+        // The raw values reach the fake: CUDA_ERROR_INVALID_HANDLE.
+        let bogus = std::ptr::with_exposed_provenance_mut(0xdead_0000);
+        // SAFETY: the fake validates stream and event values.
+        unsafe {
+            expect_code(fake.driver.stream_synchronize(bogus), 400);
+            assert!(fake.last_error().contains(Rule::UnknownStream.describe()), "{}", fake.last_error());
+            expect_code(fake.driver.event_query(std::ptr::with_exposed_provenance_mut(e.0 as usize)), 400);
+            assert!(fake.last_error().contains(Rule::UnknownEvent.describe()), "{}", fake.last_error());
+            expect_code(fake.driver.event_destroy(std::ptr::with_exposed_provenance_mut(e.0 as usize)), 400);
+        }
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    fn rule_import_needs_an_exported_descriptor(fake) {
+        let dev = fake.open(0);
+        let f = std::fs::File::open("/dev/null").unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+        expect_driver(fake, dev.import_fd(fd), Rule::UnknownShareableHandle);
+        expect_driver(fake, dev.import_fd(-1), Rule::UnknownShareableHandle);
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    /// Out of memory is its own error, with the figures of `cuMemGetInfo`,
+    /// and recoverable.
+    env [("FAKE_CUDA_CAPACITY_MB", "64")]
+    fn rule_out_of_memory(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let h = dev.create(48 * MIB).unwrap();
+        match dev.create(32 * MIB) {
+            Err(DeviceError::OutOfMemory { call, requested, free, total }) => {
+                assert_eq!((call, requested, free, total), (Call::Create, 32 * MIB, 16 * MIB, 64 * MIB));
+            }
+            other => panic!("expected out-of-memory, got {other:?}"),
+        }
+        match dev.alloc(17 * MIB) {
+            Err(e @ DeviceError::OutOfMemory { .. }) => assert_eq!(e.cuda_code(), 2),
+            other => panic!("expected out-of-memory, got {other:?}"),
+        }
+        assert!(fake.last_error().contains("out of memory"), "{}", fake.last_error());
+        dev.release(h).unwrap();
+        let again = dev.create(32 * MIB).unwrap();
+        dev.release(again).unwrap();
+        let h = dev.create(g).unwrap();
+        dev.release(h).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Two devices
+
+fake_test! {
+    /// Two devices: separate memory and contexts, unique addresses, the
+    /// backend switching the current context as it goes, the suite on both
+    /// at once, and a handle shared from one to the other.
+    env [("FAKE_CUDA_DEVICES", "2"), ("FAKE_CUDA_CAPACITY_MB", "512,256")]
+    fn two_devices(fake) {
+        assert_eq!(cuda::device_count().unwrap(), 2);
+        let d0 = fake.open(0);
+        let d1 = CudaDevice::open(1).unwrap(); // through VMMALLOC_CUDA_LIBRARY
+        assert_eq!(d0.caps().total_memory, 512 * MIB);
+        assert_eq!((d1.caps().total_memory, d1.caps().ordinal), (256 * MIB, 1));
+        assert_eq!(d1.caps().name, "vmmalloc fake-cuda device 1");
+        assert_ne!(d0.context(), d1.context());
+        let g = d0.caps().granularity;
+
+        // Interleaved on one thread: every call lands on its own device.
+        let v0 = d0.reserve(2 * g, 0).unwrap();
+        let v1 = d1.reserve(2 * g, 0).unwrap();
+        assert!(v0 + 2 * g <= v1 || v1 + 2 * g <= v0, "reservations overlap");
+        let h0 = d0.create(2 * g).unwrap();
+        let h1 = d1.create(g).unwrap();
+        d1.map(v1, g, h1).unwrap();
+        d0.map(v0, 2 * g, h0).unwrap();
+        d0.set_access(v0, 2 * g).unwrap();
+        d1.set_access(v1, g).unwrap();
+        let (l0, l1) = (fake.live(0), fake.live(1));
+        assert_eq!((l0.handles, l0.mappings, l0.physical_bytes), (1, 1, 2 * g));
+        assert_eq!((l1.handles, l1.mappings, l1.physical_bytes), (1, 1, g));
+        assert_eq!(d0.mem_info().unwrap().free, 512 * MIB - 2 * g);
+        assert_eq!(d1.mem_info().unwrap().free, 256 * MIB - g);
+        d0.copy_to_device(v0, &pattern(4096, 0)).unwrap();
+        d1.copy_to_device(v1, &pattern(4096, 1)).unwrap();
+        let mut b = vec![0u8; 4096];
+        d0.copy_from_device(v0, &mut b).unwrap();
+        assert_eq!(b, pattern(4096, 0));
+        // A device's own books refuse the other device's addresses.
+        expect_rule(fake, d1.copy_from_device(v0, &mut b), Rule::NotAccessible);
+
+        // A handle exported by device 0 and imported through device 1 names
+        // device 0's memory (no new physical memory anywhere).
+        let fd = d0.export_fd(h0).unwrap();
+        let shared = d1.import_fd(fd).unwrap();
+        assert_eq!(fake.live(1).physical_bytes, g);
+        let v2 = d0.reserve(2 * g, 0).unwrap();
+        d1.map(v2, 2 * g, shared).unwrap();
+        d0.set_access(v2, 2 * g).unwrap();
+        d0.copy_from_device(v2, &mut b).unwrap();
+        assert_eq!(b, pattern(4096, 0), "the imported handle is not the exported memory");
+        d0.unmap(v2, 2 * g).unwrap();
+        d1.release(shared).unwrap();
+        d0.free_reservation(v2, 2 * g).unwrap();
+        // SAFETY: the descriptor was exported to us.
+        unsafe { libc::close(fd) };
+
+        d0.unmap(v0, 2 * g).unwrap();
+        d1.unmap(v1, g).unwrap();
+        d0.release(h0).unwrap();
+        d1.release(h1).unwrap();
+        d0.free_reservation(v0, 2 * g).unwrap();
+        d1.free_reservation(v1, 2 * g).unwrap();
+        assert_clean(fake, 0);
+        assert_clean(fake, 1);
+
+        // The suite on both devices at once, from two threads.
+        std::thread::scope(|s| {
+            let a = s.spawn(|| conformance::run_all(&d0));
+            let b = s.spawn(|| conformance::run_all(&d1));
+            a.join().unwrap().unwrap();
+            b.join().unwrap().unwrap();
+        });
+        assert_clean(fake, 0);
+        assert_clean(fake, 1);
+        drop((d0, d1));
+        assert_eq!(fake.live(0).primary_refs + fake.live(1).primary_refs, 0);
+    }
+}
+
+fake_test! {
+    /// One device used from many threads at once: the backend makes its
+    /// context current on each (the fake answers 201 otherwise).
+    fn one_device_from_many_threads(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                let dev = &dev;
+                s.spawn(move || {
+                    for i in 0..8u8 {
+                        let va = dev.reserve(2 * g, 0).unwrap();
+                        let h = dev.create(g).unwrap();
+                        dev.map(va + g, g, h).unwrap();
+                        dev.set_access(va + g, g).unwrap();
+                        let data = pattern(512, t * 16 + i);
+                        dev.copy_to_device(va + g + 100, &data).unwrap();
+                        let mut back = vec![0u8; 512];
+                        dev.copy_from_device(va + g + 100, &mut back).unwrap();
+                        assert_eq!(back, data);
+                        dev.unmap(va + g, g).unwrap();
+                        dev.release(h).unwrap();
+                        dev.free_reservation(va, 2 * g).unwrap();
+                    }
+                });
+            }
+        });
+        assert_clean(fake, 0);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Ownership of the primary context
+
+fake_test! {
+    /// Two backends on one device share its primary context: dropping one
+    /// keeps the other's memory alive; the last drop releases the context.
+    /// Whatever is still allocated then is freed by the driver (and counted).
+    fn primary_context_is_shared_and_released_once(fake) {
+        let a = fake.open(0);
+        let b = fake.open(0);
+        assert_eq!(a.context(), b.context());
+        assert_eq!(fake.live(0).primary_refs, 2);
+        let g = a.caps().granularity;
+        let va = a.reserve(g, 0).unwrap();
+        let h = a.create(g).unwrap();
+        drop(b);
+        assert_eq!(fake.live(0).primary_refs, 1);
+        a.map(va, g, h).unwrap();
+        a.set_access(va, g).unwrap();
+        a.copy_to_device(va, &[7; 64]).unwrap();
+        drop(a);
+        let l = fake.live(0);
+        assert_eq!(l.primary_refs, 0);
+        // A reservation, a handle and a mapping were left behind.
+        assert_eq!(l.destroyed_live, 3, "{l:?}");
+        assert!(Live { destroyed_live: 0, ..l }.is_clean(), "{l:?}");
+        // The device opens again, empty.
+        let c = fake.open(0);
+        assert_eq!(c.mem_info().unwrap().free, c.caps().total_memory);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// vmm-sys's raw calls: NOT_INITIALIZED, INVALID_CONTEXT, INVALID_DEVICE, arguments
+
+fake_test! {
+    fn raw_calls_before_cu_init_are_not_initialized(fake) {
+        let d = &fake.driver;
+        // Needs no cuInit.
+        assert_eq!(d.driver_get_version().unwrap(), 12080);
+        assert_eq!(d.error_name(2).as_deref(), Some("CUDA_ERROR_OUT_OF_MEMORY"));
+        assert_eq!(d.error_string(2).as_deref(), Some("out of memory"));
+        assert_eq!(d.error_name(424242), None);
+        // Everything else does.
+        expect_code(d.device_get_count(), 3);
+        expect_code(d.device_get(0), 3);
+        expect_code(d.ctx_get_current(), 3);
+        expect_code(d.device_primary_ctx_retain(0), 3);
+        expect_code(d.mem_get_info(), 3);
+        expect_code(d.mem_address_reserve(2 * MIB as usize, 0, 0, 0), 3);
+        expect_code(d.mem_create(2 * MIB as usize, &CUmemAllocationProp::pinned_on_device(0, 0), 0), 3);
+        expect_code(d.stream_create(0), 3);
+        assert!(fake.last_error().contains("cuInit"), "{}", fake.last_error());
+        expect_code(d.init(1), 1);
+        d.init(0).unwrap();
+        d.init(0).unwrap();
+        assert_eq!(d.device_get_count().unwrap(), 1);
+        assert_eq!(fake.calls("cuInit"), 3);
+    }
+}
+
+fake_test! {
+    fn raw_calls_without_a_current_context_are_invalid_context(fake) {
+        let d = &fake.driver;
+        d.init(0).unwrap();
+        assert!(d.ctx_get_current().unwrap().is_null());
+        expect_code(d.mem_get_info(), 201);
+        expect_code(d.mem_alloc(4096), 201);
+        expect_code(d.mem_address_reserve(2 * MIB as usize, 0, 0, 0), 201);
+        expect_code(d.stream_create(0), 201);
+        expect_code(d.event_create(0), 201);
+        expect_code(d.ctx_synchronize(), 201);
+        // SAFETY: the legacy default stream needs a current context.
+        expect_code(unsafe { d.stream_synchronize(std::ptr::null_mut()) }, 201);
+        // Calls naming their device need none.
+        assert_eq!(d.device_total_mem(0).unwrap(), 1 << 30);
+        let prop = CUmemAllocationProp::pinned_on_device(0, 0);
+        let g = d.mem_get_allocation_granularity(&prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM).unwrap();
+        assert_eq!(g, 2 << 20);
+
+        let ctx = fake.raw_context(0);
+        assert_eq!(d.ctx_get_current().unwrap(), ctx);
+        let (free, total) = d.mem_get_info().unwrap();
+        assert_eq!((free, total), (1 << 30, 1 << 30));
+        // A value that is not a context.
+        // SAFETY: the fake validates context values.
+        expect_code(unsafe { d.ctx_set_current(std::ptr::with_exposed_provenance_mut(0x1234)) }, 201);
+        // Another thread has no current context until it sets one.
+        std::thread::scope(|s| {
+            s.spawn(|| expect_code(d.mem_get_info(), 201)).join().unwrap();
+        });
+        // Released to zero: the context is gone, though still current here.
+        // SAFETY: balances the retain of raw_context.
+        unsafe { d.device_primary_ctx_release(0) }.unwrap();
+        expect_code(d.mem_get_info(), 201);
+        // SAFETY: nothing is retained any more; the fake refuses.
+        expect_code(unsafe { d.device_primary_ctx_release(0) }, 201);
+        // SAFETY: null unsets the current context.
+        unsafe { d.ctx_set_current(std::ptr::null_mut()) }.unwrap();
+        assert!(d.ctx_get_current().unwrap().is_null());
+    }
+}
+
+fake_test! {
+    env [("FAKE_CUDA_DEVICES", "2")]
+    fn raw_calls_with_a_bad_ordinal_are_invalid_device(fake) {
+        let d = &fake.driver;
+        d.init(0).unwrap();
+        expect_code(d.device_get(2), 101);
+        expect_code(d.device_get(-1), 101);
+        expect_code(d.device_get_name(7), 101);
+        expect_code(d.device_total_mem(2), 101);
+        expect_code(d.device_get_attribute(102, 2), 101);
+        expect_code(d.device_primary_ctx_retain(2), 101);
+        expect_code(d.mem_create(2 << 20, &CUmemAllocationProp::pinned_on_device(2, 0), 0), 101);
+        let e = CudaDevice::open_with(Arc::clone(&fake.driver), 2).unwrap_err();
+        assert!(matches!(e, DeviceError::Unavailable(_)), "{e:?}");
+        assert!(e.to_string().contains("ordinal 2 (2 device(s) present)"), "{e}");
+    }
+}
+
+fake_test! {
+    /// The fake checks the arguments the driver checks before touching memory.
+    fn raw_arguments_are_checked(fake) {
+        let d = &fake.driver;
+        fake.raw_context(0);
+        let g = 2usize << 20;
+        let prop = CUmemAllocationProp::pinned_on_device(0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        // Device attributes.
+        assert_eq!(d.device_get_attribute(102, 0).unwrap(), 1);
+        assert_eq!(d.device_get_attribute(103, 0).unwrap(), 1);
+        assert_eq!(d.device_get_attribute(75, 0).unwrap(), 9);
+        expect_code(d.device_get_attribute(144, 0), 1);
+        assert_eq!(d.device_get_name(0).unwrap(), "vmmalloc fake-cuda device 0");
+        // Allocation properties.
+        expect_code(d.mem_create(g, &CUmemAllocationProp::default(), 0), 1);
+        expect_code(d.mem_create(g, &prop, 1), 1);
+        let mut fabric = prop;
+        fabric.requestedHandleTypes = 0x8;
+        expect_code(d.mem_create(g, &fabric, 0), 801);
+        let mut host_located = prop;
+        host_located.location.type_ = 2;
+        expect_code(d.mem_create(g, &host_located, 0), 1);
+        let mut compressed = prop;
+        compressed.allocFlags.compressionType = 1;
+        expect_code(d.mem_create(g, &compressed, 0), 801);
+        expect_code(d.mem_get_allocation_granularity(&prop, 7), 1);
+        assert_eq!(d.mem_get_allocation_granularity(&prop, 1).unwrap(), g);
+        // Reserve, map and access flags.
+        expect_code(d.mem_address_reserve(g, 0, 0, 1), 1);
+        let va = d.mem_address_reserve(2 * g, 0, 0x1234_0000_0000, 0).unwrap();
+        let h = d.mem_create(g, &prop, 0).unwrap();
+        // SAFETY: the handle and range are ours; the fake validates the rest.
+        unsafe {
+            expect_code(d.mem_map(va, g, g, h, 0), 1);
+            assert!(fake.last_error().contains("offset"), "{}", fake.last_error());
+            expect_code(d.mem_map(va, g, 0, h, 1), 1);
+            d.mem_map(va, g, 0, h, 0).unwrap();
+            expect_code(d.mem_set_access(va, g, &[]), 1);
+            let read_only = CUmemAccessDesc { flags: CU_MEM_ACCESS_FLAGS_PROT_READ, ..CUmemAccessDesc::read_write(0) };
+            expect_code(d.mem_set_access(va, g, &[read_only]), 801);
+            expect_code(d.mem_set_access(va, g, &[CUmemAccessDesc::read_write(3)]), 101);
+            d.mem_set_access(va, g, &[CUmemAccessDesc::read_write(0)]).unwrap();
+            // Export: an fd that imports back to the same memory.
+            let fd = d.mem_export_to_fd(h).unwrap();
+            let h2 = d.mem_import_from_fd(fd).unwrap();
+            assert_ne!(h, h2);
+            libc::close(fd);
+            d.memcpy_htod(va + 8, b"fake-cuda").unwrap();
+            let mut back = [0u8; 9];
+            d.memcpy_dtoh(&mut back, va + 8).unwrap();
+            assert_eq!(&back, b"fake-cuda");
+            d.mem_unmap(va, g).unwrap();
+            d.mem_release(h).unwrap();
+            d.mem_release(h2).unwrap();
+            // A handle created without the POSIX type cannot be exported.
+            let plain = d.mem_create(g, &CUmemAllocationProp::pinned_on_device(0, 0), 0).unwrap();
+            expect_code(d.mem_export_to_fd(plain), 1);
+            d.mem_release(plain).unwrap();
+            d.mem_address_free(va, 2 * g).unwrap();
+        }
+        // Null out-pointers.
+        let raw = d.raw();
+        // SAFETY: the fake must refuse null out-pointers, not write through them.
+        unsafe {
+            assert_eq!((raw.cuDeviceGetCount)(std::ptr::null_mut()), 1);
+            assert_eq!((raw.cuMemGetInfo_v2)(std::ptr::null_mut(), std::ptr::null_mut()), 1);
+            assert_eq!((raw.cuMemCreate)(std::ptr::null_mut(), g, &prop, 0), 1);
+            assert_eq!((raw.cuMemAddressReserve)(std::ptr::null_mut(), g, 0, 0, 0), 1);
+            assert_eq!((raw.cuMemAlloc_v2)(std::ptr::null_mut(), 16), 1);
+            assert_eq!((raw.cuStreamCreate)(std::ptr::null_mut(), 0), 1);
+            assert_eq!((raw.cuGetErrorName)(0, std::ptr::null_mut()), 1);
+            let mut p: *const c_char = std::ptr::null();
+            assert_eq!((raw.cuGetErrorName)(424242, &mut p), 1);
+            assert!(p.is_null());
+        }
+        assert_clean(fake, 0);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration and injected failures
+
+fake_test! {
+    /// `FAKE_CUDA_FAIL` fails exactly the Nth call of an entry point; the
+    /// backend reports it (out-of-memory for `cuMemCreate` by default) and
+    /// carries on.
+    env [("FAKE_CUDA_FAIL", "cuMemCreate:3,cuMemMap:2,cuMemSetAccess:1:700")]
+    fn fail_the_nth_call(fake) {
+        let dev = fake.open(0);
+        let g = dev.caps().granularity;
+        let va = dev.reserve(4 * g, 0).unwrap();
+        let a = dev.create(g).unwrap();
+        let b = dev.create(g).unwrap();
+        match dev.create(g) {
+            Err(e @ DeviceError::OutOfMemory { .. }) => assert_eq!(e.call(), Some(Call::Create)),
+            other => panic!("the 3rd cuMemCreate should fail with out-of-memory: {other:?}"),
+        }
+        assert!(fake.last_error().contains("injected failure of call 3"), "{}", fake.last_error());
+        let c = dev.create(g).unwrap();
+        assert_eq!(fake.calls("cuMemCreate"), 4);
+        dev.map(va, g, a).unwrap();
+        match dev.map(va + g, g, b) {
+            Err(DeviceError::Driver { call: Call::Map, code: 999, name, .. }) => assert_eq!(name, "CUDA_ERROR_UNKNOWN"),
+            other => panic!("the 2nd cuMemMap should fail with 999: {other:?}"),
+        }
+        dev.map(va + g, g, b).unwrap();
+        match dev.set_access(va, 2 * g) {
+            Err(DeviceError::Driver { code: 700, .. }) => {}
+            other => panic!("the 1st cuMemSetAccess should fail with 700: {other:?}"),
+        }
+        dev.set_access(va, 2 * g).unwrap();
+        dev.unmap(va, 2 * g).unwrap();
+        for h in [a, b, c] {
+            dev.release(h).unwrap();
+        }
+        dev.free_reservation(va, 4 * g).unwrap();
+        assert_clean(fake, 0);
+        assert_eq!(fake.calls("cuMemMap"), 3);
+    }
+}
+
+fake_test! {
+    /// A failed `cuInit` makes the device unavailable, not a panic; the next
+    /// open succeeds.
+    env [("FAKE_CUDA_FAIL", "cuInit:1"), ("FAKE_CUDA_FAIL_CODE", "999")]
+    fn injected_cu_init_failure_is_unavailable(fake) {
+        let e = CudaDevice::open_with(Arc::clone(&fake.driver), 0).unwrap_err();
+        assert!(matches!(e, DeviceError::Unavailable(_)), "{e:?}");
+        assert!(e.to_string().contains("cuInit"), "{e}");
+        let dev = fake.open(0);
+        assert_eq!(dev.caps().ordinal, 0);
+    }
+}
+
+fake_test! {
+    env [("FAKE_CUDA_DEVICES", "0")]
+    fn no_devices(fake) {
+        assert_eq!(cuda::device_count().unwrap(), 0);
+        let e = CudaDevice::open_with(Arc::clone(&fake.driver), 0).unwrap_err();
+        assert!(e.to_string().contains("no CUDA device found"), "{e}");
+    }
+}
+
+fake_test! {
+    env [("FAKE_CUDA_CAPACITY_MB", "lots")]
+    fn malformed_configuration_refuses_to_initialize(fake) {
+        expect_code(fake.driver.init(0), 1);
+        assert!(fake.last_error().contains("FAKE_CUDA_CAPACITY_MB=lots"), "{}", fake.last_error());
+        let e = CudaDevice::open_with(Arc::clone(&fake.driver), 0).unwrap_err();
+        assert!(matches!(e, DeviceError::Unavailable(_)), "{e:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// `vmmalloc info`
+
+/// `vmmalloc info` with `VMMALLOC_CUDA_LIBRARY` pointing at the fake lists its
+/// devices and the `cuda` backend. Runs `target/<profile>/vmmalloc` when it has
+/// been built (by `cargo test --workspace`, or `cargo build`); says so and
+/// checks nothing otherwise.
+#[test]
+fn vmmalloc_info_shows_the_fake_devices() {
+    let bin = profile_dir().join("vmmalloc");
+    if !bin.exists() {
+        eprintln!("skipped: {} is not built", bin.display());
+        return;
+    }
+    let lib = fake_library();
+    let mut cmd = Command::new(&bin);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("FAKE_CUDA_") {
+            cmd.env_remove(k);
+        }
+    }
+    let out = cmd
+        .arg("info")
+        .env(vmm_sys::LIBRARY_ENV, &lib)
+        .env("FAKE_CUDA_DEVICES", "2")
+        .env("FAKE_CUDA_CAPACITY_MB", "2048,1024")
+        .output()
+        .expect("run vmmalloc info");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}\n{stdout}\n{stderr}", out.status);
+    let want = [
+        format!(
+            "CUDA driver: CUDA 12.8 (12080) from {}, 2 device(s)",
+            lib.display()
+        ),
+        "  [0] vmmalloc fake-cuda device 0: 2 GiB memory, VMM supported, granularity 2 MiB, \
+         POSIX fd handles: yes"
+            .to_owned(),
+        "  [1] vmmalloc fake-cuda device 1: 1 GiB memory, VMM supported, granularity 2 MiB, \
+         POSIX fd handles: yes"
+            .to_owned(),
+        "backends available: cuda, host, sim".to_owned(),
+    ];
+    for line in want {
+        assert!(
+            stdout.lines().any(|l| l == line),
+            "missing `{line}` in:\n{stdout}\n{stderr}"
+        );
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// The harness itself: the library is built where the tests look for it.
+#[test]
+fn the_fake_is_built_next_to_this_test() {
+    let lib = fake_library();
+    assert!(lib.is_file(), "{}", lib.display());
+    if std::env::var_os(LIBRARY_ENV).is_none() {
+        assert_eq!(lib, profile_dir().join("libcuda.so"));
+    }
+}
