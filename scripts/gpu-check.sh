@@ -11,6 +11,7 @@
 #      {"device", "driver_version", "costs_us": {reserve, create, map, ...}, ...}
 #      to $OUT (a file; or, if $OUT is a directory, $OUT/gpu-calibration.json),
 #      default ./gpu-calibration.json.
+#   5. Runs PyTorch under the plug-in (scripts/gpu-check-pytorch.sh).
 #
 # Environment:
 #   OUT                    where the calibration JSON goes (see above)
@@ -18,6 +19,7 @@
 #   VMMALLOC_TEST_DEVICE   GPU ordinal to test and calibrate (default 0)
 #   VMMALLOC_CUDA_LIBRARY  driver library to load instead of libcuda.so.1
 #   CARGO_FLAGS            extra cargo flags, e.g. "--offline"
+#   SKIP_PYTORCH=1         skip step 5 (see scripts/gpu-check-pytorch.sh for its settings)
 #
 # Exit status: 0 when every step passed, 1 otherwise (each step still runs).
 set -euo pipefail
@@ -135,9 +137,24 @@ run_step "device (cuda backend)" \
 section "calibrate (median of $iterations calls each) -> $out"
 run_step "calibrate" "$bin" calibrate --device "$device" --iterations "$iterations" --json "$out"
 
+# ---------------------------------------------------------------------------
+# 5. The PyTorch plug-in (issue 6): PyTorch under libvmmalloc.so, a
+#    fragmentation check and a variable-length training loop per backend
+#    (up to ~8 minutes; needs python3 with a CUDA build of PyTorch).
+#    Last, so that a slow run never costs the calibration. SKIP_PYTORCH=1 skips it.
+# ---------------------------------------------------------------------------
+
+if [[ ${SKIP_PYTORCH:-0} == 1 ]]; then
+    section "PyTorch plug-in: skipped (SKIP_PYTORCH=1)"
+else
+    section "PyTorch plug-in (scripts/gpu-check-pytorch.sh)"
+    run_step "PyTorch plug-in" scripts/gpu-check-pytorch.sh
+fi
+
 section "summary ($((SECONDS - started)) s)"
 if ((${#failures[@]} > 0)); then
     echo "FAILED: ${failures[*]}"
     exit 1
 fi
 echo "all GPU checks passed; calibration in $out"
+

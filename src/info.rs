@@ -370,13 +370,13 @@ impl CudaReport {
 /// `2 MiB`, `79.6 GiB`, `512 B`.
 fn human(bytes: u64) -> String {
     if bytes >= GIB {
-        if bytes % GIB == 0 {
+        if bytes.is_multiple_of(GIB) {
             format!("{} GiB", bytes / GIB)
         } else {
             format!("{:.1} GiB", bytes as f64 / GIB as f64)
         }
     } else if bytes >= MIB {
-        if bytes % MIB == 0 {
+        if bytes.is_multiple_of(MIB) {
             format!("{} MiB", bytes / MIB)
         } else {
             format!("{:.1} MiB", bytes as f64 / MIB as f64)
