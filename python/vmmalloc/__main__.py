@@ -70,7 +70,11 @@ def main(argv=None):
     if opts["help"]:
         return _usage(0)
     if opts["version"]:
-        print(vmmalloc.version())
+        try:
+            print(vmmalloc.version())
+        except (vmmalloc.VmmallocError, FileNotFoundError, OSError) as e:
+            sys.stderr.write(f"vmmalloc: python package {vmmalloc.__version__}; library: {e}\n")
+            return 2
         return 0
     try:
         vmmalloc.enable(opts["conf"])

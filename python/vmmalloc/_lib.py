@@ -30,7 +30,9 @@ def candidates():
     if env:
         out.append((f"${LIBRARY_ENV}", Path(env)))
     out.append(("next to the package", here / LIBRARY_NAME))
-    out.append(("the repository's target/release", here.parent.parent / "target" / "release" / LIBRARY_NAME))
+    repo = here.parent.parent
+    if (repo / "Cargo.toml").is_file():  # running from a checkout (python/vmmalloc)
+        out.append(("the repository's target/release", repo / "target" / "release" / LIBRARY_NAME))
     return out
 
 

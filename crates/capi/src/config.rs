@@ -14,6 +14,8 @@
 
 use std::fmt;
 use std::str::FromStr;
+use vmmalloc_alloc::caching::CachingConfig;
+use vmmalloc_alloc::expandable::ExpandableConfig;
 use vmmalloc_alloc::{Policy, PolicyOptions};
 use vmmalloc_device::{GIB, MIB};
 
@@ -47,18 +49,19 @@ pub const KEYS: [KeyDoc; 15] = [
     },
     KeyDoc {
         name: "page_size_mb",
-        default: "policy default (the device granularity, 2 MiB)",
+        default: "the device granularity (2 MiB)",
         meaning: "expandable: size of the physical pages mapped into segments, in MiB",
     },
     KeyDoc {
         name: "arena_gb",
-        default: "policy default",
-        meaning: "expandable: virtual address space reserved per device, in GiB",
+        default: "4 × device memory",
+        meaning: "expandable: virtual address space reserved per arena (more arenas are reserved when one runs \
+                  out), in GiB",
     },
     KeyDoc {
         name: "release_threshold_mb",
-        default: "policy default",
-        meaning: "expandable: unmapped pages kept in the pool before they are released to the driver, in MiB",
+        default: "unlimited (pooled pages are kept until empty_cache)",
+        meaning: "expandable: MiB of unmapped pages kept in the pool; pages above it are released to the driver",
     },
     KeyDoc {
         name: "capacity_gb",
@@ -226,7 +229,7 @@ pub struct Config {
     pub page_size: Option<u64>,
     /// `arena_gb`: expandable arena size in bytes (`None`: the policy's default).
     pub arena_size: Option<u64>,
-    /// `release_threshold_mb`: expandable pool release threshold in bytes.
+    /// `release_threshold_mb`: expandable pool release threshold in bytes (`None`: unlimited).
     pub release_threshold: Option<u64>,
     /// `capacity_gb`: host/sim device memory in bytes (`None`: 4 GiB host, 80 GiB sim).
     pub capacity: Option<u64>,
@@ -447,6 +450,7 @@ impl Config {
                 }
             }
         }
+        self.policy_options()?;
         if self.expandable_segments == Some(true) && self.backend != Policy::Caching {
             return Err(ConfigError {
                 key: Some("expandable_segments".into()),
@@ -500,18 +504,31 @@ impl Config {
         parts.join(",")
     }
 
-    /// The options handed to [`vmmalloc_alloc::build`].
-    pub fn policy_options(&self) -> PolicyOptions {
-        // TODO(lead): wire these once ExpandableConfig grows its fields:
-        //   options.expandable.page_size = self.page_size (bytes, Option),
-        //   options.expandable.arena_size = self.arena_size,
-        //   options.expandable.release_threshold = self.release_threshold.
-        // and once CachingConfig::parse lands:
-        //   options.caching = CachingConfig::parse(&self.pytorch_alloc_conf())?
-        // (map its error into ConfigError naming the key). Until then the values are
-        // validated here and reported in allocator_settings and the summary, but the
-        // placeholder policies ignore them.
-        PolicyOptions::default()
+    /// The options handed to [`vmmalloc_alloc::build`]: the expandable keys
+    /// into [`ExpandableConfig`], the PyTorch keys through
+    /// [`CachingConfig::parse`] (PyTorch's own parser and checks).
+    pub fn policy_options(&self) -> Result<PolicyOptions, ConfigError> {
+        let defaults = ExpandableConfig::default();
+        let caching =
+            CachingConfig::parse(&self.pytorch_alloc_conf()).map_err(|e| ConfigError {
+                key: Some(
+                    "max_split_size_mb/roundup_power2_divisions/garbage_collection_threshold"
+                        .into(),
+                ),
+                message: format!(
+                    "PyTorch allocator options `{}`: {e}",
+                    self.pytorch_alloc_conf()
+                ),
+            })?;
+        Ok(PolicyOptions {
+            expandable: ExpandableConfig {
+                page_size: self.page_size,
+                arena_size: self.arena_size,
+                release_threshold: self.release_threshold.unwrap_or(defaults.release_threshold),
+                ..defaults
+            },
+            caching,
+        })
     }
 
     /// `key: value` for every setting, for `allocator_settings` and the summary.
@@ -693,6 +710,37 @@ mod tests {
         for k in KEYS {
             let text = format!("device:sim,{}:{}", k.name, sample(k.name));
             Config::parse(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
+    }
+
+    #[test]
+    fn options_reach_the_policies() {
+        let c = Config::parse(
+            "page_size_mb:4,arena_gb:16,release_threshold_mb:256,max_split_size_mb:64,\
+             roundup_power2_divisions:4,garbage_collection_threshold:0.5",
+        )
+        .unwrap();
+        let o = c.policy_options().unwrap();
+        assert_eq!(o.expandable.page_size, Some(4 * MIB));
+        assert_eq!(o.expandable.arena_size, Some(16 * GIB));
+        assert_eq!(o.expandable.release_threshold, 256 * MIB);
+        assert_eq!(o.caching.max_split_size, 64 * MIB);
+        assert_eq!(o.caching.roundup_power2_divisions[0], 4);
+        assert_eq!(o.caching.garbage_collection_threshold, 0.5);
+        let d = Config::default().policy_options().unwrap();
+        assert_eq!(d, PolicyOptions::default());
+    }
+
+    #[test]
+    fn docs_describe_every_key() {
+        let doc = include_str!("../../../docs/pytorch.md");
+        for k in KEYS {
+            let row = format!("| `{}` |", k.name);
+            assert!(
+                doc.contains(&row),
+                "docs/pytorch.md has no table row for `{}`",
+                k.name
+            );
         }
     }
 

@@ -14,12 +14,17 @@ pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
     let name = |kind: &str| format!("{kind}{ordinal} ({} GiB)", capacity as f64 / GIB as f64);
     match config.device {
         DeviceKind::Cuda => CudaDevice::open(ordinal)
-            .map(|d| Arc::new(d) as Arc<dyn Device>)
+            .map(|d| {
+                // PyTorch hands us its own streams (side streams, NCCL's): accept them.
+                d.accept_external_streams(true);
+                Arc::new(d) as Arc<dyn Device>
+            })
             .map_err(|e| format!("cannot open CUDA device {ordinal}: {e}")),
         DeviceKind::Host => HostDevice::new(HostConfig {
             name: name("host"),
             capacity,
             granularity: MODEL_GRANULARITY,
+            ordinal,
         })
         .map(|d| Arc::new(d) as Arc<dyn Device>)
         .map_err(|e| format!("cannot create host device {ordinal}: {e}")),

@@ -1,10 +1,10 @@
 //! The last error of each thread, and the one-line stderr log.
 //!
-//! Every exported function (except [`crate::vmmalloc_last_error`] and
-//! [`crate::vmmalloc_free_string`]) first clears the calling thread's last
-//! error, and sets it if it fails. So after a call, `vmmalloc_last_error()` is
-//! NULL if that call succeeded and its message otherwise (errno-like, but never
-//! stale).
+//! Every exported function (except [`crate::vmmalloc_last_error`],
+//! [`crate::vmmalloc_version`] and [`crate::vmmalloc_free_string`]) first
+//! clears the calling thread's last error, and sets it if it fails. So after a
+//! call, `vmmalloc_last_error()` is NULL if that call succeeded and its message
+//! otherwise (errno-like, but never stale).
 
 use crate::config::LogLevel;
 use std::cell::RefCell;

@@ -16,9 +16,11 @@
 //! ```
 //!
 //! Blocks cover their segment exactly (sizes sum to `total_size`), which
-//! `_memory_viz.segsum` asserts. States are PyTorch's (`active_allocated`,
-//! `active_pending_free`, `inactive`) plus `unmapped` for address space of an
-//! expandable segment without pages behind it. `device_traces` has one list
+//! `_memory_viz.segsum` asserts, and states are PyTorch's (`active_allocated`,
+//! `active_pending_free`, `inactive`). As PyTorch does for expandable
+//! segments, each contiguous *mapped* run of an expandable segment is reported
+//! as one segment, and address space without pages behind it is left out.
+//! `device_traces` has one list
 //! per device up to the highest ordinal in use (empty lists without
 //! `record_history:True`). No stack frames are recorded: `frames` is empty.
 
@@ -27,7 +29,7 @@ use crate::runtime::Runtime;
 use serde_pickle::{HashableValue, SerOptions, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
-use vmmalloc_alloc::{Policy, Snapshot};
+use vmmalloc_alloc::{BlockInfo, BlockState, Policy, SegmentInfo, Snapshot};
 
 fn key(k: &str) -> HashableValue {
     HashableValue::String(k.to_string())
@@ -48,10 +50,67 @@ fn dict(items: Vec<(&str, Value)>) -> Value {
     )
 }
 
+/// One reported segment: a PyTorch segment, or a mapped run of an expandable one.
+struct Run<'a> {
+    seg: &'a SegmentInfo,
+    blocks: &'a [BlockInfo],
+}
+
+/// The segments as PyTorch reports them: whole non-expandable segments, and
+/// each contiguous run of mapped blocks of an expandable one.
+fn runs(snap: &Snapshot) -> Vec<Run<'_>> {
+    let mut out = Vec::new();
+    for seg in &snap.segments {
+        if !seg.is_expandable {
+            out.push(Run {
+                seg,
+                blocks: &seg.blocks,
+            });
+            continue;
+        }
+        let mut start = None;
+        for (i, b) in seg.blocks.iter().enumerate() {
+            match (b.state == BlockState::Unmapped, start) {
+                (false, None) => start = Some(i),
+                (true, Some(s)) => {
+                    out.push(Run {
+                        seg,
+                        blocks: &seg.blocks[s..i],
+                    });
+                    start = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(s) = start {
+            out.push(Run {
+                seg,
+                blocks: &seg.blocks[s..],
+            });
+        }
+    }
+    out
+}
+
 fn segments(snap: &Snapshot, out: &mut Vec<Value>) -> Result<(), String> {
-    for s in &snap.segments {
-        let mut blocks = Vec::with_capacity(s.blocks.len());
-        for b in &s.blocks {
+    for Run {
+        seg: s,
+        blocks: run,
+    } in runs(snap)
+    {
+        let (mut total, mut allocated, mut active, mut requested) = (0, 0, 0, 0);
+        let mut blocks = Vec::with_capacity(run.len());
+        for b in run {
+            total += b.size;
+            match b.state {
+                BlockState::ActiveAllocated => {
+                    allocated += b.size;
+                    active += b.size;
+                    requested += b.requested_size;
+                }
+                BlockState::ActivePendingFree => active += b.size,
+                BlockState::Inactive | BlockState::Unmapped => {}
+            }
             blocks.push(dict(vec![
                 ("address", int(b.address)?),
                 ("size", int(b.size)?),
@@ -60,19 +119,44 @@ fn segments(snap: &Snapshot, out: &mut Vec<Value>) -> Result<(), String> {
                 ("frames", Value::List(Vec::new())),
             ]));
         }
+        let address = run.first().map_or(s.address, |b| b.address);
         out.push(dict(vec![
             ("device", int(snap.device as u64)?),
-            ("address", int(s.address)?),
-            ("total_size", int(s.total_size)?),
+            ("address", int(address)?),
+            (
+                "total_size",
+                int(if s.is_expandable { total } else { s.total_size })?,
+            ),
             ("stream", int(s.stream.0)?),
             ("segment_type", Value::String(s.segment_type.to_string())),
             (
                 "segment_pool_id",
                 Value::Tuple(vec![Value::I64(0), Value::I64(0)]),
             ),
-            ("allocated_size", int(s.allocated_size)?),
-            ("active_size", int(s.active_size)?),
-            ("requested_size", int(s.requested_size)?),
+            (
+                "allocated_size",
+                int(if s.is_expandable {
+                    allocated
+                } else {
+                    s.allocated_size
+                })?,
+            ),
+            (
+                "active_size",
+                int(if s.is_expandable {
+                    active
+                } else {
+                    s.active_size
+                })?,
+            ),
+            (
+                "requested_size",
+                int(if s.is_expandable {
+                    requested
+                } else {
+                    s.requested_size
+                })?,
+            ),
             ("is_expandable", Value::Bool(s.is_expandable)),
             ("frames", Value::List(Vec::new())),
             ("blocks", Value::List(blocks)),

@@ -67,6 +67,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use vmmalloc_alloc::{AllocError, Stats, Stream};
 
+/// Requests above this (1 PiB) are refused before any policy sees them.
+const MAX_REQUEST: u64 = 1 << 50;
+
 /// Runs an entry point's body: clears the thread's last error, catches any
 /// panic (reported as an internal error, returning `on_panic`).
 fn entry<T>(name: &str, on_panic: T, body: impl FnOnce() -> T) -> T {
@@ -133,14 +136,16 @@ pub extern "C" fn vmmalloc_malloc(size: usize, device: c_int, stream: *mut c_voi
             return std::ptr::null_mut();
         }
         let on_oom = rt.config().map_or(OnOom::Null, |c| c.on_oom);
-        let total = d.device.caps().total_memory;
-        let result = if size as u64 > total {
+        // Sizes beyond any device never reach a policy (whose rounding could
+        // overflow); larger-than-this-device ones get the policy's full report.
+        let result = if size as u64 > MAX_REQUEST {
+            d.record_oom(size as u64, Stream(addr(stream)));
             Err((
                 true,
                 format!(
-                    "out of memory: tried to allocate {} on device {device}, which has {} in total",
+                    "out of memory: tried to allocate {} on device {device}, beyond any device ({} of memory here)",
                     summary::format_bytes(size as u64),
-                    summary::format_bytes(total)
+                    summary::format_bytes(d.device.caps().total_memory)
                 ),
             ))
         } else {
@@ -361,6 +366,9 @@ pub extern "C" fn vmmalloc_memory_summary(device: c_int) -> *mut c_char {
                 &stats,
                 &summary::Context {
                     device: ordinal,
+                    page_size: c
+                        .page_size
+                        .filter(|_| policy == vmmalloc_alloc::Policy::Expandable),
                     backend: policy.name(),
                     device_kind: c.device.name(),
                     caps: d.map(|d| d.device.caps()),

@@ -48,9 +48,23 @@ impl DeviceState {
             Err(AllocError::OutOfMemory(rep)) => {
                 ring.push_oom(rep.requested, rep.device_free, stream.0)
             }
+            // A policy may call a request beyond the device an invalid size;
+            // PyTorch records it as an out-of-memory.
+            Err(AllocError::InvalidSize { .. }) if size > self.device.caps().total_memory => {
+                let free = self.device.mem_info().map_or(0, |m| m.free);
+                ring.push_oom(size, free, stream.0)
+            }
             Err(_) => {}
         }
         r
+    }
+
+    /// Records an `oom` event for a request refused before reaching the allocator.
+    pub fn record_oom(&self, size: u64, stream: Stream) {
+        if let Some(h) = &self.history {
+            let free = self.device.mem_info().map_or(0, |m| m.free);
+            h.lock().push_oom(size, free, stream.0);
+        }
     }
 
     /// Frees, recording the events when history is on.
@@ -259,10 +273,10 @@ impl Runtime {
         let config = self.config()?;
         let dev = crate::devices::open(config, ordinal)?;
         let policy = config.effective_policy();
-        let allocator = vmmalloc_alloc::build(policy, dev.clone(), &config.policy_options())
-            .map_err(|e| {
-                format!("cannot create the {policy} allocator on device {ordinal}: {e}")
-            })?;
+        let options = config.policy_options().map_err(|e| e.to_string())?;
+        let allocator = vmmalloc_alloc::build(policy, dev.clone(), &options).map_err(|e| {
+            format!("cannot create the {policy} allocator on device {ordinal}: {e}")
+        })?;
         let caps = dev.caps();
         diag::log(
             config.log,

@@ -79,6 +79,9 @@ pub struct Context<'a> {
     pub caps: Option<&'a DeviceCaps>,
     /// History events dropped from the ring buffer.
     pub dropped_events: u64,
+    /// Bytes per page when the policy's pages are not the granularity
+    /// (`page_size_mb`); `None`: the device granularity.
+    pub page_size: Option<u64>,
 }
 
 /// The summary text.
@@ -159,7 +162,10 @@ pub fn summary(stats: &Stats, ctx: &Context<'_>) -> String {
     lines.push(rule('='));
 
     // vmmalloc's own rows.
-    let gran = ctx.caps.map_or(0, |c| c.granularity);
+    let page = ctx
+        .page_size
+        .or(ctx.caps.map(|c| c.granularity))
+        .unwrap_or(0);
     let bytes = format_bytes;
     let title = match ctx.caps {
         Some(c) => format!(
@@ -175,8 +181,8 @@ pub fn summary(stats: &Stats, ctx: &Context<'_>) -> String {
     lines.push(rule('-'));
     let row = |name: &str, value: String| fit(format!(" {name:<21} | {value}"));
     let pages = |n: u64| {
-        if gran > 0 {
-            format!("{n} pages ({})", bytes(n * gran))
+        if page > 0 {
+            format!("{n} pages ({})", bytes(n.saturating_mul(page)))
         } else {
             format!("{n} pages")
         }
@@ -282,6 +288,7 @@ mod tests {
                 device_kind: "host",
                 caps: Some(&caps),
                 dropped_events: 0,
+                page_size: None,
             },
         );
         for l in text.lines() {

@@ -305,6 +305,8 @@ pub struct CudaDevice {
     events: Mutex<Registry>,
     /// Streams never die (the trait has no destroy), so membership suffices.
     streams: Mutex<HashSet<u64>>,
+    /// Accept stream handles created outside this device (PyTorch's side streams).
+    external_streams: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -420,6 +422,7 @@ impl CudaDevice {
             handles: Mutex::new(Registry::default()),
             events: Mutex::new(Registry::default()),
             streams: Mutex::new(HashSet::new()),
+            external_streams: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -502,8 +505,20 @@ impl CudaDevice {
         })
     }
 
+    /// Accepts (or not) stream handles that this device did not create, such as
+    /// the `CUstream`s PyTorch passes to a pluggable allocator. The caller then
+    /// vouches that every such stream belongs to this device's primary context
+    /// and outlives its use here, as PyTorch's streams do.
+    pub fn accept_external_streams(&self, accept: bool) {
+        self.external_streams
+            .store(accept, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn check_stream(&self, call: Call, stream: Stream) -> DeviceResult<()> {
-        if stream == Stream::DEFAULT || self.streams.lock().contains(&stream.0) {
+        if stream == Stream::DEFAULT
+            || self.external_streams.load(std::sync::atomic::Ordering::Relaxed)
+            || self.streams.lock().contains(&stream.0)
+        {
             Ok(())
         } else {
             Err(DeviceError::rule(

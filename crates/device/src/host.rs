@@ -50,6 +50,8 @@ pub struct HostConfig {
     /// Allocation granularity: a power of two, at least the system page size
     /// (2 MiB by default, as on current NVIDIA GPUs; smaller values make tests cheaper).
     pub granularity: u64,
+    /// Device ordinal reported in [`DeviceCaps`].
+    pub ordinal: u32,
 }
 
 impl Default for HostConfig {
@@ -66,6 +68,7 @@ impl HostConfig {
             name: format!("host ({} MiB)", capacity / MIB),
             capacity,
             granularity: 2 * MIB,
+            ordinal: 0,
         }
     }
 
@@ -277,7 +280,7 @@ impl HostDevice {
         Ok(HostDevice {
             caps: DeviceCaps {
                 name: config.name,
-                ordinal: 0,
+                ordinal: config.ordinal,
                 granularity: g,
                 total_memory: config.capacity,
                 vmm_supported: true,

@@ -194,6 +194,7 @@ fn host_device(config: &Config, ordinal: usize) -> Result<HostDevice, Fail> {
         name: format!("fake-cuda{ordinal}"),
         capacity: config.capacity(ordinal),
         granularity: config.granularity,
+        ordinal: ordinal as u32,
     })
     .map_err(|e| Fail::invalid(format!("cannot create fake device {ordinal}: {e}")))
 }

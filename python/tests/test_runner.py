@@ -1,0 +1,180 @@
+"""vmmalloc.enable() and `python -m vmmalloc`, against a stand-in torch
+module that records what PyTorch would be asked to do (the real thing runs
+in scripts/gpu-check.sh on a GPU machine)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import vmmalloc
+from vmmalloc import __main__ as runner
+from conftest import REPO
+
+FAKE_TORCH = textwrap.dedent('''
+    """A stand-in for the parts of torch that vmmalloc.enable() touches."""
+    import json, os
+    calls = []
+    def _log(*a):
+        calls.append(a)
+        with open(os.environ["FAKE_TORCH_LOG"], "a") as f:
+            f.write(json.dumps(a) + "\\n")
+
+    class _Native:
+        def set_init_fn(self, p): _log("set_init_fn", p)
+        def set_reset_fn(self, p): _log("set_reset_fn", p)
+        def set_memory_fraction_fn(self, p): _log("set_memory_fraction_fn", p)
+        def set_record_stream_fn(self, p): _log("set_record_stream_fn", p)
+
+    class _Memory:
+        class CUDAPluggableAllocator:
+            def __init__(self, path, alloc, free):
+                _log("CUDAPluggableAllocator", path, alloc, free)
+                self._a = _Native()
+            def allocator(self):
+                return self._a
+        @staticmethod
+        def change_current_allocator(a):
+            if os.environ.get("FAKE_TORCH_REFUSE"):
+                raise RuntimeError("Can't swap an already initialized allocator")
+            _log("change_current_allocator")
+
+    class cuda:
+        memory = _Memory
+        @staticmethod
+        def is_initialized():
+            return bool(os.environ.get("FAKE_TORCH_CUDA_INITIALIZED"))
+''')
+
+
+@pytest.fixture
+def fake_torch(tmp_path):
+    """A directory holding the stand-in `torch` package, for PYTHONPATH."""
+    pkg = tmp_path / "fake" / "torch"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_TORCH + textwrap.dedent('''
+        # `from torch.cuda.memory import ...` needs the submodules registered.
+        import sys, types
+        _m = types.ModuleType("torch.cuda.memory")
+        _m.CUDAPluggableAllocator = _Memory.CUDAPluggableAllocator
+        _m.change_current_allocator = _Memory.change_current_allocator
+        cuda.memory = _m
+        sys.modules["torch.cuda"] = cuda
+        sys.modules["torch.cuda.memory"] = _m
+    '''))
+    return tmp_path / "fake"
+
+
+def run_py(args, fake, tmp_path, **env_extra):
+    log = tmp_path / "torch.log"
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join([str(fake), str(REPO / "python")]), FAKE_TORCH_LOG=str(log))
+    env.update(env_extra)
+    out = subprocess.run([sys.executable] + args, env=env, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    calls = [l for l in log.read_text().splitlines()] if log.exists() else []
+    return out, calls
+
+
+def test_runner_enables_then_runs_script_as_main(lib, fake_torch, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent('''
+        import sys, vmmalloc
+        assert __name__ == "__main__"
+        assert vmmalloc.is_enabled()
+        print("ARGV", sys.argv)
+        lib = vmmalloc.load()
+        p = lib.vmmalloc_malloc(4096, 0, None)
+        assert p, vmmalloc.last_error()
+        lib.vmmalloc_free(p, 4096, 0, None)
+        print("STATS", vmmalloc.memory_stats(0)["allocation.all.allocated"])
+    '''))
+    out, calls = run_py(["-m", "vmmalloc", "--summary", "--snapshot", "at-exit.pickle", "train.py", "--lr", "3"],
+                        fake_torch, tmp_path, VMMALLOC_CONF="device:host,backend:native,capacity_gb:1")
+    assert out.returncode == 0, out.stderr
+    assert "ARGV ['train.py', '--lr', '3']" in out.stdout
+    assert "STATS 1" in out.stdout
+    # --summary and --snapshot act at exit.
+    assert "vmmalloc CUDA memory summary, device ID 0" in out.stderr
+    import pickle
+    with open(tmp_path / "at-exit.pickle", "rb") as f:
+        assert pickle.load(f)["allocator_settings"]["backend"] == "native"
+    import json
+    calls = [json.loads(c) for c in calls]
+    assert calls[0][0] == "CUDAPluggableAllocator"
+    assert Path(calls[0][1]).name == "libvmmalloc.so"
+    assert calls[0][2:] == ["vmmalloc_malloc", "vmmalloc_free"]
+    hooks = {c[0]: c[1] for c in calls[1:5]}
+    assert set(hooks) == {"set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn"}
+    assert all(isinstance(p, int) and p > 0 for p in hooks.values())
+    assert len(set(hooks.values())) == 4
+    assert calls[-1] == ["change_current_allocator"]
+
+
+def test_hook_pointers_are_the_exports(lib):
+    import ctypes
+    for _, fn in vmmalloc.HOOKS:
+        assert vmmalloc._lib.function_pointer(fn) == ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value
+
+
+def test_enable_refuses_when_cuda_is_initialised(lib, fake_torch, tmp_path):
+    out, calls = run_py(["-c", "import vmmalloc; vmmalloc.enable('device:host')"], fake_torch, tmp_path,
+                        FAKE_TORCH_CUDA_INITIALIZED="1")
+    assert out.returncode != 0
+    assert "CUDA is already initialised" in out.stderr
+    assert calls == []
+
+
+def test_enable_reports_a_refused_swap(lib, fake_torch, tmp_path):
+    out, _ = run_py(["-c", "import vmmalloc; vmmalloc.enable('device:host')"], fake_torch, tmp_path,
+                    FAKE_TORCH_REFUSE="1")
+    assert out.returncode != 0
+    assert "already used" in out.stderr
+
+
+def test_runner_rejects_a_bad_config_before_the_script(lib, fake_torch, tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("print('RAN')\n")
+    out, calls = run_py(["-m", "vmmalloc", "--conf", "device:host,colour:blue", "never.py"], fake_torch, tmp_path)
+    assert out.returncode == 2
+    assert "unknown key `colour`" in out.stderr
+    assert "RAN" not in out.stdout
+    assert calls == []
+
+
+def test_runner_without_torch_says_so(lib, tmp_path):
+    try:
+        import torch  # noqa: F401
+        pytest.skip("torch is installed here")
+    except ImportError:
+        pass
+    (tmp_path / "s.py").write_text("print('RAN')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    out = subprocess.run([sys.executable, "-m", "vmmalloc", "s.py"], env=env, capture_output=True, text=True,
+                         cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert "needs PyTorch" in out.stderr
+    assert "RAN" not in out.stdout
+
+
+def test_runner_argument_parsing():
+    assert runner.parse(["--conf", "a:b", "x.py", "--conf", "y"]) == (
+        {"conf": "a:b", "summary": False, "snapshot": None, "version": False, "help": False},
+        "script", "x.py", ["--conf", "y"])
+    opts, kind, target, args = runner.parse(["--summary", "--snapshot=s.pickle", "-m", "pkg.mod", "-v"])
+    assert (opts["summary"], opts["snapshot"], kind, target, args) == (True, "s.pickle", "module", "pkg.mod", ["-v"])
+    for bad in ([], ["--conf"], ["--bogus", "x.py"], ["-m"]):
+        with pytest.raises(ValueError):
+            runner.parse(bad)
+
+
+def test_runner_version_and_help(lib, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    out = subprocess.run([sys.executable, "-m", "vmmalloc", "--version"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "0.1.0", out.stderr
+    out = subprocess.run([sys.executable, "-m", "vmmalloc"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no script" in out.stderr

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# gpu-check-pytorch.sh — the PyTorch plug-in (issue 6) on a real GPU, in one
+# call of at most ~8 minutes on an H100/H200. Called at the end of
+# scripts/gpu-check.sh; runs on its own too.
+#
+#   1. Builds target/release/libvmmalloc.so (cargo build --release -p vmmalloc-capi).
+#   2. scripts/torch_fragmentation.py under a memory limit (LIMIT_GB, default 8):
+#      PyTorch's default allocator and vmmalloc's caching replica must run out
+#      of memory from fragmentation; vmmalloc expandable, torch-es and native
+#      must complete, with every tensor's contents checked.
+#   3. scripts/torch_train_varlen.py (variable sequence lengths) under PyTorch's
+#      allocator and each vmmalloc backend: peak reserved and step time side by side.
+#
+# Needs python3 with a CUDA build of PyTorch. Exit status: 0 when every check
+# passed, 1 otherwise (each check still runs), 1 with one clear line when
+# there is no GPU or no PyTorch with CUDA.
+#
+# Environment: LIMIT_GB (fragmentation limit, default 8), STEPS (training
+# steps, default 60), PYTHON (default python3), CARGO_FLAGS (e.g. "--offline").
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY="${PYTHON:-python3}"
+LIMIT_GB="${LIMIT_GB:-8}"
+STEPS="${STEPS:-60}"
+read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
+
+skip() {
+    echo "gpu-check-pytorch: cannot run: $*" >&2
+    exit 1
+}
+command -v "$PY" >/dev/null 2>&1 || skip "$PY is not installed"
+torch_info="$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())' 2>&1)" \
+    || skip "PyTorch is not installed for $PY ($(tail -n 1 <<<"$torch_info"))"
+[[ $torch_info == *True ]] || skip "PyTorch has no usable CUDA device (torch, cuda, available: $torch_info)"
+echo "PyTorch: $torch_info"
+
+failures=()
+step() {
+    local name=$1
+    shift
+    echo "--- $name"
+    local t0=$SECONDS
+    if "$@"; then
+        echo "--- $name: ok ($((SECONDS - t0)) s)"
+    else
+        echo "--- $name: FAILED ($((SECONDS - t0)) s)"
+        failures+=("$name")
+    fi
+}
+
+step "build libvmmalloc.so" cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-capi
+export VMMALLOC_LIBRARY="$PWD/target/release/libvmmalloc.so"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+results="$(mktemp)"
+trap 'rm -f "$results"' EXIT
+
+# run_py LABEL CONF SCRIPT ARGS...: runs SCRIPT (under `python -m vmmalloc` with
+# VMMALLOC_CONF=CONF, or plainly when CONF is empty), collects its RESULT line.
+run_py() {
+    local label=$1 conf=$2
+    shift 2
+    local out rc=0
+    if [[ -z $conf ]]; then
+        out="$(timeout 150 "$PY" "$@" 2>&1)" || rc=$?
+    else
+        out="$(VMMALLOC_CONF="$conf" timeout 150 "$PY" -m vmmalloc "$@" 2>&1)" || rc=$?
+    fi
+    printf '%s\n' "$out" | grep -v '^RESULT ' | tail -n 5 | sed "s/^/    [$label] /"
+    printf '%s\n' "$out" | grep '^RESULT ' | sed "s/^RESULT //" >>"$results" || true
+    return "$rc"
+}
+
+echo "=== fragmentation under a ${LIMIT_GB} GiB limit"
+step "fragmentation: pytorch default (expect oom)" \
+    run_py pytorch "" scripts/torch_fragmentation.py --limit-gb "$LIMIT_GB" --expect oom
+for spec in caching:oom expandable:ok torch-es:ok native:ok; do
+    backend=${spec%%:*} expect=${spec##*:}
+    step "fragmentation: vmmalloc $backend (expect $expect)" \
+        run_py "$backend" "backend:$backend" scripts/torch_fragmentation.py --limit-gb "$LIMIT_GB" --expect "$expect"
+done
+
+echo "=== training with variable sequence lengths ($STEPS steps)"
+step "train_varlen: pytorch default" run_py pytorch "" scripts/torch_train_varlen.py --steps "$STEPS"
+for backend in expandable torch-es caching native; do
+    step "train_varlen: vmmalloc $backend" \
+        run_py "$backend" "backend:$backend,on_oom:abort" scripts/torch_train_varlen.py --steps "$STEPS"
+done
+
+echo "=== side by side"
+"$PY" - "$results" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+frag = [r for r in rows if r["script"] == "torch_fragmentation"]
+train = [r for r in rows if r["script"] == "torch_train_varlen"]
+print(f"{'fragmentation':<22} {'outcome':>8} {'peak reserved MiB':>18} {'seconds':>8}")
+for r in frag:
+    print(f"{r['allocator']:<22} {r['outcome']:>8} {r['peak_reserved_bytes'] / 2**20:>18.1f} {r['seconds']:>8}")
+print()
+print(f"{'train_varlen':<22} {'peak reserved MiB':>18} {'peak alloc MiB':>15} {'step ms':>9} {'max ms':>9} {'loss':>8}")
+for r in train:
+    print(f"{r['allocator']:<22} {r['peak_reserved_mib']:>18} {r['peak_allocated_mib']:>15} "
+          f"{r['step_ms_mean']:>9} {r['step_ms_max']:>9} {r['final_loss']:>8}")
+EOF
+
+if ((${#failures[@]} > 0)); then
+    echo "gpu-check-pytorch: FAILED: ${failures[*]}"
+    exit 1
+fi
+echo "gpu-check-pytorch: all PyTorch plug-in checks passed"
