@@ -1,6 +1,7 @@
 //! `vmmalloc`: the command-line front end (device info, trace replay and comparison, benchmarks).
 
 mod calibrate;
+mod bench_cmd;
 mod compare;
 mod info;
 mod replay_cmd;
@@ -25,6 +26,8 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Replay one trace against one policy on a simulated device and print its stats.
     Replay(replay_cmd::ReplayArgs),
+    /// Benchmark every policy side by side: the cache-hit malloc+free pair and 1-vs-2-thread throughput.
+    Bench(bench_cmd::BenchArgs),
     /// Measure each CUDA driver call's latency on a real GPU and write cost-model JSON.
     Calibrate(calibrate::CalibrateArgs),
 }
@@ -35,6 +38,7 @@ fn main() -> Result<()> {
         Command::Info(args) => info::run(args),
         Command::Compare(args) => compare::run(args),
         Command::Replay(args) => replay_cmd::run(args),
+        Command::Bench(args) => bench_cmd::run(args),
         Command::Calibrate(args) => calibrate::run(args),
     }
 }

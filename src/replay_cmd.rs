@@ -72,6 +72,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 ("syncs", r.syncs.to_string()),
                 ("modeled driver time", format!("{:.3} ms", r.modeled_driver_us / 1000.0)),
                 ("replay CPU time", format!("{:.3} ms", r.cpu_time.as_secs_f64() * 1000.0)),
+                ("replay rate", format!("{:.2} M ops/s", r.ops as f64 / r.cpu_time.as_secs_f64().max(1e-9) / 1e6)),
             ];
             for (k, v) in rows {
                 println!("  {k:<22} {v}");
