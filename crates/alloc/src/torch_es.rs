@@ -25,7 +25,9 @@ pub struct TorchEsAllocator<D: Device>(DeviceCachingAllocator<D>);
 impl<D: Device> TorchEsAllocator<D> {
     /// Creates the allocator over `device` with PyTorch's options `config`.
     pub fn new(device: D, config: CachingConfig) -> AllocResult<Self> {
-        Ok(TorchEsAllocator(DeviceCachingAllocator::with_mode(device, config, true)?))
+        Ok(TorchEsAllocator(DeviceCachingAllocator::with_mode(
+            device, config, true,
+        )?))
     }
 }
 

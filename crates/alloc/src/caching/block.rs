@@ -13,7 +13,33 @@
 
 use super::sizes::PoolKind;
 use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 use vmmalloc_device::Stream;
+
+/// A hasher for integer keys (addresses, indices): one multiply, as in
+/// rustc's FxHash. Keys are never attacker-chosen.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IntHasher(u64);
+
+impl Hasher for IntHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+}
+
+/// A hash map keyed by integers.
+pub(crate) type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
 
 /// Index of a block in the slab.
 pub(crate) type BlockId = usize;
@@ -53,7 +79,13 @@ pub(crate) struct Block {
 
 impl Block {
     /// A free block (`Block(device, stream, size, pool, ptr)`).
-    pub fn new(stream: Stream, size: u64, pool: PoolKind, ptr: u64, segment: Option<EsId>) -> Block {
+    pub fn new(
+        stream: Stream,
+        size: u64,
+        pool: PoolKind,
+        ptr: u64,
+        segment: Option<EsId>,
+    ) -> Block {
         Block {
             stream,
             stream_uses: BTreeSet::new(),
@@ -130,7 +162,7 @@ pub(crate) struct Slab {
     vacant: Vec<BlockId>,
     live: usize,
     /// Start address -> block, for every live block (addresses are unique).
-    by_ptr: HashMap<u64, BlockId>,
+    by_ptr: IntMap<u64, BlockId>,
 }
 
 impl Slab {
@@ -182,7 +214,10 @@ impl Slab {
         self.live
     }
     pub fn iter(&self) -> impl Iterator<Item = (BlockId, &Block)> {
-        self.slots.iter().enumerate().filter_map(|(i, b)| b.as_ref().map(|b| (i, b)))
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.as_ref().map(|b| (i, b)))
     }
     pub fn by_ptr_len(&self) -> usize {
         self.by_ptr.len()

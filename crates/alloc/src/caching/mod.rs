@@ -50,7 +50,7 @@ impl<D: Device> DeviceCachingAllocator<D> {
     pub fn with_mode(device: D, config: CachingConfig, expandable: bool) -> AllocResult<Self> {
         if expandable {
             let g = device.caps().granularity;
-            if g == 0 || sizes::K_SMALL_BUFFER % g != 0 {
+            if g == 0 || !sizes::K_SMALL_BUFFER.is_multiple_of(g) {
                 return Err(crate::AllocError::InvalidOption(format!(
                     "torch-es maps 2 MiB and 20 MiB pages, which the device granularity {g:#x} does not divide"
                 )));
@@ -94,7 +94,9 @@ impl<D: Device> Allocator for DeviceCachingAllocator<D> {
         self.name
     }
     fn malloc(&self, size: u64, stream: Stream) -> AllocResult<Allocation> {
-        self.state.lock().malloc(&self.device, self.name, size, stream)
+        self.state
+            .lock()
+            .malloc(&self.device, self.name, size, stream)
     }
     fn free(&self, ptr: u64) -> AllocResult<()> {
         self.state.lock().free(&self.device, ptr)
@@ -104,10 +106,15 @@ impl<D: Device> Allocator for DeviceCachingAllocator<D> {
     }
     /// `emptyCache` = `release_cached_blocks`.
     fn empty_cache(&self) -> AllocResult<()> {
-        self.state.lock().release_cached_blocks(&self.device).map(|_| ())
+        self.state
+            .lock()
+            .release_cached_blocks(&self.device)
+            .map(|_| ())
     }
     fn set_memory_fraction(&self, fraction: f64) -> AllocResult<()> {
-        self.state.lock().set_memory_fraction(&self.device, fraction)
+        self.state
+            .lock()
+            .set_memory_fraction(&self.device, fraction)
     }
     fn stats(&self) -> Stats {
         self.state.lock().stats_view()
@@ -139,7 +146,11 @@ macro_rules! delegate_allocator {
             fn name(&self) -> &'static str {
                 self.0.name()
             }
-            fn malloc(&self, size: u64, stream: $crate::Stream) -> $crate::AllocResult<$crate::Allocation> {
+            fn malloc(
+                &self,
+                size: u64,
+                stream: $crate::Stream,
+            ) -> $crate::AllocResult<$crate::Allocation> {
                 self.0.malloc(size, stream)
             }
             fn free(&self, ptr: u64) -> $crate::AllocResult<()> {
@@ -185,7 +196,9 @@ pub struct CachingAllocator<D: Device>(DeviceCachingAllocator<D>);
 impl<D: Device> CachingAllocator<D> {
     /// Creates the allocator over `device` with PyTorch's options `config`.
     pub fn new(device: D, config: CachingConfig) -> AllocResult<Self> {
-        Ok(CachingAllocator(DeviceCachingAllocator::with_mode(device, config, false)?))
+        Ok(CachingAllocator(DeviceCachingAllocator::with_mode(
+            device, config, false,
+        )?))
     }
 }
 

@@ -12,14 +12,22 @@ impl State {
     /// smallest cached oversize block of the stream that covers the request, or
     /// else oversize blocks from the largest down until as many bytes are free.
     /// Blocks of expandable segments are skipped (PyTorch PR #134338).
-    pub fn release_available_cached_blocks<D: Device>(&mut self, dev: &D, p: &AllocParams) -> AllocResult<bool> {
+    pub fn release_available_cached_blocks<D: Device>(
+        &mut self,
+        dev: &D,
+        p: &AllocParams,
+    ) -> AllocResult<bool> {
         if !self.config.has_split_limit() {
             return Ok(false);
         }
         let max_split = self.config.max_split_size;
         let key_size = p.size.max(max_split);
         let pool = self.pool(p.pool);
-        let lower = pool.blocks.range((p.stream, key_size, 0, 0)..).next().copied();
+        let lower = pool
+            .blocks
+            .range((p.stream, key_size, 0, 0)..)
+            .next()
+            .copied();
         match lower {
             Some(k) if k.0 == p.stream && self.slab.get(k.3).segment.is_none() => {
                 self.release_block(dev, k.3)?;
@@ -118,9 +126,20 @@ impl State {
     pub fn unmap_block<D: Device>(&mut self, dev: &D, id: BlockId) -> AllocResult<()> {
         let (es_id, ptr, size, pool, stream, prev, next) = {
             let b = self.slab.get(id);
-            (b.segment.expect("expandable block"), b.ptr, b.size, b.pool, b.stream, b.prev, b.next)
+            (
+                b.segment.expect("expandable block"),
+                b.ptr,
+                b.size,
+                b.pool,
+                b.stream,
+                b.prev,
+                b.next,
+            )
         };
-        let es = self.expandable_segments.get_mut(&es_id).expect("live segment");
+        let es = self
+            .expandable_segments
+            .get_mut(&es_id)
+            .expect("live segment");
         let (uptr, usize, error) = match es.unmap(dev, &mut self.counter, ptr, size) {
             Ok((p, s)) => (p, s, None),
             Err(pu) => (pu.ptr, pu.size, Some(pu.error)),
@@ -143,7 +162,8 @@ impl State {
             let after = size - (before + usize);
             if after > 0 {
                 // block -> after_free -> next?
-                let mut af = super::block::Block::new(stream, after, pool, uptr + usize, Some(es_id));
+                let mut af =
+                    super::block::Block::new(stream, after, pool, uptr + usize, Some(es_id));
                 af.prev = Some(id);
                 af.next = next;
                 let afid = self.slab.insert(af);
@@ -166,7 +186,9 @@ impl State {
             let key = self.slab.get(id).addr_key(id);
             self.pool_mut(pool).unmapped.insert(key);
             self.total_allocated_memory -= usize;
-            self.stats.reserved_bytes.update(pool.stat_type(), -(usize as i64));
+            self.stats
+                .reserved_bytes
+                .update(pool.stat_type(), -(usize as i64));
             self.stats.num_device_free += 1;
         }
         match error {
@@ -177,13 +199,21 @@ impl State {
 
     /// `release_expandable_segment`: frees the reservation of a segment with
     /// nothing mapped (`~ExpandableSegment`: `cuMemAddressFree`).
-    pub fn release_expandable_segment<D: Device>(&mut self, dev: &D, id: BlockId) -> AllocResult<()> {
+    pub fn release_expandable_segment<D: Device>(
+        &mut self,
+        dev: &D,
+        id: BlockId,
+    ) -> AllocResult<()> {
         let (es_id, pool) = {
             let b = self.slab.get(id);
             (b.segment.expect("expandable block"), b.pool)
         };
         let es = &self.expandable_segments[&es_id];
-        debug_assert_eq!(self.slab.get(id).size, es.size(), "block disagrees with segment");
+        debug_assert_eq!(
+            self.slab.get(id).size,
+            es.size(),
+            "block disagrees with segment"
+        );
         let (ptr, size) = (es.ptr, es.size());
         self.counter.add(Call::AddressFree);
         dev.free_reservation(ptr, size)?;
@@ -197,7 +227,11 @@ impl State {
     /// The first half of `insert_events`: takes an event from the pool (or
     /// creates one) and records it on every stream that used the block. On a
     /// driver error the events go back to the pool and nothing else changes.
-    pub fn record_events<D: Device>(&mut self, dev: &D, id: BlockId) -> AllocResult<Vec<(Stream, Event)>> {
+    pub fn record_events<D: Device>(
+        &mut self,
+        dev: &D,
+        id: BlockId,
+    ) -> AllocResult<Vec<(Stream, Event)>> {
         let streams: Vec<Stream> = self.slab.get(id).stream_uses.iter().copied().collect();
         let mut out: Vec<(Stream, Event)> = Vec::with_capacity(streams.len());
         for s in streams {
@@ -248,6 +282,9 @@ impl State {
     /// `process_events`: per stream, in order, frees the blocks whose events
     /// have completed (`cudaEventQuery`), stopping at the first pending one.
     pub fn process_events<D: Device>(&mut self, dev: &D) -> AllocResult<()> {
+        if self.cuda_events.is_empty() {
+            return Ok(());
+        }
         let streams: Vec<Stream> = self.cuda_events.keys().copied().collect();
         for s in streams {
             while let Some(&(ev, id)) = self.cuda_events.get(&s).and_then(|q| q.front()) {
@@ -271,10 +308,7 @@ impl State {
     /// (`cudaEventSynchronize`) and frees its block; counts `num_sync_all_streams`.
     pub fn synchronize_and_free_events<D: Device>(&mut self, dev: &D) -> AllocResult<()> {
         self.stats.num_sync_all_streams += 1;
-        loop {
-            let Some((&s, q)) = self.cuda_events.iter().next() else {
-                break;
-            };
+        while let Some((&s, q)) = self.cuda_events.iter().next() {
             let Some(&(ev, id)) = q.front() else {
                 self.cuda_events.remove(&s);
                 continue;
@@ -296,7 +330,8 @@ impl State {
     /// (ages count `get_free_block` calls), repeating until the excess is freed.
     /// No synchronization. Blocks of expandable segments are skipped.
     pub fn garbage_collect_cached_blocks<D: Device>(&mut self, dev: &D) -> AllocResult<()> {
-        let gc_threshold = (self.config.garbage_collection_threshold * self.allowed_memory_maximum as f64) as u64;
+        let gc_threshold =
+            (self.config.garbage_collection_threshold * self.allowed_memory_maximum as f64) as u64;
         if self.total_allocated_memory <= gc_threshold {
             return Ok(());
         }

@@ -43,7 +43,12 @@ pub(crate) struct PartialUnmap {
 impl ExpandableSegment {
     /// Reserves `segment_size × ceil((total + total/8) / segment_size)` bytes
     /// (the constructor: "enough address space for 1 1/8 the total memory").
-    pub fn new<D: Device>(dev: &D, c: &mut Counter, stream: Stream, segment_size: u64) -> DeviceResult<Self> {
+    pub fn new<D: Device>(
+        dev: &D,
+        c: &mut Counter,
+        stream: Stream,
+        segment_size: u64,
+    ) -> DeviceResult<Self> {
         let total = dev.caps().total_memory;
         let max_handles = (total + total / 8).div_ceil(segment_size).max(1);
         c.add(Call::Reserve);
@@ -87,10 +92,20 @@ impl ExpandableSegment {
     /// Returns the page-rounded range mapped; `Ok(None)` when `cuMemCreate` runs
     /// out of memory (PyTorch's "size 0 indicates OOM"), after releasing the pages
     /// created so far. Any other driver error is rolled back and returned.
-    pub fn map<D: Device>(&mut self, dev: &D, c: &mut Counter, ptr: u64, size: u64) -> DeviceResult<Option<(u64, u64)>> {
+    pub fn map<D: Device>(
+        &mut self,
+        dev: &D,
+        c: &mut Counter,
+        ptr: u64,
+        size: u64,
+    ) -> DeviceResult<Option<(u64, u64)>> {
         let begin = self.segment_left(ptr);
         let end = self.segment_right(ptr + size).min(self.max_handles);
-        debug_assert_eq!(self.ptr + begin * self.segment_size, ptr, "map must start on a page");
+        debug_assert_eq!(
+            self.ptr + begin * self.segment_size,
+            ptr,
+            "map must start on a page"
+        );
         if begin >= end {
             return Ok(None);
         }
@@ -99,7 +114,10 @@ impl ExpandableSegment {
         }
         let mut created: Vec<PhysHandle> = Vec::new();
         for i in begin..end {
-            debug_assert!(self.handles[i as usize].is_none(), "page {i} already mapped");
+            debug_assert!(
+                self.handles[i as usize].is_none(),
+                "page {i} already mapped"
+            );
             c.add(Call::Create);
             match dev.create(self.segment_size) {
                 Ok(h) => created.push(h),
@@ -111,7 +129,11 @@ impl ExpandableSegment {
                         }
                     }
                     self.trim_handles();
-                    return if e.is_out_of_memory() { Ok(None) } else { Err(e) };
+                    return if e.is_out_of_memory() {
+                        Ok(None)
+                    } else {
+                        Err(e)
+                    };
                 }
             }
         }
@@ -129,7 +151,10 @@ impl ExpandableSegment {
         }
         if failure.is_none() {
             c.add(Call::SetAccess);
-            if let Err(e) = dev.set_access(self.ptr + begin * self.segment_size, (end - begin) * self.segment_size) {
+            if let Err(e) = dev.set_access(
+                self.ptr + begin * self.segment_size,
+                (end - begin) * self.segment_size,
+            ) {
                 failure = Some(e);
             }
         }
@@ -153,13 +178,22 @@ impl ExpandableSegment {
         for (k, h) in created.into_iter().enumerate() {
             self.handles[(begin + k as u64) as usize] = Some(h);
         }
-        Ok(Some((self.ptr + begin * self.segment_size, (end - begin) * self.segment_size)))
+        Ok(Some((
+            self.ptr + begin * self.segment_size,
+            (end - begin) * self.segment_size,
+        )))
     }
 
     /// `unmap`: unmaps and releases every page lying entirely inside
     /// `[ptr, ptr+size)`, after synchronizing the segment's stream
     /// (`unmapHandles`). Returns the range unmapped (size 0 if no whole page).
-    pub fn unmap<D: Device>(&mut self, dev: &D, c: &mut Counter, ptr: u64, size: u64) -> Result<(u64, u64), PartialUnmap> {
+    pub fn unmap<D: Device>(
+        &mut self,
+        dev: &D,
+        c: &mut Counter,
+        ptr: u64,
+        size: u64,
+    ) -> Result<(u64, u64), PartialUnmap> {
         let begin = self.segment_right(ptr);
         let end = self.segment_left(ptr + size);
         if begin >= end {
@@ -171,7 +205,11 @@ impl ExpandableSegment {
         c.add(Call::StreamSync);
         c.stream_sync();
         if let Err(error) = dev.synchronize_stream(self.stream) {
-            return Err(PartialUnmap { ptr: start, size: 0, error });
+            return Err(PartialUnmap {
+                ptr: start,
+                size: 0,
+                error,
+            });
         }
         for i in begin..end {
             let addr = self.ptr + i * self.segment_size;
@@ -217,7 +255,10 @@ impl ExpandableSegment {
         self.handles.clear();
         c.add(Call::AddressFree);
         if let Err(e) = dev.free_reservation(self.ptr, self.size()) {
-            eprintln!("vmmalloc: torch-es: freeing the reservation {:#x} on teardown failed: {e}", self.ptr);
+            eprintln!(
+                "vmmalloc: torch-es: freeing the reservation {:#x} on teardown failed: {e}",
+                self.ptr
+            );
         }
     }
 }

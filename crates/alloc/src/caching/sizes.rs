@@ -117,7 +117,13 @@ pub fn get_allocation_size(size: u64) -> u64 {
 /// `should_split`: whether a `block_size` block handed out for a `size` request
 /// is split. Small pool or expandable segments: when at least 512 bytes remain;
 /// large pool: when the request is below `max_split_size` and more than 1 MiB remains.
-pub fn should_split(block_size: u64, size: u64, pool: PoolKind, expandable_segments: bool, max_split_size: u64) -> bool {
+pub fn should_split(
+    block_size: u64,
+    size: u64,
+    pool: PoolKind,
+    expandable_segments: bool,
+    max_split_size: u64,
+) -> bool {
     let remaining = block_size - size;
     if pool.is_small() || expandable_segments {
         remaining >= K_MIN_BLOCK_SIZE
