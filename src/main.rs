@@ -5,6 +5,7 @@ mod bench_cmd;
 mod compare;
 mod info;
 mod replay_cmd;
+mod workloads_cmd;
 mod report;
 
 use anyhow::Result;
@@ -28,6 +29,8 @@ enum Command {
     Replay(replay_cmd::ReplayArgs),
     /// Benchmark every policy side by side: the cache-hit malloc+free pair and 1-vs-2-thread throughput.
     Bench(bench_cmd::BenchArgs),
+    /// List the built-in workload generators and their parameters.
+    Workloads,
     /// Measure each CUDA driver call's latency on a real GPU and write cost-model JSON.
     Calibrate(calibrate::CalibrateArgs),
 }
@@ -39,6 +42,7 @@ fn main() -> Result<()> {
         Command::Compare(args) => compare::run(args),
         Command::Replay(args) => replay_cmd::run(args),
         Command::Bench(args) => bench_cmd::run(args),
+        Command::Workloads => workloads_cmd::run(),
         Command::Calibrate(args) => calibrate::run(args),
     }
 }
