@@ -15,9 +15,12 @@ mod policy;
 pub mod snapshot;
 pub mod stats;
 
+pub mod bench;
 pub mod caching;
 pub mod expandable;
 pub mod native;
+#[doc(hidden)]
+pub mod testing;
 pub mod torch_es;
 
 pub use error::{AllocError, AllocResult, OomReport, StreamUsage};

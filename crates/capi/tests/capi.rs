@@ -1134,72 +1134,130 @@ fn options_reach_the_policies() {
     reset();
 }
 
-/// The fake CUDA driver (`tests/fake-cuda`, a CPU implementation of the
-/// driver entry points), if this workspace built it.
-fn fake_cuda() -> Option<PathBuf> {
-    let deps = library_path().parent()?.to_path_buf();
-    [deps.join("libcuda.so"), deps.parent()?.join("libcuda.so")]
-        .into_iter()
-        .find(|p| p.is_file())
-}
-
+/// `device:cuda` (the default) over the fake CUDA driver (`tests/fake-cuda`, a
+/// CPU implementation of the driver entry points, built on demand by
+/// `vmmalloc_test_support::fake_cuda_library`) with two fake devices, as
+/// PyTorch would drive it on a two-GPU machine. One child process per backend
+/// (`vmmalloc_test_support::in_child`: the fake and this library both keep
+/// process-wide state), with `VMMALLOC_CUDA_LIBRARY` pointing at the fake.
 #[test]
 fn cuda_device_over_the_fake_driver() {
-    let Some(driver) = fake_cuda() else {
-        // `cargo test --workspace` (CI) builds it; `-p vmmalloc-capi` alone may not.
-        eprintln!("SKIP: tests/fake-cuda is not built (cargo build -p fake-cuda)");
-        return;
-    };
-    let driver = driver.to_str().unwrap().to_string();
     for backend in BACKENDS {
-        let test = "cuda_device_over_the_fake_driver";
-        if std::env::var("VMMALLOC_CAPI_CHILD").as_deref() == Ok(test) {
-            // In the child: the backend comes from VMMALLOC_CONF.
-            cuda_child();
-            return;
-        }
-        in_child(
-            test,
+        let conf = format!("backend:{backend},log:off,record_history:True");
+        vmmalloc_test_support::in_child(
+            "cuda_device_over_the_fake_driver",
             &[
-                ("VMMALLOC_CUDA_LIBRARY", &driver),
-                (
-                    "VMMALLOC_CONF",
-                    &format!("backend:{backend},log:off,record_history:True"),
-                ),
+                ("FAKE_CUDA_DEVICES", "2"),
+                ("FAKE_CUDA_CAPACITY_MB", "512,256"),
+                ("VMMALLOC_CONF", &conf),
             ],
+            || cuda_child(backend),
         );
     }
 }
 
-/// Runs in the child of [`cuda_device_over_the_fake_driver`]: `device:cuda`
-/// (the default) over the fake driver, as PyTorch would drive it.
-fn cuda_child() {
+/// Runs in the child of [`cuda_device_over_the_fake_driver`]: allocations on
+/// both fake devices, distinct and holding their bytes (the fake backs device
+/// memory with real mappings of this process), statistics per device, frees,
+/// `validate` of both, a snapshot listing both, and, after a reset, nothing
+/// left in the fake on either device.
+fn cuda_child(backend: &str) {
+    let fake = vmmalloc_test_support::FakeCuda::attach();
     // SAFETY: no preconditions.
-    unsafe { (api().init)(1) };
+    unsafe { (api().init)(2) };
     assert_eq!(last_error(), None);
-    let p = malloc(3 * MIB, 0);
-    assert!(!p.is_null(), "{:?}", last_error());
-    let q = malloc(100, 0);
-    assert!(!q.is_null(), "{:?}", last_error());
-    assert!(malloc(16, 1).is_null(), "PyTorch reported one device");
-    let st = stats(0);
-    assert_eq!(st["requested_bytes.all.current"], 3 * MIB as i64 + 100);
+    // (device, size, fill byte) of each allocation.
+    let plan = [
+        (0, 3 * MIB, 0x11u8),
+        (0, 100, 0x22),
+        (1, 5 * MIB + 4096, 0x33),
+        (1, 200, 0x44),
+    ];
+    let ptrs: Vec<*mut c_void> = plan
+        .iter()
+        .map(|&(dev, size, seed)| {
+            let p = malloc(size, dev);
+            assert!(
+                !p.is_null(),
+                "{backend}: malloc({size}, {dev}): {:?}",
+                last_error()
+            );
+            fill(p, size, seed);
+            p
+        })
+        .collect();
+    assert!(malloc(16, 2).is_null(), "PyTorch reported two devices");
+    assert!(last_error().is_some());
+    let mut spans: Vec<(usize, usize)> = ptrs
+        .iter()
+        .zip(&plan)
+        .map(|(p, &(_, size, _))| (p.addr(), p.addr() + size))
+        .collect();
+    spans.sort_unstable();
     assert!(
-        st.keys().any(|k| k.starts_with("vmmalloc.driver_calls.")),
-        "{st:?}"
+        spans.windows(2).all(|w| w[0].1 <= w[1].0),
+        "{backend}: distinct, disjoint allocations: {spans:x?}"
     );
-    let text = summary(0).unwrap();
-    assert!(text.contains("on cuda device"), "{text}");
-    free(p, 3 * MIB, 0);
-    free(q, 100, 0);
-    assert_eq!(last_error(), None);
+    for (p, &(_, size, seed)) in ptrs.iter().zip(&plan) {
+        check(*p, size, seed);
+    }
+    for dev in [0, 1] {
+        let st = stats(dev);
+        let want: usize = plan.iter().filter(|a| a.0 == dev).map(|a| a.1).sum();
+        assert_eq!(
+            st["requested_bytes.all.current"], want as i64,
+            "{backend}: device {dev}: {st:?}"
+        );
+        assert_eq!(st["allocation.all.current"], 2, "{backend}: device {dev}");
+        assert!(
+            st.keys().any(|k| k.starts_with("vmmalloc.driver_calls.")),
+            "{backend}: device {dev}: {st:?}"
+        );
+        let text = summary(dev).unwrap();
+        assert!(text.contains("on cuda device"), "{backend}: {text}");
+        validate(dev);
+    }
+    let path = tmp(&format!("cuda-{backend}.pickle"));
+    dump_snapshot(&path).unwrap();
+    let devices: HashSet<i64> = list(get(&read_pickle(&path), "segments"))
+        .iter()
+        .map(|seg| int(get(seg, "device")))
+        .collect();
+    assert_eq!(
+        devices,
+        HashSet::from([0, 1]),
+        "{backend}: snapshot segments"
+    );
+    let trace = vmmalloc_trace::pytorch::read_snapshot(&path).unwrap();
+    for dev in [0, 1] {
+        let t = trace
+            .device(dev)
+            .unwrap_or_else(|| panic!("{backend}: no device {dev} in the snapshot"));
+        assert_eq!(t.allocs(), 2, "{backend}: device {dev}");
+    }
+    std::fs::remove_file(&path).ok();
+    for (p, &(dev, size, seed)) in ptrs.iter().zip(&plan) {
+        check(*p, size, seed);
+        free(*p, size, dev);
+        assert_eq!(last_error(), None, "{backend}: free on device {dev}");
+    }
+    for dev in [0, 1] {
+        assert_eq!(stats(dev)["allocated_bytes.all.current"], 0, "{backend}");
+        validate(dev);
+    }
     // SAFETY: no preconditions.
     unsafe { (api().empty_cache)() };
     assert_eq!(last_error(), None);
     validate(0);
-    let path = tmp("cuda.pickle");
-    dump_snapshot(&path).unwrap();
-    let trace = vmmalloc_trace::pytorch::read_snapshot(&path).unwrap();
-    assert_eq!(trace.device(0).unwrap().allocs(), 2);
-    std::fs::remove_file(&path).ok();
+    validate(1);
+    // Dropping the allocators and devices gives everything back to the driver.
+    reset();
+    for dev in [0, 1] {
+        fake.check(dev);
+        let l = fake.live(dev);
+        assert!(
+            l.is_all_gone(),
+            "{backend}: fake device {dev} still holds {l:?}"
+        );
+    }
 }

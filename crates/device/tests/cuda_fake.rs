@@ -5,7 +5,8 @@
 //! integration tests of this crate do not build it, so the first test that
 //! needs it runs `cargo build -p fake-cuda` (same profile and target
 //! directory; a no-op when it is up to date). Set `VMMALLOC_FAKE_CUDA` to a
-//! built library to skip that.
+//! built library to skip that. Both this and the child-process runner below
+//! live in `vmmalloc-test-support` (tests/support).
 //!
 //! The fake reads its configuration (`FAKE_CUDA_*`) once and keeps its state
 //! (devices, contexts, call counts) for the life of the process, so every test
@@ -17,9 +18,8 @@
 //! What this proves and what it cannot: docs/fake-cuda.md.
 
 use std::ffi::{c_char, c_int, c_void, CString};
-use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use vmm_sys::{
     CUmemAccessDesc, CUmemAllocationProp, Driver, CU_MEM_ACCESS_FLAGS_PROT_READ,
     CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
@@ -29,128 +29,17 @@ use vmmalloc_device::{
     conformance, Call, Device, DeviceError, DeviceResult, Event, PhysHandle, Rule, Stream, MIB,
 };
 
-/// Names a prebuilt fake library (skips the build); also how children find it.
-const LIBRARY_ENV: &str = "VMMALLOC_FAKE_CUDA";
-/// Set in a child to the name of the test it runs.
-const CHILD_ENV: &str = "VMMALLOC_FAKE_CUDA_CHILD";
+// Building and finding the fake, and running each test in a child process:
+// `vmmalloc-test-support` (tests/support), shared with the allocator's and the
+// C ABI's tests over the fake.
+use vmmalloc_test_support::{fake_cuda_library as fake_library, profile_dir, FAKE_LIBRARY_ENV};
 
-// ---------------------------------------------------------------------------
-// Building and finding the fake
-
-/// `target/<profile>` (or `target/<triple>/<profile>`) of this test binary,
-/// which lives in its `deps/`.
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    exe.parent()
-        .and_then(Path::parent)
-        .unwrap_or_else(|| panic!("{} is not in target/<profile>/deps", exe.display()))
-        .to_path_buf()
-}
-
-/// Builds the fake with `cargo build -p fake-cuda` into this binary's target
-/// directory and profile, and returns the path of `libcuda.so`.
-fn build_fake() -> Result<PathBuf, String> {
-    let dir = profile_dir();
-    let profile = dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or("unnamed profile directory")?
-        .to_owned();
-    let parent = dir.parent().ok_or("no target directory")?;
-    // target/<triple>/<profile> when cross-compiling: the target directory
-    // holds CACHEDIR.TAG, a triple directory does not.
-    let (target_dir, triple) = if parent.join("CACHEDIR.TAG").exists() {
-        (parent.to_path_buf(), None)
-    } else {
-        let triple = parent
-            .file_name()
-            .and_then(|n| n.to_str())
-            .map(str::to_owned);
-        (
-            parent.parent().ok_or("no target directory")?.to_path_buf(),
-            triple,
-        )
-    };
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml");
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "--quiet", "-p", "fake-cuda", "--manifest-path"])
-        .arg(&manifest)
-        .arg("--target-dir")
-        .arg(&target_dir);
-    match profile.as_str() {
-        "debug" => {}
-        "release" => {
-            cmd.arg("--release");
-        }
-        other => {
-            cmd.args(["--profile", other]);
-        }
-    }
-    if let Some(t) = &triple {
-        cmd.args(["--target", t]);
-    }
-    let out = cmd.output().map_err(|e| format!("running {cmd:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd:?} failed ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    let lib = dir.join("libcuda.so");
-    if !lib.exists() {
-        return Err(format!(
-            "{cmd:?} succeeded but {} does not exist",
-            lib.display()
-        ));
-    }
-    Ok(lib)
-}
-
-/// The fake library: `VMMALLOC_FAKE_CUDA`, else built once per process.
-fn fake_library() -> PathBuf {
-    static LIB: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    LIB.get_or_init(|| match std::env::var_os(LIBRARY_ENV) {
-        Some(p) if !p.is_empty() => Ok(PathBuf::from(p)),
-        _ => build_fake(),
-    })
-    .clone()
-    .unwrap_or_else(|e| panic!("cannot build the fake libcuda: {e}"))
-}
-
-// ---------------------------------------------------------------------------
-// Running a test in a child process
-
-/// Runs `body` in a child process of this test binary whose environment has
-/// `env` (on top of `FAKE_CUDA_TRACE=1` and `VMMALLOC_CUDA_LIBRARY` pointing at
-/// the fake; the parent's own `FAKE_CUDA_*` variables are removed).
+/// Runs `body` with the loaded fake in a child process of this test binary
+/// ([`vmmalloc_test_support::in_child`]): `env` on top of `FAKE_CUDA_TRACE=1`
+/// and `VMMALLOC_CUDA_LIBRARY` pointing at the fake, without the parent's own
+/// `FAKE_CUDA_*` variables.
 fn in_child(name: &str, env: &[(&str, &str)], body: impl FnOnce(&Fake)) {
-    if std::env::var(CHILD_ENV).as_deref() == Ok(name) {
-        body(&Fake::load());
-        return;
-    }
-    let lib = fake_library();
-    let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
-    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]);
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("FAKE_CUDA_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env(CHILD_ENV, name)
-        .env(LIBRARY_ENV, &lib)
-        .env(vmm_sys::LIBRARY_ENV, &lib)
-        .env("FAKE_CUDA_TRACE", "1")
-        .envs(env.iter().copied());
-    let out = cmd.output().expect("run the test binary as a child");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let ran = stdout.contains(&format!("test {name} ... ok")) && stdout.contains("1 passed");
-    assert!(
-        out.status.success() && ran,
-        "child running `{name}` with {env:?} failed ({})\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
-        out.status
-    );
+    vmmalloc_test_support::in_child(name, env, || body(&Fake::load()));
 }
 
 /// `#[test] fn name() { ... }` whose body runs in a child process (see
@@ -1182,7 +1071,7 @@ fn vmmalloc_info_shows_the_fake_devices() {
 fn the_fake_is_built_next_to_this_test() {
     let lib = fake_library();
     assert!(lib.is_file(), "{}", lib.display());
-    if std::env::var_os(LIBRARY_ENV).is_none() {
+    if std::env::var_os(FAKE_LIBRARY_ENV).is_none() {
         assert_eq!(lib, profile_dir().join("libcuda.so"));
     }
 }

@@ -25,17 +25,24 @@ impl Inner {
     pub(super) fn split_changed(&mut self, seg: u32, before: (i64, i64)) {
         let s = self.seg(seg);
         let after = s.inactive_split(self.layout.page);
-        let k = s.kind.stat();
+        let k = s.kind as usize;
         if after.0 != before.0 {
-            self.stats.inactive_split_bytes.update(k, after.0 - before.0);
+            self.counters
+                .inactive_split_bytes
+                .add(k, after.0 - before.0);
         }
         if after.1 != before.1 {
-            self.stats.inactive_split.update(k, after.1 - before.1);
+            self.counters.inactive_split.add(k, after.1 - before.1);
         }
     }
 
     /// Allocates `size` bytes on `stream`.
-    pub(super) fn malloc<D: Device + ?Sized>(&mut self, dev: &D, size: u64, stream: Stream) -> AllocResult<Allocation> {
+    pub(super) fn malloc<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        size: u64,
+        stream: Stream,
+    ) -> AllocResult<Allocation> {
         if size == 0 {
             return Err(AllocError::InvalidSize {
                 size,
@@ -45,7 +52,10 @@ impl Inner {
         if size > self.layout.total {
             return Err(AllocError::InvalidSize {
                 size,
-                reason: format!("larger than the device memory ({} bytes)", self.layout.total),
+                reason: format!(
+                    "larger than the device memory ({} bytes)",
+                    self.layout.total
+                ),
             });
         }
         let rounded = round_up(size, MIN_BLOCK);
@@ -56,11 +66,17 @@ impl Inner {
         let owner = self.stream_index(stream);
         let mut waited_for_events = false;
         loop {
-            let found = self.streams[owner as usize].pools[kind as usize]
-                .free
-                .range((rounded, 0, 0)..)
-                .next()
-                .map(|k| k.2);
+            // Best fit among the free blocks inside segments, then a segment's
+            // free tail (the rest of its slice: the block of last resort).
+            let pool = &self.streams[owner as usize].pools[kind as usize];
+            let found = match pool.free.range((rounded, 0, 0)..).next() {
+                Some(k) => Some(k.2),
+                None => pool
+                    .segments
+                    .iter()
+                    .map(|&s| self.seg(s).tail)
+                    .find(|&t| t != NIL && self.slab[t].size >= rounded),
+            };
             let (idx, new_seg) = match found {
                 Some(i) => (i, None),
                 None => {
@@ -81,12 +97,16 @@ impl Inner {
                     }
                     match e {
                         Backing::Fail(e) => return Err(e),
-                        Backing::Short(_) if !waited_for_events && !self.events.pending.is_empty() => {
+                        Backing::Short(_)
+                            if !waited_for_events && !self.events.pending.is_empty() =>
+                        {
                             // Last resort before giving up: blocks waiting for other
                             // streams' events. Wait for those events (not the device)
                             // and try again from the top: merges may change blocks.
                             waited_for_events = true;
-                            self.sync_pending(dev);
+                            // A failed event wait leaves its block pending; the retry
+                            // then fails with the out-of-memory report.
+                            let _ = self.sync_pending(dev);
                         }
                         Backing::Short(lacking) => {
                             self.trim_pool(dev);
@@ -100,9 +120,16 @@ impl Inner {
 
     /// Opens a new segment for (`owner`, `kind`): one arena slice, covered by a
     /// single free block. Returns `(segment, block)`.
-    fn new_segment<D: Device + ?Sized>(&mut self, dev: &D, owner: u32, kind: PoolKind) -> AllocResult<(u32, u32)> {
+    fn new_segment<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        owner: u32,
+        kind: PoolKind,
+    ) -> AllocResult<(u32, u32)> {
         let l = self.layout;
-        let base = self.arenas.take_slice(dev, &mut self.stats, l.slice, l.slices_per_arena)?;
+        let base = self
+            .arenas
+            .take_slice(dev, &mut self.stats, l.slice, l.slices_per_arena)?;
         let pages = l.slice.div_ceil(l.page) as usize;
         let seg_idx = match self.vacant_segments.pop() {
             Some(i) => i,
@@ -129,6 +156,7 @@ impl Inner {
             owner,
             kind,
             first: block,
+            tail: block,
             mapped: BitVec::repeat(false, pages),
             handles: Vec::new(),
             mapped_pages: 0,
@@ -138,8 +166,7 @@ impl Inner {
         });
         let pool = &mut self.streams[owner as usize].pools[kind as usize];
         pool.segments.push(seg_idx);
-        pool.free.insert((l.slice, base, block));
-        self.stats.segment.update(kind.stat(), 1);
+        self.counters.segment.add(kind as usize, 1);
         Ok((seg_idx, block))
     }
 
@@ -156,8 +183,11 @@ impl Inner {
             (s.owner, s.kind)
         };
         let before = self.seg(seg).inactive_split(self.layout.page);
-        let free = &mut self.streams[owner as usize].pools[kind as usize].free;
-        free.remove(&(bsize, addr, idx));
+        let is_tail = self.seg(seg).tail == idx;
+        if !is_tail {
+            let free = &mut self.streams[owner as usize].pools[kind as usize].free;
+            free.remove(&(bsize, addr, idx));
+        }
         if bsize > rounded {
             let (next, freed_at) = (self.slab[idx].next, self.slab[idx].freed_at);
             let rest = self.slab.insert(Block {
@@ -176,11 +206,19 @@ impl Inner {
                 self.slab[next].prev = rest;
             }
             self.slab[idx].next = rest;
-            self.streams[owner as usize].pools[kind as usize]
-                .free
-                .insert((bsize - rounded, addr + rounded, rest));
+            if is_tail {
+                self.seg_mut(seg).tail = rest;
+            } else {
+                self.streams[owner as usize].pools[kind as usize]
+                    .free
+                    .insert((bsize - rounded, addr + rounded, rest));
+            }
         } else {
-            self.seg_mut(seg).free_blocks -= 1;
+            let s = self.seg_mut(seg);
+            s.free_blocks -= 1;
+            if is_tail {
+                s.tail = NIL;
+            }
         }
         let b = &mut self.slab[idx];
         b.size = rounded;
@@ -191,13 +229,13 @@ impl Inner {
         s.active_bytes += rounded;
         self.split_changed(seg, before);
         self.live.insert(addr, idx);
-        let k = kind.stat();
-        let st = &mut self.stats;
-        st.allocation.update(k, 1);
-        st.active.update(k, 1);
-        st.allocated_bytes.update(k, rounded as i64);
-        st.active_bytes.update(k, rounded as i64);
-        st.requested_bytes.update(k, size as i64);
+        let k = kind as usize;
+        let c = &mut self.counters;
+        c.allocation.add(k, 1);
+        c.active.add(k, 1);
+        c.allocated_bytes.add(k, rounded as i64);
+        c.active_bytes.add(k, rounded as i64);
+        c.requested_bytes.add(k, size as i64);
         Allocation {
             ptr: addr,
             requested: size,
@@ -225,11 +263,11 @@ impl Inner {
             let b = &self.slab[idx];
             (b.size, b.requested, b.seg)
         };
-        let k = self.seg(seg).kind.stat();
-        let st = &mut self.stats;
-        st.allocation.update(k, -1);
-        st.allocated_bytes.update(k, -(size as i64));
-        st.requested_bytes.update(k, -(requested as i64));
+        let k = self.seg(seg).kind as usize;
+        let c = &mut self.counters;
+        c.allocation.add(k, -1);
+        c.allocated_bytes.add(k, -(size as i64));
+        c.requested_bytes.add(k, -(requested as i64));
         if pending {
             self.slab[idx].state = BlockState::PendingFree;
         } else {
@@ -280,10 +318,13 @@ impl Inner {
             self.slab.remove(prev);
             merged += 1;
         }
+        let next_is_tail = self.seg(seg).tail == next;
         let free = &mut self.streams[owner as usize].pools[kind as usize].free;
         if next != NIL && self.slab[next].state == BlockState::Free {
             let n = &self.slab[next];
-            free.remove(&(n.size, n.addr, next));
+            if !next_is_tail {
+                free.remove(&(n.size, n.addr, next));
+            }
             let (nsize, nnext, nfreed) = (n.size, n.next, n.freed_at);
             let b = &mut self.slab[idx];
             b.size += nsize;
@@ -296,13 +337,20 @@ impl Inner {
             merged += 1;
         }
         let b = &self.slab[idx];
-        let key = (b.size, b.addr, idx);
-        self.streams[owner as usize].pools[kind as usize].free.insert(key);
+        if b.next == NIL {
+            // The last block of the segment: it becomes (or stays) the tail.
+            self.seg_mut(seg).tail = idx;
+        } else {
+            let key = (b.size, b.addr, idx);
+            self.streams[owner as usize].pools[kind as usize]
+                .free
+                .insert(key);
+        }
         self.seg_mut(seg).free_blocks -= merged;
         self.split_changed(seg, before);
-        let k = kind.stat();
-        self.stats.active.update(k, -1);
-        self.stats.active_bytes.update(k, -(size as i64));
+        let k = kind as usize;
+        self.counters.active.add(k, -1);
+        self.counters.active_bytes.add(k, -(size as i64));
     }
 
     /// Notes that `stream` uses the allocation at `ptr` too.

@@ -74,7 +74,11 @@ impl Arenas {
 
     /// Frees every arena without a used slice (`cuMemAddressFree`). An arena
     /// whose free fails stays listed; the first error is returned.
-    pub fn free_empty<D: Device + ?Sized>(&mut self, dev: &D, stats: &mut Stats) -> Result<(), DeviceError> {
+    pub fn free_empty<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        stats: &mut Stats,
+    ) -> Result<(), DeviceError> {
         let mut first_err = None;
         self.list.retain(|a| {
             if a.in_use > 0 {
@@ -98,18 +102,27 @@ impl Arenas {
         for a in &self.list {
             let n = a.used.iter().filter(|u| **u).count();
             if n != a.in_use {
-                return Err(format!("arena {:#x}: in_use {} but {n} slices marked", a.base, a.in_use));
+                return Err(format!(
+                    "arena {:#x}: in_use {} but {n} slices marked",
+                    a.base, a.in_use
+                ));
             }
             used_total += n;
             for (i, &u) in a.used.iter().enumerate() {
                 let addr = a.base + i as u64 * slice;
                 if u != segments.contains(&addr) {
-                    return Err(format!("arena slice {addr:#x}: marked {u} but segment presence disagrees"));
+                    return Err(format!(
+                        "arena slice {addr:#x}: marked {u} but segment presence disagrees"
+                    ));
                 }
             }
         }
         if used_total != segments.len() {
-            return Err(format!("{} used slices but {} segments", used_total, segments.len()));
+            return Err(format!(
+                "{} used slices but {} segments",
+                used_total,
+                segments.len()
+            ));
         }
         Ok(())
     }

@@ -168,15 +168,6 @@ impl PoolKind {
         }
     }
 
-    /// The matching PyTorch stat type.
-    #[inline]
-    pub fn stat(self) -> crate::StatType {
-        match self {
-            PoolKind::Small => crate::StatType::Small,
-            PoolKind::Large => crate::StatType::Large,
-        }
-    }
-
     /// `"small"` / `"large"`.
     pub fn name(self) -> &'static str {
         match self {

@@ -57,11 +57,6 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
-    /// Bytes of an arena reservation.
-    pub fn arena_bytes(&self) -> u64 {
-        self.slices_per_arena * self.slice
-    }
-
     /// Index of the page holding byte `offset` of a segment.
     #[inline]
     pub fn page_of(&self, offset: u64) -> u64 {
@@ -105,7 +100,7 @@ impl ExpandableConfig {
             )));
         }
         let page = self.page_size.unwrap_or(g);
-        if page == 0 || page % g != 0 {
+        if page == 0 || !page.is_multiple_of(g) {
             return Err(AllocError::InvalidOption(format!(
                 "page_size must be a positive multiple of the allocation granularity ({g} bytes), got {page}"
             )));
@@ -121,7 +116,7 @@ impl ExpandableConfig {
             Some(a) => a,
             None => 4 * slice,
         };
-        if arena % page != 0 {
+        if !arena.is_multiple_of(page) {
             return Err(AllocError::InvalidOption(format!(
                 "arena_size must be a multiple of page_size ({page} bytes), got {arena}"
             )));
@@ -170,18 +165,63 @@ mod tests {
             assert!(matches!(e, AllocError::InvalidOption(_)), "{e}");
             assert!(e.to_string().contains(key), "{e} should name {key}");
         };
-        bad(ExpandableConfig { page_size: Some(3 * MIB), ..Default::default() }, "page_size");
-        bad(ExpandableConfig { page_size: Some(0), ..Default::default() }, "page_size");
-        bad(ExpandableConfig { page_size: Some(2 * GIB), ..Default::default() }, "page_size");
-        bad(ExpandableConfig { arena_size: Some(GIB / 2), ..Default::default() }, "arena_size");
-        bad(ExpandableConfig { arena_size: Some(GIB + MIB), ..Default::default() }, "arena_size");
-        bad(ExpandableConfig { memory_fraction: 0.0, ..Default::default() }, "memory_fraction");
-        bad(ExpandableConfig { memory_fraction: f64::NAN, ..Default::default() }, "memory_fraction");
+        bad(
+            ExpandableConfig {
+                page_size: Some(3 * MIB),
+                ..Default::default()
+            },
+            "page_size",
+        );
+        bad(
+            ExpandableConfig {
+                page_size: Some(0),
+                ..Default::default()
+            },
+            "page_size",
+        );
+        bad(
+            ExpandableConfig {
+                page_size: Some(2 * GIB),
+                ..Default::default()
+            },
+            "page_size",
+        );
+        bad(
+            ExpandableConfig {
+                arena_size: Some(GIB / 2),
+                ..Default::default()
+            },
+            "arena_size",
+        );
+        bad(
+            ExpandableConfig {
+                arena_size: Some(GIB + MIB),
+                ..Default::default()
+            },
+            "arena_size",
+        );
+        bad(
+            ExpandableConfig {
+                memory_fraction: 0.0,
+                ..Default::default()
+            },
+            "memory_fraction",
+        );
+        bad(
+            ExpandableConfig {
+                memory_fraction: f64::NAN,
+                ..Default::default()
+            },
+            "memory_fraction",
+        );
     }
 
     #[test]
     fn non_power_of_two_pages_use_division() {
-        let cfg = ExpandableConfig { page_size: Some(6 * MIB), ..Default::default() };
+        let cfg = ExpandableConfig {
+            page_size: Some(6 * MIB),
+            ..Default::default()
+        };
         let l = cfg.resolve(&caps()).unwrap();
         assert_eq!(l.page_shift, None);
         assert_eq!(l.page_of(6 * MIB - 1), 0);

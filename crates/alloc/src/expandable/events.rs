@@ -42,7 +42,11 @@ impl Inner {
     /// Records an event on every extra stream of block `idx` (being freed).
     /// A stream whose event cannot be recorded is synchronized instead.
     /// Returns the number of events recorded; on error nothing changed.
-    pub(super) fn record_free_events<D: Device + ?Sized>(&mut self, dev: &D, idx: u32) -> AllocResult<u32> {
+    pub(super) fn record_free_events<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        idx: u32,
+    ) -> AllocResult<u32> {
         let streams = std::mem::take(&mut self.slab[idx].streams);
         let mut recorded: Vec<Event> = Vec::with_capacity(streams.len());
         for &s in &streams {

@@ -24,9 +24,10 @@
 //!
 //! # Locking
 //!
-//! One `parking_lot::Mutex` guards all state; every public method takes it once.
-//! Device calls are made under the lock (they are cheap except in slow paths,
-//! which are rare by design). See `docs/expandable.md`.
+//! One lock guards all state; every public method takes it once. It is a
+//! compare-and-swap flag released by a plain store ([`lock`]): one atomic
+//! operation per call instead of `parking_lot`'s two. Device calls are made
+//! under the lock; they happen only in slow paths. See `docs/expandable.md`.
 //!
 //! # Cost
 //!
@@ -39,7 +40,9 @@ mod alloc;
 mod arena;
 mod blocks;
 mod config;
+mod counters;
 mod events;
+mod lock;
 mod pages;
 mod reclaim;
 mod report;
@@ -55,8 +58,9 @@ use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
 use arena::Arenas;
 use blocks::{LiveMap, Slab};
 use config::Layout;
+use counters::Counters;
 use events::Events;
-use parking_lot::Mutex;
+use lock::Lock;
 use segment::{Segment, StreamEntry};
 use vmmalloc_device::{Device, PhysHandle};
 
@@ -91,8 +95,10 @@ pub(crate) struct Inner {
     unready: Vec<(u32, u64)>,
     /// Counts frees; orders reclaim and stream waits.
     tick: u64,
-    /// Counters.
+    /// Counters other than the nine stat families.
     stats: Stats,
+    /// The stat families (`allocation`, `allocated_bytes`, ...), kept compact.
+    counters: Counters,
 }
 
 impl Inner {
@@ -114,6 +120,13 @@ impl Inner {
         }
     }
 
+    /// All counters, in PyTorch's shape.
+    fn stats(&self) -> Stats {
+        let mut s = self.stats.clone();
+        self.counters.fill(&mut s);
+        s
+    }
+
     /// Pages mapped in all segments.
     fn mapped_pages(&self) -> u64 {
         self.stats.pages_mapped
@@ -123,11 +136,11 @@ impl Inner {
 /// Our allocator: page-level reclaim, page pool, one address arena per device.
 ///
 /// Generic over the device (`Arc<dyn Device>` when built by
-/// [`crate::build`], `Arc<SimDevice>` in tests). Thread-safe: one mutex guards
+/// [`crate::build`], `Arc<SimDevice>` in tests). Thread-safe: one lock guards
 /// the state.
 pub struct ExpandableAllocator<D: Device> {
     device: D,
-    inner: Mutex<Inner>,
+    inner: Lock<Inner>,
 }
 
 impl<D: Device> ExpandableAllocator<D> {
@@ -142,7 +155,7 @@ impl<D: Device> ExpandableAllocator<D> {
         };
         Ok(ExpandableAllocator {
             device,
-            inner: Mutex::new(Inner {
+            inner: Lock::new(Inner {
                 layout,
                 fraction: config.memory_fraction,
                 limit_pages: layout.limit_pages(config.memory_fraction),
@@ -158,6 +171,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 unready: Vec::new(),
                 tick: 0,
                 stats,
+                counters: Counters::default(),
             }),
         })
     }
@@ -200,15 +214,19 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
     }
 
     fn set_memory_fraction(&self, fraction: f64) -> AllocResult<()> {
-        self.inner.lock().set_memory_fraction(&self.device, fraction)
+        self.inner
+            .lock()
+            .set_memory_fraction(&self.device, fraction)
     }
 
     fn stats(&self) -> Stats {
-        self.inner.lock().stats.clone()
+        self.inner.lock().stats()
     }
 
     fn reset_peak_stats(&self) {
-        self.inner.lock().stats.reset_peak();
+        let mut g = self.inner.lock();
+        g.stats.reset_peak();
+        g.counters.reset_peak();
     }
 
     fn snapshot(&self) -> Snapshot {

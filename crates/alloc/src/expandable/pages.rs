@@ -32,8 +32,8 @@ impl Inner {
         let before = self.seg(seg).inactive_split(self.layout.page);
         self.seg_mut(seg).set_mapped(p, h);
         self.split_changed(seg, before);
-        let k = self.seg(seg).kind.stat();
-        self.stats.reserved_bytes.update(k, self.layout.page as i64);
+        let k = self.seg(seg).kind as usize;
+        self.counters.reserved_bytes.add(k, self.layout.page as i64);
         self.stats.pages_mapped += 1;
     }
 
@@ -42,8 +42,10 @@ impl Inner {
         let before = self.seg(seg).inactive_split(self.layout.page);
         let h = self.seg_mut(seg).clear_mapped(p);
         self.split_changed(seg, before);
-        let k = self.seg(seg).kind.stat();
-        self.stats.reserved_bytes.update(k, -(self.layout.page as i64));
+        let k = self.seg(seg).kind as usize;
+        self.counters
+            .reserved_bytes
+            .add(k, -(self.layout.page as i64));
         self.stats.pages_mapped -= 1;
         if !self.unready.is_empty() {
             self.unready.retain(|&(s, q)| !(s == seg && q == p));
@@ -102,7 +104,11 @@ impl Inner {
     }
 
     /// `cuMemRelease`, counted.
-    pub(super) fn release_handle<D: Device + ?Sized>(&mut self, dev: &D, h: PhysHandle) -> Result<(), DeviceError> {
+    pub(super) fn release_handle<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        h: PhysHandle,
+    ) -> Result<(), DeviceError> {
         self.stats.driver_calls.add(Call::Release);
         dev.release(h)?;
         self.stats.num_device_free += 1;
@@ -130,8 +136,15 @@ impl Inner {
     /// Makes pages `[p0, p1]` of `seg` mapped and accessible, taking pages
     /// from the pool, the driver, or a targeted reclaim. On failure every page
     /// this call mapped is unmapped again (handles go to the pool).
-    pub(super) fn back_pages<D: Device + ?Sized>(&mut self, dev: &D, seg: u32, p0: u64, p1: u64) -> Result<(), Backing> {
-        self.fix_unready(dev, seg, p0, p1).map_err(|e| Backing::Fail(e.into()))?;
+    pub(super) fn back_pages<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        seg: u32,
+        p0: u64,
+        p1: u64,
+    ) -> Result<(), Backing> {
+        self.fix_unready(dev, seg, p0, p1)
+            .map_err(|e| Backing::Fail(e.into()))?;
         let missing: Vec<u64> = {
             let s = self.seg(seg);
             (p0..=p1).filter(|&p| !s.mapped[p as usize]).collect()
@@ -144,11 +157,18 @@ impl Inner {
             return Err(Backing::Short(n - self.limit_pages));
         }
         let handles = self.acquire(dev, n, Some((seg, p0, p1)))?;
-        self.map_pages(dev, seg, &missing, handles).map_err(|e| Backing::Fail(e.into()))
+        self.map_pages(dev, seg, &missing, handles)
+            .map_err(|e| Backing::Fail(e.into()))
     }
 
     /// Gives access to mapped-but-unready pages inside `[p0, p1]` of `seg`.
-    fn fix_unready<D: Device + ?Sized>(&mut self, dev: &D, seg: u32, p0: u64, p1: u64) -> Result<(), DeviceError> {
+    fn fix_unready<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        seg: u32,
+        p0: u64,
+        p1: u64,
+    ) -> Result<(), DeviceError> {
         let todo: Vec<u64> = self
             .unready
             .iter()
@@ -164,8 +184,9 @@ impl Inner {
         Ok(())
     }
 
-    /// `n` handles: pooled first, then created, then reclaimed. On shortage the
-    /// handles gathered go back to the pool.
+    /// `n` handles: pooled first, then created, then reclaimed. On shortage,
+    /// handles created by this call are released again and the others go
+    /// back to the pool.
     pub(super) fn acquire<D: Device + ?Sized>(
         &mut self,
         dev: &D,
@@ -174,62 +195,80 @@ impl Inner {
     ) -> Result<Vec<PhysHandle>, Backing> {
         let mut got = Vec::with_capacity(n as usize);
         self.pool_take(&mut got, n);
-        let mut retried = false;
-        if (got.len() as u64) < n {
-            // Proactive: creating the rest would pass the memory-fraction limit.
-            let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
-            let want = n - got.len() as u64;
-            let headroom = self.limit_pages.saturating_sub(held);
-            if want > headroom {
-                retried = true;
-                let lack = want - headroom;
-                if self.reclaimable(exclude) >= lack {
-                    self.reclaim(dev, lack, exclude);
-                    self.pool_take(&mut got, n);
-                }
+        if got.len() as u64 == n {
+            return Ok(got);
+        }
+        let mut created: Vec<PhysHandle> = Vec::new();
+        let want = n - got.len() as u64;
+        let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
+        let headroom = self.limit_pages.saturating_sub(held);
+        let mut shortfall = 0;
+        if want > headroom {
+            // Proactive: creating the rest would pass the memory limit.
+            let lack = want - headroom;
+            let reclaimable = self.reclaimable(exclude);
+            if reclaimable < lack {
+                shortfall = lack - reclaimable;
+            } else {
+                self.stats.num_alloc_retries += 1;
+                self.reclaim(dev, lack, exclude);
+                self.pool_take(&mut got, n);
             }
-            while (got.len() as u64) < n {
-                let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
-                if held >= self.limit_pages {
+        }
+        while shortfall == 0 && (got.len() as u64) < n {
+            let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
+            if held >= self.limit_pages {
+                break;
+            }
+            self.stats.driver_calls.add(Call::Create);
+            match dev.create(self.layout.page) {
+                Ok(h) => {
+                    self.stats.num_device_alloc += 1;
+                    created.push(h);
+                    got.push(h);
+                }
+                Err(e) if e.is_out_of_memory() => {
+                    // The driver is out of memory: take free pages from elsewhere.
+                    let lack = n - got.len() as u64;
+                    if self.reclaimable(exclude) >= lack {
+                        self.stats.num_alloc_retries += 1;
+                        self.reclaim(dev, lack, exclude);
+                        self.pool_take(&mut got, n);
+                    }
                     break;
                 }
-                self.stats.driver_calls.add(Call::Create);
-                match dev.create(self.layout.page) {
-                    Ok(h) => {
-                        self.stats.num_device_alloc += 1;
-                        got.push(h);
-                    }
-                    Err(e) if e.is_out_of_memory() => break,
-                    Err(e) => {
-                        for h in got {
-                            self.pool_put(h);
-                        }
-                        self.trim_pool(dev);
-                        return Err(Backing::Fail(e.into()));
-                    }
+                Err(e) => {
+                    self.give_back(dev, got, &created);
+                    return Err(Backing::Fail(e.into()));
                 }
             }
-            if (got.len() as u64) < n {
-                // The driver is out of memory: take free pages from elsewhere.
-                retried = true;
-                let lack = n - got.len() as u64;
-                if self.reclaimable(exclude) >= lack {
-                    self.reclaim(dev, lack, exclude);
-                    self.pool_take(&mut got, n);
-                }
-            }
-        }
-        if retried {
-            self.stats.num_alloc_retries += 1;
         }
         if (got.len() as u64) < n {
-            let lacking = n - got.len() as u64;
-            for h in got {
-                self.pool_put(h);
-            }
+            let lacking = if shortfall > 0 {
+                shortfall
+            } else {
+                n - got.len() as u64
+            };
+            self.give_back(dev, got, &created);
             return Err(Backing::Short(lacking));
         }
         Ok(got)
+    }
+
+    /// Undoes a failed [`Inner::acquire`]: releases the handles it created,
+    /// pools the others.
+    fn give_back<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        got: Vec<PhysHandle>,
+        created: &[PhysHandle],
+    ) {
+        for h in got {
+            if !created.contains(&h) || self.release_handle(dev, h).is_err() {
+                self.pool_put(h);
+            }
+        }
+        self.trim_pool(dev);
     }
 
     /// Maps `handles` at the `pages` of `seg` (ascending), one `set_access`

@@ -7,6 +7,7 @@
 //! the allocator synchronizes `S` unless it already did so at a tick ≥ `t`.
 //! It never synchronizes the whole device.
 
+use super::blocks::NIL;
 use super::Inner;
 use vmmalloc_device::{Call, Device, DeviceError};
 
@@ -38,6 +39,22 @@ fn clip(runs: Vec<(u64, u64)>, x: Option<(u64, u64)>) -> Vec<(u64, u64)> {
 }
 
 impl Inner {
+    /// Every free block: the free indexes' and the segments' tails.
+    pub(super) fn free_blocks(&self) -> impl Iterator<Item = u32> + '_ {
+        let indexed = self
+            .streams
+            .iter()
+            .flat_map(|e| e.pools.iter())
+            .flat_map(|p| p.free.iter().map(|k| k.2));
+        let tails = self
+            .segments
+            .iter()
+            .flatten()
+            .map(|s| s.tail)
+            .filter(|&t| t != NIL);
+        indexed.chain(tails)
+    }
+
     /// Runs of whole, mapped pages of free block `idx`, minus `exclude`.
     fn free_runs(&self, idx: u32, exclude: Exclude) -> Vec<(u64, u64)> {
         let b = &self.slab[idx];
@@ -50,14 +67,10 @@ impl Inner {
     /// Free blocks holding whole mapped pages, in every stream and pool.
     fn candidates(&self, exclude: Exclude) -> Vec<(Candidate, u64)> {
         let mut out = Vec::new();
-        for e in &self.streams {
-            for pool in &e.pools {
-                for &(_, _, idx) in &pool.free {
-                    let pages: u64 = self.free_runs(idx, exclude).iter().map(|r| r.1).sum();
-                    if pages > 0 {
-                        out.push(((self.slab[idx].freed_at, idx), pages));
-                    }
-                }
+        for idx in self.free_blocks() {
+            let pages: u64 = self.free_runs(idx, exclude).iter().map(|r| r.1).sum();
+            if pages > 0 {
+                out.push(((self.slab[idx].freed_at, idx), pages));
             }
         }
         out
@@ -69,7 +82,11 @@ impl Inner {
     }
 
     /// Waits for all work queued so far on the stream of entry `owner`.
-    pub(super) fn wait_stream<D: Device + ?Sized>(&mut self, dev: &D, owner: u32) -> Result<(), DeviceError> {
+    pub(super) fn wait_stream<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        owner: u32,
+    ) -> Result<(), DeviceError> {
         let stream = self.streams[owner as usize].stream;
         self.stats.driver_calls.add(Call::StreamSync);
         dev.synchronize_stream(stream)?;
@@ -80,7 +97,12 @@ impl Inner {
 
     /// Unmaps up to `want` whole free pages (oldest free blocks first, highest
     /// pages of a block first) into the pool. Returns the pages reclaimed.
-    pub(super) fn reclaim<D: Device + ?Sized>(&mut self, dev: &D, want: u64, exclude: Exclude) -> u64 {
+    pub(super) fn reclaim<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        want: u64,
+        exclude: Exclude,
+    ) -> u64 {
         let mut cands = self.candidates(exclude);
         cands.sort_unstable_by_key(|c| c.0);
         let mut got = 0;
@@ -94,7 +116,9 @@ impl Inner {
             if unsafe_streams.contains(&owner) {
                 continue;
             }
-            if freed_at > self.streams[owner as usize].synced_at && self.wait_stream(dev, owner).is_err() {
+            if freed_at > self.streams[owner as usize].synced_at
+                && self.wait_stream(dev, owner).is_err()
+            {
                 unsafe_streams.push(owner);
                 continue;
             }
@@ -117,7 +141,10 @@ impl Inner {
 
     /// Unmaps every whole free page of every segment into the pool (for
     /// `empty_cache` and lowering the memory fraction). Returns the first error.
-    pub(super) fn unmap_all_free<D: Device + ?Sized>(&mut self, dev: &D) -> Result<(), DeviceError> {
+    pub(super) fn unmap_all_free<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), DeviceError> {
         let mut cands = self.candidates(None);
         cands.sort_unstable_by_key(|c| c.0);
         let mut first_err = None;
@@ -152,7 +179,10 @@ mod tests {
     #[test]
     fn clip_cuts_the_excluded_pages_out_of_runs() {
         assert_eq!(clip(vec![(0, 10)], Some((3, 5))), vec![(0, 3), (6, 4)]);
-        assert_eq!(clip(vec![(0, 3), (8, 2)], Some((3, 7))), vec![(0, 3), (8, 2)]);
+        assert_eq!(
+            clip(vec![(0, 3), (8, 2)], Some((3, 7))),
+            vec![(0, 3), (8, 2)]
+        );
         assert_eq!(clip(vec![(4, 2)], Some((3, 7))), vec![]);
         assert_eq!(clip(vec![(0, 4)], None), vec![(0, 4)]);
         assert_eq!(clip(vec![(2, 4)], Some((0, 2))), vec![(3, 3)]);

@@ -53,9 +53,6 @@ impl Inner {
                     live += s.active_bytes;
                     mapped += s.mapped_bytes(page);
                 }
-                for &(_, _, idx) in &pool.free {
-                    largest_free = largest_free.max(self.largest_mapped_run(idx));
-                }
             }
             per_stream.push(StreamUsage {
                 stream: e.stream,
@@ -63,17 +60,20 @@ impl Inner {
                 cached: mapped.saturating_sub(live),
             });
         }
+        for idx in self.free_blocks() {
+            largest_free = largest_free.max(self.largest_mapped_run(idx));
+        }
         for p in &self.events.pending {
             if self.slab[p.block].state == BlockState::PendingFree {
                 pending_bytes += self.slab[p.block].size;
             }
         }
-        let live = self.stats.allocated_bytes.all().current as u64;
+        let live = self.counters.allocated_bytes.current() as u64;
         let mapped = self.mapped_pages() * page;
         let pooled = self.pool.len() as u64 * page;
-        let active = self.stats.active_bytes.all().current as u64;
+        let active = self.counters.active_bytes.current() as u64;
         let mut hint = format!(
-            "On {stream}, {} more of physical pages were needed ({} pages of {}) after reclaiming every free page.",
+            "On {stream}, {} of physical pages ({} pages of {}) were lacking after counting every free, pooled and reclaimable page.",
             format_bytes(lacking_pages * page),
             lacking_pages,
             format_bytes(page)

@@ -7,7 +7,11 @@
 //!   beyond are unmapped); `mapped_pages` = number of set bits;
 //! - every page that overlaps an allocated or pending-free block is mapped;
 //! - `active_blocks`, `active_bytes`, `free_blocks` equal a recount of the
-//!   segment's blocks.
+//!   segment's blocks;
+//! - `tail` is the segment's last block when that block is free, else `NIL`;
+//!   the tail is the one free block kept out of the free index (it is the
+//!   block of last resort, so the common "grow at the end, shrink back" pattern
+//!   never touches the index).
 
 use super::blocks::{FreeIndex, PoolKind};
 use bitvec::vec::BitVec;
@@ -26,6 +30,8 @@ pub(crate) struct Segment {
     pub kind: PoolKind,
     /// First block (lowest address).
     pub first: u32,
+    /// The last block if it is free, else `NIL` (not in the free index).
+    pub tail: u32,
     /// Which pages are mapped.
     pub mapped: BitVec,
     /// Handle mapped at each page (grown on demand up to the highest mapped page).
@@ -53,7 +59,8 @@ impl Segment {
     pub fn all_mapped(&self, first: u64, last: u64) -> bool {
         let (f, l) = (first as usize, last as usize);
         if f == l {
-            return self.mapped[f];
+            let bits = usize::BITS as usize;
+            return self.mapped.as_raw_slice()[f / bits] >> (f % bits) & 1 == 1;
         }
         self.mapped[f..=l].all()
     }
@@ -90,9 +97,6 @@ impl Segment {
     /// Runs of mapped pages in the half-open range `[from, to)`, as `(first, count)`.
     pub fn mapped_runs(&self, from: u64, to: u64) -> Vec<(u64, u64)> {
         let mut runs = Vec::new();
-        if from >= to {
-            return runs;
-        }
         let to = to.min(self.mapped.len() as u64);
         if from >= to {
             return runs;

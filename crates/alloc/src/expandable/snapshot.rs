@@ -23,9 +23,15 @@ impl Inner {
                 q += 1;
             }
             let piece_end = (s.base + q * page).min(end);
-            let state = if mapped { BlockState::Inactive } else { BlockState::Unmapped };
+            let state = if mapped {
+                BlockState::Inactive
+            } else {
+                BlockState::Unmapped
+            };
             match out.last_mut() {
-                Some(prev) if prev.state == state && prev.address + prev.size == cur => prev.size += piece_end - cur,
+                Some(prev) if prev.state == state && prev.address + prev.size == cur => {
+                    prev.size += piece_end - cur
+                }
                 _ => out.push(BlockInfo {
                     address: cur,
                     size: piece_end - cur,

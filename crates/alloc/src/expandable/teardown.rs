@@ -1,7 +1,7 @@
 //! Giving memory back: `empty_cache`, the memory fraction, retiring
 //! segments, and the final teardown on drop.
 
-use super::blocks::{BlockState, NIL};
+use super::blocks::BlockState;
 use super::config::check_fraction;
 use super::Inner;
 use crate::{AllocError, AllocResult};
@@ -22,17 +22,15 @@ impl Inner {
             return false;
         }
         let (owner, kind, first, base) = (s.owner, s.kind, s.first, s.base);
-        let b = &self.slab[first];
-        debug_assert!(b.state == BlockState::Free && b.next == NIL);
-        let key = (b.size, b.addr, first);
+        // The only block is the free tail, which is not in the free index.
+        debug_assert!(self.slab[first].state == BlockState::Free && s.tail == first);
         let pool = &mut self.streams[owner as usize].pools[kind as usize];
-        pool.free.remove(&key);
         pool.segments.retain(|&x| x != seg);
         self.slab.remove(first);
         self.segments[seg as usize] = None;
         self.vacant_segments.push(seg);
         self.arenas.give_back(base, self.layout.slice);
-        self.stats.segment.update(kind.stat(), -1);
+        self.counters.segment.add(kind as usize, -1);
         true
     }
 
@@ -65,7 +63,11 @@ impl Inner {
     /// Caps mapped + pooled pages at `fraction` of device memory; releases
     /// pooled pages above the new cap at once (mapped pages are reclaimed by
     /// later allocations instead of creating new ones).
-    pub(super) fn set_memory_fraction<D: Device + ?Sized>(&mut self, dev: &D, fraction: f64) -> AllocResult<()> {
+    pub(super) fn set_memory_fraction<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        fraction: f64,
+    ) -> AllocResult<()> {
         check_fraction(fraction)?;
         self.fraction = fraction;
         self.limit_pages = self.layout.limit_pages(fraction);
@@ -82,7 +84,9 @@ impl Inner {
 
     /// Gives everything back to the device (drop). Errors are logged.
     pub(super) fn teardown<D: Device + ?Sized>(&mut self, dev: &D) {
-        let log = |what: &str, e: &DeviceError| eprintln!("vmmalloc: expandable: {what} on drop failed: {e}");
+        let log = |what: &str, e: &DeviceError| {
+            eprintln!("vmmalloc: expandable: {what} on drop failed: {e}")
+        };
         // Pages may still be used by queued work: wait for the streams that own them.
         for i in 0..self.streams.len() {
             let has_pages = self.streams[i]

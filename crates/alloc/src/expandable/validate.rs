@@ -72,11 +72,17 @@ impl Inner {
             }
             // Pages.
             if s.mapped.count_ones() as u64 != s.mapped_pages {
-                return Err(format!("segment {si}: mapped_pages {} but {} bits set", s.mapped_pages, s.mapped.count_ones()));
+                return Err(format!(
+                    "segment {si}: mapped_pages {} but {} bits set",
+                    s.mapped_pages,
+                    s.mapped.count_ones()
+                ));
             }
             for (p, h) in s.handles.iter().enumerate() {
                 if h.is_some() != s.mapped[p] {
-                    return Err(format!("segment {si} page {p}: handle table and bitmap disagree"));
+                    return Err(format!(
+                        "segment {si} page {p}: handle table and bitmap disagree"
+                    ));
                 }
                 if let Some(h) = h {
                     if !handles.insert(h.0) {
@@ -85,7 +91,9 @@ impl Inner {
                 }
             }
             if s.mapped[s.handles.len().min(s.mapped.len())..].any() {
-                return Err(format!("segment {si}: a page beyond the handle table is marked mapped"));
+                return Err(format!(
+                    "segment {si}: a page beyond the handle table is marked mapped"
+                ));
             }
             mapped_total += s.mapped_pages;
             rc.reserved_bytes[k] += (s.mapped_pages * page) as i64;
@@ -102,7 +110,12 @@ impl Inner {
                 if blocks_seen > self.slab.len() {
                     return Err("block links form a cycle".into());
                 }
-                if b.seg != si || b.prev != prev || b.addr != cursor || b.size == 0 || b.size % 512 != 0 {
+                if b.seg != si
+                    || b.prev != prev
+                    || b.addr != cursor
+                    || b.size == 0
+                    || !b.size.is_multiple_of(512)
+                {
                     return Err(format!(
                         "segment {si}: block {i} at {:#x}+{:#x} (seg {}, prev {}) breaks the tiling at {cursor:#x}",
                         b.addr, b.size, b.seg, b.prev
@@ -111,24 +124,54 @@ impl Inner {
                 match b.state {
                     BlockState::Free => {
                         if prev_free {
-                            return Err(format!("free block {:#x} was not merged with its free neighbour", b.addr));
+                            return Err(format!(
+                                "free block {:#x} was not merged with its free neighbour",
+                                b.addr
+                            ));
                         }
-                        if !owner.pools[k].free.contains(&(b.size, b.addr, i)) {
-                            return Err(format!("free block {:#x} is missing from the free index", b.addr));
+                        let indexed = owner.pools[k].free.contains(&(b.size, b.addr, i));
+                        let last = b.next == NIL;
+                        if last != (s.tail == i) {
+                            return Err(format!(
+                                "segment {si}: tail is {} but the last free block is {i}",
+                                s.tail
+                            ));
+                        }
+                        if indexed == last {
+                            return Err(format!(
+                                "free block {:#x} (last: {last}) is {} the free index",
+                                b.addr,
+                                if indexed { "in" } else { "missing from" }
+                            ));
                         }
                         if b.pending_events != 0 || !b.streams.is_empty() || b.requested != 0 {
-                            return Err(format!("free block {:#x} carries allocation state", b.addr));
+                            return Err(format!(
+                                "free block {:#x} carries allocation state",
+                                b.addr
+                            ));
                         }
                         free_blocks += 1;
-                        free_seen[s.owner as usize][k] += 1;
+                        if !last {
+                            free_seen[s.owner as usize][k] += 1;
+                        }
                     }
                     BlockState::Allocated | BlockState::PendingFree => {
                         let (p0, p1) = s.page_span(&self.layout, b.addr, b.size);
                         if !s.all_mapped(p0, p1) {
-                            return Err(format!("active block {:#x}+{:#x} is not fully mapped", b.addr, b.size));
+                            return Err(format!(
+                                "active block {:#x}+{:#x} is not fully mapped",
+                                b.addr, b.size
+                            ));
                         }
-                        if self.unready.iter().any(|&(us, up)| us == si && (p0..=p1).contains(&up)) {
-                            return Err(format!("active block {:#x} lies on a page without access", b.addr));
+                        if self
+                            .unready
+                            .iter()
+                            .any(|&(us, up)| us == si && (p0..=p1).contains(&up))
+                        {
+                            return Err(format!(
+                                "active block {:#x} lies on a page without access",
+                                b.addr
+                            ));
                         }
                         if let Some(m) = model {
                             if !m.is_accessible(b.addr, b.size) {
@@ -144,10 +187,16 @@ impl Inner {
                         rc.active_bytes[k] += b.size as i64;
                         if b.state == BlockState::Allocated {
                             if self.live.get(&b.addr) != Some(&i) {
-                                return Err(format!("allocated block {:#x} is missing from the live map", b.addr));
+                                return Err(format!(
+                                    "allocated block {:#x} is missing from the live map",
+                                    b.addr
+                                ));
                             }
                             if b.requested == 0 || b.requested > b.size || b.pending_events != 0 {
-                                return Err(format!("allocated block {:#x} has bad sizes or events", b.addr));
+                                return Err(format!(
+                                    "allocated block {:#x} has bad sizes or events",
+                                    b.addr
+                                ));
                             }
                             allocated_seen += 1;
                             rc.allocation[k] += 1;
@@ -169,10 +218,22 @@ impl Inner {
                 prev = i;
                 i = b.next;
             }
-            if cursor != s.base + s.len {
-                return Err(format!("segment {si}: blocks end at {cursor:#x}, segment at {:#x}", s.base + s.len));
+            let last_free = prev != NIL && self.slab[prev].state == BlockState::Free;
+            if !last_free && s.tail != NIL {
+                return Err(format!(
+                    "segment {si}: tail {} but the last block is not free",
+                    s.tail
+                ));
             }
-            if (active_blocks, active_bytes, free_blocks) != (s.active_blocks, s.active_bytes, s.free_blocks) {
+            if cursor != s.base + s.len {
+                return Err(format!(
+                    "segment {si}: blocks end at {cursor:#x}, segment at {:#x}",
+                    s.base + s.len
+                ));
+            }
+            if (active_blocks, active_bytes, free_blocks)
+                != (s.active_blocks, s.active_bytes, s.free_blocks)
+            {
                 return Err(format!(
                     "segment {si}: counters (active {}, {} B, free {}) but recount ({active_blocks}, {active_bytes} B, {free_blocks})",
                     s.active_blocks, s.active_bytes, s.free_blocks
@@ -183,32 +244,44 @@ impl Inner {
             rc.inactive_split[k] += sn;
         }
         if blocks_seen != self.slab.len() {
-            return Err(format!("{} blocks stored but {blocks_seen} reachable", self.slab.len()));
+            return Err(format!(
+                "{} blocks stored but {blocks_seen} reachable",
+                self.slab.len()
+            ));
         }
         if allocated_seen != self.live.len() {
-            return Err(format!("live map has {} entries, {allocated_seen} allocated blocks", self.live.len()));
+            return Err(format!(
+                "live map has {} entries, {allocated_seen} allocated blocks",
+                self.live.len()
+            ));
         }
         for (e, seen) in self.streams.iter().zip(&free_seen) {
-            for k in 0..2 {
-                if e.pools[k].free.len() != seen[k] {
+            for (k, (pool, &seen)) in e.pools.iter().zip(seen.iter()).enumerate() {
+                if pool.free.len() != seen {
                     return Err(format!(
-                        "{}: free index has {} entries, {} free blocks",
+                        "{}: free index has {} entries, {seen} free blocks",
                         e.stream,
-                        e.pools[k].free.len(),
-                        seen[k]
+                        pool.free.len(),
                     ));
                 }
-                for &si in &e.pools[k].segments {
+                for &si in &pool.segments {
                     match self.segments.get(si as usize) {
-                        Some(Some(s)) if s.kind as usize == k && self.streams[s.owner as usize].stream == e.stream => {}
-                        _ => return Err(format!("{}: lists segment {si} it does not own", e.stream)),
+                        Some(Some(s))
+                            if s.kind as usize == k
+                                && self.streams[s.owner as usize].stream == e.stream => {}
+                        _ => {
+                            return Err(format!("{}: lists segment {si} it does not own", e.stream))
+                        }
                     }
                 }
             }
         }
         for p in &self.events.pending {
             if self.slab[p.block].state != BlockState::PendingFree {
-                return Err(format!("pending event {:?} names a block that is not pending", p.event));
+                return Err(format!(
+                    "pending event {:?} names a block that is not pending",
+                    p.event
+                ));
             }
         }
         for &(s, p) in &self.unready {
@@ -219,10 +292,13 @@ impl Inner {
         }
         for h in &self.pool {
             if !handles.insert(h.0) {
-                return Err(format!("pooled handle {:#x} is also mapped or pooled twice", h.0));
+                return Err(format!(
+                    "pooled handle {:#x} is also mapped or pooled twice",
+                    h.0
+                ));
             }
         }
-        let st = &self.stats;
+        let st = &self.stats();
         if st.pages_mapped != mapped_total || st.pages_pooled != self.pool.len() as u64 {
             return Err(format!(
                 "stats say {} pages mapped / {} pooled, recount {mapped_total} / {}",
@@ -239,7 +315,11 @@ impl Inner {
         check_stat("reserved_bytes", &st.reserved_bytes, rc.reserved_bytes)?;
         check_stat("segment", &st.segment, rc.segment)?;
         check_stat("inactive_split", &st.inactive_split, rc.inactive_split)?;
-        check_stat("inactive_split_bytes", &st.inactive_split_bytes, rc.inactive_split_bytes)?;
+        check_stat(
+            "inactive_split_bytes",
+            &st.inactive_split_bytes,
+            rc.inactive_split_bytes,
+        )?;
         if st.num_sync_all_streams != 0 {
             return Err("a device-wide synchronize was counted".into());
         }
@@ -247,7 +327,11 @@ impl Inner {
         if let Some(m) = model {
             m.check().map_err(|e| format!("device model: {e}"))?;
             let live = m.live();
-            let ours = (self.arenas.list.len(), mapped_total as usize + self.pool.len(), mapped_total as usize);
+            let ours = (
+                self.arenas.list.len(),
+                mapped_total as usize + self.pool.len(),
+                mapped_total as usize,
+            );
             if (live.reservations, live.handles, live.mappings) != ours {
                 return Err(format!(
                     "device holds {} reservations, {} handles, {} mappings; the allocator accounts for {}, {}, {}",

@@ -1,0 +1,300 @@
+//! Fault injection: for each device call kind the allocator uses and each
+//! position N in a scripted workload, fail the Nth call (with a driver error,
+//! then with out-of-memory). The failed operation returns an error or succeeds
+//! by another route, `validate()` holds after every step, and after the
+//! allocator is dropped the device holds no handle, mapping, reservation or
+//! event.
+
+use std::sync::Arc;
+use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
+use vmmalloc_alloc::testing::{Harness, Op};
+use vmmalloc_alloc::{AllocError, Allocator, Stream};
+use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
+use vmmalloc_device::sim::SimDevice;
+use vmmalloc_device::{Call, Device, Introspect, MIB};
+
+type Dev = FaultInjecting<Arc<SimDevice>>;
+
+/// A workload that makes every kind of call the allocator uses: growth,
+/// small and large pools, record_stream events (create, record, query, sync),
+/// targeted reclaim after a stream wait, an out-of-memory report, empty_cache
+/// (unmap, release, address free) and a fresh arena afterwards.
+fn script() -> Vec<Op> {
+    use Op::*;
+    let m = |size, stream| Malloc { size, stream };
+    vec![
+        m(6 * MIB, 0),  // slot 0
+        m(100, 0),      // slot 1: small pool
+        m(10 * MIB, 1), // slot 2
+        RecordStream { slot: 0, stream: 1 },
+        Free { slot: 0 }, // event recorded on stream 1
+        m(2 * MIB, 0),    // event queried (pending)
+        Complete { stream: 1 },
+        m(1000, 0), // event completes: block freed
+        m(20 * MIB, 1),
+        m(16 * MIB, 0),
+        Submit { slot: 3 },
+        Free { slot: 3 },
+        Free { slot: 3 },
+        m(30 * MIB, 2), // reclaim: wait for the owning stream, unmap, map, set_access
+        m(60 * MIB, 2), // out of memory: explained
+        RecordStream { slot: 1, stream: 2 },
+        Free { slot: 1 },
+        EmptyCache, // event sync, unmap, release, address free
+        Free { slot: 0 },
+        EmptyCache,
+        m(3 * MIB, 1), // a new segment in a retired slice
+        RecordStream { slot: 0, stream: 0 },
+    ]
+}
+
+/// Runs the script over a fault-injecting device; returns the calls seen
+/// per kind (drop included) or a description of the first broken invariant.
+fn run(plan: FaultPlan, cfg: ExpandableConfig) -> Result<Dev, String> {
+    let dev = Arc::new(FaultInjecting::with_plan(
+        Arc::new(SimDevice::with_capacity(64 * MIB)),
+        FaultPlan::None,
+    ));
+    {
+        let a = ExpandableAllocator::new(dev.clone(), cfg).map_err(|e| e.to_string())?;
+        let mut h = Harness::new(&a, &*dev, 3)?;
+        h.tolerate_device_errors = true;
+        dev.hook().set_plan(plan);
+        for (i, op) in script().iter().enumerate() {
+            let out = h.apply(op).map_err(|e| format!("step {i} {op:?}: {e}"))?;
+            h.check()
+                .map_err(|e| format!("after step {i} {op:?} ({out:?}): {e}"))?;
+        }
+        // Leave some work queued and blocks live: drop must cope.
+        if let Some(l) = h.live.first() {
+            dev.inner()
+                .streams()
+                .submit(l.alloc.stream, l.alloc.ptr, l.alloc.size)
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    let inner = dev.inner();
+    if !inner.live().is_empty() {
+        return Err(format!("after drop the device holds {:?}", inner.live()));
+    }
+    if inner.streams().live_events() != 0 {
+        return Err(format!(
+            "after drop {} events are alive",
+            inner.streams().live_events()
+        ));
+    }
+    Arc::try_unwrap(dev).map_err(|_| "device still shared".to_string())
+}
+
+#[test]
+fn every_failed_call_is_survived_and_nothing_leaks() {
+    let clean = run(FaultPlan::None, ExpandableConfig::default()).expect("clean run");
+    let kinds: Vec<(Call, u64)> = Call::ALL
+        .iter()
+        .filter(|c| **c != Call::StreamCreate)
+        .map(|&c| (c, clean.hook().seen(c)))
+        .filter(|&(_, n)| n > 0)
+        .collect();
+    eprintln!("calls in the scripted workload: {kinds:?}");
+    for must in [
+        Call::Reserve,
+        Call::AddressFree,
+        Call::Create,
+        Call::Release,
+        Call::Map,
+        Call::Unmap,
+        Call::SetAccess,
+        Call::MemInfo,
+        Call::StreamSync,
+        Call::EventCreate,
+        Call::EventRecord,
+        Call::EventQuery,
+        Call::EventSync,
+        Call::EventDestroy,
+    ] {
+        assert!(
+            kinds.iter().any(|k| k.0 == must),
+            "the script never calls {must}"
+        );
+    }
+    let mut runs = 0;
+    for &(call, seen) in &kinds {
+        for n in 1..=seen {
+            for kind in [FaultKind::Driver(999), FaultKind::OutOfMemory] {
+                let plan = FaultPlan::Nth { call, n, kind };
+                let dev = run(plan.clone(), ExpandableConfig::default())
+                    .unwrap_or_else(|e| panic!("{call} #{n} failing with {kind:?}: {e}"));
+                assert_eq!(dev.hook().injected(), 1, "{plan:?} was delivered");
+                runs += 1;
+            }
+        }
+    }
+    eprintln!("{runs} faulty runs survived");
+}
+
+#[test]
+fn faults_with_a_zero_release_threshold_and_big_pages() {
+    let cfg = ExpandableConfig {
+        page_size: Some(4 * MIB),
+        release_threshold: 0,
+        ..ExpandableConfig::default()
+    };
+    let clean = run(FaultPlan::None, cfg.clone()).expect("clean run");
+    for call in [
+        Call::Create,
+        Call::Map,
+        Call::SetAccess,
+        Call::Unmap,
+        Call::Release,
+    ] {
+        for n in 1..=clean.hook().seen(call) {
+            let plan = FaultPlan::Nth {
+                call,
+                n,
+                kind: FaultKind::Driver(1),
+            };
+            run(plan, cfg.clone()).unwrap_or_else(|e| panic!("{call} #{n}: {e}"));
+        }
+    }
+}
+
+fn sim_with(plan: FaultPlan) -> Arc<Dev> {
+    Arc::new(FaultInjecting::with_plan(
+        Arc::new(SimDevice::with_capacity(256 * MIB)),
+        plan,
+    ))
+}
+
+#[test]
+fn a_failed_map_rolls_back_and_pools_the_pages() {
+    let dev = sim_with(FaultPlan::Nth {
+        call: Call::Map,
+        n: 5,
+        kind: FaultKind::Driver(999),
+    });
+    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let e = a.malloc(64 * MIB, Stream::DEFAULT).unwrap_err();
+    assert!(matches!(e, AllocError::Device(_)), "{e}");
+    a.validate().unwrap();
+    let st = a.stats();
+    assert_eq!(
+        (st.pages_mapped, st.pages_pooled),
+        (0, 32),
+        "the 4 mapped pages were unmapped"
+    );
+    assert_eq!(st.allocation.all().current, 0);
+    // The pooled pages serve the retry without a single create.
+    let x = a.malloc(64 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(dev.hook().seen(Call::Create), 32);
+    a.validate().unwrap();
+    a.free(x.ptr).unwrap();
+}
+
+#[test]
+fn a_zero_release_threshold_releases_rolled_back_pages() {
+    let dev = sim_with(FaultPlan::Nth {
+        call: Call::SetAccess,
+        n: 1,
+        kind: FaultKind::Driver(999),
+    });
+    let cfg = ExpandableConfig {
+        release_threshold: 0,
+        ..ExpandableConfig::default()
+    };
+    let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
+    assert!(a.malloc(16 * MIB, Stream::DEFAULT).is_err());
+    let st = a.stats();
+    assert_eq!(
+        (st.pages_mapped, st.pages_pooled, st.num_device_free),
+        (0, 0, 8)
+    );
+    assert_eq!(dev.inner().live().handles, 0);
+    a.validate().unwrap();
+}
+
+#[test]
+fn create_out_of_memory_reclaims_instead_of_failing() {
+    // The driver reports out-of-memory once while free pages sit in another
+    // stream's segment: the allocator moves them instead of failing.
+    let dev = sim_with(FaultPlan::None);
+    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let s1 = dev.create_stream().unwrap();
+    let x = a.malloc(32 * MIB, Stream::DEFAULT).unwrap();
+    a.free(x.ptr).unwrap();
+    dev.hook().set_plan(FaultPlan::Nth {
+        call: Call::Create,
+        n: dev.hook().seen(Call::Create) + 1,
+        kind: FaultKind::OutOfMemory,
+    });
+    let y = a.malloc(8 * MIB, s1).unwrap();
+    let st = a.stats();
+    assert_eq!(
+        (st.num_alloc_retries, st.reclaims, st.reclaimed_bytes),
+        (1, 1, 8 * MIB)
+    );
+    assert_eq!(st.num_ooms, 0);
+    a.validate().unwrap();
+    a.free(y.ptr).unwrap();
+}
+
+#[test]
+fn a_double_fault_leaves_pages_unready_until_access_is_granted() {
+    let dev = sim_with(FaultPlan::Random {
+        calls: vec![Call::SetAccess, Call::Unmap],
+        p: 1.0,
+        seed: 1,
+        kind: FaultKind::Driver(999),
+    });
+    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    assert!(a.malloc(4 * MIB, Stream::DEFAULT).is_err());
+    a.validate().unwrap();
+    assert_eq!(a.stats().pages_mapped, 2, "the pages could not be unmapped");
+    dev.hook().set_plan(FaultPlan::None);
+    let x = a.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    assert!(dev.introspect().unwrap().is_accessible(x.ptr, x.size));
+    a.validate().unwrap();
+    a.free(x.ptr).unwrap();
+    drop(a);
+    assert!(dev.inner().live().is_empty());
+}
+
+#[test]
+fn a_failed_event_record_falls_back_to_a_stream_wait() {
+    let dev = sim_with(FaultPlan::Nth {
+        call: Call::EventRecord,
+        n: 1,
+        kind: FaultKind::Driver(999),
+    });
+    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let s1 = dev.create_stream().unwrap();
+    let x = a.malloc(MIB, Stream::DEFAULT).unwrap();
+    a.record_stream(x.ptr, s1).unwrap();
+    dev.inner().streams().submit(s1, x.ptr, x.size).unwrap();
+    a.free(x.ptr).unwrap();
+    assert_eq!(
+        dev.inner().streams().pending_items(s1),
+        0,
+        "the stream was waited for instead"
+    );
+    assert_eq!(
+        a.stats().active.all().current,
+        0,
+        "so the block is free at once"
+    );
+    a.validate().unwrap();
+    // When the wait fails too, the free fails and changes nothing.
+    dev.hook().set_plan(FaultPlan::Random {
+        calls: vec![Call::EventRecord, Call::StreamSync],
+        p: 1.0,
+        seed: 1,
+        kind: FaultKind::Driver(999),
+    });
+    let y = a.malloc(MIB, Stream::DEFAULT).unwrap();
+    a.record_stream(y.ptr, s1).unwrap();
+    assert!(a.free(y.ptr).is_err());
+    assert_eq!(a.stats().allocation.all().current, 1);
+    a.validate().unwrap();
+    dev.hook().set_plan(FaultPlan::None);
+    a.free(y.ptr).unwrap();
+    a.validate().unwrap();
+}

@@ -1,0 +1,114 @@
+//! Random operation sequences (malloc / free / record_stream / queued work /
+//! empty_cache over several streams) against the expandable allocator on
+//! `sim` (sizes 1 B .. GiBs) and `host` (small sizes, data integrity), with
+//! `validate()` and the shadow model after every step.
+
+use proptest::prelude::*;
+use std::sync::Arc;
+use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
+use vmmalloc_alloc::testing::{Harness, Op, Outcome};
+use vmmalloc_device::host::{HostConfig, HostDevice};
+use vmmalloc_device::sim::SimDevice;
+use vmmalloc_device::{Device, Introspect, GIB, MIB};
+
+const STREAMS: usize = 3;
+
+/// Sizes in `[1, max]`: half log-uniform (many tiny ones), half in
+/// `[max / 16, max]` so that memory fills up and reclaims and OOMs happen.
+fn size(max: u64) -> impl Strategy<Value = u64> {
+    let bits = 63 - max.leading_zeros();
+    prop_oneof![
+        (0..=bits, any::<u64>())
+            .prop_map(move |(b, r)| ((1u64 << b) + r % (1u64 << b)).clamp(1, max)),
+        (max / 16)..=max,
+    ]
+}
+
+fn op(max: u64) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => (size(max), 0..STREAMS).prop_map(|(size, stream)| Op::Malloc { size, stream }),
+        5 => any::<usize>().prop_map(|slot| Op::Free { slot }),
+        1 => (any::<usize>(), 0..STREAMS).prop_map(|(slot, stream)| Op::RecordStream { slot, stream }),
+        2 => any::<usize>().prop_map(|slot| Op::Submit { slot }),
+        2 => (0..STREAMS).prop_map(|stream| Op::Complete { stream }),
+        1 => Just(Op::EmptyCache),
+    ]
+}
+
+/// Runs `ops`, checking after every step that the allocator validates and
+/// that no out-of-memory error was avoidable: after a full reclaim, live
+/// blocks pin at most their bytes plus two partial pages each.
+fn run<D: Device + Introspect + 'static>(
+    dev: Arc<D>,
+    cfg: ExpandableConfig,
+    ops: &[Op],
+) -> Result<(), TestCaseError> {
+    let a = ExpandableAllocator::new(dev.clone(), cfg)
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let page = a.page_size();
+    {
+        let mut h = Harness::new(&a, &*dev, STREAMS).map_err(TestCaseError::fail)?;
+        for (i, o) in ops.iter().enumerate() {
+            let out = h
+                .apply(o)
+                .map_err(|e| TestCaseError::fail(format!("step {i} {o:?}: {e}")))?;
+            h.check()
+                .map_err(|e| TestCaseError::fail(format!("after step {i} {o:?}: {e}")))?;
+            if let Outcome::Oom(r) = out {
+                let bound = r.live + r.rounded + 2 * page * (h.live.len() as u64 + 1);
+                prop_assert!(
+                    bound > r.capacity,
+                    "avoidable out-of-memory at step {i} ({o:?}): {r}"
+                );
+            }
+        }
+        h.finish().map_err(TestCaseError::fail)?;
+    }
+    drop(a);
+    prop_assert!(
+        dev.live().is_empty(),
+        "after drop the device holds {:?}",
+        dev.live()
+    );
+    prop_assert_eq!(dev.streams().live_events(), 0);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_ops_on_sim_with_gib_sizes(ops in prop::collection::vec(op(3 * GIB), 1..60)) {
+        run(Arc::new(SimDevice::with_capacity(8 * GIB)), ExpandableConfig::default(), &ops)?;
+    }
+
+    #[test]
+    fn random_ops_on_sim_with_big_pages_a_fraction_and_small_arenas(
+        ops in prop::collection::vec(op(512 * MIB), 1..60),
+    ) {
+        let cfg = ExpandableConfig {
+            page_size: Some(8 * MIB),
+            arena_size: Some(2 * GIB),
+            release_threshold: 16 * MIB,
+            memory_fraction: 0.75,
+        };
+        run(Arc::new(SimDevice::with_capacity(2 * GIB)), cfg, &ops)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_ops_on_host_keep_every_byte(ops in prop::collection::vec(op(24 * MIB), 1..50)) {
+        let dev = HostDevice::new(HostConfig::with_capacity(64 * MIB)).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        run(Arc::new(dev), ExpandableConfig::default(), &ops)?;
+    }
+
+    #[test]
+    fn random_ops_on_host_with_small_granularity(ops in prop::collection::vec(op(3 * MIB), 1..50)) {
+        let cfg = HostConfig::with_capacity(8 * MIB).granularity(64 << 10);
+        let dev = HostDevice::new(cfg).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        run(Arc::new(dev), ExpandableConfig::default(), &ops)?;
+    }
+}

@@ -1,0 +1,659 @@
+//! The expandable allocator's worked scenarios on the `sim` device, one test
+//! per case of the spec (issue 3 and docs/expandable.md).
+
+use std::sync::Arc;
+use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
+use vmmalloc_alloc::{AllocError, Allocator, BlockState, StatType, Stream};
+use vmmalloc_device::sim::SimDevice;
+use vmmalloc_device::{Call, CallCounts, Device, Introspect, GIB, MIB};
+
+type Alloc = ExpandableAllocator<Arc<SimDevice>>;
+
+fn setup(capacity: u64, cfg: ExpandableConfig) -> (Arc<SimDevice>, Alloc) {
+    let dev = Arc::new(SimDevice::with_capacity(capacity));
+    let a = ExpandableAllocator::new(dev.clone(), cfg).expect("valid options");
+    (dev, a)
+}
+
+fn since(dev: &SimDevice, before: &CallCounts) -> CallCounts {
+    dev.counts().since(before)
+}
+
+#[test]
+fn cache_hit_reuses_the_block_without_device_calls() {
+    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let x = a.malloc(MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(x.size, MIB);
+    a.free(x.ptr).unwrap();
+    let before = dev.counts();
+    for _ in 0..100 {
+        let y = a.malloc(MIB, Stream::DEFAULT).unwrap();
+        assert_eq!(y.ptr, x.ptr);
+        a.free(y.ptr).unwrap();
+    }
+    assert_eq!(since(&dev, &before).total(), 0);
+    a.validate().unwrap();
+    // The allocator's own count of device calls matches the device's.
+    assert_eq!(a.stats().driver_calls, dev.counts());
+}
+
+#[test]
+fn blocks_split_and_merge_at_512_bytes() {
+    let (_dev, a) = setup(GIB, ExpandableConfig::default());
+    let s = Stream::DEFAULT;
+    let x = a.malloc(1, s).unwrap();
+    let y = a.malloc(513, s).unwrap();
+    let z = a.malloc(512, s).unwrap();
+    assert_eq!((x.size, y.size, z.size), (512, 1024, 512));
+    assert_eq!(y.ptr, x.ptr + 512);
+    assert_eq!(z.ptr, y.ptr + 1024);
+    a.free(y.ptr).unwrap();
+    a.validate().unwrap();
+    // The 1 KiB hole is reused by best fit before the tail.
+    let w = a.malloc(1000, s).unwrap();
+    assert_eq!(w.ptr, y.ptr);
+    a.free(x.ptr).unwrap();
+    a.free(w.ptr).unwrap();
+    a.free(z.ptr).unwrap();
+    a.validate().unwrap();
+    // Everything merged back: one segment, one free block (mapped page + unmapped rest).
+    let snap = a.snapshot();
+    assert_eq!(snap.segments.len(), 1);
+    let kinds: Vec<BlockState> = snap.segments[0].blocks.iter().map(|b| b.state).collect();
+    assert_eq!(kinds, vec![BlockState::Inactive, BlockState::Unmapped]);
+    assert_eq!(snap.segments[0].blocks[0].size, 2 * MIB);
+    let st = a.stats();
+    assert_eq!(st.inactive_split.all().current, 0);
+    assert_eq!(
+        st.reserved_bytes.get(StatType::Small).current,
+        2 * MIB as i64
+    );
+}
+
+/// The fragmentation scenario of docs/expandable.md: a 1 GiB device filled
+/// with 8 MiB blocks, every other one freed (512 MiB free in 64 gaps of
+/// 8 MiB), then one 256 MiB request — larger than any gap, smaller than the
+/// free total. It succeeds by moving 128 free pages, waiting only for the one
+/// stream that used them; no device-wide synchronize, no create, no release.
+#[test]
+fn fragmentation_scenario_succeeds_without_device_sync() {
+    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let s = dev.create_stream().unwrap();
+    let blocks: Vec<_> = (0..128).map(|_| a.malloc(8 * MIB, s).unwrap()).collect();
+    assert_eq!(dev.mem_info().unwrap().free, 0, "the device is full");
+    assert!(a.malloc(8 * MIB, s).unwrap_err().is_out_of_memory());
+    // Kernels still queued on the stream use every block.
+    for b in &blocks {
+        dev.streams().submit(s, b.ptr, b.size).unwrap();
+    }
+    for b in blocks.iter().step_by(2) {
+        a.free(b.ptr).unwrap();
+    }
+    a.validate().unwrap();
+    let st = a.stats();
+    assert_eq!(st.allocated_bytes.all().current as u64, 512 * MIB);
+    assert_eq!(st.reserved_bytes.all().current as u64, GIB);
+    let (before, us) = (dev.counts(), dev.modeled_us());
+    let big = a.malloc(256 * MIB, s).expect("enough pages are free");
+    let c = since(&dev, &before);
+    eprintln!(
+        "fragmentation scenario: calls {:?}, modeled driver time {:.0} us",
+        c.nonzero(),
+        dev.modeled_us() - us
+    );
+    assert_eq!(c.get(Call::DeviceSync), 0);
+    assert_eq!(
+        c.get(Call::StreamSync),
+        1,
+        "one wait for the stream that used the pages"
+    );
+    assert_eq!(
+        (c.get(Call::Create), c.get(Call::Release)),
+        (0, 0),
+        "pages move, never re-created"
+    );
+    assert_eq!(c.get(Call::Unmap), 32, "one unmap per reclaimed 8 MiB gap");
+    assert_eq!(c.get(Call::Map), 128);
+    assert_eq!(
+        c.get(Call::SetAccess),
+        1,
+        "one set_access for the contiguous run"
+    );
+    let st = a.stats();
+    assert_eq!((st.reclaims, st.reclaimed_bytes), (1, 256 * MIB));
+    assert_eq!(st.num_sync_all_streams, 0);
+    assert_eq!(st.reserved_bytes.all().current as u64, GIB);
+    a.validate().unwrap();
+    // Least recently freed first: the first 32 gaps were unmapped, the last 32 stay mapped.
+    let snap = a.snapshot();
+    let gap_state = |i: usize| {
+        let ptr = blocks[2 * i].ptr;
+        snap.segments
+            .iter()
+            .flat_map(|s| s.blocks.iter())
+            .find(|b| b.address <= ptr && ptr < b.address + b.size)
+            .map(|b| b.state)
+            .unwrap()
+    };
+    assert!((0..32).all(|i| gap_state(i) == BlockState::Unmapped));
+    assert!((32..64).all(|i| gap_state(i) == BlockState::Inactive));
+    a.free(big.ptr).unwrap();
+    for b in blocks.iter().skip(1).step_by(2) {
+        a.free(b.ptr).unwrap();
+    }
+    a.validate().unwrap();
+    drop(a);
+    assert!(dev.live().is_empty());
+}
+
+/// One iteration of a training-like workload over two streams: weights-like
+/// long-lived blocks, activations of many sizes freed out of order.
+fn iteration(a: &Alloc, streams: [Stream; 2], step: u64) -> Vec<u64> {
+    let sizes = [
+        4096,
+        300 * MIB,
+        1 << 20,
+        3 * MIB + 17,
+        128,
+        64 * MIB,
+        700 << 10,
+        12 * MIB,
+        33,
+        150 * MIB,
+    ];
+    let mut live = Vec::new();
+    let mut kept = Vec::new();
+    for (i, &sz) in sizes.iter().enumerate() {
+        let s = streams[i % 2];
+        live.push(a.malloc(sz + step % 3, s).unwrap().ptr);
+        if i % 3 == 2 {
+            a.free(live.remove(i % live.len())).unwrap();
+        }
+    }
+    kept.push(live.pop().unwrap());
+    for p in live {
+        a.free(p).unwrap();
+    }
+    kept
+}
+
+#[test]
+fn steady_state_second_iteration_makes_no_device_calls() {
+    let (dev, a) = setup(80 * GIB, ExpandableConfig::default());
+    let streams = [Stream::DEFAULT, dev.create_stream().unwrap()];
+    let first = iteration(&a, streams, 0);
+    for p in first {
+        a.free(p).unwrap();
+    }
+    a.validate().unwrap();
+    let before = dev.counts();
+    let second = iteration(&a, streams, 0);
+    assert_eq!(
+        since(&dev, &before).total(),
+        0,
+        "{:?}",
+        since(&dev, &before).nonzero()
+    );
+    for p in second {
+        a.free(p).unwrap();
+    }
+    assert_eq!(since(&dev, &before).total(), 0);
+    a.validate().unwrap();
+}
+
+/// 1000 iterations of a varying-size workload: 20 cycles of the same 50
+/// iteration shapes (sequence lengths), so demand repeats exactly. Reserved
+/// memory must stay flat: no cycle after the warm-up maps more than the
+/// warm-up did.
+#[test]
+fn no_creep_over_1000_iterations_of_varying_sizes() {
+    let (dev, a) = setup(16 * GIB, ExpandableConfig::default());
+    let s = Stream::DEFAULT;
+    let weights: Vec<u64> = (0..8)
+        .map(|i| a.malloc((i + 1) * 37 * MIB, s).unwrap().ptr)
+        .collect();
+    let mut carried: Vec<u64> = Vec::new();
+    let mut cycle_max = vec![0i64; 20];
+    let mut calls_after_warmup = CallCounts::default();
+    for it in 0..1000u64 {
+        if it == 100 {
+            calls_after_warmup = dev.counts();
+        }
+        // The shape of iteration `it` depends only on `it % 50`.
+        let mut rng = vmmalloc_alloc::testing::SplitMix(1000 + it % 50);
+        let seq = 1 + rng.below(64);
+        let mut acts = Vec::new();
+        for layer in 0..12u64 {
+            let sz = seq * (256 << 10) * (1 + layer % 3) + rng.below(4096);
+            acts.push(a.malloc(sz, s).unwrap().ptr);
+            if layer % 4 == 3 {
+                let i = rng.below(acts.len() as u64) as usize;
+                a.free(acts.swap_remove(i)).unwrap();
+            }
+        }
+        // Frees in a shuffled order; one block lives into the next iteration.
+        while acts.len() > 1 {
+            let i = rng.below(acts.len() as u64) as usize;
+            a.free(acts.swap_remove(i)).unwrap();
+        }
+        for p in carried.drain(..) {
+            a.free(p).unwrap();
+        }
+        carried.extend(acts);
+        let c = &mut cycle_max[(it / 50) as usize];
+        *c = (*c).max(a.stats().reserved_bytes.all().current);
+        if it % 250 == 0 {
+            a.validate().unwrap();
+        }
+    }
+    eprintln!(
+        "max reserved per 50-iteration cycle (MiB): {:?}",
+        cycle_max.iter().map(|r| r >> 20).collect::<Vec<_>>()
+    );
+    let warm = cycle_max[0].max(cycle_max[1]);
+    assert!(
+        cycle_max[2..].iter().all(|&r| r <= warm),
+        "reserved memory crept past the warm-up's {warm} bytes: {cycle_max:?}"
+    );
+    let later = dev.counts().since(&calls_after_warmup);
+    assert_eq!(
+        later.total(),
+        0,
+        "device calls after the warm-up: {:?}",
+        later.nonzero()
+    );
+    assert_eq!(a.stats().num_ooms, 0);
+    for p in carried.into_iter().chain(weights) {
+        a.free(p).unwrap();
+    }
+    a.validate().unwrap();
+    drop(a);
+    assert!(dev.live().is_empty());
+}
+
+/// Work queued on stream A uses the pages of A's freed blocks. A reclaim for
+/// stream B must wait for A (one stream sync), never for the device, and must
+/// not stall stream C, which owns none of those pages.
+#[test]
+fn reclaim_waits_only_for_the_stream_that_used_the_pages() {
+    let (dev, a) = setup(256 * MIB, ExpandableConfig::default());
+    let (sa, sb, sc) = (
+        dev.create_stream().unwrap(),
+        dev.create_stream().unwrap(),
+        dev.create_stream().unwrap(),
+    );
+    let c_block = a.malloc(16 * MIB, sc).unwrap();
+    dev.streams().submit(sc, c_block.ptr, c_block.size).unwrap();
+    let a_blocks: Vec<_> = (0..15).map(|_| a.malloc(16 * MIB, sa).unwrap()).collect();
+    for b in &a_blocks {
+        dev.streams().submit(sa, b.ptr, b.size).unwrap();
+        a.free(b.ptr).unwrap();
+    }
+    // The model refuses to unmap pages that queued work uses.
+    let err = dev.unmap(a_blocks[0].ptr, 2 * MIB).unwrap_err();
+    assert_eq!(
+        err.broken_rule(),
+        Some(vmmalloc_device::Rule::InUseByStream)
+    );
+    let before = dev.counts();
+    let on_b = a.malloc(100 * MIB, sb).expect("A's free pages move to B");
+    let c = since(&dev, &before);
+    assert_eq!(c.get(Call::DeviceSync), 0);
+    assert_eq!(c.get(Call::StreamSync), 1);
+    assert_eq!(dev.streams().pending_items(sa), 0, "A was waited for");
+    assert_eq!(dev.streams().pending_items(sc), 1, "C was not stalled");
+    assert_eq!(a.stats().num_stream_syncs, 1);
+    a.validate().unwrap();
+    // A second reclaim of A's pages needs no new wait: nothing was freed on A since.
+    let before = dev.counts();
+    let more = a.malloc(100 * MIB, sb).unwrap();
+    assert_eq!(since(&dev, &before).syncs(), 0);
+    for p in [on_b.ptr, more.ptr, c_block.ptr] {
+        a.free(p).unwrap();
+    }
+    a.validate().unwrap();
+}
+
+#[test]
+fn record_stream_delays_reuse_until_the_event_completes() {
+    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (sa, sb) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let x = a.malloc(MIB, sa).unwrap();
+    a.record_stream(x.ptr, sb).unwrap();
+    a.record_stream(x.ptr, sa).unwrap(); // its own stream: nothing to do
+    dev.streams().submit(sb, x.ptr, x.size).unwrap();
+    let before = dev.counts();
+    a.free(x.ptr).unwrap();
+    let c = since(&dev, &before);
+    assert_eq!((c.get(Call::EventCreate), c.get(Call::EventRecord)), (1, 1));
+    assert_eq!(
+        a.stats().active.all().current,
+        1,
+        "pending free is still active"
+    );
+    assert_eq!(a.stats().allocation.all().current, 0);
+    a.validate().unwrap();
+    let y = a.malloc(MIB, sa).unwrap();
+    assert_ne!(y.ptr, x.ptr, "the block waits for stream B");
+    let snap = a.snapshot();
+    assert!(snap.segments[0]
+        .blocks
+        .iter()
+        .any(|b| b.state == BlockState::ActivePendingFree));
+    dev.streams().complete(sb).unwrap();
+    let z = a.malloc(MIB, sa).unwrap();
+    assert_eq!(z.ptr, x.ptr, "reused once the event completed");
+    a.validate().unwrap();
+    // The event went back to the pool: the next record_stream creates none.
+    a.record_stream(z.ptr, sb).unwrap();
+    let before = dev.counts();
+    a.free(z.ptr).unwrap();
+    assert_eq!(since(&dev, &before).get(Call::EventCreate), 0);
+    a.free(y.ptr).unwrap();
+    drop(a);
+    assert!(dev.live().is_empty());
+    assert_eq!(dev.streams().live_events(), 0);
+}
+
+#[test]
+fn pending_frees_are_waited_for_before_giving_up() {
+    let (dev, a) = setup(64 * MIB, ExpandableConfig::default());
+    let (sa, sb) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let x = a.malloc(48 * MIB, sa).unwrap();
+    a.record_stream(x.ptr, sb).unwrap();
+    dev.streams().submit(sb, x.ptr, x.size).unwrap();
+    a.free(x.ptr).unwrap();
+    // Only the pending block's pages can serve this: wait for its event (no device sync).
+    let y = a.malloc(40 * MIB, sa).unwrap();
+    let c = dev.counts();
+    assert_eq!(c.get(Call::DeviceSync), 0);
+    assert_eq!(c.get(Call::EventSync), 1);
+    a.free(y.ptr).unwrap();
+    a.validate().unwrap();
+}
+
+#[test]
+fn out_of_memory_explains_itself() {
+    let (dev, a) = setup(64 * MIB, ExpandableConfig::default());
+    let s = dev.create_stream().unwrap();
+    let live = a.malloc(40 * MIB, s).unwrap();
+    let small = a.malloc(1000, Stream::DEFAULT).unwrap();
+    let e = a.malloc(30 * MIB, s).unwrap_err();
+    let AllocError::OutOfMemory(r) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(r.policy, "expandable");
+    assert_eq!(
+        (r.requested, r.rounded, r.capacity),
+        (30 * MIB, 30 * MIB, 64 * MIB)
+    );
+    assert_eq!(r.live, 40 * MIB + 1024);
+    assert_eq!(r.pooled, 0);
+    assert_eq!(
+        r.cached,
+        2 * MIB - 1024,
+        "the small pool's page is mapped but mostly free"
+    );
+    assert_eq!(r.largest_free, 2 * MIB - 1024);
+    assert_eq!(r.per_stream.len(), 2);
+    let mine = r.per_stream.iter().find(|u| u.stream == s).unwrap();
+    assert_eq!((mine.live, mine.cached), (40 * MIB, 0));
+    let text = e.to_string();
+    eprintln!("{text}");
+    assert!(text.contains("Tried to allocate 30.00 MiB"), "{text}");
+    assert!(text.contains("Live tensors"), "{text}");
+    // 15 pages needed; 21 mapped (20 live + the small pool's), 32 in all, none reclaimable.
+    assert!(
+        text.contains("8.00 MiB of physical pages (4 pages of 2.00 MiB) were lacking"),
+        "{text}"
+    );
+    assert_eq!(a.stats().num_ooms, 1);
+    a.validate().unwrap();
+    // Nothing was lost: freeing makes room.
+    a.free(live.ptr).unwrap();
+    let ok = a.malloc(30 * MIB, s).unwrap();
+    for p in [ok.ptr, small.ptr] {
+        a.free(p).unwrap();
+    }
+    a.validate().unwrap();
+}
+
+#[test]
+fn memory_fraction_caps_mapped_plus_pooled_pages() {
+    let cfg = ExpandableConfig {
+        memory_fraction: 0.5,
+        ..ExpandableConfig::default()
+    };
+    let (dev, a) = setup(GIB, cfg);
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let e = a.malloc(600 * MIB, s1).unwrap_err();
+    let AllocError::OutOfMemory(r) = e else {
+        panic!()
+    };
+    assert_eq!(r.capacity, 512 * MIB);
+    assert!(r.hint.contains("memory fraction"), "{}", r.hint);
+    let x = a.malloc(400 * MIB, s1).unwrap();
+    a.free(x.ptr).unwrap();
+    // 400 MiB mapped but free on s1: a 300 MiB request on s2 must reclaim, not create past 512 MiB.
+    let y = a.malloc(300 * MIB, s2).unwrap();
+    let st = a.stats();
+    assert!(st.reclaims >= 1);
+    assert!((st.pages_mapped + st.pages_pooled) * 2 * MIB <= 512 * MIB);
+    assert!(dev.live().physical_bytes <= 512 * MIB);
+    // Lowering the fraction releases pooled pages above the new cap.
+    a.set_memory_fraction(0.25).unwrap();
+    assert!(a.set_memory_fraction(0.0).is_err());
+    assert!(a.set_memory_fraction(1.5).is_err());
+    a.free(y.ptr).unwrap();
+    let z = a.malloc(200 * MIB, s1).unwrap();
+    a.validate().unwrap();
+    a.free(z.ptr).unwrap();
+    a.empty_cache().unwrap();
+    a.set_memory_fraction(1.0).unwrap();
+    a.validate().unwrap();
+}
+
+#[test]
+fn one_set_access_per_contiguous_run_and_page_size_option() {
+    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let x = a.malloc(64 * MIB, Stream::DEFAULT).unwrap();
+    let c = dev.counts();
+    assert_eq!(
+        (
+            c.get(Call::Create),
+            c.get(Call::Map),
+            c.get(Call::SetAccess)
+        ),
+        (32, 32, 1)
+    );
+    a.free(x.ptr).unwrap();
+
+    let cfg = ExpandableConfig {
+        page_size: Some(8 * MIB),
+        ..ExpandableConfig::default()
+    };
+    let (dev, a) = setup(GIB, cfg);
+    assert_eq!(a.page_size(), 8 * MIB);
+    let x = a.malloc(1, Stream::DEFAULT).unwrap();
+    let y = a.malloc(9 * MIB, Stream::DEFAULT).unwrap();
+    let c = dev.counts();
+    assert_eq!(
+        c.get(Call::Create),
+        3,
+        "one 8 MiB page for the small pool, two for the large"
+    );
+    assert_eq!(dev.live().physical_bytes, 24 * MIB);
+    a.validate().unwrap();
+    for p in [x.ptr, y.ptr] {
+        a.free(p).unwrap();
+    }
+    drop(a);
+    assert!(dev.live().is_empty());
+}
+
+#[test]
+fn bad_options_and_inputs_are_errors_that_change_nothing() {
+    let dev = Arc::new(SimDevice::with_capacity(GIB));
+    for (cfg, key) in [
+        (
+            ExpandableConfig {
+                page_size: Some(3 * MIB),
+                ..Default::default()
+            },
+            "page_size",
+        ),
+        (
+            ExpandableConfig {
+                arena_size: Some(MIB),
+                ..Default::default()
+            },
+            "arena_size",
+        ),
+        (
+            ExpandableConfig {
+                memory_fraction: 2.0,
+                ..Default::default()
+            },
+            "memory_fraction",
+        ),
+    ] {
+        match ExpandableAllocator::new(dev.clone(), cfg) {
+            Err(AllocError::InvalidOption(m)) => assert!(m.contains(key), "{m}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("accepted a bad {key}"),
+        }
+    }
+    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    assert!(matches!(
+        a.malloc(0, Stream::DEFAULT),
+        Err(AllocError::InvalidSize { .. })
+    ));
+    assert!(matches!(
+        a.malloc(GIB + 1, Stream::DEFAULT),
+        Err(AllocError::InvalidSize { .. })
+    ));
+    let x = a.malloc(100, Stream::DEFAULT).unwrap();
+    assert!(matches!(
+        a.free(x.ptr + 512),
+        Err(AllocError::InvalidPointer { .. })
+    ));
+    assert!(matches!(
+        a.record_stream(0xdead000, Stream::DEFAULT),
+        Err(AllocError::InvalidPointer { .. })
+    ));
+    a.free(x.ptr).unwrap();
+    assert!(matches!(
+        a.free(x.ptr),
+        Err(AllocError::InvalidPointer { .. })
+    ));
+    a.validate().unwrap();
+    assert_eq!(a.stats().allocation.all().current, 0);
+}
+
+#[test]
+fn a_fragmented_slice_opens_another_segment() {
+    let (dev, a) = setup(64 * MIB, ExpandableConfig::default());
+    let s = Stream::DEFAULT;
+    let b: Vec<_> = (0..3).map(|_| a.malloc(16 * MIB, s).unwrap()).collect();
+    a.free(b[1].ptr).unwrap();
+    // No gap in the 64 MiB slice holds 24 MiB (16 MiB hole, 16 MiB tail): a
+    // second segment opens and takes 4 pages from the hole.
+    let c = a.malloc(24 * MIB, s).unwrap();
+    assert_eq!(a.stats().segment.all().current, 2);
+    assert_eq!(a.stats().reclaimed_bytes, 8 * MIB);
+    assert_eq!(dev.counts().get(Call::DeviceSync), 0);
+    a.validate().unwrap();
+    for p in [b[0].ptr, b[2].ptr, c.ptr] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert!(
+        dev.live().is_empty(),
+        "empty_cache gives back pages, segments and arenas"
+    );
+    assert_eq!(a.stats().segment.all().current, 0);
+    a.validate().unwrap();
+    // And it starts again from nothing.
+    let d = a.malloc(10 * MIB, s).unwrap();
+    a.free(d.ptr).unwrap();
+    a.validate().unwrap();
+}
+
+#[test]
+fn address_space_runs_out_only_into_another_arena() {
+    let cfg = ExpandableConfig {
+        arena_size: Some(GIB),
+        ..ExpandableConfig::default()
+    };
+    let (dev, a) = setup(GIB, cfg);
+    let mut ptrs = Vec::new();
+    for _ in 0..5 {
+        let s = dev.create_stream().unwrap();
+        ptrs.push(a.malloc(8 * MIB, s).unwrap().ptr);
+    }
+    assert_eq!(
+        dev.live().reservations,
+        5,
+        "one slice per arena: five arenas"
+    );
+    a.validate().unwrap();
+    for p in ptrs {
+        a.free(p).unwrap();
+    }
+    drop(a);
+    assert!(dev.live().is_empty());
+}
+
+#[test]
+fn empty_cache_keeps_live_blocks_and_releases_the_rest() {
+    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let s = dev.create_stream().unwrap();
+    let keep = a.malloc(10 * MIB, s).unwrap();
+    let gone = a.malloc(100 * MIB, s).unwrap();
+    dev.streams().submit(s, gone.ptr, gone.size).unwrap();
+    a.free(gone.ptr).unwrap();
+    let before = dev.counts();
+    a.empty_cache().unwrap();
+    let c = since(&dev, &before);
+    assert_eq!(c.get(Call::DeviceSync), 0);
+    assert_eq!(c.get(Call::StreamSync), 1);
+    assert_eq!(c.get(Call::Release), 50);
+    assert_eq!(dev.live().handles, 5);
+    assert_eq!(a.stats().reserved_bytes.all().current as u64, 10 * MIB);
+    assert_eq!(a.stats().num_device_free, 50);
+    a.validate().unwrap();
+    a.free(keep.ptr).unwrap();
+}
+
+#[test]
+fn drop_gives_back_everything_even_with_live_and_pending_blocks() {
+    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (sa, sb) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let x = a.malloc(5 * MIB, sa).unwrap();
+    let _y = a.malloc(700, sb).unwrap();
+    a.record_stream(x.ptr, sb).unwrap();
+    dev.streams().submit(sb, x.ptr, x.size).unwrap();
+    dev.streams().submit(sa, x.ptr, x.size).unwrap();
+    a.free(x.ptr).unwrap();
+    drop(a);
+    assert!(dev.live().is_empty(), "{:?}", dev.live());
+    assert_eq!(dev.streams().live_events(), 0);
+}
+
+#[test]
+fn gib_sized_requests_on_a_141_gib_device() {
+    let (dev, a) = setup(141 * GIB, ExpandableConfig::default());
+    let x = a.malloc(100 * GIB, Stream::DEFAULT).unwrap();
+    let y = a.malloc(40 * GIB, Stream::DEFAULT).unwrap();
+    assert!(a
+        .malloc(2 * GIB, Stream::DEFAULT)
+        .unwrap_err()
+        .is_out_of_memory());
+    a.free(x.ptr).unwrap();
+    let z = a.malloc(60 * GIB, dev.create_stream().unwrap()).unwrap();
+    assert_eq!(dev.counts().get(Call::DeviceSync), 0);
+    a.validate().unwrap();
+    for p in [y.ptr, z.ptr] {
+        a.free(p).unwrap();
+    }
+}
