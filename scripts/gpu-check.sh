@@ -126,8 +126,8 @@ export VMMALLOC_TEST_DEVICE="$device"
 run_step "device (cuda backend)" \
     cargo test --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-device -- --ignored --test-threads=1
 # ---- more GPU suites: add one run_step per suite here ---------------------
-# run_step "allocator policies on cuda" \
-#     cargo test --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-alloc -- --ignored --test-threads=1
+run_step "expandable allocator on cuda" \
+    cargo test --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-alloc --test expandable_cuda -- --ignored --test-threads=1
 # ---- end of GPU suites -----------------------------------------------------
 
 # ---------------------------------------------------------------------------
