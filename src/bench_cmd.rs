@@ -15,7 +15,11 @@ use vmmalloc_device::{Device, Stream, GIB};
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
     /// Policies to measure, comma-separated.
-    #[arg(long, default_value = "expandable,caching,torch-es,native", value_delimiter = ',')]
+    #[arg(
+        long,
+        default_value = "expandable,caching,torch-es,native",
+        value_delimiter = ','
+    )]
     pub policies: Vec<String>,
     /// Device backend: `sim` (bookkeeping only) or `host` (real CPU memory).
     #[arg(long, default_value = "sim")]
@@ -35,7 +39,10 @@ pub struct BenchArgs {
 fn device(kind: &str) -> Result<Arc<dyn Device>> {
     Ok(match kind {
         "sim" => Arc::new(SimDevice::with_capacity(80 * GIB)),
-        "host" => Arc::new(HostDevice::new(HostConfig::with_capacity(4 * GIB)).context("creating the host device")?),
+        "host" => Arc::new(
+            HostDevice::new(HostConfig::with_capacity(4 * GIB))
+                .context("creating the host device")?,
+        ),
         other => bail!("unknown device `{other}`; valid devices: sim, host"),
     })
 }
@@ -73,7 +80,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut figs: Vec<Figures> = vec![Figures::default(); policies.len()];
     for _ in 0..args.rounds {
         for (i, p) in policies.iter().enumerate() {
-            let (med, p99, one, two) = measure(*p, &args.device, args.iters).with_context(|| format!("benchmarking {p}"))?;
+            let (med, p99, one, two) = measure(*p, &args.device, args.iters)
+                .with_context(|| format!("benchmarking {p}"))?;
             figs[i].median.push(med);
             figs[i].p99.push(p99);
             figs[i].one.push(one);
@@ -85,24 +93,43 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if !to_stdout {
         println!(
             "{:<12} {:>16} {:>14} {:>16} {:>16} {:>8}",
-            "policy", "pair ns median", "pair ns p99", "1 thread pairs/s", "2 threads pairs/s", "2t / 1t"
+            "policy",
+            "pair ns median",
+            "pair ns p99",
+            "1 thread pairs/s",
+            "2 threads pairs/s",
+            "2t / 1t"
         );
     }
     for (p, f) in policies.iter().zip(&figs) {
-        let (med, p99, one, two) = (median(&f.median), median(&f.p99), median(&f.one), median(&f.two));
+        let (med, p99, one, two) = (
+            median(&f.median),
+            median(&f.p99),
+            median(&f.one),
+            median(&f.two),
+        );
         pols.insert(
             p.name().to_string(),
             json!({"pair_ns_median": med, "pair_ns_p99": p99, "threads": {"1": one, "2": two}}),
         );
         if !to_stdout {
-            println!("{:<12} {med:>16.1} {p99:>14.1} {one:>16.0} {two:>17.0} {:>8.2}", p.name(), two / one);
+            println!(
+                "{:<12} {med:>16.1} {p99:>14.1} {one:>16.0} {two:>17.0} {:>8.2}",
+                p.name(),
+                two / one
+            );
         }
     }
     if !to_stdout {
         if let Some(first) = figs.first() {
             let base = median(&first.median);
             for (p, f) in policies.iter().zip(&figs).skip(1) {
-                println!("ratio {} / {}: {:.2}", policies[0], p, base / median(&f.median));
+                println!(
+                    "ratio {} / {}: {:.2}",
+                    policies[0],
+                    p,
+                    base / median(&f.median)
+                );
             }
         }
         println!(

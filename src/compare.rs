@@ -15,7 +15,10 @@ use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig, ReplayResult};
 use vmmalloc_trace::{DeviceTrace, Input, Trace};
 
 /// The built-in set: the bundled real snapshot plus the three workloads.
-pub const BUILTIN_FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/cs336_lm_step.pickle");
+pub const BUILTIN_FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/cs336_lm_step.pickle"
+);
 
 /// Arguments of `vmmalloc compare`.
 #[derive(clap::Args, Debug)]
@@ -24,7 +27,11 @@ pub struct CompareArgs {
     /// `serve-kv:seed=3`, ...). Default: the bundled snapshot and the three workloads.
     pub inputs: Vec<String>,
     /// Policies to compare, comma-separated.
-    #[arg(long, default_value = "expandable,caching,torch-es,native", value_delimiter = ',')]
+    #[arg(
+        long,
+        default_value = "expandable,caching,torch-es,native",
+        value_delimiter = ','
+    )]
     pub policies: Vec<String>,
     /// Write the results as JSON to FILE (`-` for standard output).
     #[arg(long, value_name = "FILE")]
@@ -79,7 +86,8 @@ pub struct TraceRow {
 impl PolicyRow {
     /// min capacity / peak live.
     pub fn overhead(&self, peak_live: u64) -> Option<f64> {
-        self.min_capacity.map(|c| c as f64 / peak_live.max(1) as f64)
+        self.min_capacity
+            .map(|c| c as f64 / peak_live.max(1) as f64)
     }
 }
 
@@ -94,19 +102,30 @@ pub fn tight_capacity(peak_live: u64, granularity: u64) -> u64 {
 }
 
 /// Measures one device trace against the policies.
-pub fn measure(name: &str, dt: &DeviceTrace, policies: &[Policy], base: &ReplayConfig, tick: &(dyn Fn() + Sync)) -> TraceRow {
+pub fn measure(
+    name: &str,
+    dt: &DeviceTrace,
+    policies: &[Policy],
+    base: &ReplayConfig,
+    tick: &(dyn Fn() + Sync),
+) -> TraceRow {
     let ops = dt.replay_ops();
     let peak_live = dt.peak_live_bytes();
     let tight_cap = tight_capacity(peak_live, base.granularity);
     let unl = unlimited_capacity(peak_live);
     let rows: Mutex<Vec<PolicyRow>> = Mutex::new(Vec::new());
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(policies.len()).max(1);
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(policies.len())
+        .max(1);
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&policy) = policies.get(i) else { break };
+                let Some(&policy) = policies.get(i) else {
+                    break;
+                };
                 let mut cfg = base.clone();
                 cfg.policy = policy;
                 let search = min_capacity(ops, peak_live, &cfg, unl);
@@ -204,7 +223,15 @@ pub fn gib(b: u64) -> String {
 /// The comparison table (plain text, aligned).
 pub fn table(rows: &[TraceRow]) -> String {
     let header = [
-        "trace", "dev", "peak live GiB", "policy", "min cap GiB", "overhead", "tight ok", "driver calls", "driver ms",
+        "trace",
+        "dev",
+        "peak live GiB",
+        "policy",
+        "min cap GiB",
+        "overhead",
+        "tight ok",
+        "driver calls",
+        "driver ms",
         "syncs",
     ];
     let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
@@ -216,26 +243,45 @@ pub fn table(rows: &[TraceRow]) -> String {
                 gib(t.peak_live),
                 p.policy.name().to_string(),
                 p.min_capacity.map_or("-".into(), gib),
-                p.overhead(t.peak_live).map_or("-".into(), |o| format!("{o:.3}")),
-                if p.tight.ok { "yes".into() } else { format!("no ({} ooms)", p.tight.ooms) },
+                p.overhead(t.peak_live)
+                    .map_or("-".into(), |o| format!("{o:.3}")),
+                if p.tight.ok {
+                    "yes".into()
+                } else {
+                    format!("no ({} ooms)", p.tight.ooms)
+                },
                 p.tight.memory_calls().to_string(),
                 format!("{:.1}", p.tight.modeled_driver_us / 1000.0),
                 p.tight.syncs.to_string(),
             ]);
         }
     }
-    let widths: Vec<usize> = (0..header.len()).map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
+        .collect();
     let mut out = String::new();
     for (n, l) in lines.iter().enumerate() {
         let cells: Vec<String> = l
             .iter()
             .enumerate()
-            .map(|(i, c)| if i <= 3 { format!("{c:<w$}", w = widths[i]) } else { format!("{c:>w$}", w = widths[i]) })
+            .map(|(i, c)| {
+                if i <= 3 {
+                    format!("{c:<w$}", w = widths[i])
+                } else {
+                    format!("{c:>w$}", w = widths[i])
+                }
+            })
             .collect();
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
         if n == 0 {
-            out.push_str(&widths.iter().map(|w| "-".repeat(*w)).collect::<Vec<_>>().join("  "));
+            out.push_str(
+                &widths
+                    .iter()
+                    .map(|w| "-".repeat(*w))
+                    .collect::<Vec<_>>()
+                    .join("  "),
+            );
             out.push('\n');
         }
     }
@@ -295,14 +341,21 @@ pub fn run(args: CompareArgs) -> Result<()> {
     let policies = parse_policies(&args.policies)?;
     let base = base_config(args.cost.as_deref(), args.granularity_mb)?;
     let traces = load_inputs(&args.inputs)?;
-    let total: u64 = traces.iter().map(|t| t.devices.len() as u64).sum::<u64>() * policies.len() as u64;
+    let total: u64 =
+        traces.iter().map(|t| t.devices.len() as u64).sum::<u64>() * policies.len() as u64;
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
-    bar.set_style(ProgressStyle::with_template("{elapsed:>4} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed:>4} [{bar:30}] {pos}/{len} {msg}")
+            .unwrap()
+            .progress_chars("=> "),
+    );
     let started = Instant::now();
     let shown = std::sync::atomic::AtomicBool::new(false);
     let tick = || {
         bar.inc(1);
-        if started.elapsed().as_secs_f64() > 1.0 && !shown.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        if started.elapsed().as_secs_f64() > 1.0
+            && !shown.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
             bar.set_draw_target(ProgressDrawTarget::stderr());
         }
     };
@@ -328,14 +381,18 @@ pub fn run(args: CompareArgs) -> Result<()> {
         }
     }
     if let Some(dir) = &args.out {
-        report::write(dir, &rows, &base).with_context(|| format!("writing the report to {}", dir.display()))?;
+        report::write(dir, &rows, &base)
+            .with_context(|| format!("writing the report to {}", dir.display()))?;
         if !json_to_stdout {
             println!("report written to {}", dir.join("report.md").display());
         }
     }
     for t in &rows {
         if t.warnings > 0 && !json_to_stdout {
-            eprintln!("note: {} device {}: {} reader warnings", t.name, t.device, t.warnings);
+            eprintln!(
+                "note: {} device {}: {} reader warnings",
+                t.name, t.device, t.warnings
+            );
         }
         for p in &t.policies {
             if let Some(e) = p.tight.error.as_ref().or(p.unlimited.error.as_ref()) {

@@ -1,12 +1,12 @@
 //! `vmmalloc`: the command-line front end (device info, trace replay and comparison, benchmarks).
 
-mod calibrate;
 mod bench_cmd;
+mod calibrate;
 mod compare;
 mod info;
 mod replay_cmd;
-mod workloads_cmd;
 mod report;
+mod workloads_cmd;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

@@ -31,9 +31,13 @@ pub struct ReplayArgs {
 /// Parses a size with an optional unit (B, K/KiB, M/MiB, G/GiB, T/TiB; decimal allowed).
 pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num.parse().map_err(|_| anyhow::anyhow!("`{s}` is not a size (e.g. 80GiB, 512MiB, 1048576)"))?;
+    let v: f64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("`{s}` is not a size (e.g. 80GiB, 512MiB, 1048576)"))?;
     let mult = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1u64,
         "k" | "kb" | "kib" => 1 << 10,
@@ -57,22 +61,58 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     let traces = load_inputs(std::slice::from_ref(&args.input))?;
     let mut any = false;
     for t in &traces {
-        for dt in t.devices.iter().filter(|d| args.device.is_none_or(|x| x == d.device())) {
+        for dt in t
+            .devices
+            .iter()
+            .filter(|d| args.device.is_none_or(|x| x == d.device()))
+        {
             any = true;
             let r = replay(dt.replay_ops(), &cfg);
-            println!("{} device {} — policy {} on a {} GiB simulated device", t.name, dt.device(), policy, gib(cfg.capacity));
+            println!(
+                "{} device {} — policy {} on a {} GiB simulated device",
+                t.name,
+                dt.device(),
+                policy,
+                gib(cfg.capacity)
+            );
             let rows: Vec<(&str, String)> = vec![
-                ("result", if r.ok { "ok".into() } else { format!("{} out-of-memory errors", r.ooms) }),
+                (
+                    "result",
+                    if r.ok {
+                        "ok".into()
+                    } else {
+                        format!("{} out-of-memory errors", r.ooms)
+                    },
+                ),
                 ("events", dt.events().len().to_string()),
                 ("ops replayed", r.ops.to_string()),
-                ("peak live (trace)", format!("{} GiB ({} bytes)", gib(dt.peak_live_bytes()), dt.peak_live_bytes())),
+                (
+                    "peak live (trace)",
+                    format!(
+                        "{} GiB ({} bytes)",
+                        gib(dt.peak_live_bytes()),
+                        dt.peak_live_bytes()
+                    ),
+                ),
                 ("peak live (replayed)", format!("{} GiB", gib(r.peak_live))),
                 ("peak reserved", format!("{} GiB", gib(r.peak_reserved))),
                 ("retries", r.retries.to_string()),
                 ("syncs", r.syncs.to_string()),
-                ("modeled driver time", format!("{:.3} ms", r.modeled_driver_us / 1000.0)),
-                ("replay CPU time", format!("{:.3} ms", r.cpu_time.as_secs_f64() * 1000.0)),
-                ("replay rate", format!("{:.2} M ops/s", r.ops as f64 / r.cpu_time.as_secs_f64().max(1e-9) / 1e6)),
+                (
+                    "modeled driver time",
+                    format!("{:.3} ms", r.modeled_driver_us / 1000.0),
+                ),
+                (
+                    "replay CPU time",
+                    format!("{:.3} ms", r.cpu_time.as_secs_f64() * 1000.0),
+                ),
+                (
+                    "replay rate",
+                    format!(
+                        "{:.2} M ops/s",
+                        r.ops as f64 / r.cpu_time.as_secs_f64().max(1e-9) / 1e6
+                    ),
+                ),
             ];
             for (k, v) in rows {
                 println!("  {k:<22} {v}");
@@ -85,7 +125,10 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 }
             }
             if let Some(m) = &r.oom_message {
-                println!("  first out-of-memory (event {}): {m}", r.first_oom.unwrap_or(0));
+                println!(
+                    "  first out-of-memory (event {}): {m}",
+                    r.first_oom.unwrap_or(0)
+                );
             }
             if let Some(e) = &r.error {
                 println!("  error: {e}");

@@ -8,17 +8,36 @@ use std::path::Path;
 use vmmalloc_device::GIB;
 use vmmalloc_trace::replay::ReplayConfig;
 
-const COLORS: [RGBColor; 4] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(255, 127, 14), RGBColor(44, 160, 44)];
+const COLORS: [RGBColor; 4] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+];
 
 /// A file-name-safe version of a trace name.
 pub fn slug(name: &str) -> String {
-    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect()
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
     let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
     root.fill(&WHITE)?;
-    let max_op = t.policies.iter().flat_map(|p| p.tight.timeline.last().map(|s| s.op)).max().unwrap_or(1).max(1);
+    let max_op = t
+        .policies
+        .iter()
+        .flat_map(|p| p.tight.timeline.last().map(|s| s.op))
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let max_y = t
         .policies
         .iter()
@@ -29,18 +48,30 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
         / GIB as f64;
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            format!("{} (device {}): memory over time at {} GiB (1.05 x peak live)", t.name, t.device, gib(t.tight_capacity)),
+            format!(
+                "{} (device {}): memory over time at {} GiB (1.05 x peak live)",
+                t.name,
+                t.device,
+                gib(t.tight_capacity)
+            ),
             ("sans-serif", 16),
         )
         .margin(10)
         .x_label_area_size(35)
         .y_label_area_size(55)
         .build_cartesian_2d(0f64..max_op as f64, 0f64..max_y * 1.08)?;
-    chart.configure_mesh().x_desc("event").y_desc("GiB").draw()?;
+    chart
+        .configure_mesh()
+        .x_desc("event")
+        .y_desc("GiB")
+        .draw()?;
     if let Some(p) = t.policies.first() {
         chart
             .draw_series(LineSeries::new(
-                p.tight.timeline.iter().map(|s| (s.op as f64, s.live as f64 / GIB as f64)),
+                p.tight
+                    .timeline
+                    .iter()
+                    .map(|s| (s.op as f64, s.live as f64 / GIB as f64)),
                 BLACK.stroke_width(2),
             ))?
             .label("live (requested)")
@@ -50,20 +81,37 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
         let color = COLORS[i % COLORS.len()];
         chart
             .draw_series(LineSeries::new(
-                p.tight.timeline.iter().map(|s| (s.op as f64, s.reserved as f64 / GIB as f64)),
+                p.tight
+                    .timeline
+                    .iter()
+                    .map(|s| (s.op as f64, s.reserved as f64 / GIB as f64)),
                 color.stroke_width(1),
             ))?
-            .label(format!("{} reserved{}", p.policy, if p.tight.ok { "" } else { " (OOM)" }))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .label(format!(
+                "{} reserved{}",
+                p.policy,
+                if p.tight.ok { "" } else { " (OOM)" }
+            ))
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
     }
     chart
         .draw_series(std::iter::once(PathElement::new(
-            vec![(0.0, t.tight_capacity as f64 / GIB as f64), (max_op as f64, t.tight_capacity as f64 / GIB as f64)],
+            vec![
+                (0.0, t.tight_capacity as f64 / GIB as f64),
+                (max_op as f64, t.tight_capacity as f64 / GIB as f64),
+            ],
             RGBColor(120, 120, 120).stroke_width(1),
         )))?
         .label("capacity")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RGBColor(120, 120, 120)));
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::LowerRight).draw()?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()?;
     root.present()?;
     Ok(())
 }
@@ -71,19 +119,31 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
 fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
     let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
     root.fill(&WHITE)?;
-    let policies: Vec<_> = rows.first().map(|t| t.policies.iter().map(|p| p.policy).collect()).unwrap_or_default();
+    let policies: Vec<_> = rows
+        .first()
+        .map(|t| t.policies.iter().map(|p| p.policy).collect())
+        .unwrap_or_default();
     let n_p = policies.len().max(1);
     let max_o = rows
         .iter()
         .flat_map(|t| t.policies.iter().filter_map(|p| p.overhead(t.peak_live)))
         .fold(1.0f64, f64::max);
     let mut chart = ChartBuilder::on(&root)
-        .caption("overhead = min capacity / peak live (1.00 is perfect)", ("sans-serif", 16))
+        .caption(
+            "overhead = min capacity / peak live (1.00 is perfect)",
+            ("sans-serif", 16),
+        )
         .margin(10)
         .x_label_area_size(35)
         .y_label_area_size(50)
-        .build_cartesian_2d(0f64..rows.len().max(1) as f64, 0.9f64..(max_o * 1.05).max(1.1))?;
-    let names: Vec<String> = rows.iter().map(|t| format!("{} d{}", t.name, t.device)).collect();
+        .build_cartesian_2d(
+            0f64..rows.len().max(1) as f64,
+            0.9f64..(max_o * 1.05).max(1.1),
+        )?;
+    let names: Vec<String> = rows
+        .iter()
+        .map(|t| format!("{} d{}", t.name, t.device))
+        .collect();
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -103,14 +163,26 @@ fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
         let w = 0.8 / n_p as f64;
         chart
             .draw_series(rows.iter().enumerate().filter_map(|(ti, t)| {
-                let o = t.policies.iter().find(|p| p.policy == *policy)?.overhead(t.peak_live)?;
+                let o = t
+                    .policies
+                    .iter()
+                    .find(|p| p.policy == *policy)?
+                    .overhead(t.peak_live)?;
                 let x0 = ti as f64 + 0.1 + pi as f64 * w;
-                Some(Rectangle::new([(x0, 0.9), (x0 + w * 0.9, o)], color.filled()))
+                Some(Rectangle::new(
+                    [(x0, 0.9), (x0 + w * 0.9, o)],
+                    color.filled(),
+                ))
             }))?
             .label(policy.name())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw()?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()?;
     root.present()?;
     Ok(())
 }
@@ -170,8 +242,13 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
                 "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {:.1} |",
                 p.policy,
                 p.min_capacity.map_or("-".into(), gib),
-                p.overhead(t.peak_live).map_or("-".into(), |o| format!("{o:.3}")),
-                if p.tight.ok { "yes".to_string() } else { format!("no ({} ooms)", p.tight.ooms) },
+                p.overhead(t.peak_live)
+                    .map_or("-".into(), |o| format!("{o:.3}")),
+                if p.tight.ok {
+                    "yes".to_string()
+                } else {
+                    format!("no ({} ooms)", p.tight.ooms)
+                },
                 gib(p.unlimited.peak_reserved),
                 p.tight.memory_calls(),
                 p.tight.modeled_driver_us / 1000.0,

@@ -11,6 +11,8 @@ pub fn run() -> Result<()> {
         }
         println!();
     }
-    println!("Override parameters on the command line: `vmmalloc compare train-varlen:seed=3,steps=20`.");
+    println!(
+        "Override parameters on the command line: `vmmalloc compare train-varlen:seed=3,steps=20`."
+    );
     Ok(())
 }

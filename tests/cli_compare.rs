@@ -43,17 +43,37 @@ fn compare_json_matches_the_schema() {
     let dir = tmpdir("json");
     let trace = small_trace(&dir);
     let out = bin()
-        .args(["compare", trace.to_str().unwrap(), "--policies", "expandable,caching,torch-es,native", "--json", "-"])
+        .args([
+            "compare",
+            trace.to_str().unwrap(),
+            "--policies",
+            "expandable,caching,torch-es,native",
+            "--json",
+            "-",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_slice(&out.stdout).expect("stdout is exactly the JSON document");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is exactly the JSON document");
     assert_eq!(v["version"], 1);
     let traces = v["traces"].as_array().unwrap();
     assert_eq!(traces.len(), 1);
     let t = &traces[0];
     let keys: Vec<&str> = t.as_object().unwrap().keys().map(|k| k.as_str()).collect();
-    let mut expected = vec!["name", "device", "events", "allocs", "pre_trace_live_bytes", "peak_live_bytes", "policies"];
+    let mut expected = vec![
+        "name",
+        "device",
+        "events",
+        "allocs",
+        "pre_trace_live_bytes",
+        "peak_live_bytes",
+        "policies",
+    ];
     expected.sort();
     let mut got = keys.clone();
     got.sort();
@@ -66,23 +86,49 @@ fn compare_json_matches_the_schema() {
     for (name, p) in pols {
         let mut k: Vec<&String> = p.as_object().unwrap().keys().collect();
         k.sort();
-        assert_eq!(k, ["min_capacity_bytes", "overhead", "tight", "unlimited"], "{name}");
+        assert_eq!(
+            k,
+            ["min_capacity_bytes", "overhead", "tight", "unlimited"],
+            "{name}"
+        );
         let mut tk: Vec<&String> = p["tight"].as_object().unwrap().keys().collect();
         tk.sort();
-        assert_eq!(tk, ["capacity_bytes", "driver_calls", "modeled_driver_us", "ok", "ooms", "retries", "syncs"], "{name}");
+        assert_eq!(
+            tk,
+            [
+                "capacity_bytes",
+                "driver_calls",
+                "modeled_driver_us",
+                "ok",
+                "ooms",
+                "retries",
+                "syncs"
+            ],
+            "{name}"
+        );
         let mut uk: Vec<&String> = p["unlimited"].as_object().unwrap().keys().collect();
         uk.sort();
-        assert_eq!(uk, ["driver_calls", "modeled_driver_us", "peak_reserved_bytes"], "{name}");
+        assert_eq!(
+            uk,
+            ["driver_calls", "modeled_driver_us", "peak_reserved_bytes"],
+            "{name}"
+        );
         let peak = t["peak_live_bytes"].as_u64().unwrap();
         let tight = p["tight"]["capacity_bytes"].as_u64().unwrap();
         assert_eq!(tight % (2 << 20), 0);
-        assert!(tight as f64 >= peak as f64 * 1.05 && (tight as f64) < peak as f64 * 1.05 + (2u64 << 20) as f64);
+        assert!(
+            tight as f64 >= peak as f64 * 1.05
+                && (tight as f64) < peak as f64 * 1.05 + (2u64 << 20) as f64
+        );
         if let Some(min) = p["min_capacity_bytes"].as_u64() {
             assert!(min >= peak, "{name}: min capacity below peak live");
             let o = p["overhead"].as_f64().unwrap();
             assert!((o - min as f64 / peak as f64).abs() < 1e-9);
         }
-        assert!(p["unlimited"]["peak_reserved_bytes"].as_u64().unwrap() >= peak, "{name}");
+        assert!(
+            p["unlimited"]["peak_reserved_bytes"].as_u64().unwrap() >= peak,
+            "{name}"
+        );
     }
     // native makes one alloc per request: its overhead is exactly the rounding.
     assert!(pols["native"]["overhead"].as_f64().unwrap() < 1.02);
@@ -94,12 +140,26 @@ fn compare_writes_report_and_plots() {
     let trace = small_trace(&dir);
     let out_dir = dir.join("out");
     let out = bin()
-        .args(["compare", trace.to_str().unwrap(), "--policies", "native,expandable", "--out", out_dir.to_str().unwrap()])
+        .args([
+            "compare",
+            trace.to_str().unwrap(),
+            "--policies",
+            "native,expandable",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let table = String::from_utf8_lossy(&out.stdout);
-    assert!(table.contains("overhead") && table.contains("native") && table.contains("small"), "{table}");
+    assert!(
+        table.contains("overhead") && table.contains("native") && table.contains("small"),
+        "{table}"
+    );
     let md = std::fs::read_to_string(out_dir.join("report.md")).unwrap();
     assert!(md.contains("| native |") && md.contains("overhead.svg"));
     for f in ["overhead.svg", "memory-small-d0.svg"] {
@@ -115,14 +175,31 @@ fn replay_prints_stats_and_reports_oom() {
     let dir = tmpdir("replay");
     let trace = small_trace(&dir);
     let ok = bin()
-        .args(["replay", trace.to_str().unwrap(), "--policy", "native", "--capacity", "4GiB"])
+        .args([
+            "replay",
+            trace.to_str().unwrap(),
+            "--policy",
+            "native",
+            "--capacity",
+            "4GiB",
+        ])
         .output()
         .unwrap();
     assert!(ok.status.success());
     let text = String::from_utf8_lossy(&ok.stdout);
-    assert!(text.contains("result") && text.contains("ok") && text.contains("cuMemAlloc_v2"), "{text}");
+    assert!(
+        text.contains("result") && text.contains("ok") && text.contains("cuMemAlloc_v2"),
+        "{text}"
+    );
     let tight = bin()
-        .args(["replay", trace.to_str().unwrap(), "--policy", "native", "--capacity", "16MiB"])
+        .args([
+            "replay",
+            trace.to_str().unwrap(),
+            "--policy",
+            "native",
+            "--capacity",
+            "16MiB",
+        ])
         .output()
         .unwrap();
     assert!(tight.status.success());

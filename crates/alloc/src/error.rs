@@ -80,7 +80,13 @@ impl fmt::Display for OomReport {
             format_bytes(self.largest_free),
         )?;
         for s in &self.per_stream {
-            write!(f, " [{}: live {}, cached {}]", s.stream, format_bytes(s.live), format_bytes(s.cached))?;
+            write!(
+                f,
+                " [{}: live {}, cached {}]",
+                s.stream,
+                format_bytes(s.live),
+                format_bytes(s.cached)
+            )?;
         }
         if !self.hint.is_empty() {
             write!(f, " {}", self.hint)?;

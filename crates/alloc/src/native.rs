@@ -1,13 +1,14 @@
 //! `native`: one device allocation per request, freed at once — the lower
 //! bound on memory and the upper bound on driver cost.
 
+use crate::caching::IntMap;
 use crate::stats::StatType;
 use crate::{
-    AllocError, AllocResult, Allocation, Allocator, BlockInfo, BlockState, OomReport, SegmentInfo, Snapshot, Stats,
-    StreamUsage,
+    AllocError, AllocResult, Allocation, Allocator, BlockInfo, BlockState, OomReport, SegmentInfo,
+    Snapshot, Stats, StreamUsage,
 };
 use parking_lot::Mutex;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use vmmalloc_device::{Device, Stream};
 
 struct Live {
@@ -16,7 +17,8 @@ struct Live {
 }
 
 struct State {
-    live: BTreeMap<u64, Live>,
+    /// Live allocations by address (unordered: sort for address order).
+    live: IntMap<u64, Live>,
     stats: Stats,
     /// Bytes charged per live allocation, as the device charges plain allocations.
     held: u64,
@@ -35,7 +37,7 @@ impl<D: Device> NativeAllocator<D> {
         Ok(NativeAllocator {
             device,
             state: Mutex::new(State {
-                live: BTreeMap::new(),
+                live: IntMap::default(),
                 stats: Stats {
                     max_split_size: i64::MAX,
                     ..Stats::default()
@@ -50,6 +52,13 @@ impl<D: Device> NativeAllocator<D> {
         vmmalloc_device::round_up(size, vmmalloc_device::model::PLAIN_ALLOC_UNIT)
     }
 
+    /// The live allocations in address order.
+    fn sorted(st: &State) -> Vec<(u64, &Live)> {
+        let mut v: Vec<(u64, &Live)> = st.live.iter().map(|(&p, l)| (p, l)).collect();
+        v.sort_unstable_by_key(|e| e.0);
+        v
+    }
+
     fn oom(&self, st: &State, size: u64, device_free: u64) -> AllocError {
         let mut per: HashMap<Stream, u64> = HashMap::new();
         for l in st.live.values() {
@@ -57,7 +66,11 @@ impl<D: Device> NativeAllocator<D> {
         }
         let mut per_stream: Vec<StreamUsage> = per
             .into_iter()
-            .map(|(stream, live)| StreamUsage { stream, live, cached: 0 })
+            .map(|(stream, live)| StreamUsage {
+                stream,
+                live,
+                cached: 0,
+            })
             .collect();
         per_stream.sort_by_key(|s| s.stream);
         let total = self.device.caps().total_memory;
@@ -121,7 +134,13 @@ impl<D: Device> Allocator for NativeAllocator<D> {
         s.active_bytes.update(pool, charged as i64);
         s.requested_bytes.update(pool, size as i64);
         st.held += charged;
-        st.live.insert(ptr, Live { requested: size, stream });
+        st.live.insert(
+            ptr,
+            Live {
+                requested: size,
+                stream,
+            },
+        );
         Ok(Allocation {
             ptr,
             requested: size,
@@ -188,16 +207,19 @@ impl<D: Device> Allocator for NativeAllocator<D> {
 
     fn snapshot(&self) -> Snapshot {
         let st = self.state.lock();
-        let segments = st
-            .live
-            .iter()
-            .map(|(&ptr, l)| {
+        let segments = Self::sorted(&st)
+            .into_iter()
+            .map(|(ptr, l)| {
                 let size = Self::charge(l.requested);
                 SegmentInfo {
                     address: ptr,
                     total_size: size,
                     stream: l.stream,
-                    segment_type: if l.requested <= 1 << 20 { "small" } else { "large" },
+                    segment_type: if l.requested <= 1 << 20 {
+                        "small"
+                    } else {
+                        "large"
+                    },
                     allocated_size: size,
                     active_size: size,
                     requested_size: l.requested,
@@ -224,7 +246,7 @@ impl<D: Device> Allocator for NativeAllocator<D> {
         let mut end = 0;
         let mut held = 0;
         let mut requested = 0;
-        for (&p, l) in &st.live {
+        for (p, l) in Self::sorted(&st) {
             if p < end {
                 return Err(format!("allocation {p:#x} overlaps the previous one"));
             }
@@ -268,7 +290,7 @@ impl<D: Device> Drop for NativeAllocator<D> {
     /// Gives every live allocation back to the device (errors are logged, not raised).
     fn drop(&mut self) {
         let st = self.state.get_mut();
-        for (&ptr, _) in st.live.iter() {
+        for (ptr, _) in Self::sorted(st) {
             if let Err(e) = self.device.free(ptr) {
                 eprintln!("vmmalloc: native: freeing {ptr:#x} on drop failed: {e}");
             }
@@ -291,7 +313,10 @@ mod tests {
         let x = a.malloc(3 * MIB + 1, Stream::DEFAULT).unwrap();
         let y = a.malloc(100, Stream::DEFAULT).unwrap();
         a.validate().unwrap();
-        assert_eq!(a.stats().allocated_bytes.all().current as u64, 3 * MIB + 512 + 512);
+        assert_eq!(
+            a.stats().allocated_bytes.all().current as u64,
+            3 * MIB + 512 + 512
+        );
         a.free(x.ptr).unwrap();
         assert!(a.free(x.ptr).is_err(), "double free is reported");
         a.free(y.ptr).unwrap();

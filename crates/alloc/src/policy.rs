@@ -21,7 +21,12 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy, ours first.
-    pub const ALL: [Policy; 4] = [Policy::Expandable, Policy::Caching, Policy::TorchEs, Policy::Native];
+    pub const ALL: [Policy; 4] = [
+        Policy::Expandable,
+        Policy::Caching,
+        Policy::TorchEs,
+        Policy::Native,
+    ];
 
     /// The policy's name as used on the command line and in VMMALLOC_CONF.
     pub fn name(self) -> &'static str {
@@ -43,12 +48,16 @@ impl fmt::Display for Policy {
 impl FromStr for Policy {
     type Err = AllocError;
     fn from_str(s: &str) -> AllocResult<Policy> {
-        Policy::ALL.iter().copied().find(|p| p.name() == s).ok_or_else(|| {
-            AllocError::InvalidOption(format!(
-                "unknown policy `{s}`; valid policies: {}",
-                Policy::ALL.map(Policy::name).join(", ")
-            ))
-        })
+        Policy::ALL
+            .iter()
+            .copied()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                AllocError::InvalidOption(format!(
+                    "unknown policy `{s}`; valid policies: {}",
+                    Policy::ALL.map(Policy::name).join(", ")
+                ))
+            })
     }
 }
 
@@ -62,11 +71,24 @@ pub struct PolicyOptions {
 }
 
 /// Builds a policy over a device.
-pub fn build(policy: Policy, device: Arc<dyn Device>, options: &PolicyOptions) -> AllocResult<Box<dyn Allocator>> {
+pub fn build(
+    policy: Policy,
+    device: Arc<dyn Device>,
+    options: &PolicyOptions,
+) -> AllocResult<Box<dyn Allocator>> {
     Ok(match policy {
-        Policy::Expandable => Box::new(crate::expandable::ExpandableAllocator::new(device, options.expandable.clone())?),
-        Policy::Caching => Box::new(crate::caching::CachingAllocator::new(device, options.caching.clone())?),
-        Policy::TorchEs => Box::new(crate::torch_es::TorchEsAllocator::new(device, options.caching.clone())?),
+        Policy::Expandable => Box::new(crate::expandable::ExpandableAllocator::new(
+            device,
+            options.expandable.clone(),
+        )?),
+        Policy::Caching => Box::new(crate::caching::CachingAllocator::new(
+            device,
+            options.caching.clone(),
+        )?),
+        Policy::TorchEs => Box::new(crate::torch_es::TorchEsAllocator::new(
+            device,
+            options.caching.clone(),
+        )?),
         Policy::Native => Box::new(crate::native::NativeAllocator::new(device)?),
     })
 }

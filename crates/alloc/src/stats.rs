@@ -180,19 +180,32 @@ impl Stats {
                 put(&mut m, format!("{name}.{t}"), &arr.0[i]);
             }
         }
-        put(&mut m, "oversize_allocations".into(), &self.oversize_allocations);
+        put(
+            &mut m,
+            "oversize_allocations".into(),
+            &self.oversize_allocations,
+        );
         put(&mut m, "oversize_segments".into(), &self.oversize_segments);
         m.insert("num_alloc_retries".into(), self.num_alloc_retries as i64);
         m.insert("num_ooms".into(), self.num_ooms as i64);
-        m.insert("num_sync_all_streams".into(), self.num_sync_all_streams as i64);
+        m.insert(
+            "num_sync_all_streams".into(),
+            self.num_sync_all_streams as i64,
+        );
         m.insert("num_device_alloc".into(), self.num_device_alloc as i64);
         m.insert("num_device_free".into(), self.num_device_free as i64);
         m.insert("max_split_size".into(), self.max_split_size);
         m.insert("vmmalloc.pages_mapped".into(), self.pages_mapped as i64);
         m.insert("vmmalloc.pages_pooled".into(), self.pages_pooled as i64);
         m.insert("vmmalloc.reclaims".into(), self.reclaims as i64);
-        m.insert("vmmalloc.reclaimed_bytes".into(), self.reclaimed_bytes as i64);
-        m.insert("vmmalloc.num_stream_syncs".into(), self.num_stream_syncs as i64);
+        m.insert(
+            "vmmalloc.reclaimed_bytes".into(),
+            self.reclaimed_bytes as i64,
+        );
+        m.insert(
+            "vmmalloc.num_stream_syncs".into(),
+            self.num_stream_syncs as i64,
+        );
         for (name, n) in self.driver_calls.nonzero() {
             m.insert(format!("vmmalloc.driver_calls.{name}"), n as i64);
         }
@@ -223,9 +236,19 @@ mod tests {
         assert_eq!(m["allocated_bytes.all.current"], 100);
         assert_eq!(m["allocated_bytes.large_pool.peak"], 100);
         assert_eq!(m["allocated_bytes.small_pool.current"], 0);
-        for k in ["reserved_bytes.all.freed", "num_alloc_retries", "num_ooms", "num_sync_all_streams",
-                  "num_device_alloc", "num_device_free", "inactive_split_bytes.all.peak", "requested_bytes.all.allocated",
-                  "segment.all.current", "allocation.all.current", "active_bytes.all.current"] {
+        for k in [
+            "reserved_bytes.all.freed",
+            "num_alloc_retries",
+            "num_ooms",
+            "num_sync_all_streams",
+            "num_device_alloc",
+            "num_device_free",
+            "inactive_split_bytes.all.peak",
+            "requested_bytes.all.allocated",
+            "segment.all.current",
+            "allocation.all.current",
+            "active_bytes.all.current",
+        ] {
             assert!(m.contains_key(k), "{k}");
         }
     }

@@ -6,8 +6,8 @@
 //! needs handle sizes.
 
 use crate::{
-    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, Introspect, MemInfo, PhysHandle,
-    Stream,
+    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, Introspect, MemInfo,
+    PhysHandle, Stream,
 };
 use parking_lot::Mutex;
 use rand::{Rng, SeedableRng};
@@ -48,7 +48,12 @@ impl<D: Device, H: CallHook> Hooked<D, H> {
     pub fn hook(&self) -> &H {
         &self.hook
     }
-    fn run<T>(&self, call: Call, bytes: u64, f: impl FnOnce(&D) -> DeviceResult<T>) -> DeviceResult<T> {
+    fn run<T>(
+        &self,
+        call: Call,
+        bytes: u64,
+        f: impl FnOnce(&D) -> DeviceResult<T>,
+    ) -> DeviceResult<T> {
         self.hook.before(call, bytes)?;
         let r = f(&self.inner);
         self.hook.after(call, bytes, r.as_ref().map(|_| ()));
@@ -97,7 +102,9 @@ impl<D: Device, H: CallHook> Device for Hooked<D, H> {
         self.run(Call::Import, 0, |d| d.import_fd(fd))
     }
     fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
-        self.run(Call::CopyHtoD, src.len() as u64, |d| d.copy_to_device(dst, src))
+        self.run(Call::CopyHtoD, src.len() as u64, |d| {
+            d.copy_to_device(dst, src)
+        })
     }
     fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
         let n = dst.len() as u64;
@@ -228,8 +235,14 @@ impl CallHook for FaultInjector {
     fn before(&self, call: Call, bytes: u64) -> DeviceResult<()> {
         let n = self.seen[call.index()].fetch_add(1, Ordering::Relaxed) + 1;
         let fail = match &*self.plan.lock() {
-            FaultPlan::Nth { call: c, n: at, kind } if *c == call && *at == n => Some(*kind),
-            FaultPlan::Random { calls, p, kind, .. } if calls.is_empty() || calls.contains(&call) => {
+            FaultPlan::Nth {
+                call: c,
+                n: at,
+                kind,
+            } if *c == call && *at == n => Some(*kind),
+            FaultPlan::Random { calls, p, kind, .. }
+                if calls.is_empty() || calls.contains(&call) =>
+            {
                 self.rng.lock().gen_bool(p.clamp(0.0, 1.0)).then_some(*kind)
             }
             _ => None,
@@ -299,7 +312,10 @@ impl CallLog {
     }
     /// The calls logged so far (empty unless created with [`CallLog::logging`]).
     pub fn entries(&self) -> Vec<LoggedCall> {
-        self.log.as_ref().map(|l| l.lock().clone()).unwrap_or_default()
+        self.log
+            .as_ref()
+            .map(|l| l.lock().clone())
+            .unwrap_or_default()
     }
     /// The log as CSV (`call,bytes,ok`), in the spirit of RMM's logging adaptor.
     pub fn to_csv(&self) -> String {
@@ -593,7 +609,12 @@ mod tests {
         for _ in 0..6 {
             results.push(dev.create(2 * MIB));
         }
-        let failed: Vec<usize> = results.iter().enumerate().filter(|r| r.1.is_err()).map(|r| r.0).collect();
+        let failed: Vec<usize> = results
+            .iter()
+            .enumerate()
+            .filter(|r| r.1.is_err())
+            .map(|r| r.0)
+            .collect();
         assert_eq!(failed, vec![2]);
         assert_eq!(results[2].as_ref().unwrap_err().cuda_code(), 999);
         assert_eq!(dev.hook().injected(), 1);
@@ -614,7 +635,9 @@ mod tests {
                     kind: FaultKind::OutOfMemory,
                 },
             );
-            (0..100).map(|_| dev.create(2 * MIB).is_ok()).collect::<Vec<_>>()
+            (0..100)
+                .map(|_| dev.create(2 * MIB).is_ok())
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
@@ -673,4 +696,3 @@ mod tests {
         crate::conformance::run_all(&dev).unwrap();
     }
 }
-

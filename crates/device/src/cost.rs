@@ -58,7 +58,9 @@ impl CostModel {
         match call {
             Call::Reserve => self.reserve_us,
             Call::AddressFree => self.address_free_us,
-            Call::Create => self.create_2mib_us * (bytes.max(1) as f64 / (2u64 << 20) as f64).max(1.0),
+            Call::Create => {
+                self.create_2mib_us * (bytes.max(1) as f64 / (2u64 << 20) as f64).max(1.0)
+            }
             Call::Map => self.map_us,
             Call::SetAccess => self.set_access_us,
             Call::Unmap => self.unmap_us,
@@ -72,14 +74,25 @@ impl CostModel {
 
     /// The names accepted by [`CostModel::set`].
     pub const KEYS: [&'static str; 11] = [
-        "reserve", "address_free", "create", "map", "set_access", "unmap", "release", "alloc", "free",
-        "sync", "other",
+        "reserve",
+        "address_free",
+        "create",
+        "map",
+        "set_access",
+        "unmap",
+        "release",
+        "alloc",
+        "free",
+        "sync",
+        "other",
     ];
 
     /// Sets one cost by key (see [`CostModel::KEYS`]).
     pub fn set(&mut self, key: &str, us: f64) -> Result<(), String> {
         if !(us.is_finite() && us >= 0.0) {
-            return Err(format!("cost for `{key}` must be a non-negative number of microseconds, got {us}"));
+            return Err(format!(
+                "cost for `{key}` must be a non-negative number of microseconds, got {us}"
+            ));
         }
         let slot = match key {
             "reserve" => &mut self.reserve_us,
@@ -149,7 +162,10 @@ mod tests {
         c.parse_overrides("create=40, map=2").unwrap();
         assert_eq!(c.create_2mib_us, 40.0);
         assert_eq!(c.map_us, 2.0);
-        assert!(c.parse_overrides("bogus=1").unwrap_err().contains("valid keys"));
+        assert!(c
+            .parse_overrides("bogus=1")
+            .unwrap_err()
+            .contains("valid keys"));
         assert!(c.parse_overrides("map=-1").is_err());
         assert!(c.parse_overrides("map").is_err());
     }

@@ -516,7 +516,9 @@ impl CudaDevice {
 
     fn check_stream(&self, call: Call, stream: Stream) -> DeviceResult<()> {
         if stream == Stream::DEFAULT
-            || self.external_streams.load(std::sync::atomic::Ordering::Relaxed)
+            || self
+                .external_streams
+                .load(std::sync::atomic::Ordering::Relaxed)
             || self.streams.lock().contains(&stream.0)
         {
             Ok(())

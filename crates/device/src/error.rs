@@ -58,7 +58,9 @@ impl Rule {
         match self {
             Rule::Misaligned => "not a multiple of the allocation granularity",
             Rule::ZeroSize => "size must be positive",
-            Rule::PartialHandleMap => "a mapping must cover a whole handle (offset 0, its full size)",
+            Rule::PartialHandleMap => {
+                "a mapping must cover a whole handle (offset 0, its full size)"
+            }
             Rule::OutsideReservation => "range is not inside one reservation",
             Rule::AlreadyMapped => "range is already mapped",
             Rule::NotMapped => "range is not fully mapped",

@@ -56,7 +56,9 @@ pub const GIB: u64 = 1 << 30;
 
 /// A stream: an ordered queue of device work. `Stream(0)` is the default
 /// (legacy) stream; on the `cuda` backend the value is the raw `CUstream`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
 pub struct Stream(pub u64);
 
 impl Stream {
@@ -287,7 +289,11 @@ impl CallCounts {
     }
     /// Sum of synchronizations (stream, device, event).
     pub fn syncs(&self) -> u64 {
-        Call::ALL.iter().filter(|c| c.is_sync()).map(|c| self.get(*c)).sum()
+        Call::ALL
+            .iter()
+            .filter(|c| c.is_sync())
+            .map(|c| self.get(*c))
+            .sum()
     }
     /// Non-zero counts as `(name, count)`, in [`Call::ALL`] order.
     pub fn nonzero(&self) -> Vec<(&'static str, u64)> {

@@ -17,7 +17,9 @@
 //!   <= `capacity`.
 
 use crate::{round_up, Call, DeviceError, DeviceResult, PhysHandle, Rule};
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 /// Where the `sim` device places virtual addresses (like a GPU's VA window).
 pub const VA_BASE: u64 = 0x7000_0000_0000;
@@ -39,6 +41,32 @@ struct Allocation {
     /// Live handles naming this allocation + mappings of it.
     refs: u32,
 }
+
+/// A hasher for the models' integer ids and addresses (FxHash's multiply, then
+/// the well-mixed high bits brought down, since hashbrown buckets by the low
+/// bits and addresses have many low zero bits). Keys are never attacker-chosen.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0.rotate_left(26)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+}
+
+/// A hash map keyed by ids or addresses.
+pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
 /// A count of the model's live objects, to prove that nothing leaked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,12 +101,26 @@ pub struct AddressSpace {
     /// start -> mapping
     mappings: BTreeMap<u64, Mapping>,
     /// handle id -> allocation id
-    handles: HashMap<u64, u64>,
+    handles: IdMap<u64, u64>,
     /// allocation id -> allocation
-    allocations: HashMap<u64, Allocation>,
+    allocations: IdMap<u64, Allocation>,
     /// plain allocation address -> (size, charged bytes)
-    plain: BTreeMap<u64, (u64, u64)>,
-    /// Every occupied virtual range (reservations and plain allocations): start -> length.
+    plain: IdMap<u64, (u64, u64)>,
+    /// The plain allocations' addresses in order, for [`AddressSpace::check_accessible`];
+    /// `None` after a plain allocation changed (rebuilt on demand: `cuMemAlloc` and
+    /// `cuMemFree` stay O(1), accessibility checks are rare).
+    plain_order: RefCell<Option<Vec<u64>>>,
+    /// The free gaps of the VA window `[VA_BASE, VA_END)` between the occupied
+    /// virtual ranges (reservations and plain allocations, the latter rounded up
+    /// to the granularity), while those ranges are disjoint and inside the
+    /// window, as they always are on `sim`: first fit in O(log n).
+    /// `None` once a backend recorded a range outside the window or overlapping
+    /// another (possible through the public methods, e.g. on `host`); from then
+    /// on `va` lists the occupied ranges and [`AddressSpace::find_free_va`]
+    /// scans it.
+    gaps: Option<gaps::Gaps>,
+    /// Every occupied virtual range (reservations and plain allocations):
+    /// start -> length. Only kept while `gaps` is `None`.
     va: BTreeMap<u64, u64>,
     physical_used: u64,
     next_id: u64,
@@ -88,15 +130,20 @@ impl AddressSpace {
     /// A model of a device with `capacity` bytes of physical memory and the given
     /// allocation granularity (a power of two).
     pub fn new(capacity: u64, granularity: u64) -> Self {
-        assert!(granularity.is_power_of_two(), "granularity must be a power of two");
+        assert!(
+            granularity.is_power_of_two(),
+            "granularity must be a power of two"
+        );
         AddressSpace {
             granularity,
             capacity,
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
-            handles: HashMap::new(),
-            allocations: HashMap::new(),
-            plain: BTreeMap::new(),
+            handles: IdMap::default(),
+            allocations: IdMap::default(),
+            plain: IdMap::default(),
+            plain_order: RefCell::new(None),
+            gaps: Some(gaps::Gaps::new(VA_BASE, VA_END)),
             va: BTreeMap::new(),
             physical_used: 0,
             next_id: 1,
@@ -139,7 +186,10 @@ impl AddressSpace {
             return Err(DeviceError::rule(
                 call,
                 Rule::Misaligned,
-                format!("{what} {value:#x} is not a multiple of the granularity {:#x}", self.granularity),
+                format!(
+                    "{what} {value:#x} is not a multiple of the granularity {:#x}",
+                    self.granularity
+                ),
             ));
         }
         Ok(())
@@ -192,6 +242,29 @@ impl AddressSpace {
     pub fn find_free_va(&self, size: u64, align: u64) -> DeviceResult<u64> {
         self.check_reserve(size, align)?;
         let align = if align == 0 { self.granularity } else { align };
+        if let Some(gaps) = &self.gaps {
+            // The lowest gap where the aligned range fits; the last gap (if it
+            // ends at VA_END) is the space after every occupied range.
+            let mut after = None;
+            while let Some((start, end)) = gaps.first_fit(after, size) {
+                let candidate = round_up(start, align);
+                if candidate.checked_add(size).is_some_and(|e| e <= end) {
+                    return Ok(candidate);
+                }
+                after = Some(start);
+            }
+            let tail = match gaps.last() {
+                Some((start, end)) if end == VA_END => start,
+                _ => VA_END,
+            };
+            let candidate = round_up(tail, align);
+            return Err(DeviceError::OutOfMemory {
+                call: Call::Reserve,
+                requested: size,
+                free: VA_END.saturating_sub(candidate),
+                total: VA_END - VA_BASE,
+            });
+        }
         let mut cursor = VA_BASE;
         for (&start, &len) in &self.va {
             let candidate = round_up(cursor, align);
@@ -217,14 +290,62 @@ impl AddressSpace {
         self.check_reserve(size, align)?;
         self.aligned(Call::Reserve, "address", addr)?;
         if align != 0 && !addr.is_multiple_of(align) {
-            return Err(DeviceError::rule(Call::Reserve, Rule::Misaligned, "address not aligned as requested"));
+            return Err(DeviceError::rule(
+                Call::Reserve,
+                Rule::Misaligned,
+                "address not aligned as requested",
+            ));
         }
         if self.overlapping_reservation(addr, size).is_some() {
-            return Err(DeviceError::rule(Call::Reserve, Rule::AlreadyMapped, "range overlaps a reservation"));
+            return Err(DeviceError::rule(
+                Call::Reserve,
+                Rule::AlreadyMapped,
+                "range overlaps a reservation",
+            ));
         }
         self.reservations.insert(addr, size);
-        self.va.insert(addr, size);
+        self.va_insert(addr, size);
         Ok(())
+    }
+
+    /// Marks `[start, start+len)` occupied in the VA index.
+    fn va_insert(&mut self, start: u64, len: u64) {
+        if let Some(gaps) = &mut self.gaps {
+            let end = start
+                .checked_add(len)
+                .filter(|&e| start >= VA_BASE && e <= VA_END);
+            if end.is_some_and(|end| gaps.carve(start, end)) {
+                return;
+            }
+            self.switch_to_scan();
+        }
+        self.va.insert(start, len);
+    }
+
+    /// Frees `[start, start+len)` (an occupied range recorded by `va_insert`) in the VA index.
+    fn va_remove(&mut self, start: u64, len: u64) {
+        let Some(gaps) = &mut self.gaps else {
+            self.va.remove(&start);
+            return;
+        };
+        gaps.release(start, start + len);
+    }
+
+    /// The occupied ranges, as `va_insert` recorded them: reservations and plain
+    /// allocations rounded up to the granularity.
+    fn occupied(&self) -> BTreeMap<u64, u64> {
+        let mut va: BTreeMap<u64, u64> = self.reservations.clone();
+        for (&p, &(size, _)) in &self.plain {
+            va.insert(p, round_up(size, self.granularity));
+        }
+        va
+    }
+
+    /// Leaves the gap index for the list of occupied ranges (a range outside the
+    /// window or overlapping another is being recorded).
+    fn switch_to_scan(&mut self) {
+        self.va = self.occupied();
+        self.gaps = None;
     }
 
     fn overlapping_reservation(&self, addr: u64, size: u64) -> Option<(u64, u64)> {
@@ -258,7 +379,7 @@ impl AddressSpace {
             ));
         }
         self.reservations.remove(&addr);
-        self.va.remove(&addr);
+        self.va_remove(addr, size);
         Ok(())
     }
 
@@ -280,10 +401,9 @@ impl AddressSpace {
 
     /// The allocation a handle names (its identity across export/import).
     pub fn allocation_of(&self, call: Call, handle: PhysHandle) -> DeviceResult<u64> {
-        self.handles
-            .get(&handle.0)
-            .copied()
-            .ok_or_else(|| DeviceError::rule(call, Rule::UnknownHandle, format!("handle {:#x}", handle.0)))
+        self.handles.get(&handle.0).copied().ok_or_else(|| {
+            DeviceError::rule(call, Rule::UnknownHandle, format!("handle {:#x}", handle.0))
+        })
     }
 
     /// Size of the allocation behind a handle.
@@ -295,7 +415,11 @@ impl AddressSpace {
     /// A new handle to an existing allocation (`cuMemImportFromShareableHandle`).
     pub fn import(&mut self, alloc: u64) -> DeviceResult<PhysHandle> {
         let a = self.allocations.get_mut(&alloc).ok_or_else(|| {
-            DeviceError::rule(Call::Import, Rule::UnknownShareableHandle, format!("allocation {alloc:#x} is gone"))
+            DeviceError::rule(
+                Call::Import,
+                Rule::UnknownShareableHandle,
+                format!("allocation {alloc:#x} is gone"),
+            )
         })?;
         a.refs += 1;
         let handle = self.next_id;
@@ -305,7 +429,10 @@ impl AddressSpace {
     }
 
     fn drop_ref(&mut self, alloc: u64) {
-        let a = self.allocations.get_mut(&alloc).expect("model invariant: ref to live allocation");
+        let a = self
+            .allocations
+            .get_mut(&alloc)
+            .expect("model invariant: ref to live allocation");
         a.refs -= 1;
         if a.refs == 0 {
             self.physical_used -= a.size;
@@ -367,7 +494,8 @@ impl AddressSpace {
     fn overlapping_mapping(&self, addr: u64, size: u64) -> Option<(u64, u64)> {
         let end = addr + size;
         let mut it = self.mappings.range(..end).rev();
-        it.next().and_then(|(&s, m)| (s + m.size > addr).then_some((s, m.size)))
+        it.next()
+            .and_then(|(&s, m)| (s + m.size > addr).then_some((s, m.size)))
     }
 
     /// Records a map (after [`AddressSpace::check_map`] succeeded and the backend did it).
@@ -386,22 +514,29 @@ impl AddressSpace {
     }
 
     /// The mappings overlapping `[addr, addr+size)` as (start, size, accessible), in order.
-    fn mappings_in(&self, addr: u64, size: u64) -> Vec<(u64, u64, bool)> {
+    fn mappings_in(
+        &self,
+        addr: u64,
+        size: u64,
+    ) -> impl Iterator<Item = (u64, u64, bool)> + Clone + '_ {
         let end = addr + size;
-        let mut out: Vec<(u64, u64, bool)> = Vec::new();
-        if let Some((&s, m)) = self.mappings.range(..addr).next_back() {
-            if s + m.size > addr {
-                out.push((s, m.size, m.accessible));
-            }
-        }
-        out.extend(self.mappings.range(addr..end).map(|(&s, m)| (s, m.size, m.accessible)));
-        out
+        let straddling = self
+            .mappings
+            .range(..addr)
+            .next_back()
+            .filter(|(&s, m)| s + m.size > addr)
+            .map(|(&s, m)| (s, m.size, m.accessible));
+        straddling.into_iter().chain(
+            self.mappings
+                .range(addr..end)
+                .map(|(&s, m)| (s, m.size, m.accessible)),
+        )
     }
 
     /// Whether `[addr, addr+size)` is covered without gaps by the given ordered mappings.
-    fn covered(addr: u64, size: u64, maps: &[(u64, u64, bool)]) -> bool {
+    fn covered(addr: u64, size: u64, maps: impl Iterator<Item = (u64, u64, bool)>) -> bool {
         let mut cursor = addr;
-        for &(s, l, _) in maps {
+        for (s, l, _) in maps {
             if s > cursor {
                 return false;
             }
@@ -417,14 +552,17 @@ impl AddressSpace {
         self.aligned(Call::Unmap, "size", size)?;
         Self::in_address_space(Call::Unmap, addr, size)?;
         let maps = self.mappings_in(addr, size);
-        if !Self::covered(addr, size, &maps) {
+        if !Self::covered(addr, size, maps.clone()) {
             return Err(DeviceError::rule(
                 Call::Unmap,
                 Rule::NotMapped,
                 format!("[{addr:#x}, +{size:#x}) is not fully mapped"),
             ));
         }
-        if let Some(&(s, l, _)) = maps.iter().find(|&&(s, l, _)| s < addr || s + l > addr + size) {
+        if let Some((s, l, _)) = maps
+            .clone()
+            .find(|&(s, l, _)| s < addr || s + l > addr + size)
+        {
             return Err(DeviceError::rule(
                 Call::Unmap,
                 Rule::PartialUnmap,
@@ -438,9 +576,8 @@ impl AddressSpace {
     /// physical memory that went back to the device (released handles).
     pub fn unmap(&mut self, addr: u64, size: u64) -> DeviceResult<u64> {
         self.check_unmap(addr, size)?;
-        let starts: Vec<u64> = self.mappings.range(addr..addr + size).map(|(&s, _)| s).collect();
         let before = self.physical_used;
-        for s in starts {
+        while let Some((&s, _)) = self.mappings.range(addr..addr + size).next() {
             let m = self.mappings.remove(&s).expect("listed");
             self.drop_ref(m.alloc);
         }
@@ -453,7 +590,7 @@ impl AddressSpace {
         self.aligned(Call::SetAccess, "address", addr)?;
         self.aligned(Call::SetAccess, "size", size)?;
         Self::in_address_space(Call::SetAccess, addr, size)?;
-        if !Self::covered(addr, size, &self.mappings_in(addr, size)) {
+        if !Self::covered(addr, size, self.mappings_in(addr, size)) {
             return Err(DeviceError::rule(
                 Call::SetAccess,
                 Rule::NotMapped,
@@ -466,9 +603,13 @@ impl AddressSpace {
     /// Records a set-access: the mappings overlapping the range become accessible.
     pub fn set_access(&mut self, addr: u64, size: u64) -> DeviceResult<()> {
         self.check_set_access(addr, size)?;
-        let starts: Vec<u64> = self.mappings_in(addr, size).iter().map(|m| m.0).collect();
-        for s in starts {
-            self.mappings.get_mut(&s).expect("listed").accessible = true;
+        if let Some((&s, m)) = self.mappings.range_mut(..addr).next_back() {
+            if s + m.size > addr {
+                m.accessible = true;
+            }
+        }
+        for (_, m) in self.mappings.range_mut(addr..addr + size) {
+            m.accessible = true;
         }
         Ok(())
     }
@@ -480,15 +621,32 @@ impl AddressSpace {
             return Ok(());
         }
         let end = addr.checked_add(len).ok_or_else(|| {
-            DeviceError::rule(call, Rule::NotAccessible, format!("range at {addr:#x} overflows"))
+            DeviceError::rule(
+                call,
+                Rule::NotAccessible,
+                format!("range at {addr:#x} overflows"),
+            )
         })?;
-        if let Some((&p, &(sz, _))) = self.plain.range(..=addr).next_back() {
-            if addr >= p && end <= p + sz {
+        // The plain allocation with the greatest address <= addr, if it holds the range.
+        let below = {
+            let mut order = self.plain_order.borrow_mut();
+            let order = order.get_or_insert_with(|| {
+                let mut v: Vec<u64> = self.plain.keys().copied().collect();
+                v.sort_unstable();
+                v
+            });
+            order
+                .partition_point(|&p| p <= addr)
+                .checked_sub(1)
+                .map(|i| order[i])
+        };
+        if let Some(p) = below {
+            if end <= p + self.plain[&p].0 {
                 return Ok(());
             }
         }
         let maps = self.mappings_in(addr, len);
-        if Self::covered(addr, len, &maps) && maps.iter().all(|m| m.2) {
+        if Self::covered(addr, len, maps.clone()) && maps.clone().all(|m| m.2) {
             return Ok(());
         }
         Err(DeviceError::rule(
@@ -518,7 +676,8 @@ impl AddressSpace {
     pub fn record_plain(&mut self, addr: u64, size: u64) -> DeviceResult<()> {
         let charged = self.check_plain(size)?;
         self.plain.insert(addr, (size, charged));
-        self.va.insert(addr, round_up(size, self.granularity));
+        *self.plain_order.get_mut() = None;
+        self.va_insert(addr, round_up(size, self.granularity));
         self.physical_used += charged;
         Ok(())
     }
@@ -532,19 +691,18 @@ impl AddressSpace {
 
     /// Size of a plain allocation.
     pub fn plain_size(&self, addr: u64) -> DeviceResult<u64> {
-        self.plain
-            .get(&addr)
-            .map(|p| p.0)
-            .ok_or_else(|| DeviceError::rule(Call::Free, Rule::UnknownPointer, format!("{addr:#x}")))
+        self.plain.get(&addr).map(|p| p.0).ok_or_else(|| {
+            DeviceError::rule(Call::Free, Rule::UnknownPointer, format!("{addr:#x}"))
+        })
     }
 
     /// Removes a plain allocation (`cuMemFree`); returns its size.
     pub fn free_plain(&mut self, addr: u64) -> DeviceResult<u64> {
-        let (size, charged) = self
-            .plain
-            .remove(&addr)
-            .ok_or_else(|| DeviceError::rule(Call::Free, Rule::UnknownPointer, format!("{addr:#x}")))?;
-        self.va.remove(&addr);
+        let (size, charged) = self.plain.remove(&addr).ok_or_else(|| {
+            DeviceError::rule(Call::Free, Rule::UnknownPointer, format!("{addr:#x}"))
+        })?;
+        *self.plain_order.get_mut() = None;
+        self.va_remove(addr, round_up(size, self.granularity));
         self.physical_used -= charged;
         Ok(size)
     }
@@ -577,14 +735,543 @@ impl AddressSpace {
         let mut used = 0;
         for (id, a) in &self.allocations {
             if refs.get(id).copied().unwrap_or(0) != a.refs || a.refs == 0 {
-                return Err(format!("allocation {id:#x} has refs {} but {} holders", a.refs, refs.get(id).copied().unwrap_or(0)));
+                return Err(format!(
+                    "allocation {id:#x} has refs {} but {} holders",
+                    a.refs,
+                    refs.get(id).copied().unwrap_or(0)
+                ));
             }
             used += a.size;
         }
         used += self.plain.values().map(|p| p.1).sum::<u64>();
         if used != self.physical_used || used > self.capacity {
-            return Err(format!("physical use {} != recount {used} (capacity {})", self.physical_used, self.capacity));
+            return Err(format!(
+                "physical use {} != recount {used} (capacity {})",
+                self.physical_used, self.capacity
+            ));
+        }
+        if let Some(gaps) = &self.gaps {
+            gaps.check()?;
+            let mut want = Vec::new();
+            let mut cursor = VA_BASE;
+            for (&s, &l) in &self.occupied() {
+                if s < cursor || s + l > VA_END {
+                    return Err(format!(
+                        "occupied range {s:#x} overlaps another or leaves the VA window"
+                    ));
+                }
+                if s > cursor {
+                    want.push((cursor, s));
+                }
+                cursor = s + l;
+            }
+            if cursor < VA_END {
+                want.push((cursor, VA_END));
+            }
+            if gaps.to_vec() != want {
+                return Err("the free-VA index disagrees with the occupied ranges".into());
+            }
         }
         Ok(())
+    }
+}
+
+/// The free gaps of the simulated VA window: a treap ordered by start address
+/// whose nodes know the longest gap in their subtree, so the lowest gap of at
+/// least n bytes is found in O(log n) (a linear first-fit scan made every
+/// `cuMemAlloc` of the `native` policy O(live allocations)).
+mod gaps {
+    const NIL: u32 = u32::MAX;
+
+    #[derive(Debug, Clone)]
+    struct Node {
+        start: u64,
+        end: u64,
+        /// Longest gap (`end - start`) in this subtree.
+        max_len: u64,
+        prio: u32,
+        left: u32,
+        right: u32,
+    }
+
+    /// Disjoint, non-empty ranges `[start, end)` keyed by start.
+    #[derive(Debug, Clone)]
+    pub(super) struct Gaps {
+        nodes: Vec<Node>,
+        vacant: Vec<u32>,
+        root: u32,
+        /// xorshift state for priorities (deterministic).
+        seed: u64,
+        /// Scratch: the nodes on the last search path, root first.
+        path: Vec<u32>,
+    }
+
+    impl Gaps {
+        /// One gap covering `[start, end)`.
+        pub fn new(start: u64, end: u64) -> Gaps {
+            let mut g = Gaps {
+                nodes: Vec::new(),
+                vacant: Vec::new(),
+                root: NIL,
+                seed: 0x9e37_79b9_7f4a_7c15,
+                path: Vec::new(),
+            };
+            if start < end {
+                g.insert(start, end);
+            }
+            g
+        }
+
+        fn node(&self, t: u32) -> &Node {
+            &self.nodes[t as usize]
+        }
+
+        fn node_mut(&mut self, t: u32) -> &mut Node {
+            &mut self.nodes[t as usize]
+        }
+
+        fn max_len(&self, t: u32) -> u64 {
+            if t == NIL {
+                0
+            } else {
+                self.node(t).max_len
+            }
+        }
+
+        /// Recomputes `max_len` of `t` from its children.
+        fn pull(&mut self, t: u32) {
+            let (l, r) = (self.node(t).left, self.node(t).right);
+            let m = self.max_len(l).max(self.max_len(r));
+            let n = self.node_mut(t);
+            n.max_len = m.max(n.end - n.start);
+        }
+
+        fn new_node(&mut self, start: u64, end: u64) -> u32 {
+            self.seed ^= self.seed << 13;
+            self.seed ^= self.seed >> 7;
+            self.seed ^= self.seed << 17;
+            let n = Node {
+                start,
+                end,
+                max_len: end - start,
+                prio: (self.seed >> 32) as u32,
+                left: NIL,
+                right: NIL,
+            };
+            match self.vacant.pop() {
+                Some(t) => {
+                    self.nodes[t as usize] = n;
+                    t
+                }
+                None => {
+                    self.nodes.push(n);
+                    (self.nodes.len() - 1) as u32
+                }
+            }
+        }
+
+        /// Splits `t` into (starts < key, starts >= key).
+        fn split(&mut self, t: u32, key: u64) -> (u32, u32) {
+            if t == NIL {
+                return (NIL, NIL);
+            }
+            if self.node(t).start < key {
+                let (a, b) = self.split(self.node(t).right, key);
+                self.node_mut(t).right = a;
+                self.pull(t);
+                (t, b)
+            } else {
+                let (a, b) = self.split(self.node(t).left, key);
+                self.node_mut(t).left = b;
+                self.pull(t);
+                (a, t)
+            }
+        }
+
+        /// Joins `a` and `b`, every start in `a` below every start in `b`.
+        fn merge(&mut self, a: u32, b: u32) -> u32 {
+            if a == NIL {
+                return b;
+            }
+            if b == NIL {
+                return a;
+            }
+            if self.node(a).prio >= self.node(b).prio {
+                let r = self.merge(self.node(a).right, b);
+                self.node_mut(a).right = r;
+                self.pull(a);
+                a
+            } else {
+                let l = self.merge(a, self.node(b).left);
+                self.node_mut(b).left = l;
+                self.pull(b);
+                b
+            }
+        }
+
+        fn insert_at(&mut self, t: u32, n: u32) -> u32 {
+            if t == NIL {
+                return n;
+            }
+            if self.node(n).prio > self.node(t).prio {
+                let (l, r) = self.split(t, self.node(n).start);
+                let nn = self.node_mut(n);
+                nn.left = l;
+                nn.right = r;
+                self.pull(n);
+                return n;
+            }
+            if self.node(n).start < self.node(t).start {
+                let l = self.insert_at(self.node(t).left, n);
+                self.node_mut(t).left = l;
+            } else {
+                let r = self.insert_at(self.node(t).right, n);
+                self.node_mut(t).right = r;
+            }
+            self.pull(t);
+            t
+        }
+
+        /// Adds the gap `[start, end)` (non-empty, disjoint from the others).
+        pub fn insert(&mut self, start: u64, end: u64) {
+            debug_assert!(start < end);
+            let n = self.new_node(start, end);
+            self.root = self.insert_at(self.root, n);
+        }
+
+        /// Walks from the root towards `key`, recording the path; returns the
+        /// path positions of the gap with the greatest start <= `key` and of the
+        /// gap with the smallest start > `key`.
+        fn search(&mut self, key: u64) -> (Option<usize>, Option<usize>) {
+            self.path.clear();
+            let (mut le, mut gt) = (None, None);
+            let mut t = self.root;
+            while t != NIL {
+                self.path.push(t);
+                let n = &self.nodes[t as usize];
+                if n.start <= key {
+                    le = Some(self.path.len() - 1);
+                    t = n.right;
+                } else {
+                    gt = Some(self.path.len() - 1);
+                    t = n.left;
+                }
+            }
+            (le, gt)
+        }
+
+        /// Recomputes `max_len` of the path's nodes from position `i` up to the
+        /// root, stopping where it no longer changes (the ancestors' then holds).
+        fn repull(&mut self, i: usize) {
+            for k in (0..=i).rev() {
+                let t = self.path[k];
+                let old = self.node(t).max_len;
+                self.pull(t);
+                if self.node(t).max_len == old {
+                    break;
+                }
+            }
+        }
+
+        /// Sets the gap at path position `i` to `[start, end)` (same place in the order).
+        fn set_at(&mut self, i: usize, start: u64, end: u64) {
+            let n = self.node_mut(self.path[i]);
+            n.start = start;
+            n.end = end;
+            self.repull(i);
+        }
+
+        /// Removes the gap at path position `i`.
+        fn remove_at_path(&mut self, i: usize) {
+            let t = self.path[i];
+            let (l, r) = (self.node(t).left, self.node(t).right);
+            let m = self.merge(l, r);
+            self.vacant.push(t);
+            if i == 0 {
+                self.root = m;
+            } else {
+                let parent = self.path[i - 1];
+                let p = self.node_mut(parent);
+                if p.left == t {
+                    p.left = m;
+                } else {
+                    p.right = m;
+                }
+                self.repull(i - 1);
+            }
+        }
+
+        /// Adds the gap `[start, end)` (absent) where the last `search(start)`
+        /// ended, then rotates it up to its place in the heap: no second descent.
+        fn insert_at_search(&mut self, start: u64, end: u64) {
+            let n = self.new_node(start, end);
+            let mut k = self.path.len();
+            if k == 0 {
+                self.root = n;
+                return;
+            }
+            let p = self.path[k - 1];
+            if start < self.node(p).start {
+                self.node_mut(p).left = n;
+            } else {
+                self.node_mut(p).right = n;
+            }
+            while k > 0 {
+                let p = self.path[k - 1];
+                if self.node(n).prio <= self.node(p).prio {
+                    break;
+                }
+                // Rotate n above its parent p.
+                if self.node(p).left == n {
+                    let c = self.node(n).right;
+                    self.node_mut(p).left = c;
+                    self.node_mut(n).right = p;
+                } else {
+                    let c = self.node(n).left;
+                    self.node_mut(p).right = c;
+                    self.node_mut(n).left = p;
+                }
+                self.pull(p);
+                if k >= 2 {
+                    let g = self.path[k - 2];
+                    if self.node(g).left == p {
+                        self.node_mut(g).left = n;
+                    } else {
+                        self.node_mut(g).right = n;
+                    }
+                } else {
+                    self.root = n;
+                }
+                k -= 1;
+            }
+            self.pull(n);
+            self.path.truncate(k);
+            self.path.push(n);
+            if k > 0 {
+                self.repull(k - 1);
+            }
+        }
+
+        /// Takes `[start, end)` out of the gap that holds it; false (and no
+        /// change) if no single gap holds it.
+        pub fn carve(&mut self, start: u64, end: u64) -> bool {
+            let (Some(i), _) = self.search(start) else {
+                return false;
+            };
+            let (gs, ge) = {
+                let n = self.node(self.path[i]);
+                (n.start, n.end)
+            };
+            if ge < end {
+                return false;
+            }
+            match (gs == start, ge == end) {
+                (true, true) => self.remove_at_path(i),
+                (true, false) => self.set_at(i, end, ge),
+                (false, true) => self.set_at(i, gs, start),
+                (false, false) => {
+                    self.set_at(i, gs, start);
+                    self.search(end);
+                    self.insert_at_search(end, ge);
+                }
+            }
+            true
+        }
+
+        /// Gives back `[start, end)` (lying between gaps), merging it with the
+        /// gaps that touch it.
+        pub fn release(&mut self, start: u64, end: u64) {
+            let (le, gt) = self.search(start);
+            let before = le.filter(|&i| self.node(self.path[i]).end == start);
+            let after = gt.filter(|&i| self.node(self.path[i]).start == end);
+            match (before, after) {
+                (Some(_), Some(i)) => {
+                    let ae = self.node(self.path[i]).end;
+                    self.remove_at_path(i);
+                    let (Some(b), _) = self.search(start) else {
+                        unreachable!("the gap before is still there")
+                    };
+                    let bs = self.node(self.path[b]).start;
+                    self.set_at(b, bs, ae);
+                }
+                (Some(b), None) => {
+                    let bs = self.node(self.path[b]).start;
+                    self.set_at(b, bs, end);
+                }
+                (None, Some(a)) => {
+                    let ae = self.node(self.path[a]).end;
+                    self.set_at(a, start, ae);
+                }
+                (None, None) => self.insert_at_search(start, end),
+            }
+        }
+
+        /// The gap with the greatest start.
+        pub fn last(&self) -> Option<(u64, u64)> {
+            let mut t = self.root;
+            let mut best = None;
+            while t != NIL {
+                let n = self.node(t);
+                best = Some((n.start, n.end));
+                t = n.right;
+            }
+            best
+        }
+
+        fn first_fit_at(&self, t: u32, after: Option<u64>, need: u64) -> Option<(u64, u64)> {
+            if t == NIL || self.node(t).max_len < need {
+                return None;
+            }
+            let n = self.node(t);
+            if after.is_none_or(|a| n.start > a) {
+                if let Some(g) = self.first_fit_at(n.left, after, need) {
+                    return Some(g);
+                }
+                if n.end - n.start >= need {
+                    return Some((n.start, n.end));
+                }
+            }
+            self.first_fit_at(n.right, after, need)
+        }
+
+        /// The lowest gap of at least `need` bytes starting above `after`.
+        pub fn first_fit(&self, after: Option<u64>, need: u64) -> Option<(u64, u64)> {
+            if after.is_some() {
+                return self.first_fit_at(self.root, after, need);
+            }
+            // Without a lower bound the walk never backtracks: a subtree whose
+            // longest gap is long enough holds the answer.
+            let mut t = self.root;
+            if self.max_len(t) < need {
+                return None;
+            }
+            loop {
+                let n = self.node(t);
+                if self.max_len(n.left) >= need {
+                    t = n.left;
+                } else if n.end - n.start >= need {
+                    return Some((n.start, n.end));
+                } else {
+                    t = n.right;
+                }
+            }
+        }
+
+        fn collect(&self, t: u32, out: &mut Vec<(u64, u64)>) {
+            if t != NIL {
+                self.collect(self.node(t).left, out);
+                out.push((self.node(t).start, self.node(t).end));
+                self.collect(self.node(t).right, out);
+            }
+        }
+
+        /// Every gap in address order.
+        pub fn to_vec(&self) -> Vec<(u64, u64)> {
+            let mut out = Vec::new();
+            self.collect(self.root, &mut out);
+            out
+        }
+
+        fn check_at(&self, t: u32, lo: u64, hi: u64) -> Result<u64, String> {
+            if t == NIL {
+                return Ok(0);
+            }
+            let n = self.node(t);
+            if n.start < lo || n.start >= hi || n.start >= n.end {
+                return Err(format!(
+                    "gap index: node [{:#x}, {:#x}) out of order",
+                    n.start, n.end
+                ));
+            }
+            for c in [n.left, n.right] {
+                if c != NIL && self.node(c).prio > n.prio {
+                    return Err("gap index: heap order broken".into());
+                }
+            }
+            let l = self.check_at(n.left, lo, n.start)?;
+            let r = self.check_at(n.right, n.start + 1, hi)?;
+            let m = l.max(r).max(n.end - n.start);
+            if m != n.max_len {
+                return Err(format!(
+                    "gap index: node {:#x} has max {:#x}, recount {m:#x}",
+                    n.start, n.max_len
+                ));
+            }
+            Ok(m)
+        }
+
+        /// Checks the tree's order, heap and longest-gap fields.
+        pub fn check(&self) -> Result<(), String> {
+            self.check_at(self.root, 0, u64::MAX).map(|_| ())
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// A reference: the gaps as a sorted list.
+        fn first_fit_ref(v: &[(u64, u64)], after: Option<u64>, need: u64) -> Option<(u64, u64)> {
+            v.iter()
+                .copied()
+                .find(|&(s, e)| after.is_none_or(|a| s > a) && e - s >= need)
+        }
+
+        #[test]
+        fn matches_a_sorted_list() {
+            let mut g = Gaps::new(0, 1 << 40);
+            let mut occupied: Vec<(u64, u64)> = Vec::new();
+            let mut x: u64 = 7;
+            let mut rnd = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            for step in 0..3000 {
+                let r = rnd();
+                if occupied.is_empty() || r % 3 != 0 {
+                    let need = (r >> 8) % 64 + 1;
+                    let v = g.to_vec();
+                    let Some((s, e)) = first_fit_ref(&v, None, need) else {
+                        continue;
+                    };
+                    assert_eq!(g.first_fit(None, need), Some((s, e)), "step {step}");
+                    let after = v.get((r as usize >> 3) % v.len()).map(|g| g.0);
+                    assert_eq!(g.first_fit(after, need), first_fit_ref(&v, after, need));
+                    // Carve at the gap's start, its end or inside it.
+                    let off = match r % 5 {
+                        0 | 1 => 0,
+                        2 => e - s - need,
+                        _ => (r >> 20) % (e - s - need + 1),
+                    };
+                    assert!(g.carve(s + off, s + off + need));
+                    occupied.push((s + off, s + off + need));
+                    // An occupied range is held by no gap.
+                    let before = g.to_vec();
+                    assert!(!g.carve(s + off, s + off + 1));
+                    assert_eq!(g.to_vec(), before);
+                } else {
+                    let (s, e) = occupied.swap_remove((r >> 5) as usize % occupied.len());
+                    g.release(s, e);
+                }
+                g.check().unwrap();
+                // The gaps are exactly the complement of the occupied ranges.
+                let mut occ = occupied.clone();
+                occ.sort();
+                let mut want = Vec::new();
+                let mut cursor = 0;
+                for &(s, e) in &occ {
+                    if s > cursor {
+                        want.push((cursor, s));
+                    }
+                    cursor = e;
+                }
+                if cursor < 1 << 40 {
+                    want.push((cursor, 1 << 40));
+                }
+                assert_eq!(g.to_vec(), want, "step {step}");
+            }
+        }
     }
 }

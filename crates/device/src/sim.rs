@@ -7,8 +7,8 @@
 use crate::cost::CostModel;
 use crate::model::{AddressSpace, LiveCounts};
 use crate::{
-    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, Introspect, MemInfo, PhysHandle, Rule,
-    Stream, StreamModel, GIB, MIB,
+    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, Introspect, MemInfo,
+    PhysHandle, Rule, Stream, StreamModel, GIB, MIB,
 };
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -57,6 +57,8 @@ pub struct SimDevice {
     space: Mutex<AddressSpace>,
     streams: StreamModel,
     counts: [AtomicU64; Call::COUNT],
+    /// Modeled nanoseconds per call of each kind (`create` is charged by size).
+    call_ns: [u64; Call::COUNT],
     /// Modeled time in nanoseconds.
     modeled_ns: AtomicU64,
     /// Fake exported descriptors: fd -> allocation id.
@@ -77,6 +79,7 @@ impl SimDevice {
                 posix_fd_handles: true,
                 has_memory: false,
             },
+            call_ns: std::array::from_fn(|i| Self::ns(&config.cost, Call::ALL[i], 0)),
             cost: config.cost,
             space: Mutex::new(AddressSpace::new(config.capacity, config.granularity)),
             streams: StreamModel::new(),
@@ -92,9 +95,17 @@ impl SimDevice {
         Self::new(SimConfig::with_capacity(capacity))
     }
 
+    fn ns(cost: &CostModel, call: Call, bytes: u64) -> u64 {
+        (cost.cost_us(call, bytes) * 1000.0).round() as u64
+    }
+
     fn charge(&self, call: Call, bytes: u64) {
         self.counts[call.index()].fetch_add(1, Ordering::Relaxed);
-        let ns = (self.cost.cost_us(call, bytes) * 1000.0).round() as u64;
+        let ns = if call == Call::Create {
+            Self::ns(&self.cost, call, bytes)
+        } else {
+            self.call_ns[call.index()]
+        };
         if ns > 0 {
             self.modeled_ns.fetch_add(ns, Ordering::Relaxed);
         }
@@ -126,7 +137,6 @@ impl SimDevice {
     pub fn cost_model(&self) -> &CostModel {
         &self.cost
     }
-
 }
 
 impl Device for SimDevice {
@@ -219,14 +229,20 @@ impl Device for SimDevice {
     fn import_fd(&self, fd: i32) -> DeviceResult<PhysHandle> {
         self.charge(Call::Import, 0);
         let alloc = self.exported.lock().get(&fd).copied().ok_or_else(|| {
-            DeviceError::rule(Call::Import, Rule::UnknownShareableHandle, format!("fd {fd}"))
+            DeviceError::rule(
+                Call::Import,
+                Rule::UnknownShareableHandle,
+                format!("fd {fd}"),
+            )
         })?;
         self.space.lock().import(alloc)
     }
 
     fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
         self.charge(Call::CopyHtoD, src.len() as u64);
-        self.space.lock().check_accessible(Call::CopyHtoD, dst, src.len() as u64)?;
+        self.space
+            .lock()
+            .check_accessible(Call::CopyHtoD, dst, src.len() as u64)?;
         Err(DeviceError::Unsupported {
             call: Call::CopyHtoD,
             what: "the sim device holds no bytes".into(),
@@ -235,7 +251,9 @@ impl Device for SimDevice {
 
     fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
         self.charge(Call::CopyDtoH, dst.len() as u64);
-        self.space.lock().check_accessible(Call::CopyDtoH, src, dst.len() as u64)?;
+        self.space
+            .lock()
+            .check_accessible(Call::CopyDtoH, src, dst.len() as u64)?;
         Err(DeviceError::Unsupported {
             call: Call::CopyDtoH,
             what: "the sim device holds no bytes".into(),
@@ -334,7 +352,12 @@ mod tests {
         assert_eq!(c.get(Call::Unmap), 1);
         assert_eq!(c.get(Call::Release), pages);
         assert!(dev.live().is_empty());
-        let expected = (pages + 1) as f64 * 50.0 + pages as f64 * (1.5 + 20.0) + 30.0 + 20.0 + 20.0 + 20.0;
-        assert!((dev.modeled_us() - expected).abs() < 1e-3, "{} vs {expected}", dev.modeled_us());
+        let expected =
+            (pages + 1) as f64 * 50.0 + pages as f64 * (1.5 + 20.0) + 30.0 + 20.0 + 20.0 + 20.0;
+        assert!(
+            (dev.modeled_us() - expected).abs() < 1e-3,
+            "{} vs {expected}",
+            dev.modeled_us()
+        );
     }
 }

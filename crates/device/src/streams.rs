@@ -8,10 +8,11 @@
 //! before an unmap, so an allocator that unmaps pages still used by queued work
 //! is caught.
 
-use crate::{DeviceError, DeviceResult, Event, Rule, Stream};
+use crate::model::IdMap;
 use crate::Call;
+use crate::{DeviceError, DeviceResult, Event, Rule, Stream};
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 #[derive(Debug, Default)]
 struct StreamState {
@@ -26,11 +27,14 @@ struct StreamState {
 
 #[derive(Debug, Default)]
 struct Inner {
-    streams: HashMap<u64, StreamState>,
+    streams: IdMap<u64, StreamState>,
     next_stream: u64,
     /// event id -> (stream, sequence) of its last record, or None if never recorded.
-    events: HashMap<u64, Option<(u64, u64)>>,
+    events: IdMap<u64, Option<(u64, u64)>>,
     next_event: u64,
+    /// Whether work may be outstanding on some stream (false: every stream has
+    /// completed everything submitted, so a device-wide completion is a no-op).
+    busy: bool,
 }
 
 /// Streams, work items and events of a CPU model device.
@@ -87,6 +91,7 @@ impl StreamModel {
         s.submitted += 1;
         let seq = s.submitted;
         s.pending.push_back((seq, addr, len));
+        g.busy = true;
         Ok(seq)
     }
 
@@ -102,10 +107,14 @@ impl StreamModel {
     /// Completes every stream's work (device-wide synchronize).
     pub fn complete_all(&self) {
         let mut g = self.inner.lock();
+        if !g.busy {
+            return;
+        }
         for s in g.streams.values_mut() {
             s.completed = s.submitted;
             s.pending.clear();
         }
+        g.busy = false;
     }
 
     /// Number of items still pending on `stream`.
@@ -120,10 +129,12 @@ impl StreamModel {
     /// A stream with pending work that uses any byte of `[addr, addr+len)`, if one exists.
     pub fn pending_use(&self, addr: u64, len: u64) -> Option<Stream> {
         let g = self.inner.lock();
+        if !g.busy {
+            return None;
+        }
         let end = addr.saturating_add(len);
         for (id, s) in &g.streams {
-            if s
-                .pending
+            if s.pending
                 .iter()
                 .any(|&(_, a, l)| l > 0 && a < end && addr < a.saturating_add(l))
             {
@@ -151,7 +162,11 @@ impl StreamModel {
                 *slot = Some((stream.0, seq));
                 Ok(())
             }
-            None => Err(DeviceError::rule(Call::EventRecord, Rule::UnknownEvent, format!("{event:?}"))),
+            None => Err(DeviceError::rule(
+                Call::EventRecord,
+                Rule::UnknownEvent,
+                format!("{event:?}"),
+            )),
         }
     }
 
@@ -190,10 +205,9 @@ impl StreamModel {
     /// Destroys an event.
     pub fn destroy_event(&self, event: Event) -> DeviceResult<()> {
         let mut g = self.inner.lock();
-        g.events
-            .remove(&event.0)
-            .map(|_| ())
-            .ok_or_else(|| DeviceError::rule(Call::EventDestroy, Rule::UnknownEvent, format!("{event:?}")))
+        g.events.remove(&event.0).map(|_| ()).ok_or_else(|| {
+            DeviceError::rule(Call::EventDestroy, Rule::UnknownEvent, format!("{event:?}"))
+        })
     }
 
     /// Number of live (not destroyed) events.

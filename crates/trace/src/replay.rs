@@ -2,7 +2,6 @@
 //! and the capacity search built on it.
 
 use crate::model::Op;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vmmalloc_alloc::{build, Allocator, Policy, PolicyOptions};
@@ -163,17 +162,25 @@ pub fn replay(ops: &[Op], config: &ReplayConfig) -> ReplayResult {
     result
 }
 
-fn run_ops(alloc: &dyn Allocator, sim: &SimDevice, ops: &[Op], config: &ReplayConfig, result: &mut ReplayResult) {
+fn run_ops(
+    alloc: &dyn Allocator,
+    sim: &SimDevice,
+    ops: &[Op],
+    config: &ReplayConfig,
+    result: &mut ReplayResult,
+) {
     // Dense id -> pointer (u64::MAX: not live / failed).
     let mut ptrs: Vec<u64> = Vec::new();
     let mut sizes: Vec<u64> = Vec::new();
-    let mut streams: HashMap<u64, Stream> = HashMap::new();
+    // Trace stream -> device stream; traces use a handful, so a list beats a map,
+    // and the last one used is checked first.
+    let mut streams: Vec<(u64, Stream)> = Vec::new();
+    let mut last_stream: Option<(u64, Stream)> = None;
     let mut live: u64 = 0;
-    let sample_every = if config.timeline_samples > 0 {
-        (ops.len() / config.timeline_samples).max(1)
-    } else {
-        usize::MAX
-    };
+    let sample_every = ops
+        .len()
+        .checked_div(config.timeline_samples)
+        .map_or(usize::MAX, |n| n.max(1));
     for (i, op) in ops.iter().enumerate() {
         match *op {
             Op::Alloc { id, size, stream } => {
@@ -182,8 +189,12 @@ fn run_ops(alloc: &dyn Allocator, sim: &SimDevice, ops: &[Op], config: &ReplayCo
                     ptrs.resize(id + 1, u64::MAX);
                     sizes.resize(id + 1, 0);
                 }
-                let s = match streams.get(&stream) {
-                    Some(s) => *s,
+                let known = match last_stream {
+                    Some((t, s)) if t == stream => Some(s),
+                    _ => streams.iter().find(|e| e.0 == stream).map(|e| e.1),
+                };
+                let s = match known {
+                    Some(s) => s,
                     None => {
                         let s = if stream == 0 {
                             Stream::DEFAULT
@@ -197,10 +208,11 @@ fn run_ops(alloc: &dyn Allocator, sim: &SimDevice, ops: &[Op], config: &ReplayCo
                                 }
                             }
                         };
-                        streams.insert(stream, s);
+                        streams.push((stream, s));
                         s
                     }
                 };
+                last_stream = Some((stream, s));
                 match alloc.malloc(size, s) {
                     Ok(a) => {
                         ptrs[id] = a.ptr;
@@ -253,7 +265,11 @@ fn run_ops(alloc: &dyn Allocator, sim: &SimDevice, ops: &[Op], config: &ReplayCo
         }
         if i % sample_every == 0 {
             let reserved = alloc.stats().reserved_bytes.all().current.max(0) as u64;
-            result.timeline.push(Sample { op: i, live, reserved });
+            result.timeline.push(Sample {
+                op: i,
+                live,
+                reserved,
+            });
         }
     }
     result.ops = ops.len();
@@ -273,7 +289,12 @@ pub struct CapacitySearch {
 /// which `config.policy` replays `ops` without out-of-memory. `peak_live` is
 /// the trace's peak live bytes (the lower bound); the search gives up above
 /// `max_capacity`.
-pub fn min_capacity(ops: &[Op], peak_live: u64, config: &ReplayConfig, max_capacity: u64) -> CapacitySearch {
+pub fn min_capacity(
+    ops: &[Op],
+    peak_live: u64,
+    config: &ReplayConfig,
+    max_capacity: u64,
+) -> CapacitySearch {
     let g = config.granularity;
     let runs = |cap: u64| {
         let mut c = config.clone();
@@ -324,11 +345,27 @@ mod tests {
         // 3 allocations of 3 MiB + 100 B live at the peak, on two streams.
         let s = 3 * MIB + 100;
         vec![
-            Op::Alloc { id: 0, size: s, stream: 0 },
-            Op::Alloc { id: 1, size: s, stream: 5 },
+            Op::Alloc {
+                id: 0,
+                size: s,
+                stream: 0,
+            },
+            Op::Alloc {
+                id: 1,
+                size: s,
+                stream: 5,
+            },
             Op::Free { id: 0 },
-            Op::Alloc { id: 2, size: s, stream: 0 },
-            Op::Alloc { id: 3, size: s, stream: 5 },
+            Op::Alloc {
+                id: 2,
+                size: s,
+                stream: 0,
+            },
+            Op::Alloc {
+                id: 3,
+                size: s,
+                stream: 5,
+            },
             Op::Free { id: 1 },
             Op::Free { id: 2 },
             Op::Free { id: 3 },
@@ -357,7 +394,10 @@ mod tests {
         assert_eq!(r.ooms, 1);
         assert_eq!(r.first_oom, Some(4));
         assert!(r.oom_message.unwrap().contains("Tried to allocate"));
-        assert!(r.error.is_none(), "the free of a failed allocation is skipped");
+        assert!(
+            r.error.is_none(),
+            "the free of a failed allocation is skipped"
+        );
         let mut stop = cfg.clone();
         stop.stop_at_oom = true;
         assert_eq!(replay(&ops(), &stop).ops, 5);

@@ -7,7 +7,7 @@
 //! calls, see [`super::segment`]). Release paths, events and garbage collection
 //! are in [`super::release`]; validation, snapshots and reports in [`super::inspect`].
 
-use super::block::{Block, BlockId, BlockPool, EsId, IntMap, Slab};
+use super::block::{Block, BlockId, BlockPool, Cursor, EsId, IntMap, SizeKey, Slab};
 use super::config::CachingConfig;
 use super::counter::Counter;
 use super::segment::ExpandableSegment;
@@ -38,6 +38,10 @@ pub(crate) struct AllocParams {
     pub alloc_size: u64,
     /// The block found or allocated.
     pub block: Option<BlockId>,
+    /// Where `get_free_block` found `block`: the block is still filed in its
+    /// pool's `blocks` there, and `alloc_found_block` takes it out (or files
+    /// the split remainder in its place).
+    pub cursor: Option<Cursor>,
 }
 
 /// The allocator's state, guarded by one lock (`DeviceCachingAllocator`'s members).
@@ -128,6 +132,17 @@ impl State {
         debug_assert!(inserted, "block inserted twice");
     }
 
+    /// [`State::insert_into_blocks`] for a block whose key changed while a stale
+    /// key of it stayed in the set at `c`: the new key replaces the stale one.
+    fn refile_at(&mut self, c: Cursor, id: BlockId) {
+        let kind = self.slab.get(id).pool;
+        let count = self.pool(kind).get_free_blocks_call_count;
+        let b = self.slab.get_mut(id);
+        b.gc_count_base = count;
+        let key = b.size_key(id);
+        self.pool_mut(kind).blocks.replace_at(c, key);
+    }
+
     /// Removes a free mapped block from its pool's `blocks`.
     pub fn erase_from_blocks(&mut self, id: BlockId) {
         let b = self.slab.get(id);
@@ -174,6 +189,7 @@ impl State {
             pool,
             alloc_size: get_allocation_size(size),
             block: None,
+            cursor: None,
         };
         let mut found = self.get_free_block(&mut p);
         if !found {
@@ -229,13 +245,12 @@ impl State {
         if gc {
             pool.get_free_blocks_call_count += 1;
         }
-        let mut iter = pool.blocks.range((p.stream, p.size, 0, 0)..);
-        let Some(mut it) = iter.next().copied() else {
+        // A cursor at the best fit: the first block of the stream not below the request.
+        let blocks = &pool.blocks;
+        let mut cur = blocks.cursor(p.stream, p.size, 0);
+        let Some(mut it) = blocks.at(&cur) else {
             return false;
         };
-        if it.0 != p.stream {
-            return false;
-        }
         if slab.get(it.3).segment.is_some() {
             if expandable {
                 let expandable_size = |id: BlockId| {
@@ -245,30 +260,32 @@ impl State {
                             .filter(|&n| !slab.get(n).mapped)
                             .map_or(0, |n| slab.get(n).size)
                 };
-                for next in iter {
+                loop {
+                    let nc = blocks.advance(&cur);
+                    let Some(next) = blocks.at(&nc) else {
+                        break;
+                    };
                     if !(slab.get(it.3).segment.is_some()
-                        && next.0 == p.stream
                         && expandable_size(next.3) < expandable_size(it.3))
                     {
                         break;
                     }
-                    it = *next;
+                    it = next;
+                    cur = nc;
                 }
             } else {
                 // Expandable segments were switched off: only plain blocks qualify.
                 loop {
-                    match iter.next() {
+                    cur = blocks.advance(&cur);
+                    match blocks.at(&cur) {
                         None => return false,
                         Some(k) => {
-                            it = *k;
-                            if !(slab.get(it.3).segment.is_some() && it.0 == p.stream) {
+                            it = k;
+                            if slab.get(it.3).segment.is_none() {
                                 break;
                             }
                         }
                     }
-                }
-                if it.0 != p.stream {
-                    return false;
                 }
             }
         }
@@ -279,8 +296,8 @@ impl State {
         if p.size >= max_split && block_size >= p.size.saturating_add(rounding) {
             return false;
         }
-        pool.blocks.remove(&it);
         p.block = Some(it.3);
+        p.cursor = Some(cur);
         true
     }
 
@@ -348,6 +365,9 @@ impl State {
         let mut block = p.block.expect("a block was found");
         let already_split = self.slab.get(block).is_split();
         let es = self.slab.get(block).segment;
+        if let (Some(c), false) = (p.cursor, split_remainder) {
+            self.pool_mut(p.pool).blocks.remove_at(c);
+        }
         if split_remainder {
             let remaining = block;
             let (rptr, rprev) = {
@@ -364,7 +384,11 @@ impl State {
             self.slab.get_mut(remaining).prev = Some(block);
             self.slab.set_ptr(remaining, rptr + size);
             self.slab.get_mut(remaining).size -= size;
-            self.insert_into_blocks(remaining);
+            match p.cursor {
+                // The remainder takes the found block's place in the set.
+                Some(c) => self.refile_at(c, remaining),
+                None => self.insert_into_blocks(remaining),
+            }
             if es.is_none() {
                 if already_split {
                     // An already-split inactive block is being shrunk by size bytes.
@@ -456,14 +480,32 @@ impl State {
         let st = pool.stat_type();
         let mut net_blocks: i64 = 0;
         let mut net_size: i64 = 0;
-        for cand in [prev, next] {
-            let subsumed = self.try_merge_blocks(id, cand);
-            if subsumed > 0 {
+        // The free neighbours absorbed, by their keys in the pool's set.
+        let mut absorbed: [Option<SizeKey>; 2] = [None, None];
+        for (slot, cand) in absorbed.iter_mut().zip([prev, next]) {
+            if let Some((subsumed, key)) = self.merge_blocks(id, cand) {
                 net_blocks -= 1;
                 net_size -= subsumed as i64;
+                *slot = key;
             }
         }
-        self.insert_into_blocks(id);
+        // The merged block takes the place of an absorbed neighbour in the set:
+        // one move instead of a removal and an insertion.
+        match absorbed {
+            [None, None] => self.insert_into_blocks(id),
+            [Some(k), other] | [other, Some(k)] => {
+                if let Some(o) = other {
+                    let removed = self.pool_mut(pool).blocks.remove(&o);
+                    debug_assert!(removed, "merged block was not in its pool");
+                }
+                let count = self.pool(pool).get_free_blocks_call_count;
+                let b = self.slab.get_mut(id);
+                b.gc_count_base = count;
+                let key = b.size_key(id);
+                let moved = self.pool_mut(pool).blocks.replace(&k, key);
+                debug_assert!(moved, "merged block was not in its pool");
+            }
+        }
         let b = self.slab.get(id);
         if b.is_split() {
             net_blocks += 1;
@@ -487,9 +529,27 @@ impl State {
     /// the same way; returns the bytes absorbed (0: no merge). `dst` must not be
     /// in a pool set.
     pub fn try_merge_blocks(&mut self, dst: BlockId, src: Option<BlockId>) -> u64 {
-        let Some(src) = src else {
-            return 0;
-        };
+        match self.merge_blocks(dst, src) {
+            Some((subsumed, Some(key))) => {
+                let pool = self.slab.get(dst).pool;
+                let removed = self.pool_mut(pool).blocks.remove(&key);
+                debug_assert!(removed, "merged block was not in its pool");
+                subsumed
+            }
+            Some((subsumed, None)) => subsumed,
+            None => 0,
+        }
+    }
+
+    /// [`State::try_merge_blocks`] but a mapped `src`'s key stays in the pool's
+    /// `blocks` (stale: its block is gone) for the caller to remove or reuse:
+    /// `Some((bytes absorbed, that key))` on a merge.
+    fn merge_blocks(
+        &mut self,
+        dst: BlockId,
+        src: Option<BlockId>,
+    ) -> Option<(u64, Option<SizeKey>)> {
+        let src = src?;
         let (s_ptr, s_size, s_prev, s_next, s_mapped, s_pool, s_alloc) = {
             let s = self.slab.get(src);
             (
@@ -503,17 +563,17 @@ impl State {
             )
         };
         if !s_alloc || self.slab.get(dst).mapped != s_mapped {
-            return 0;
+            return None;
         }
         let s = self.slab.get(src);
-        let removed = if s_mapped {
-            let k = s.size_key(src);
-            self.pool_mut(s_pool).blocks.remove(&k)
+        let key = if s_mapped {
+            Some(s.size_key(src))
         } else {
             let k = s.addr_key(src);
-            self.pool_mut(s_pool).unmapped.remove(&k)
+            let removed = self.pool_mut(s_pool).unmapped.remove(&k);
+            debug_assert!(removed, "merged block was not in its pool");
+            None
         };
-        debug_assert!(removed, "merged block was not in its pool");
         if self.slab.get(dst).prev == Some(src) {
             // [src dst]
             self.slab.set_ptr(dst, s_ptr);
@@ -530,7 +590,7 @@ impl State {
         }
         self.slab.get_mut(dst).size += s_size;
         self.slab.remove(src);
-        s_size
+        Some((s_size, key))
     }
 
     /// `find_expandable_block`: the lowest-addressed run of free and unmapped

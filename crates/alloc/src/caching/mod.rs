@@ -28,6 +28,7 @@ mod release;
 mod segment;
 pub mod sizes;
 
+pub(crate) use block::IntMap;
 pub use config::CachingConfig;
 
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats};

@@ -23,22 +23,19 @@ impl State {
         let max_split = self.config.max_split_size;
         let key_size = p.size.max(max_split);
         let pool = self.pool(p.pool);
-        let lower = pool
-            .blocks
-            .range((p.stream, key_size, 0, 0)..)
-            .next()
-            .copied();
+        let lower = pool.blocks.stream_from(p.stream, key_size, 0).next();
         match lower {
             Some(k) if k.0 == p.stream && self.slab.get(k.3).segment.is_none() => {
                 self.release_block(dev, k.3)?;
             }
             _ => {
                 // No single block is large enough; free multiple oversize blocks,
-                // starting with the largest.
-                let before: Vec<SizeKey> = match lower {
-                    Some(k) => pool.blocks.range(..k).rev().copied().collect(),
-                    None => pool.blocks.iter().rev().copied().collect(),
-                };
+                // starting with the largest (of this stream: the loop below
+                // stops at another stream's block).
+                let before: Vec<SizeKey> = pool
+                    .blocks
+                    .stream_below_rev(p.stream, lower.map(|k| (k.1, k.2)))
+                    .collect();
                 if before.is_empty() {
                     return Ok(false);
                 }
@@ -75,7 +72,7 @@ impl State {
     /// whole pages of its free expandable blocks and frees a segment left with
     /// nothing mapped.
     pub fn release_blocks<D: Device>(&mut self, dev: &D, kind: PoolKind) -> AllocResult<()> {
-        let keys: Vec<SizeKey> = self.pool(kind).blocks.iter().copied().collect();
+        let keys: Vec<SizeKey> = self.pool(kind).blocks.iter().collect();
         let mut to_unmap = Vec::new();
         for k in keys {
             let b = self.slab.get(k.3);
@@ -345,8 +342,8 @@ impl State {
         };
         let mut total_age: u64 = 0;
         let mut freeable_block_count: u64 = 0;
-        for k in &self.large_blocks.blocks {
-            if freeable(self, k) {
+        for k in self.large_blocks.blocks.iter() {
+            if freeable(self, &k) {
                 total_age += age(self.slab.get(k.3).gc_count_base);
                 freeable_block_count += 1;
             }
@@ -358,7 +355,7 @@ impl State {
         while gc_reclaimed < target_size && block_freed && freeable_block_count > 0 {
             let age_threshold = total_age as f64 / freeable_block_count as f64;
             block_freed = false;
-            let keys: Vec<SizeKey> = self.large_blocks.blocks.iter().copied().collect();
+            let keys: Vec<SizeKey> = self.large_blocks.blocks.iter().collect();
             for k in keys {
                 if !freeable(self, &k) {
                     continue;
