@@ -370,7 +370,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
     let json_to_stdout = args.json.as_deref() == Some("-");
     if !json_to_stdout {
         print!("{}", table(&rows));
-        println!("overhead = min capacity / peak live; driver calls, time and syncs at the tight capacity (1.05 x peak live).");
+        println!("overhead = min capacity / peak live; driver calls, time and syncs at the tight capacity (1.05 x peak live), teardown excluded.");
     }
     if let Some(j) = &args.json {
         let text = serde_json::to_string_pretty(&to_json(&rows))?;

@@ -103,6 +103,14 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                     format!("{:.3} ms", r.modeled_driver_us / 1000.0),
                 ),
                 (
+                    "teardown (excluded)",
+                    format!(
+                        "{} calls, {:.3} ms when the allocator is dropped",
+                        r.teardown_calls.total(),
+                        r.teardown_driver_us / 1000.0
+                    ),
+                ),
+                (
                     "replay CPU time",
                     format!("{:.3} ms", r.cpu_time.as_secs_f64() * 1000.0),
                 ),

@@ -215,7 +215,9 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
          - **min cap**: smallest device (bisection to the granularity) that replays the trace without out-of-memory.\n\
          - **overhead** = min cap / peak live (1.00 is perfect).\n\
          - **driver calls / driver ms / syncs**: memory calls (reserve, create, map, set access, unmap, release, alloc, free), \
-         modeled driver time and synchronizations when replaying at the tight capacity, 1.05 × peak live.\n"
+         modeled driver time and synchronizations when replaying at the tight capacity, 1.05 × peak live. \
+         The allocator's teardown when it is dropped at the end is not included (a process pays it once at exit; \
+         PyTorch's allocators leave it to the driver).\n"
     )?;
     writeln!(md, "```\n{}```\n", table(rows))?;
     writeln!(md, "![overhead per policy](overhead.svg)\n")?;

@@ -83,10 +83,18 @@ pub struct ReplayResult {
     pub retries: u64,
     /// Synchronizations forced (device, stream and event syncs at the device).
     pub syncs: u64,
-    /// Device calls per kind.
+    /// Device calls per kind made while the trace ran. Teardown (the
+    /// allocator giving everything back when it is dropped) is excluded:
+    /// a training process pays it once at exit, and PyTorch's allocators
+    /// leave it to the driver. It is counted in `teardown_calls`.
     pub driver_calls: CallCounts,
-    /// Modeled driver time, microseconds.
+    /// Modeled driver time while the trace ran, microseconds (teardown
+    /// excluded, see `teardown_driver_us`).
     pub modeled_driver_us: f64,
+    /// Device calls the allocator made when it was dropped.
+    pub teardown_calls: CallCounts,
+    /// Modeled driver time of the teardown, microseconds.
+    pub teardown_driver_us: f64,
     /// CPU time of the replay loop.
     pub cpu_time: Duration,
     /// Memory over time (if asked for).
@@ -136,6 +144,8 @@ pub fn replay(ops: &[Op], config: &ReplayConfig) -> ReplayResult {
         syncs: 0,
         driver_calls: CallCounts::default(),
         modeled_driver_us: 0.0,
+        teardown_calls: CallCounts::default(),
+        teardown_driver_us: 0.0,
         cpu_time: Duration::ZERO,
         timeline: Vec::new(),
         error: None,
@@ -154,11 +164,14 @@ pub fn replay(ops: &[Op], config: &ReplayConfig) -> ReplayResult {
     let stats = alloc.stats();
     result.peak_reserved = stats.reserved_bytes.all().peak.max(0) as u64;
     result.retries = stats.num_alloc_retries;
-    drop(alloc);
     let counts = sim.counts();
+    let modeled_us = sim.modeled_us();
+    drop(alloc);
     result.syncs = counts.syncs();
+    result.teardown_calls = sim.counts().since(&counts);
+    result.teardown_driver_us = sim.modeled_us() - modeled_us;
     result.driver_calls = counts;
-    result.modeled_driver_us = sim.modeled_us();
+    result.modeled_driver_us = modeled_us;
     result
 }
 
@@ -384,6 +397,27 @@ mod tests {
         assert_eq!(r.driver_calls.get(Call::Free), 4);
         assert_eq!(r.timeline.len(), 8);
         assert!(r.modeled_driver_us > 0.0);
+        assert_eq!(r.teardown_calls.total(), 0, "native frees everything in the trace");
+    }
+
+    #[test]
+    fn teardown_is_counted_apart_from_the_trace() {
+        // The trace leaves one block live: whatever the allocator gives back
+        // when dropped is teardown, not trace work.
+        let mut trace = ops();
+        trace.pop();
+        let cfg = ReplayConfig::new(Policy::Expandable, 64 * MIB);
+        let r = replay(&trace, &cfg);
+        assert!(r.ok, "{:?}", r.error);
+        assert!(r.teardown_calls.get(Call::Release) > 0);
+        assert!(r.teardown_calls.get(Call::Unmap) > 0);
+        assert!(r.teardown_driver_us > 0.0);
+        // Every page created during the trace is released, by the trace or
+        // at teardown.
+        assert_eq!(
+            r.driver_calls.get(Call::Create),
+            r.driver_calls.get(Call::Release) + r.teardown_calls.get(Call::Release)
+        );
     }
 
     #[test]
