@@ -397,7 +397,11 @@ mod tests {
         assert_eq!(r.driver_calls.get(Call::Free), 4);
         assert_eq!(r.timeline.len(), 8);
         assert!(r.modeled_driver_us > 0.0);
-        assert_eq!(r.teardown_calls.total(), 0, "native frees everything in the trace");
+        assert_eq!(
+            r.teardown_calls.total(),
+            0,
+            "native frees everything in the trace"
+        );
     }
 
     #[test]
