@@ -377,7 +377,12 @@ pub fn run(args: CompareArgs) -> Result<()> {
         if j == "-" {
             println!("{text}");
         } else {
-            std::fs::write(j, text + "\n").with_context(|| format!("writing {j}"))?;
+            let path = std::path::Path::new(j);
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)
+                    .with_context(|| format!("creating {}", parent.display()))?;
+            }
+            std::fs::write(path, text + "\n").with_context(|| format!("writing {j}"))?;
         }
     }
     if let Some(dir) = &args.out {

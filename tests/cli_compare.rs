@@ -147,6 +147,8 @@ fn compare_writes_report_and_plots() {
             "native,expandable",
             "--out",
             out_dir.to_str().unwrap(),
+            "--json",
+            out_dir.join("results.json").to_str().unwrap(),
         ])
         .output()
         .unwrap();
@@ -155,6 +157,11 @@ fn compare_writes_report_and_plots() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // The JSON goes into the report's directory, created on the way.
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap())
+            .unwrap();
+    assert_eq!(json["version"], 1);
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
         table.contains("overhead") && table.contains("native") && table.contains("small"),
