@@ -5,7 +5,8 @@ use anyhow::Result;
 use plotters::prelude::*;
 use std::fmt::Write as _;
 use std::path::Path;
-use vmmalloc_device::GIB;
+use vmmalloc_alloc::Policy;
+use vmmalloc_device::{Call, GIB};
 use vmmalloc_trace::replay::ReplayConfig;
 
 const COLORS: [RGBColor; 4] = [
@@ -187,6 +188,71 @@ fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
     Ok(())
 }
 
+/// Modeled time of the `cuMemCreate` calls in a replay, ms: the total minus
+/// every other kind's count times its (size-independent) cost.
+fn create_ms(r: &vmmalloc_trace::replay::ReplayResult, base: &ReplayConfig) -> f64 {
+    let others: f64 = Call::ALL
+        .iter()
+        .filter(|c| **c != Call::Create)
+        .map(|c| r.driver_calls.get(*c) as f64 * base.cost.cost_us(*c, 0))
+        .sum();
+    (r.modeled_driver_us - others).max(0.0) / 1000.0
+}
+
+/// `expandable` against `torch-es` per trace, with driver time split into
+/// creating physical pages (the cold start, about the same for any policy
+/// that maps pages) and everything else.
+fn head_to_head(md: &mut String, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
+    let pick = |t: &TraceRow, p: Policy| t.policies.iter().find(|r| r.policy == p).cloned();
+    let pairs: Vec<_> = rows
+        .iter()
+        .filter_map(|t| Some((t, pick(t, Policy::Expandable)?, pick(t, Policy::TorchEs)?)))
+        .collect();
+    if pairs.is_empty() {
+        return Ok(());
+    }
+    writeln!(md, "## expandable against torch-es at the tight capacity\n")?;
+    writeln!(
+        md,
+        "Driver time split into creating physical pages (`cuMemCreate`; every policy that maps pages must create \
+         about the peak once) and the rest (map, set access, unmap, release, reserve, syncs). A ratio is shown \
+         only where both fit.\n"
+    )?;
+    writeln!(md, "| trace | expandable ms (create + rest) | torch-es ms (create + rest) | ratio total | ratio rest |")?;
+    writeln!(md, "|---|---:|---:|---:|---:|")?;
+    for (t, e, s) in pairs {
+        let (ec, sc) = (create_ms(&e.tight, base), create_ms(&s.tight, base));
+        let (et, st) = (
+            e.tight.modeled_driver_us / 1000.0,
+            s.tight.modeled_driver_us / 1000.0,
+        );
+        let ratio = |a: f64, b: f64| {
+            if e.tight.ok && s.tight.ok && b > 0.0 {
+                format!("{:.2}", a / b)
+            } else {
+                "-".to_string()
+            }
+        };
+        writeln!(
+            md,
+            "| {} (d{}) | {:.1} ({:.1} + {:.1}) | {:.1} ({:.1} + {:.1}){} | {} | {} |",
+            t.name,
+            t.device,
+            et,
+            ec,
+            et - ec,
+            st,
+            sc,
+            st - sc,
+            if s.tight.ok { "" } else { " out of memory" },
+            ratio(et, st),
+            ratio(et - ec, st - sc)
+        )?;
+    }
+    writeln!(md)?;
+    Ok(())
+}
+
 /// Writes `DIR/report.md`, `DIR/overhead.svg` and one `DIR/memory-<trace>.svg` per trace.
 pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
     std::fs::create_dir_all(dir)?;
@@ -220,6 +286,7 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
          PyTorch's allocators leave it to the driver).\n"
     )?;
     writeln!(md, "```\n{}```\n", table(rows))?;
+    head_to_head(&mut md, rows, base)?;
     writeln!(md, "![overhead per policy](overhead.svg)\n")?;
     writeln!(md, "## Traces\n")?;
     for t in rows {
