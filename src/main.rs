@@ -1,11 +1,15 @@
-//! `vmmalloc`: the command-line front end (device info, trace replay and comparison, benchmarks).
+//! `vmmalloc`: the command-line front end (device info, trace replay and comparison,
+//! the allocator's summary table and snapshot at a point of a replay, benchmarks).
 
 mod bench_cmd;
 mod calibrate;
 mod compare;
 mod info;
+mod point;
 mod replay_cmd;
 mod report;
+mod snapshot_cmd;
+mod summary_cmd;
 mod workloads_cmd;
 
 use anyhow::Result;
@@ -27,6 +31,10 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Replay one trace against one policy on a simulated device and print its stats.
     Replay(replay_cmd::ReplayArgs),
+    /// Replay one trace against one policy and print PyTorch's memory_summary() table at the end, peak or first OOM.
+    Summary(summary_cmd::SummaryArgs),
+    /// Replay one trace against one policy and write the allocator's state at the end, peak or first OOM as a PyTorch snapshot pickle.
+    Snapshot(snapshot_cmd::SnapshotArgs),
     /// Benchmark every policy side by side: the cache-hit malloc+free pair and 1-vs-2-thread throughput.
     Bench(bench_cmd::BenchArgs),
     /// List the built-in workload generators and their parameters.
@@ -41,6 +49,8 @@ fn main() -> Result<()> {
         Command::Info(args) => info::run(args),
         Command::Compare(args) => compare::run(args),
         Command::Replay(args) => replay_cmd::run(args),
+        Command::Summary(args) => summary_cmd::run(args),
+        Command::Snapshot(args) => snapshot_cmd::run(args),
         Command::Bench(args) => bench_cmd::run(args),
         Command::Workloads => workloads_cmd::run(),
         Command::Calibrate(args) => calibrate::run(args),

@@ -48,7 +48,7 @@ pub struct OomReport {
 
 /// Formats a byte count the way PyTorch does ("1.50 GiB", "20.00 MiB").
 pub fn format_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut v = b as f64;
     let mut u = 0;
     while v >= 1024.0 && u + 1 < UNITS.len() {

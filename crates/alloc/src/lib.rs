@@ -7,13 +7,18 @@
 //! - [`native`]: one device allocation per request.
 //!
 //! [`Policy`] names them and [`build`] creates one over a device.
+//!
+//! Reports over any policy: [`summary`] (PyTorch's `memory_summary()` table)
+//! and [`pickle_snapshot`] (PyTorch's snapshot pickle).
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
 mod error;
+pub mod pickle_snapshot;
 mod policy;
 pub mod snapshot;
 pub mod stats;
+pub mod summary;
 
 pub mod bench;
 pub mod caching;

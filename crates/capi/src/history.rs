@@ -20,23 +20,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{SystemTime, UNIX_EPOCH};
 use vmmalloc_alloc::{Allocator, BlockState, Snapshot};
 
-/// One event, in PyTorch's `TraceEntry` shape.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TraceEntry {
-    /// `alloc`, `free_requested`, `free_completed`, `segment_alloc`,
-    /// `segment_free`, `segment_map`, `segment_unmap` or `oom`.
-    pub action: &'static str,
-    /// Address (for `oom`: the device's free bytes, as PyTorch records it).
-    pub addr: u64,
-    /// Bytes: requested size for alloc/free, range size for segment events.
-    pub size: u64,
-    /// The stream (raw `CUstream` value; 0 = default stream).
-    pub stream: u64,
-    /// Microseconds since the Unix epoch.
-    pub time_us: i64,
-    /// `oom` only: free device memory as the driver reported it.
-    pub device_free: Option<u64>,
-}
+pub use vmmalloc_alloc::pickle_snapshot::TraceEntry;
 
 /// Mapped ranges, as `(address, size)`, sorted by address.
 type Ranges = Vec<(u64, u64)>;

@@ -54,7 +54,6 @@ mod diag;
 mod dump;
 mod history;
 mod runtime;
-mod summary;
 
 pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
 pub use runtime::MAX_DEVICES;
@@ -144,8 +143,8 @@ pub extern "C" fn vmmalloc_malloc(size: usize, device: c_int, stream: *mut c_voi
                 true,
                 format!(
                     "out of memory: tried to allocate {} on device {device}, beyond any device ({} of memory here)",
-                    summary::format_bytes(size as u64),
-                    summary::format_bytes(d.device.caps().total_memory)
+                    vmmalloc_alloc::summary::format_bytes(size as u64),
+                    vmmalloc_alloc::summary::format_bytes(d.device.caps().total_memory)
                 ),
             ))
         } else {
@@ -362,9 +361,9 @@ pub extern "C" fn vmmalloc_memory_summary(device: c_int) -> *mut c_char {
             let (ordinal, stats) = stats_of(&rt, device)?;
             let d = rt.existing(ordinal);
             let policy = c.effective_policy();
-            Ok(summary::summary(
+            Ok(vmmalloc_alloc::summary::summary(
                 &stats,
-                &summary::Context {
+                &vmmalloc_alloc::summary::Context {
                     device: ordinal,
                     page_size: c
                         .page_size

@@ -29,6 +29,10 @@ pub struct ReplayConfig {
     pub timeline_samples: usize,
     /// Run `validate()` every this many ops (0: never) — slow, for tests.
     pub validate_every: usize,
+    /// Replay only the ops up to and including this op index (`None`: all),
+    /// e.g. to look at the allocator right after a given event with
+    /// [`replay_keeping`].
+    pub stop_after: Option<usize>,
 }
 
 impl ReplayConfig {
@@ -43,6 +47,7 @@ impl ReplayConfig {
             stop_at_oom: false,
             timeline_samples: 0,
             validate_every: 0,
+            stop_after: None,
         }
     }
 }
@@ -77,6 +82,13 @@ pub struct ReplayResult {
     pub ops: usize,
     /// Peak of requested live bytes during the replay.
     pub peak_live: u64,
+    /// Index of the op after which `peak_live` was first reached (`None`: no
+    /// allocation succeeded).
+    pub peak_live_op: Option<usize>,
+    /// Requested bytes of the allocations live when the replay stopped.
+    pub final_live: u64,
+    /// Allocations live when the replay stopped.
+    pub final_live_allocs: usize,
     /// Peak reserved bytes (`reserved_bytes.all.peak`).
     pub peak_reserved: u64,
     /// Allocator retries (`num_alloc_retries`).
@@ -125,6 +137,55 @@ impl ReplayResult {
 
 /// Replays `ops` with `config`.
 pub fn replay(ops: &[Op], config: &ReplayConfig) -> ReplayResult {
+    replay_keeping(ops, config).finish()
+}
+
+/// A replay whose allocator is still alive: look at its `stats()` and
+/// `snapshot()` where the replay stopped (after the last op, at the first
+/// out-of-memory with `stop_at_oom`, or after `stop_after`), then call
+/// [`Replayed::finish`] for the teardown figures.
+pub struct Replayed {
+    /// What the replay measured up to the stop. The teardown fields are zero
+    /// until [`Replayed::finish`].
+    pub result: ReplayResult,
+    /// The allocator (`None` if it could not be created; `result.error` says why).
+    pub allocator: Option<Box<dyn Allocator>>,
+    /// The simulated device it runs on.
+    pub device: Arc<SimDevice>,
+}
+
+impl std::fmt::Debug for Replayed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replayed")
+            .field("result", &self.result)
+            .field("allocator", &self.allocator.as_ref().map(|a| a.name()))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Replayed {
+    /// Drops the allocator and returns the result with the teardown counted
+    /// (what [`replay`] returns).
+    pub fn finish(self) -> ReplayResult {
+        let Replayed {
+            mut result,
+            allocator,
+            device,
+        } = self;
+        if allocator.is_some() {
+            let counts = device.counts();
+            let modeled_us = device.modeled_us();
+            drop(allocator);
+            result.teardown_calls = device.counts().since(&counts);
+            result.teardown_driver_us = device.modeled_us() - modeled_us;
+        }
+        result
+    }
+}
+
+/// Replays `ops` with `config` and keeps the allocator alive where the replay
+/// stopped. [`replay`] is this followed by [`Replayed::finish`].
+pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
     let mut sim_config = SimConfig::with_capacity(config.capacity);
     sim_config.granularity = config.granularity;
     sim_config.cost = config.cost;
@@ -139,6 +200,9 @@ pub fn replay(ops: &[Op], config: &ReplayConfig) -> ReplayResult {
         oom_message: None,
         ops: 0,
         peak_live: 0,
+        peak_live_op: None,
+        final_live: 0,
+        final_live_allocs: 0,
         peak_reserved: 0,
         retries: 0,
         syncs: 0,
@@ -155,33 +219,42 @@ pub fn replay(ops: &[Op], config: &ReplayConfig) -> ReplayResult {
         Err(e) => {
             result.ok = false;
             result.error = Some(format!("creating {}: {e}", config.policy));
-            return result;
+            return Replayed {
+                result,
+                allocator: None,
+                device: sim,
+            };
         }
     };
+    let ops = match config.stop_after {
+        Some(last) => &ops[..ops.len().min(last.saturating_add(1))],
+        None => ops,
+    };
     let start = Instant::now();
-    run_ops(&*alloc, &sim, ops, config, &mut result);
+    result.final_live = run_ops(&*alloc, &sim, ops, config, &mut result);
     result.cpu_time = start.elapsed();
     let stats = alloc.stats();
     result.peak_reserved = stats.reserved_bytes.all().peak.max(0) as u64;
     result.retries = stats.num_alloc_retries;
     let counts = sim.counts();
-    let modeled_us = sim.modeled_us();
-    drop(alloc);
     result.syncs = counts.syncs();
-    result.teardown_calls = sim.counts().since(&counts);
-    result.teardown_driver_us = sim.modeled_us() - modeled_us;
+    result.modeled_driver_us = sim.modeled_us();
     result.driver_calls = counts;
-    result.modeled_driver_us = modeled_us;
-    result
+    Replayed {
+        result,
+        allocator: Some(alloc),
+        device: sim,
+    }
 }
 
+/// Runs the ops; returns the requested bytes live where it stopped.
 fn run_ops(
     alloc: &dyn Allocator,
     sim: &SimDevice,
     ops: &[Op],
     config: &ReplayConfig,
     result: &mut ReplayResult,
-) {
+) -> u64 {
     // Dense id -> pointer (u64::MAX: not live / failed).
     let mut ptrs: Vec<u64> = Vec::new();
     let mut sizes: Vec<u64> = Vec::new();
@@ -217,7 +290,7 @@ fn run_ops(
                                 Err(e) => {
                                     result.error = Some(format!("op {i}: creating a stream: {e}"));
                                     result.ok = false;
-                                    return;
+                                    return live;
                                 }
                             }
                         };
@@ -231,7 +304,11 @@ fn run_ops(
                         ptrs[id] = a.ptr;
                         sizes[id] = size;
                         live += size;
-                        result.peak_live = result.peak_live.max(live);
+                        result.final_live_allocs += 1;
+                        if live > result.peak_live {
+                            result.peak_live = live;
+                            result.peak_live_op = Some(i);
+                        }
                     }
                     Err(e) if e.is_out_of_memory() => {
                         result.ok = false;
@@ -242,14 +319,14 @@ fn run_ops(
                         }
                         if config.stop_at_oom {
                             result.ops = i + 1;
-                            return;
+                            return live;
                         }
                     }
                     Err(e) => {
                         result.ok = false;
                         result.error = Some(format!("op {i}: malloc({size}) failed: {e}"));
                         result.ops = i + 1;
-                        return;
+                        return live;
                     }
                 }
             }
@@ -261,10 +338,11 @@ fn run_ops(
                         result.ok = false;
                         result.error = Some(format!("op {i}: free({ptr:#x}) failed: {e}"));
                         result.ops = i + 1;
-                        return;
+                        return live;
                     }
                     ptrs[id] = u64::MAX;
                     live -= sizes[id];
+                    result.final_live_allocs -= 1;
                 }
             }
         }
@@ -273,7 +351,7 @@ fn run_ops(
                 result.ok = false;
                 result.error = Some(format!("op {i}: invariant broken: {e}"));
                 result.ops = i + 1;
-                return;
+                return live;
             }
         }
         if i % sample_every == 0 {
@@ -286,6 +364,7 @@ fn run_ops(
         }
     }
     result.ops = ops.len();
+    live
 }
 
 /// The result of a capacity search for one policy.
@@ -439,6 +518,54 @@ mod tests {
         let mut stop = cfg.clone();
         stop.stop_at_oom = true;
         assert_eq!(replay(&ops(), &stop).ops, 5);
+    }
+
+    #[test]
+    fn peak_and_final_live_are_located() {
+        let s = 3 * MIB + 100;
+        let r = replay(&ops(), &ReplayConfig::new(Policy::Native, 64 * MIB));
+        // Live after each op: 1, 2, 1, 2, 3, 2, 1, 0 allocations.
+        assert_eq!(r.peak_live_op, Some(4));
+        assert_eq!(r.peak_live, 3 * s);
+        assert_eq!((r.final_live, r.final_live_allocs), (0, 0));
+    }
+
+    #[test]
+    fn replay_keeping_stops_after_an_op_with_the_allocator_alive() {
+        let s = 3 * MIB + 100;
+        for policy in Policy::ALL {
+            let mut cfg = ReplayConfig::new(policy, 64 * MIB);
+            cfg.stop_after = Some(4);
+            let kept = replay_keeping(&ops(), &cfg);
+            assert!(kept.result.ok, "{policy}: {:?}", kept.result.error);
+            assert_eq!(kept.result.ops, 5);
+            assert_eq!(kept.result.final_live, 3 * s);
+            assert_eq!(kept.result.final_live_allocs, 3);
+            let alloc = kept.allocator.as_ref().unwrap();
+            let stats = alloc.stats();
+            assert_eq!(stats.requested_bytes.all().current, (3 * s) as i64);
+            assert_eq!(stats.allocation.all().current, 3);
+            let active: u64 = alloc
+                .snapshot()
+                .segments
+                .iter()
+                .flat_map(|g| &g.blocks)
+                .filter(|b| b.state == vmmalloc_alloc::BlockState::ActiveAllocated)
+                .map(|b| b.requested_size)
+                .sum();
+            assert_eq!(active, 3 * s);
+            let r = kept.finish();
+            assert!(
+                r.teardown_calls.total() > 0,
+                "{policy}: three blocks to free"
+            );
+        }
+        // Past the end: the whole trace, as replay() runs it.
+        let mut cfg = ReplayConfig::new(Policy::Native, 64 * MIB);
+        cfg.stop_after = Some(100);
+        let r = replay(&ops(), &cfg);
+        let full = replay(&ops(), &ReplayConfig::new(Policy::Native, 64 * MIB));
+        assert_eq!((r.ops, r.driver_calls), (full.ops, full.driver_calls));
     }
 
     #[test]

@@ -69,8 +69,8 @@ impl Inner {
             // Best fit among the free blocks inside segments, then a segment's
             // free tail (the rest of its slice: the block of last resort).
             let pool = &self.streams[owner as usize].pools[kind as usize];
-            let found = match pool.free.range((rounded, 0, 0)..).next() {
-                Some(k) => Some(k.2),
+            let found = match pool.free.best_fit(rounded) {
+                Some(i) => Some(i),
                 None => pool
                     .segments
                     .iter()
@@ -148,7 +148,7 @@ impl Inner {
             seg: seg_idx,
             state: BlockState::Free,
             pending_events: 0,
-            streams: Vec::new(),
+            streams: None,
         });
         self.segments[seg_idx as usize] = Some(Segment {
             base,
@@ -186,7 +186,7 @@ impl Inner {
         let is_tail = self.seg(seg).tail == idx;
         if !is_tail {
             let free = &mut self.streams[owner as usize].pools[kind as usize].free;
-            free.remove(&(bsize, addr, idx));
+            free.remove(bsize, addr, idx);
         }
         if bsize > rounded {
             let (next, freed_at) = (self.slab[idx].next, self.slab[idx].freed_at);
@@ -200,7 +200,7 @@ impl Inner {
                 seg,
                 state: BlockState::Free,
                 pending_events: 0,
-                streams: Vec::new(),
+                streams: None,
             });
             if next != NIL {
                 self.slab[next].prev = rest;
@@ -211,7 +211,7 @@ impl Inner {
             } else {
                 self.streams[owner as usize].pools[kind as usize]
                     .free
-                    .insert((bsize - rounded, addr + rounded, rest));
+                    .insert(bsize - rounded, addr + rounded, rest);
             }
         } else {
             let s = self.seg_mut(seg);
@@ -250,7 +250,7 @@ impl Inner {
             return Err(AllocError::InvalidPointer { ptr });
         };
         let mut pending = false;
-        if !self.slab[idx].streams.is_empty() {
+        if self.slab[idx].streams.is_some() {
             match self.record_free_events(dev, idx) {
                 Ok(n) => pending = n > 0,
                 Err(e) => {
@@ -303,7 +303,7 @@ impl Inner {
         let mut merged = 0;
         if prev != NIL && self.slab[prev].state == BlockState::Free {
             let p = &self.slab[prev];
-            free.remove(&(p.size, p.addr, prev));
+            free.remove(p.size, p.addr, prev);
             let (paddr, psize, pprev, pfreed) = (p.addr, p.size, p.prev, p.freed_at);
             let b = &mut self.slab[idx];
             b.addr = paddr;
@@ -323,7 +323,7 @@ impl Inner {
         if next != NIL && self.slab[next].state == BlockState::Free {
             let n = &self.slab[next];
             if !next_is_tail {
-                free.remove(&(n.size, n.addr, next));
+                free.remove(n.size, n.addr, next);
             }
             let (nsize, nnext, nfreed) = (n.size, n.next, n.freed_at);
             let b = &mut self.slab[idx];
@@ -341,10 +341,10 @@ impl Inner {
             // The last block of the segment: it becomes (or stays) the tail.
             self.seg_mut(seg).tail = idx;
         } else {
-            let key = (b.size, b.addr, idx);
+            let (size, addr) = (b.size, b.addr);
             self.streams[owner as usize].pools[kind as usize]
                 .free
-                .insert(key);
+                .insert(size, addr, idx);
         }
         self.seg_mut(seg).free_blocks -= merged;
         self.split_changed(seg, before);
@@ -363,9 +363,10 @@ impl Inner {
         if self.streams[owner as usize].stream == stream {
             return Ok(());
         }
-        let b = &mut self.slab[idx];
-        if !b.streams.contains(&stream) {
-            b.streams.push(stream);
+        match &mut self.slab[idx].streams {
+            Some(v) if v.contains(&stream) => {}
+            Some(v) => v.push(stream),
+            v @ None => *v = Some(Box::new(vec![stream])),
         }
         Ok(())
     }

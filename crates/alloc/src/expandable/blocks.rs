@@ -4,11 +4,11 @@
 //! segment (`prev`/`next`). Invariants (checked by `validate`):
 //! - the blocks of a segment tile `[base, base + slice)` without gaps;
 //! - no two neighbours are both [`BlockState::Free`] (free neighbours merge);
-//! - a free block is in its (stream, pool) free index under `(size, addr, idx)`,
+//! - a free block other than a segment's tail is in its (stream, pool) free
+//!   index ([`super::free_index`]) under `(size, addr)`,
 //!   and nothing else is;
 //! - an allocated block is in the live map under its address.
 
-use std::collections::BTreeSet;
 use std::hash::{BuildHasherDefault, Hasher};
 use vmmalloc_device::Stream;
 
@@ -55,8 +55,13 @@ pub(crate) struct Block {
     pub state: BlockState,
     /// Events still outstanding while [`BlockState::PendingFree`].
     pub pending_events: u32,
-    /// Streams other than the segment's that used this block (`record_stream`).
-    pub streams: Vec<Stream>,
+    /// Streams other than the segment's that used this block (`record_stream`);
+    /// `None` when there are none, never an empty list. Boxed, so that a
+    /// block is 64 bytes: one cache line.
+    // A `Box<Vec>` on purpose: a thin pointer (a `Vec` or boxed slice is two
+    // or three words), and blocks without other streams (most) allocate nothing.
+    #[allow(clippy::box_collection)]
+    pub streams: Option<Box<Vec<Stream>>>,
 }
 
 impl Block {
@@ -95,7 +100,7 @@ impl Slab {
     pub fn remove(&mut self, i: u32) {
         let b = &mut self.blocks[i as usize];
         b.size = 0;
-        b.streams = Vec::new();
+        b.streams = None;
         self.vacant.push(i);
     }
 
@@ -119,9 +124,6 @@ impl std::ops::IndexMut<u32> for Slab {
         &mut self.blocks[i as usize]
     }
 }
-
-/// Free blocks of one (stream, pool), ordered for best fit: `(size, addr, index)`.
-pub(crate) type FreeIndex = BTreeSet<(u64, u64, u32)>;
 
 /// A multiplicative hasher for 512-byte-aligned addresses (the live map's
 /// keys): one multiply, no per-byte loop.
@@ -174,5 +176,14 @@ impl PoolKind {
             PoolKind::Small => "small",
             PoolKind::Large => "large",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A block fills one cache line (the fast path touches a few per call).
+    #[test]
+    fn block_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<super::Block>(), 64);
     }
 }

@@ -47,9 +47,11 @@ impl Inner {
         dev: &D,
         idx: u32,
     ) -> AllocResult<u32> {
-        let streams = std::mem::take(&mut self.slab[idx].streams);
+        let Some(streams) = self.slab[idx].streams.take() else {
+            return Ok(0);
+        };
         let mut recorded: Vec<Event> = Vec::with_capacity(streams.len());
-        for &s in &streams {
+        for &s in streams.iter() {
             let ok = match self.get_event(dev) {
                 Ok(ev) => {
                     self.stats.driver_calls.add(Call::EventRecord);
@@ -72,7 +74,7 @@ impl Inner {
                 if let Err(e) = dev.synchronize_stream(s) {
                     // Roll back: the block stays allocated with its streams.
                     self.events.free.extend(recorded);
-                    self.slab[idx].streams = streams;
+                    self.slab[idx].streams = Some(streams);
                     return Err(e.into());
                 }
                 self.stats.num_stream_syncs += 1;

@@ -31,10 +31,12 @@
 //!
 //! # Cost
 //!
-//! A cache hit costs one lock, one `BTreeSet` lookup + removal (+ insertion of
-//! the split remainder), one hash-map insertion, and no device call. `free` is
-//! one hash-map removal, at most two neighbour merges and one `BTreeSet`
-//! insertion.
+//! A cache hit costs one lock, one free-index ([`free_index`]) lookup +
+//! removal (+ insertion of the split remainder), one hash-map insertion, and
+//! no device call. `free` is one hash-map removal, at most two neighbour
+//! merges and one free-index insertion. Mapping new pages costs one
+//! `cuMemMap` per page and one `set_access` per run; the stats are updated
+//! once per run.
 
 mod alloc;
 mod arena;
@@ -42,6 +44,7 @@ mod blocks;
 mod config;
 mod counters;
 mod events;
+mod free_index;
 mod lock;
 mod pages;
 mod reclaim;

@@ -27,31 +27,39 @@ impl Inner {
         self.seg(seg).base + p * self.layout.page
     }
 
-    /// Records a new mapping of `h` at page `p` of `seg` (stats included).
-    fn note_mapped(&mut self, seg: u32, p: u64, h: PhysHandle) {
-        let before = self.seg(seg).inactive_split(self.layout.page);
-        self.seg_mut(seg).set_mapped(p, h);
-        self.split_changed(seg, before);
-        let k = self.seg(seg).kind as usize;
-        self.counters.reserved_bytes.add(k, self.layout.page as i64);
-        self.stats.pages_mapped += 1;
-    }
-
-    /// Records that page `p` of `seg` was unmapped; its handle goes to the pool.
-    fn note_unmapped(&mut self, seg: u32, p: u64) {
-        let before = self.seg(seg).inactive_split(self.layout.page);
-        let h = self.seg_mut(seg).clear_mapped(p);
+    /// Updates the stats after `n` pages of `seg` were mapped (recorded in the
+    /// segment with [`super::segment::Segment::set_mapped`]); `before` is the
+    /// segment's inactive split from before the first of them. One update per
+    /// run gives the same counters, peaks included, as one per page: every
+    /// page moves them the same way.
+    fn note_mapped(&mut self, seg: u32, n: u64, before: (i64, i64)) {
         self.split_changed(seg, before);
         let k = self.seg(seg).kind as usize;
         self.counters
             .reserved_bytes
-            .add(k, -(self.layout.page as i64));
-        self.stats.pages_mapped -= 1;
-        if !self.unready.is_empty() {
-            self.unready.retain(|&(s, q)| !(s == seg && q == p));
+            .add(k, (n * self.layout.page) as i64);
+        self.stats.pages_mapped += n;
+    }
+
+    /// Records that pages `[first, first + count)` of `seg` were unmapped;
+    /// their handles go to the pool.
+    fn note_unmapped(&mut self, seg: u32, first: u64, count: u64) {
+        let before = self.seg(seg).inactive_split(self.layout.page);
+        for p in first..first + count {
+            if let Some(h) = self.seg_mut(seg).clear_mapped(p) {
+                self.pool_put(h);
+            }
         }
-        if let Some(h) = h {
-            self.pool_put(h);
+        self.split_changed(seg, before);
+        let k = self.seg(seg).kind as usize;
+        self.counters
+            .reserved_bytes
+            .add(k, -((count * self.layout.page) as i64));
+        self.stats.pages_mapped -= count;
+        if !self.unready.is_empty() {
+            let pages = first..first + count;
+            self.unready
+                .retain(|&(s, q)| !(s == seg && pages.contains(&q)));
         }
     }
 
@@ -127,9 +135,7 @@ impl Inner {
         let addr = self.page_addr(seg, first);
         self.stats.driver_calls.add(Call::Unmap);
         dev.unmap(addr, count * self.layout.page)?;
-        for p in first..first + count {
-            self.note_unmapped(seg, p);
-        }
+        self.note_unmapped(seg, first, count);
         Ok(())
     }
 
@@ -198,7 +204,6 @@ impl Inner {
         if got.len() as u64 == n {
             return Ok(got);
         }
-        let mut created: Vec<PhysHandle> = Vec::new();
         let want = n - got.len() as u64;
         let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
         let headroom = self.limit_pages.saturating_sub(held);
@@ -206,7 +211,7 @@ impl Inner {
         if want > headroom {
             // Proactive: creating the rest would pass the memory limit.
             let lack = want - headroom;
-            let reclaimable = self.reclaimable(exclude);
+            let reclaimable = self.reclaimable(exclude, lack);
             if reclaimable < lack {
                 shortfall = lack - reclaimable;
             } else {
@@ -215,6 +220,9 @@ impl Inner {
                 self.pool_take(&mut got, n);
             }
         }
+        // The handles this call creates: `got[created]` (creates append to
+        // `got` in one stretch, after the pooled handles taken so far).
+        let mut created = got.len()..got.len();
         while shortfall == 0 && (got.len() as u64) < n {
             let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
             if held >= self.limit_pages {
@@ -224,13 +232,13 @@ impl Inner {
             match dev.create(self.layout.page) {
                 Ok(h) => {
                     self.stats.num_device_alloc += 1;
-                    created.push(h);
                     got.push(h);
+                    created.end = got.len();
                 }
                 Err(e) if e.is_out_of_memory() => {
                     // The driver is out of memory: take free pages from elsewhere.
                     let lack = n - got.len() as u64;
-                    if self.reclaimable(exclude) >= lack {
+                    if self.reclaimable(exclude, lack) >= lack {
                         self.stats.num_alloc_retries += 1;
                         self.reclaim(dev, lack, exclude);
                         self.pool_take(&mut got, n);
@@ -238,7 +246,7 @@ impl Inner {
                     break;
                 }
                 Err(e) => {
-                    self.give_back(dev, got, &created);
+                    self.give_back(dev, got, created);
                     return Err(Backing::Fail(e.into()));
                 }
             }
@@ -249,22 +257,22 @@ impl Inner {
             } else {
                 n - got.len() as u64
             };
-            self.give_back(dev, got, &created);
+            self.give_back(dev, got, created);
             return Err(Backing::Short(lacking));
         }
         Ok(got)
     }
 
-    /// Undoes a failed [`Inner::acquire`]: releases the handles it created,
-    /// pools the others.
+    /// Undoes a failed [`Inner::acquire`]: releases the handles it created
+    /// (`got[created]`), pools the others.
     fn give_back<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         got: Vec<PhysHandle>,
-        created: &[PhysHandle],
+        created: std::ops::Range<usize>,
     ) {
-        for h in got {
-            if !created.contains(&h) || self.release_handle(dev, h).is_err() {
+        for (i, h) in got.into_iter().enumerate() {
+            if !created.contains(&i) || self.release_handle(dev, h).is_err() {
                 self.pool_put(h);
             }
         }
@@ -281,7 +289,9 @@ impl Inner {
         mut handles: Vec<PhysHandle>,
     ) -> Result<(), DeviceError> {
         let page = self.layout.page;
-        let mut done: Vec<u64> = Vec::with_capacity(pages.len());
+        // Pages are mapped in order, so the ones this call mapped are always
+        // `pages[..done]`.
+        let mut done = 0;
         let mut i = 0;
         while i < pages.len() {
             let start = pages[i];
@@ -289,6 +299,7 @@ impl Inner {
             while i + (count as usize) < pages.len() && pages[i + count as usize] == start + count {
                 count += 1;
             }
+            let before = self.seg(seg).inactive_split(page);
             for p in start..start + count {
                 let Some(h) = handles.pop() else {
                     unreachable!("acquire returned one handle per missing page")
@@ -297,19 +308,21 @@ impl Inner {
                 self.stats.driver_calls.add(Call::Map);
                 match dev.map(addr, page, h) {
                     Ok(()) => {
-                        self.note_mapped(seg, p, h);
-                        done.push(p);
+                        self.seg_mut(seg).set_mapped(p, h);
+                        done += 1;
                     }
                     Err(e) => {
+                        self.note_mapped(seg, p - start, before);
                         self.pool_put(h);
-                        return Err(self.undo_mapping(dev, seg, &done, handles, e));
+                        return Err(self.undo_mapping(dev, seg, &pages[..done], handles, e));
                     }
                 }
             }
+            self.note_mapped(seg, count, before);
             let addr = self.page_addr(seg, start);
             self.stats.driver_calls.add(Call::SetAccess);
             if let Err(e) = dev.set_access(addr, count * page) {
-                return Err(self.undo_mapping(dev, seg, &done, handles, e));
+                return Err(self.undo_mapping(dev, seg, &pages[..done], handles, e));
             }
             i += count as usize;
         }

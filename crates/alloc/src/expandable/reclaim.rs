@@ -39,19 +39,21 @@ fn clip(runs: Vec<(u64, u64)>, x: Option<(u64, u64)>) -> Vec<(u64, u64)> {
 }
 
 impl Inner {
-    /// Every free block: the free indexes' and the segments' tails.
-    pub(super) fn free_blocks(&self) -> impl Iterator<Item = u32> + '_ {
+    /// Every free block of at least `min_size` bytes: the free indexes' and
+    /// the segments' tails. Blocks smaller than a page hold no whole page, so
+    /// reclaim skips them here without looking at them.
+    pub(super) fn free_blocks(&self, min_size: u64) -> impl Iterator<Item = u32> + '_ {
         let indexed = self
             .streams
             .iter()
             .flat_map(|e| e.pools.iter())
-            .flat_map(|p| p.free.iter().map(|k| k.2));
+            .flat_map(move |p| p.free.iter_from(min_size));
         let tails = self
             .segments
             .iter()
             .flatten()
             .map(|s| s.tail)
-            .filter(|&t| t != NIL);
+            .filter(move |&t| t != NIL && self.slab[t].size >= min_size);
         indexed.chain(tails)
     }
 
@@ -64,21 +66,45 @@ impl Inner {
         clip(s.mapped_runs(wf, wl), x)
     }
 
-    /// Free blocks holding whole mapped pages, in every stream and pool.
-    fn candidates(&self, exclude: Exclude) -> Vec<(Candidate, u64)> {
-        let mut out = Vec::new();
-        for idx in self.free_blocks() {
-            let pages: u64 = self.free_runs(idx, exclude).iter().map(|r| r.1).sum();
-            if pages > 0 {
-                out.push(((self.slab[idx].freed_at, idx), pages));
+    /// Number of whole, mapped pages of free block `idx`, minus `exclude`
+    /// (the pages [`Inner::free_runs`] lists, counted a bitmap word at a time).
+    fn free_pages(&self, idx: u32, exclude: Exclude) -> u64 {
+        let b = &self.slab[idx];
+        let s = self.seg(b.seg);
+        let (wf, wl) = s.whole_pages(self.layout.page, b.addr, b.end());
+        if wf >= wl {
+            return 0;
+        }
+        let mut n = s.mapped_count(wf, wl);
+        if let Some((xs, x0, x1)) = exclude {
+            let (lo, hi) = (wf.max(x0), wl.min(x1 + 1));
+            if xs == b.seg && lo < hi {
+                n -= s.mapped_count(lo, hi);
             }
         }
-        out
+        n
     }
 
-    /// Whole free mapped pages a reclaim could take.
-    pub(super) fn reclaimable(&self, exclude: Exclude) -> u64 {
-        self.candidates(exclude).iter().map(|c| c.1).sum()
+    /// Free blocks holding whole mapped pages, in every stream and pool.
+    fn candidates(&self, exclude: Exclude) -> Vec<Candidate> {
+        self.free_blocks(self.layout.page)
+            .filter(|&idx| self.free_pages(idx, exclude) > 0)
+            .map(|idx| (self.slab[idx].freed_at, idx))
+            .collect()
+    }
+
+    /// Whole free mapped pages a reclaim could take, counted up to `cap`:
+    /// the exact count when it is below `cap`, else `cap` (callers only ask
+    /// whether `cap` pages can be reclaimed, and how many are lacking).
+    pub(super) fn reclaimable(&self, exclude: Exclude, cap: u64) -> u64 {
+        let mut total = 0;
+        for idx in self.free_blocks(self.layout.page) {
+            total += self.free_pages(idx, exclude);
+            if total >= cap {
+                return cap;
+            }
+        }
+        total
     }
 
     /// Waits for all work queued so far on the stream of entry `owner`.
@@ -104,10 +130,10 @@ impl Inner {
         exclude: Exclude,
     ) -> u64 {
         let mut cands = self.candidates(exclude);
-        cands.sort_unstable_by_key(|c| c.0);
+        cands.sort_unstable();
         let mut got = 0;
         let mut unsafe_streams: Vec<u32> = Vec::new();
-        for ((freed_at, idx), _) in cands {
+        for (freed_at, idx) in cands {
             if got >= want {
                 break;
             }
@@ -146,10 +172,10 @@ impl Inner {
         dev: &D,
     ) -> Result<(), DeviceError> {
         let mut cands = self.candidates(None);
-        cands.sort_unstable_by_key(|c| c.0);
+        cands.sort_unstable();
         let mut first_err = None;
         let mut unsafe_streams: Vec<u32> = Vec::new();
-        for ((freed_at, idx), _) in cands {
+        for (freed_at, idx) in cands {
             let seg = self.slab[idx].seg;
             let owner = self.seg(seg).owner;
             if unsafe_streams.contains(&owner) {

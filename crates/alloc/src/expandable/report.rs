@@ -14,17 +14,12 @@ impl Inner {
         let s = self.seg(b.seg);
         let page = self.layout.page;
         let (p0, p1) = s.page_span(&self.layout, b.addr, b.size);
-        let (mut best, mut cur) = (0u64, 0u64);
-        for p in p0..=p1 {
-            if s.mapped[p as usize] {
-                let lo = (s.base + p * page).max(b.addr);
-                let hi = (s.base + (p + 1) * page).min(b.end());
-                cur += hi - lo;
-                best = best.max(cur);
-            } else {
-                cur = 0;
-            }
-        }
+        let mut best = 0;
+        s.for_each_mapped_run(p0, p1 + 1, |first, count| {
+            let lo = (s.base + first * page).max(b.addr);
+            let hi = (s.base + (first + count) * page).min(b.end());
+            best = best.max(hi - lo);
+        });
         best
     }
 
@@ -60,7 +55,7 @@ impl Inner {
                 cached: mapped.saturating_sub(live),
             });
         }
-        for idx in self.free_blocks() {
+        for idx in self.free_blocks(0) {
             largest_free = largest_free.max(self.largest_mapped_run(idx));
         }
         for p in &self.events.pending {

@@ -13,7 +13,8 @@
 //!   block of last resort, so the common "grow at the end, shrink back" pattern
 //!   never touches the index).
 
-use super::blocks::{FreeIndex, PoolKind};
+use super::blocks::PoolKind;
+use super::free_index::FreeIndex;
 use bitvec::vec::BitVec;
 use vmmalloc_device::{PhysHandle, Stream};
 
@@ -54,15 +55,23 @@ impl Segment {
         (layout.page_of(off), layout.page_of(off + len - 1))
     }
 
-    /// Whether every page in `[first, last]` is mapped.
+    /// Whether every page in `[first, last]` is mapped. Compares whole
+    /// bitmap words (bit `i` is bit `i % usize::BITS` of word `i / usize::BITS`).
     #[inline]
     pub fn all_mapped(&self, first: u64, last: u64) -> bool {
+        const BITS: usize = usize::BITS as usize;
         let (f, l) = (first as usize, last as usize);
-        if f == l {
-            let bits = usize::BITS as usize;
-            return self.mapped.as_raw_slice()[f / bits] >> (f % bits) & 1 == 1;
+        let words = self.mapped.as_raw_slice();
+        let (fw, lw) = (f / BITS, l / BITS);
+        let head = !0usize << (f % BITS);
+        let tail = !0usize >> (BITS - 1 - l % BITS);
+        if fw == lw {
+            let m = head & tail;
+            return words[fw] & m == m;
         }
-        self.mapped[f..=l].all()
+        words[fw] & head == head
+            && words[fw + 1..lw].iter().all(|&w| w == !0)
+            && words[lw] & tail == tail
     }
 
     /// The whole pages inside `[addr, end)`, as a half-open page range.
@@ -97,18 +106,33 @@ impl Segment {
     /// Runs of mapped pages in the half-open range `[from, to)`, as `(first, count)`.
     pub fn mapped_runs(&self, from: u64, to: u64) -> Vec<(u64, u64)> {
         let mut runs = Vec::new();
+        self.for_each_mapped_run(from, to, |f, n| runs.push((f, n)));
+        runs
+    }
+
+    /// Calls `f(first, count)` for each run of mapped pages in the half-open
+    /// range `[from, to)`, ascending. Scans the bitmap a word at a time.
+    #[inline]
+    pub fn for_each_mapped_run(&self, from: u64, to: u64, mut f: impl FnMut(u64, u64)) {
+        let to = to.min(self.mapped.len() as u64) as usize;
+        let mut p = from as usize;
+        while p < to {
+            let bits = &self.mapped[p..to];
+            let Some(start) = bits.first_one() else { break };
+            let len = bits[start..].first_zero().unwrap_or(bits.len() - start);
+            f((p + start) as u64, len as u64);
+            p += start + len;
+        }
+    }
+
+    /// Number of mapped pages in the half-open range `[from, to)`.
+    #[inline]
+    pub fn mapped_count(&self, from: u64, to: u64) -> u64 {
         let to = to.min(self.mapped.len() as u64);
         if from >= to {
-            return runs;
+            return 0;
         }
-        for i in self.mapped[from as usize..to as usize].iter_ones() {
-            let p = from + i as u64;
-            match runs.last_mut() {
-                Some((s, n)) if *s + *n == p => *n += 1,
-                _ => runs.push((p, 1)),
-            }
-        }
-        runs
+        self.mapped[from as usize..to as usize].count_ones() as u64
     }
 
     /// Bytes mapped in this segment.
@@ -160,6 +184,41 @@ impl StreamEntry {
             stream,
             synced_at: 0,
             pools: [StreamPool::default(), StreamPool::default()],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PoolKind;
+    use super::Segment;
+    use bitvec::vec::BitVec;
+
+    /// `all_mapped` agrees with a bit-by-bit check on every range.
+    #[test]
+    fn all_mapped_matches_a_bit_loop() {
+        let mut s = Segment {
+            base: 0,
+            len: 300,
+            owner: 0,
+            kind: PoolKind::Large,
+            first: 0,
+            tail: 0,
+            mapped: BitVec::repeat(false, 300),
+            handles: Vec::new(),
+            mapped_pages: 0,
+            active_blocks: 0,
+            active_bytes: 0,
+            free_blocks: 0,
+        };
+        for i in (0..300).filter(|i| !matches!(i, 5 | 130 | 255)) {
+            s.mapped.set(i, true);
+        }
+        for f in 0..300u64 {
+            for l in f..300u64 {
+                let want = (f..=l).all(|i| s.mapped[i as usize]);
+                assert_eq!(s.all_mapped(f, l), want, "[{f}, {l}]");
+            }
         }
     }
 }

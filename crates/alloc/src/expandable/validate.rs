@@ -129,7 +129,7 @@ impl Inner {
                                 b.addr
                             ));
                         }
-                        let indexed = owner.pools[k].free.contains(&(b.size, b.addr, i));
+                        let indexed = owner.pools[k].free.contains(b.size, b.addr, i);
                         let last = b.next == NIL;
                         if last != (s.tail == i) {
                             return Err(format!(
@@ -144,7 +144,7 @@ impl Inner {
                                 if indexed { "in" } else { "missing from" }
                             ));
                         }
-                        if b.pending_events != 0 || !b.streams.is_empty() || b.requested != 0 {
+                        if b.pending_events != 0 || b.streams.is_some() || b.requested != 0 {
                             return Err(format!(
                                 "free block {:#x} carries allocation state",
                                 b.addr

@@ -1,12 +1,17 @@
-//! `vmmalloc_memory_summary`: PyTorch's `torch.cuda.memory_summary()` table,
-//! row for row and column for column (75 characters wide, the same metrics,
-//! unit scaling and pool breakdown), titled for vmmalloc, followed by a
-//! vmmalloc section: backend and device, physical pages mapped and pooled,
+//! PyTorch's `torch.cuda.memory_summary()` table over any allocator's
+//! [`Stats`], row for row and column for column (75 characters wide, the same
+//! metrics, unit scaling and pool breakdown), titled for vmmalloc, followed by
+//! a vmmalloc section: backend and device, physical pages mapped and pooled,
 //! targeted reclaims, stream syncs, and driver calls per kind.
+//!
+//! The plug-in's `vmmalloc_memory_summary` and the `vmmalloc summary` command
+//! both print it.
 
+use crate::Stats;
 use std::collections::BTreeMap;
-use vmmalloc_alloc::Stats;
 use vmmalloc_device::DeviceCaps;
+
+pub use crate::error::format_bytes;
 
 const WIDTH: usize = 75;
 
@@ -42,21 +47,6 @@ fn format_count(mut cnt: i64, pref: i64) -> String {
     format!("{cnt:7} {prefix} ")
 }
 
-/// A byte count the way PyTorch's error messages write it ("1.50 GiB").
-pub fn format_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if b < 1024 {
-        return format!("{b} bytes");
-    }
-    let mut v = b as f64 / 1024.0;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.2} {}", UNITS[u])
-}
-
 /// Pads or truncates a line body to the table width.
 fn fit(s: String) -> String {
     let n = s.chars().count();
@@ -68,6 +58,7 @@ fn fit(s: String) -> String {
 }
 
 /// What the vmmalloc section shows besides the stats.
+#[derive(Debug, Clone, Copy)]
 pub struct Context<'a> {
     /// Device ordinal.
     pub device: u32,
@@ -77,7 +68,8 @@ pub struct Context<'a> {
     pub device_kind: &'a str,
     /// The device's capabilities (None: allocator not created yet).
     pub caps: Option<&'a DeviceCaps>,
-    /// History events dropped from the ring buffer.
+    /// Recorded events dropped for lack of room (the plug-in's history ring
+    /// buffer); the row is shown only when this is not 0.
     pub dropped_events: u64,
     /// Bytes per page when the policy's pages are not the granularity
     /// (`page_size_mb`); `None`: the device granularity.
@@ -250,7 +242,7 @@ pub fn summary(stats: &Stats, ctx: &Context<'_>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vmmalloc_alloc::StatType;
+    use crate::StatType;
 
     #[test]
     fn pytorch_unit_scaling() {
@@ -262,6 +254,14 @@ mod tests {
         assert_eq!(format_size(1 << 10, 5 << 30), "     0 MiB");
         assert_eq!(format_count(999, 999), "    999   ");
         assert_eq!(format_count(2_000_000, 2_000_000), "   2000 K ");
+    }
+
+    #[test]
+    fn bytes_read_like_pytorch_messages() {
+        assert_eq!(format_bytes(1023), "1023 bytes");
+        assert_eq!(format_bytes(1536), "1.50 KiB");
+        assert_eq!(format_bytes(3 << 30), "3.00 GiB");
+        assert_eq!(format_bytes(2 << 50), "2.00 PiB");
     }
 
     #[test]

@@ -1,0 +1,331 @@
+//! The best-fit index of one (stream, pool)'s free blocks.
+//!
+//! Blocks are ordered by `(size, addr)`; addresses of free blocks are unique
+//! (blocks never overlap), so the pair identifies a block and the block's slab
+//! index rides along. A best-fit lookup returns the first block whose size is
+//! at least the request: the smallest such size, lowest address first — the
+//! order a `BTreeSet<(size, addr, idx)>` gives, at a fraction of its cost.
+//!
+//! Shape (as TLSF allocators do): the keys are split by size class, eight
+//! classes per power of two, with a bitmap of the non-empty classes. Each
+//! class is a sorted list of short sorted chunks (a two-level B-tree), so an
+//! update is two binary searches and a short `memmove`. A lookup searches the
+//! request's class, or else takes the first entry of the next non-empty class.
+
+/// `(size << 64) | addr`: orders by size, then address.
+type Key = u128;
+
+/// Packs a block's size and address into its key.
+#[inline]
+fn key(size: u64, addr: u64) -> Key {
+    (u128::from(size) << 64) | u128::from(addr)
+}
+
+/// Sub-class bits: `1 << SUB_BITS` classes per power of two.
+const SUB_BITS: u32 = 3;
+
+/// Number of size classes (every `u64` size has one).
+const CLASSES: usize = 64 << SUB_BITS;
+
+/// The size class of `size`: non-decreasing in `size`.
+#[inline]
+fn class_of(size: u64) -> usize {
+    if size < 1 << SUB_BITS {
+        return size as usize;
+    }
+    let log = 63 - size.leading_zeros();
+    let sub = (size >> (log - SUB_BITS)) & ((1 << SUB_BITS) - 1);
+    (((log - SUB_BITS + 1) as usize) << SUB_BITS) + sub as usize
+}
+
+/// Target chunk length; a chunk splits above twice this.
+const CHUNK: usize = 16;
+
+/// The sorted entries of one size class, in chunks of at most `2 × CHUNK`.
+#[derive(Debug, Default, Clone)]
+struct Class {
+    /// Sorted chunks, in key order. Only a lone chunk may be empty: a class
+    /// that empties keeps its last chunk, so one that often empties and
+    /// fills again does not allocate each time.
+    chunks: Vec<Vec<(Key, u32)>>,
+    /// Largest key of each chunk (`Key::MAX` for a lone empty chunk).
+    maxes: Vec<Key>,
+}
+
+impl Class {
+    /// (chunk, index) of the first entry with key >= `k`; `(chunks.len(), 0)` if none.
+    #[inline]
+    fn lower_bound(&self, k: Key) -> (usize, usize) {
+        let ci = self.maxes.partition_point(|m| *m < k);
+        match self.chunks.get(ci) {
+            Some(c) => (ci, c.partition_point(|e| e.0 < k)),
+            None => (ci, 0),
+        }
+    }
+
+    /// The entry at (chunk, index), if any.
+    #[inline]
+    fn entry(&self, ci: usize, i: usize) -> Option<(Key, u32)> {
+        self.chunks.get(ci).and_then(|c| c.get(i)).copied()
+    }
+
+    /// Whether the class holds no entry.
+    #[inline]
+    fn is_empty(&self) -> bool {
+        self.chunks.first().is_none_or(Vec::is_empty)
+    }
+
+    /// The first entry with key >= `k`.
+    #[inline]
+    fn first_at_least(&self, k: Key) -> Option<u32> {
+        let (ci, i) = self.lower_bound(k);
+        self.entry(ci, i).map(|e| e.1)
+    }
+
+    /// The first entry.
+    #[inline]
+    fn first(&self) -> Option<u32> {
+        self.entry(0, 0).map(|e| e.1)
+    }
+
+    /// Inserts `k -> idx`; false (and no change) if `k` is present.
+    fn insert(&mut self, k: Key, idx: u32) -> bool {
+        if self.chunks.is_empty() {
+            self.chunks.push(vec![(k, idx)]);
+            self.maxes.push(k);
+            return true;
+        }
+        let (mut ci, mut i) = self.lower_bound(k);
+        if ci == self.chunks.len() {
+            ci -= 1;
+            i = self.chunks[ci].len();
+        } else if self.entry(ci, i).is_some_and(|e| e.0 == k) {
+            return false;
+        }
+        let c = &mut self.chunks[ci];
+        c.insert(i, (k, idx));
+        self.maxes[ci] = c[c.len() - 1].0;
+        if c.len() > 2 * CHUNK {
+            let tail = c.split_off(CHUNK);
+            self.maxes[ci] = c[c.len() - 1].0;
+            self.maxes.insert(ci + 1, tail[tail.len() - 1].0);
+            self.chunks.insert(ci + 1, tail);
+        }
+        true
+    }
+
+    /// Removes `k -> idx`; false (and no change) if absent.
+    fn remove(&mut self, k: Key, idx: u32) -> bool {
+        let (ci, i) = self.lower_bound(k);
+        if self.entry(ci, i) != Some((k, idx)) {
+            return false;
+        }
+        let c = &mut self.chunks[ci];
+        c.remove(i);
+        let n = c.len();
+        if n == 0 {
+            if self.chunks.len() == 1 {
+                self.maxes[0] = Key::MAX;
+            } else {
+                self.chunks.remove(ci);
+                self.maxes.remove(ci);
+            }
+        } else {
+            self.maxes[ci] = c[n - 1].0;
+            // Keep chunks from thinning out: fold a small chunk into its successor.
+            if n < CHUNK / 4 && ci + 1 < self.chunks.len() && n + self.chunks[ci + 1].len() <= CHUNK
+            {
+                let next = self.chunks.remove(ci + 1);
+                self.maxes.remove(ci + 1);
+                let c = &mut self.chunks[ci];
+                c.extend(next);
+                self.maxes[ci] = c[c.len() - 1].0;
+            }
+        }
+        true
+    }
+
+    /// Whether `k -> idx` is present.
+    fn contains(&self, k: Key, idx: u32) -> bool {
+        let (ci, i) = self.lower_bound(k);
+        self.entry(ci, i) == Some((k, idx))
+    }
+}
+
+/// Free blocks of one (stream, pool), ordered for best fit by `(size, addr)`.
+#[derive(Debug, Clone)]
+pub(crate) struct FreeIndex {
+    /// One sorted class per size class (empty ones allocate nothing).
+    classes: Vec<Class>,
+    /// Bit `c` set iff class `c` is non-empty.
+    nonempty: [u64; CLASSES / 64],
+    /// Number of entries.
+    len: usize,
+}
+
+impl Default for FreeIndex {
+    fn default() -> Self {
+        FreeIndex {
+            classes: vec![Class::default(); CLASSES],
+            nonempty: [0; CLASSES / 64],
+            len: 0,
+        }
+    }
+}
+
+impl FreeIndex {
+    /// The first non-empty class >= `from`, if any.
+    #[inline]
+    fn next_class(&self, from: usize) -> Option<usize> {
+        let mut w = from / 64;
+        let mut bits = *self.nonempty.get(w)? & (!0u64 << (from % 64));
+        loop {
+            if bits != 0 {
+                return Some(w * 64 + bits.trailing_zeros() as usize);
+            }
+            w += 1;
+            bits = *self.nonempty.get(w)?;
+        }
+    }
+
+    /// Updates the non-empty bit of class `c`.
+    #[inline]
+    fn mark(&mut self, c: usize) {
+        if self.classes[c].is_empty() {
+            self.nonempty[c / 64] &= !(1 << (c % 64));
+        } else {
+            self.nonempty[c / 64] |= 1 << (c % 64);
+        }
+    }
+
+    /// Files free block `idx` of `size` bytes at `addr`. Returns false (and
+    /// changes nothing) if a block with that size and address is filed.
+    #[inline]
+    pub fn insert(&mut self, size: u64, addr: u64, idx: u32) -> bool {
+        let c = class_of(size);
+        let inserted = self.classes[c].insert(key(size, addr), idx);
+        if inserted {
+            self.len += 1;
+            self.nonempty[c / 64] |= 1 << (c % 64);
+        }
+        inserted
+    }
+
+    /// Removes free block `idx` of `size` bytes at `addr`. Returns false (and
+    /// changes nothing) if it is not filed.
+    #[inline]
+    pub fn remove(&mut self, size: u64, addr: u64, idx: u32) -> bool {
+        let c = class_of(size);
+        let removed = self.classes[c].remove(key(size, addr), idx);
+        if removed {
+            self.len -= 1;
+            self.mark(c);
+        }
+        removed
+    }
+
+    /// The best fit for `size` bytes: the smallest block of at least `size`
+    /// bytes, lowest address first.
+    #[inline]
+    pub fn best_fit(&self, size: u64) -> Option<u32> {
+        let c = class_of(size);
+        if let Some(i) = self.classes[c].first_at_least(key(size, 0)) {
+            return Some(i);
+        }
+        self.next_class(c + 1).and_then(|n| self.classes[n].first())
+    }
+
+    /// Whether free block `idx` of `size` bytes at `addr` is filed.
+    pub fn contains(&self, size: u64, addr: u64, idx: u32) -> bool {
+        self.classes[class_of(size)].contains(key(size, addr), idx)
+    }
+
+    /// Number of blocks filed.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The blocks of at least `min_size` bytes, in `(size, addr)` order.
+    pub fn iter_from(&self, min_size: u64) -> impl Iterator<Item = u32> + '_ {
+        let from = key(min_size, 0);
+        self.classes[class_of(min_size)..]
+            .iter()
+            .flat_map(|c| c.chunks.iter())
+            .flat_map(move |c| c.iter().filter(move |e| e.0 >= from).map(|e| e.1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{class_of, FreeIndex};
+    use std::collections::{BTreeSet, HashSet};
+
+    #[test]
+    fn classes_are_monotonic() {
+        let mut last = 0;
+        for s in (0..1u64 << 16).chain((16..64).map(|b| 1u64 << b)) {
+            let c = class_of(s);
+            assert!(c >= last, "class of {s}");
+            last = c;
+        }
+        assert!(class_of(u64::MAX) < super::CLASSES);
+    }
+
+    /// Agrees with a `BTreeSet<(size, addr, idx)>` on a random sequence.
+    #[test]
+    fn matches_a_btreeset() {
+        let mut f = FreeIndex::default();
+        let mut b: BTreeSet<(u64, u64, u32)> = BTreeSet::new();
+        let mut addrs: HashSet<u64> = HashSet::new();
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for step in 0..5_000u32 {
+            let r = next();
+            let size = 512 * (1 + (r % 4096) * if r & (1 << 40) != 0 { 37 } else { 1 });
+            if r % 3 != 0 || b.is_empty() {
+                let addr = 512 * (next() % 100_000);
+                if !addrs.insert(addr) {
+                    continue;
+                }
+                assert!(f.insert(size, addr, step));
+                b.insert((size, addr, step));
+            } else {
+                let e = *b.iter().nth((next() % b.len() as u64) as usize).unwrap();
+                assert!(f.contains(e.0, e.1, e.2));
+                assert!(f.remove(e.0, e.1, e.2));
+                assert!(!f.remove(e.0, e.1, e.2));
+                b.remove(&e);
+                addrs.remove(&e.1);
+            }
+            let want = b.range((size, 0, 0)..).next().map(|e| e.2);
+            assert_eq!(f.best_fit(size), want, "step {step}");
+            assert_eq!(f.len(), b.len());
+        }
+        let all: Vec<u32> = f.iter_from(0).collect();
+        let expect: Vec<u32> = b.iter().map(|e| e.2).collect();
+        assert_eq!(all, expect);
+        for min in [0, 512, 100 * 512, 3000 * 512, 1 << 40] {
+            let got: Vec<u32> = f.iter_from(min).collect();
+            let want: Vec<u32> = b.range((min, 0, 0)..).map(|e| e.2).collect();
+            assert_eq!(got, want, "from {min}");
+        }
+        // Emptied classes (which keep a chunk) work as new ones.
+        for e in std::mem::take(&mut b) {
+            assert!(f.remove(e.0, e.1, e.2));
+        }
+        assert_eq!(
+            (f.len(), f.best_fit(0), f.iter_from(0).count()),
+            (0, None, 0)
+        );
+        assert!(f.insert(4096, 0, 1) && f.insert(1024, 512, 2) && !f.insert(1024, 512, 3));
+        assert_eq!(
+            (f.best_fit(1), f.best_fit(1025), f.best_fit(4097)),
+            (Some(2), Some(1), None)
+        );
+    }
+}

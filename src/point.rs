@@ -1,0 +1,190 @@
+//! What `vmmalloc summary` and `vmmalloc snapshot` share: replay an input with
+//! one policy on a simulated device and keep the allocator alive at a chosen
+//! point (the end, the peak of live bytes, or the first out-of-memory).
+
+use crate::compare::{base_config, gib, load_inputs};
+use crate::replay_cmd::parse_size;
+use anyhow::{bail, Result};
+use std::sync::Arc;
+use vmmalloc_alloc::{Allocator, Policy};
+use vmmalloc_device::sim::SimDevice;
+use vmmalloc_trace::replay::{replay, replay_keeping, ReplayConfig, ReplayResult, Replayed};
+
+/// Where in the replay to look at the allocator.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum At {
+    /// After the last event.
+    End,
+    /// Right after the event where the requested live bytes peak (first time reached).
+    Peak,
+    /// Right at the first out-of-memory (an error if there is none).
+    Oom,
+}
+
+impl At {
+    /// The name as given on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            At::End => "end",
+            At::Peak => "peak",
+            At::Oom => "oom",
+        }
+    }
+}
+
+/// The options of `vmmalloc summary` and `vmmalloc snapshot`.
+#[derive(clap::Args, Debug)]
+pub struct PointArgs {
+    /// A snapshot (.pickle), a text trace, or a workload name (with `:key=value,...` overrides).
+    pub input: String,
+    /// The policy (expandable, caching, torch-es, native).
+    #[arg(long, default_value = "expandable")]
+    pub policy: String,
+    /// Simulated device capacity, e.g. `80GiB`, `14.5G`, `512MiB` or bytes.
+    #[arg(long, default_value = "80GiB")]
+    pub capacity: String,
+    /// Only this device of the trace (default: all).
+    #[arg(long)]
+    pub device: Option<u32>,
+    /// Where to look: after the last event, at the peak of live bytes, or at the first out-of-memory.
+    #[arg(long, value_enum, default_value_t = At::End)]
+    pub at: At,
+    /// Cost model overrides, e.g. `create=40,map=2`.
+    #[arg(long)]
+    pub cost: Option<String>,
+    /// Device granularity in MiB.
+    #[arg(long, default_value_t = 2)]
+    pub granularity_mb: u64,
+}
+
+/// One device's allocator, alive at the chosen point.
+pub struct Point {
+    /// The trace's name.
+    pub trace: String,
+    /// The trace's device ordinal.
+    pub device: u32,
+    /// The replay config (policy, capacity, granularity).
+    pub config: ReplayConfig,
+    /// Where the replay stopped.
+    pub at: At,
+    /// Ops in the device's trace.
+    pub total_ops: usize,
+    /// What the replay measured up to the point.
+    pub result: ReplayResult,
+    /// The allocator at the point.
+    pub allocator: Box<dyn Allocator>,
+    /// The simulated device it runs on.
+    pub sim: Arc<SimDevice>,
+}
+
+impl Point {
+    /// A line saying which trace, device, policy and point this is, and what is live there.
+    pub fn describe(&self) -> String {
+        let r = &self.result;
+        let where_ = match self.at {
+            At::End => format!("at the end ({} of {} ops)", r.ops, self.total_ops),
+            At::Peak => format!(
+                "at the peak of live bytes (after {} of {} ops)",
+                r.ops, self.total_ops
+            ),
+            At::Oom => format!(
+                "at the first out-of-memory (event {}; {} of {} ops)",
+                r.first_oom.unwrap_or(0),
+                r.ops,
+                self.total_ops
+            ),
+        };
+        format!(
+            "{} device {} — policy {} on a {} GiB simulated device, {where_}: {} live allocations, {} GiB ({} bytes) requested",
+            self.trace,
+            self.device,
+            self.config.policy,
+            gib(self.config.capacity),
+            r.final_live_allocs,
+            gib(r.final_live),
+            r.final_live,
+        )
+    }
+}
+
+/// Writes `text` to stdout; a closed pipe (`| head`) ends the output quietly.
+pub fn print_out(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+/// Replays `args.input` and returns each selected device's allocator at `args.at`.
+pub fn replay_at(args: &PointArgs) -> Result<Vec<Point>> {
+    let policy: Policy = args.policy.parse()?;
+    let mut cfg = base_config(args.cost.as_deref(), args.granularity_mb)?;
+    cfg.policy = policy;
+    cfg.capacity = vmmalloc_device::round_up(parse_size(&args.capacity)?, cfg.granularity);
+    let traces = load_inputs(std::slice::from_ref(&args.input))?;
+    let mut points = Vec::new();
+    for t in &traces {
+        for dt in t
+            .devices
+            .iter()
+            .filter(|d| args.device.is_none_or(|x| x == d.device()))
+        {
+            let ops = dt.replay_ops();
+            let what = format!("{} device {}", t.name, dt.device());
+            let mut c = cfg.clone();
+            match args.at {
+                At::End => {}
+                At::Peak => {
+                    let full = replay(ops, &cfg);
+                    match full.peak_live_op {
+                        Some(op) => c.stop_after = Some(op),
+                        None => bail!(
+                            "{what}: no allocation succeeded with policy {policy} on a {} GiB device, so there is no peak of live bytes",
+                            gib(cfg.capacity)
+                        ),
+                    }
+                }
+                At::Oom => c.stop_at_oom = true,
+            }
+            let Replayed {
+                result: r,
+                allocator,
+                device: sim,
+            } = replay_keeping(ops, &c);
+            let Some(allocator) = allocator else {
+                bail!(
+                    "{what}: {}",
+                    r.error
+                        .as_deref()
+                        .unwrap_or("the allocator was not created")
+                );
+            };
+            if args.at == At::Oom && r.first_oom.is_none() {
+                bail!(
+                    "{what}: no out-of-memory with policy {policy} on a {} GiB device (peak live {} GiB), so --at oom has nothing to show; try a smaller --capacity",
+                    gib(cfg.capacity),
+                    gib(r.peak_live)
+                );
+            }
+            if let Some(e) = &r.error {
+                eprintln!("warning: {what}: the replay stopped early: {e}");
+            }
+            points.push(Point {
+                trace: t.name.clone(),
+                device: dt.device(),
+                config: c,
+                at: args.at,
+                total_ops: ops.len(),
+                result: r,
+                allocator,
+                sim,
+            });
+        }
+    }
+    if points.is_empty() {
+        bail!("no device of the input matched");
+    }
+    Ok(points)
+}
