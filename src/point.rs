@@ -2,11 +2,11 @@
 //! one policy on a simulated device and keep the allocator alive at a chosen
 //! point (the end, the peak of live bytes, or the first out-of-memory).
 
-use crate::compare::{base_config, gib, load_inputs};
-use crate::replay_cmd::parse_size;
+use crate::compare::{gib, load_inputs};
+use crate::replay_cmd::ReplayArgs;
 use anyhow::{bail, Result};
 use std::sync::Arc;
-use vmmalloc_alloc::{Allocator, Policy};
+use vmmalloc_alloc::Allocator;
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_trace::replay::{replay, replay_keeping, ReplayConfig, ReplayResult, Replayed};
 
@@ -35,26 +35,12 @@ impl At {
 /// The options of `vmmalloc summary` and `vmmalloc snapshot`.
 #[derive(clap::Args, Debug)]
 pub struct PointArgs {
-    /// A snapshot (.pickle), a text trace, or a workload name (with `:key=value,...` overrides).
-    pub input: String,
-    /// The policy (expandable, caching, torch-es, native).
-    #[arg(long, default_value = "expandable")]
-    pub policy: String,
-    /// Simulated device capacity, e.g. `80GiB`, `14.5G`, `512MiB` or bytes.
-    #[arg(long, default_value = "80GiB")]
-    pub capacity: String,
-    /// Only this device of the trace (default: all).
-    #[arg(long)]
-    pub device: Option<u32>,
+    /// The input, policy and simulated device, as for `vmmalloc replay`.
+    #[command(flatten)]
+    pub replay: ReplayArgs,
     /// Where to look: after the last event, at the peak of live bytes, or at the first out-of-memory.
     #[arg(long, value_enum, default_value_t = At::End)]
     pub at: At,
-    /// Cost model overrides, e.g. `create=40,map=2`.
-    #[arg(long)]
-    pub cost: Option<String>,
-    /// Device granularity in MiB.
-    #[arg(long, default_value_t = 2)]
-    pub granularity_mb: u64,
 }
 
 /// One device's allocator, alive at the chosen point.
@@ -119,18 +105,12 @@ pub fn print_out(text: &str) -> Result<()> {
 
 /// Replays `args.input` and returns each selected device's allocator at `args.at`.
 pub fn replay_at(args: &PointArgs) -> Result<Vec<Point>> {
-    let policy: Policy = args.policy.parse()?;
-    let mut cfg = base_config(args.cost.as_deref(), args.granularity_mb)?;
-    cfg.policy = policy;
-    cfg.capacity = vmmalloc_device::round_up(parse_size(&args.capacity)?, cfg.granularity);
-    let traces = load_inputs(std::slice::from_ref(&args.input))?;
+    let cfg = args.replay.config()?;
+    let policy = cfg.policy;
+    let traces = load_inputs(std::slice::from_ref(&args.replay.input))?;
     let mut points = Vec::new();
     for t in &traces {
-        for dt in t
-            .devices
-            .iter()
-            .filter(|d| args.device.is_none_or(|x| x == d.device()))
-        {
+        for dt in t.devices.iter().filter(|d| args.replay.selects(d.device())) {
             let ops = dt.replay_ops();
             let what = format!("{} device {}", t.name, dt.device());
             let mut c = cfg.clone();

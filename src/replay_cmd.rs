@@ -4,7 +4,7 @@ use crate::compare::{base_config, gib, load_inputs};
 use anyhow::{bail, Result};
 use vmmalloc_alloc::Policy;
 use vmmalloc_device::{Call, GIB, MIB};
-use vmmalloc_trace::replay::replay;
+use vmmalloc_trace::replay::{replay, ReplayConfig};
 
 /// Arguments of `vmmalloc replay`.
 #[derive(clap::Args, Debug)]
@@ -26,6 +26,23 @@ pub struct ReplayArgs {
     /// Device granularity in MiB.
     #[arg(long, default_value_t = 2)]
     pub granularity_mb: u64,
+}
+
+impl ReplayArgs {
+    /// The replay configuration these options describe (policy, capacity
+    /// rounded up to the granularity, cost model).
+    pub fn config(&self) -> Result<ReplayConfig> {
+        let policy: Policy = self.policy.parse()?;
+        let mut cfg = base_config(self.cost.as_deref(), self.granularity_mb)?;
+        cfg.policy = policy;
+        cfg.capacity = vmmalloc_device::round_up(parse_size(&self.capacity)?, cfg.granularity);
+        Ok(cfg)
+    }
+
+    /// Whether `--device` selects trace device `device`.
+    pub fn selects(&self, device: u32) -> bool {
+        self.device.is_none_or(|x| x == device)
+    }
 }
 
 /// Parses a size with an optional unit (B, K/KiB, M/MiB, G/GiB, T/TiB; decimal allowed).
@@ -54,18 +71,12 @@ pub fn parse_size(s: &str) -> Result<u64> {
 
 /// Runs `vmmalloc replay`.
 pub fn run(args: ReplayArgs) -> Result<()> {
-    let policy: Policy = args.policy.parse()?;
-    let mut cfg = base_config(args.cost.as_deref(), args.granularity_mb)?;
-    cfg.policy = policy;
-    cfg.capacity = vmmalloc_device::round_up(parse_size(&args.capacity)?, cfg.granularity);
+    let cfg = args.config()?;
+    let policy = cfg.policy;
     let traces = load_inputs(std::slice::from_ref(&args.input))?;
     let mut any = false;
     for t in &traces {
-        for dt in t
-            .devices
-            .iter()
-            .filter(|d| args.device.is_none_or(|x| x == d.device()))
-        {
+        for dt in t.devices.iter().filter(|d| args.selects(d.device())) {
             any = true;
             let r = replay(dt.replay_ops(), &cfg);
             println!(

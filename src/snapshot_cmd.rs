@@ -47,7 +47,7 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
         ("device", "sim".into()),
         ("capacity_gb", gib(cfg.capacity).into()),
         ("granularity_mb", (cfg.granularity >> 20).to_string().into()),
-        ("input", args.point.input.clone().into()),
+        ("input", args.point.replay.input.clone().into()),
         ("at", args.point.at.name().into()),
         (
             "expandable_segments",
