@@ -17,6 +17,7 @@ mod error;
 pub mod pickle_snapshot;
 mod policy;
 pub mod snapshot;
+mod sorted_chunks;
 pub mod stats;
 pub mod summary;
 

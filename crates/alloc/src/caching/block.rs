@@ -12,6 +12,7 @@
 //! never change while it is in a set: remove, change, insert.
 
 use super::sizes::PoolKind;
+use crate::sorted_chunks::SortedChunks;
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use vmmalloc_device::Stream;
@@ -142,177 +143,8 @@ pub(crate) type SizeKey = (Stream, u64, u64, BlockId);
 /// (stream, ptr, id): `BlockComparatorAddress` order.
 pub(crate) type AddrKey = (Stream, u64, BlockId);
 
-/// A sorted map from `u128` keys to block ids, as a list of sorted chunks of
-/// at most `2 × CHUNK` entries (a two-level B-tree): lookups are two binary
-/// searches, updates a short `memmove`. Faster than `BTreeMap` for the few
-/// hundred free blocks a pool usually holds, and no slower for many.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct SortedMap {
-    chunks: Vec<Vec<(u128, BlockId)>>,
-    /// Largest key of each chunk (`u128::MAX` for a lone empty chunk).
-    maxes: Vec<u128>,
-}
-
-/// Target chunk length; a chunk splits above twice this.
-const CHUNK: usize = 16;
-
-impl SortedMap {
-    #[inline]
-    fn is_empty(&self) -> bool {
-        self.chunks.first().is_none_or(|c| c.is_empty())
-    }
-
-    /// (chunk, index) of the first entry whose key is >= `k`; (chunks, 0) if none.
-    #[inline]
-    fn lower_bound(&self, k: u128) -> (usize, usize) {
-        let ci = self.maxes.partition_point(|m| *m < k);
-        match self.chunks.get(ci) {
-            Some(c) => (ci, c.partition_point(|e| e.0 < k)),
-            None => (ci, 0),
-        }
-    }
-
-    /// Inserts `k -> id`; false (and no change) if `k` is present.
-    pub fn insert(&mut self, k: u128, id: BlockId) -> bool {
-        if self.chunks.is_empty() {
-            self.chunks.push(vec![(k, id)]);
-            self.maxes.push(k);
-            return true;
-        }
-        let (mut ci, mut i) = self.lower_bound(k);
-        if ci == self.chunks.len() {
-            ci -= 1;
-            i = self.chunks[ci].len();
-        } else if self.chunks[ci].get(i).is_some_and(|e| e.0 == k) {
-            return false;
-        }
-        let c = &mut self.chunks[ci];
-        c.insert(i, (k, id));
-        self.maxes[ci] = c[c.len() - 1].0;
-        if c.len() > 2 * CHUNK {
-            let tail = c.split_off(CHUNK);
-            self.maxes[ci] = c[c.len() - 1].0;
-            self.maxes.insert(ci + 1, tail[tail.len() - 1].0);
-            self.chunks.insert(ci + 1, tail);
-        }
-        true
-    }
-
-    /// Removes the entry `k -> id`; false (and no change) if absent.
-    pub fn remove(&mut self, k: u128, id: BlockId) -> bool {
-        let (ci, i) = self.lower_bound(k);
-        if self.entry(ci, i) != Some((k, id)) {
-            return false;
-        }
-        self.remove_at(ci, i);
-        true
-    }
-
-    /// The entry at (chunk, index).
-    #[inline]
-    fn entry(&self, ci: usize, i: usize) -> Option<(u128, BlockId)> {
-        self.chunks.get(ci).and_then(|c| c.get(i)).copied()
-    }
-
-    /// The position after (chunk, index).
-    #[inline]
-    fn next_pos(&self, ci: usize, i: usize) -> (usize, usize) {
-        if i + 1 < self.chunks[ci].len() {
-            (ci, i + 1)
-        } else {
-            (ci + 1, 0)
-        }
-    }
-
-    /// Replaces the entry `old -> old_id` by `new -> id` (`new` absent from the
-    /// map), moving it within its chunk when it stays there; false (and no
-    /// change) if the entry is absent.
-    pub fn replace(&mut self, old: u128, old_id: BlockId, new: u128, id: BlockId) -> bool {
-        let (ci, i) = self.lower_bound(old);
-        if self.entry(ci, i) != Some((old, old_id)) {
-            return false;
-        }
-        self.replace_at(ci, i, new, id);
-        true
-    }
-
-    /// Replaces the entry at (chunk, index) by `new -> id` (`new` absent from the map).
-    fn replace_at(&mut self, ci: usize, i: usize, new: u128, id: BlockId) {
-        let stays = (ci == 0 || new > self.maxes[ci - 1])
-            && self.chunks.get(ci + 1).is_none_or(|next| new < next[0].0);
-        if !stays {
-            self.remove_at(ci, i);
-            let inserted = self.insert(new, id);
-            debug_assert!(inserted, "replace onto a present key");
-            return;
-        }
-        let c = &mut self.chunks[ci];
-        let j = c.partition_point(|e| e.0 < new);
-        debug_assert!(j >= c.len() || c[j].0 != new, "replace onto a present key");
-        if j > i {
-            c.copy_within(i + 1..j, i);
-            c[j - 1] = (new, id);
-        } else {
-            c.copy_within(j..i, j + 1);
-            c[j] = (new, id);
-        }
-        self.maxes[ci] = c[c.len() - 1].0;
-    }
-
-    /// Removes the entry at (chunk, index), which exists.
-    fn remove_at(&mut self, ci: usize, i: usize) {
-        let c = &mut self.chunks[ci];
-        c.remove(i);
-        if c.is_empty() {
-            if self.chunks.len() == 1 {
-                // The map is empty: keep the chunk (a size class often empties
-                // and fills again; no allocation each time).
-                self.maxes[0] = u128::MAX;
-            } else {
-                self.chunks.remove(ci);
-                self.maxes.remove(ci);
-            }
-        } else {
-            self.maxes[ci] = c[c.len() - 1].0;
-            // Keep chunks from thinning out: fold a small chunk into its successor.
-            let n = c.len();
-            if n < CHUNK / 4 && ci + 1 < self.chunks.len() && n + self.chunks[ci + 1].len() <= CHUNK
-            {
-                let next = self.chunks.remove(ci + 1);
-                self.maxes.remove(ci + 1);
-                let c = &mut self.chunks[ci];
-                c.extend(next);
-                self.maxes[ci] = c[c.len() - 1].0;
-            }
-        }
-    }
-
-    /// The id stored under `k`.
-    pub fn get(&self, k: u128) -> Option<BlockId> {
-        let (ci, i) = self.lower_bound(k);
-        self.chunks
-            .get(ci)
-            .and_then(|c| c.get(i))
-            .filter(|e| e.0 == k)
-            .map(|e| e.1)
-    }
-
-    /// Every entry in key order.
-    pub fn iter(&self) -> impl DoubleEndedIterator<Item = (u128, BlockId)> + '_ {
-        self.chunks.iter().flat_map(|c| c.iter().copied())
-    }
-
-    /// The entries with keys < `k`, descending.
-    pub fn iter_below_rev(&self, k: u128) -> impl Iterator<Item = (u128, BlockId)> + '_ {
-        let (ci, i) = self.lower_bound(k);
-        let last = self.chunks.get(ci).map_or(&[][..], |c| &c[..i]);
-        let head = &self.chunks[..ci.min(self.chunks.len())];
-        head.iter()
-            .flat_map(|c| c.iter().copied())
-            .chain(last.iter().copied())
-            .rev()
-    }
-}
+/// A sorted map from `u128` keys to block ids (see [`SortedChunks`]).
+pub(crate) type SortedMap = SortedChunks<u128, BlockId>;
 
 /// Size classes of [`ClassedMap`]: 8 per power of two (the three bits after
 /// the leading one), in size order.
@@ -401,7 +233,7 @@ impl ClassedMap {
         let class = class_of(k);
         let m = &self.classes[class];
         let (ci, i) = m.lower_bound(k);
-        if m.chunks.get(ci).is_some_and(|c| i < c.len()) {
+        if m.has(ci, i) {
             return Pos { class, ci, i };
         }
         self.first_of(self.next_class(class + 1))
@@ -422,7 +254,7 @@ impl ClassedMap {
     fn next_pos(&self, p: Pos) -> Pos {
         let m = &self.classes[p.class];
         let (ci, i) = m.next_pos(p.ci, p.i);
-        if ci < m.chunks.len() {
+        if ci < m.num_chunks() {
             return Pos {
                 class: p.class,
                 ci,

@@ -12,6 +12,8 @@
 //! update is two binary searches and a short `memmove`. A lookup searches the
 //! request's class, or else takes the first entry of the next non-empty class.
 
+use crate::sorted_chunks::SortedChunks;
+
 /// `(size << 64) | addr`: orders by size, then address.
 type Key = u128;
 
@@ -38,119 +40,10 @@ fn class_of(size: u64) -> usize {
     (((log - SUB_BITS + 1) as usize) << SUB_BITS) + sub as usize
 }
 
-/// Target chunk length; a chunk splits above twice this.
-const CHUNK: usize = 16;
-
-/// The sorted entries of one size class, in chunks of at most `2 × CHUNK`.
-#[derive(Debug, Default, Clone)]
-struct Class {
-    /// Sorted chunks, in key order. Only a lone chunk may be empty: a class
-    /// that empties keeps its last chunk, so one that often empties and
-    /// fills again does not allocate each time.
-    chunks: Vec<Vec<(Key, u32)>>,
-    /// Largest key of each chunk (`Key::MAX` for a lone empty chunk).
-    maxes: Vec<Key>,
-}
-
-impl Class {
-    /// (chunk, index) of the first entry with key >= `k`; `(chunks.len(), 0)` if none.
-    #[inline]
-    fn lower_bound(&self, k: Key) -> (usize, usize) {
-        let ci = self.maxes.partition_point(|m| *m < k);
-        match self.chunks.get(ci) {
-            Some(c) => (ci, c.partition_point(|e| e.0 < k)),
-            None => (ci, 0),
-        }
-    }
-
-    /// The entry at (chunk, index), if any.
-    #[inline]
-    fn entry(&self, ci: usize, i: usize) -> Option<(Key, u32)> {
-        self.chunks.get(ci).and_then(|c| c.get(i)).copied()
-    }
-
-    /// Whether the class holds no entry.
-    #[inline]
-    fn is_empty(&self) -> bool {
-        self.chunks.first().is_none_or(Vec::is_empty)
-    }
-
-    /// The first entry with key >= `k`.
-    #[inline]
-    fn first_at_least(&self, k: Key) -> Option<u32> {
-        let (ci, i) = self.lower_bound(k);
-        self.entry(ci, i).map(|e| e.1)
-    }
-
-    /// The first entry.
-    #[inline]
-    fn first(&self) -> Option<u32> {
-        self.entry(0, 0).map(|e| e.1)
-    }
-
-    /// Inserts `k -> idx`; false (and no change) if `k` is present.
-    fn insert(&mut self, k: Key, idx: u32) -> bool {
-        if self.chunks.is_empty() {
-            self.chunks.push(vec![(k, idx)]);
-            self.maxes.push(k);
-            return true;
-        }
-        let (mut ci, mut i) = self.lower_bound(k);
-        if ci == self.chunks.len() {
-            ci -= 1;
-            i = self.chunks[ci].len();
-        } else if self.entry(ci, i).is_some_and(|e| e.0 == k) {
-            return false;
-        }
-        let c = &mut self.chunks[ci];
-        c.insert(i, (k, idx));
-        self.maxes[ci] = c[c.len() - 1].0;
-        if c.len() > 2 * CHUNK {
-            let tail = c.split_off(CHUNK);
-            self.maxes[ci] = c[c.len() - 1].0;
-            self.maxes.insert(ci + 1, tail[tail.len() - 1].0);
-            self.chunks.insert(ci + 1, tail);
-        }
-        true
-    }
-
-    /// Removes `k -> idx`; false (and no change) if absent.
-    fn remove(&mut self, k: Key, idx: u32) -> bool {
-        let (ci, i) = self.lower_bound(k);
-        if self.entry(ci, i) != Some((k, idx)) {
-            return false;
-        }
-        let c = &mut self.chunks[ci];
-        c.remove(i);
-        let n = c.len();
-        if n == 0 {
-            if self.chunks.len() == 1 {
-                self.maxes[0] = Key::MAX;
-            } else {
-                self.chunks.remove(ci);
-                self.maxes.remove(ci);
-            }
-        } else {
-            self.maxes[ci] = c[n - 1].0;
-            // Keep chunks from thinning out: fold a small chunk into its successor.
-            if n < CHUNK / 4 && ci + 1 < self.chunks.len() && n + self.chunks[ci + 1].len() <= CHUNK
-            {
-                let next = self.chunks.remove(ci + 1);
-                self.maxes.remove(ci + 1);
-                let c = &mut self.chunks[ci];
-                c.extend(next);
-                self.maxes[ci] = c[c.len() - 1].0;
-            }
-        }
-        true
-    }
-
-    /// Whether `k -> idx` is present.
-    fn contains(&self, k: Key, idx: u32) -> bool {
-        let (ci, i) = self.lower_bound(k);
-        self.entry(ci, i) == Some((k, idx))
-    }
-}
+/// The sorted entries of one size class (see [`SortedChunks`]). A class that
+/// empties keeps its last chunk, so one that often empties and fills again
+/// does not allocate each time.
+type Class = SortedChunks<Key, u32>;
 
 /// Free blocks of one (stream, pool), ordered for best fit by `(size, addr)`.
 #[derive(Debug, Clone)]
@@ -250,7 +143,6 @@ impl FreeIndex {
         let from = key(min_size, 0);
         self.classes[class_of(min_size)..]
             .iter()
-            .flat_map(|c| c.chunks.iter())
             .flat_map(move |c| c.iter().filter(move |e| e.0 >= from).map(|e| e.1))
     }
 }
