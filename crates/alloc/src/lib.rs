@@ -16,6 +16,7 @@
 mod error;
 pub mod pickle_snapshot;
 mod policy;
+mod size_classes;
 pub mod snapshot;
 mod sorted_chunks;
 pub mod stats;

@@ -12,6 +12,7 @@
 //! never change while it is in a set: remove, change, insert.
 
 use super::sizes::PoolKind;
+use crate::size_classes::{self, ClassBits, CLASSES};
 use crate::sorted_chunks::SortedChunks;
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -146,21 +147,10 @@ pub(crate) type AddrKey = (Stream, u64, BlockId);
 /// A sorted map from `u128` keys to block ids (see [`SortedChunks`]).
 pub(crate) type SortedMap = SortedChunks<u128, BlockId>;
 
-/// Size classes of [`ClassedMap`]: 8 per power of two (the three bits after
-/// the leading one), in size order.
-const SUB_BITS: u32 = 3;
-const CLASSES: usize = 64 << SUB_BITS;
-
 /// The size class of a key (`(size << 64) | address`): non-decreasing in size.
 #[inline]
 fn class_of(key: u128) -> usize {
-    let size = (key >> 64) as u64;
-    if size < 1 << SUB_BITS {
-        return size as usize;
-    }
-    let log = 63 - size.leading_zeros();
-    let sub = (size >> (log - SUB_BITS)) & ((1 << SUB_BITS) - 1);
-    (((log - SUB_BITS + 1) as usize) << SUB_BITS) + sub as usize
+    size_classes::class_of((key >> 64) as u64)
 }
 
 /// A position in a [`ClassedMap`]: (class, chunk, index); class `CLASSES` is the end.
@@ -185,14 +175,14 @@ const END: Pos = Pos {
 #[derive(Debug, Clone)]
 pub(crate) struct ClassedMap {
     classes: Vec<SortedMap>,
-    nonempty: [u64; CLASSES / 64],
+    nonempty: ClassBits,
 }
 
 impl Default for ClassedMap {
     fn default() -> Self {
         ClassedMap {
             classes: vec![SortedMap::default(); CLASSES],
-            nonempty: [0; CLASSES / 64],
+            nonempty: ClassBits::default(),
         }
     }
 }
@@ -201,30 +191,13 @@ impl ClassedMap {
     /// The first non-empty class >= `from` (`CLASSES` if none).
     #[inline]
     fn next_class(&self, from: usize) -> usize {
-        let mut w = from / 64;
-        if w >= self.nonempty.len() {
-            return CLASSES;
-        }
-        let mut bits = self.nonempty[w] & (!0u64 << (from % 64));
-        loop {
-            if bits != 0 {
-                return w * 64 + bits.trailing_zeros() as usize;
-            }
-            w += 1;
-            if w == self.nonempty.len() {
-                return CLASSES;
-            }
-            bits = self.nonempty[w];
-        }
+        self.nonempty.next(from).unwrap_or(CLASSES)
     }
 
+    /// Updates the non-empty bit of class `c`.
     #[inline]
     fn mark(&mut self, c: usize) {
-        if self.classes[c].is_empty() {
-            self.nonempty[c / 64] &= !(1 << (c % 64));
-        } else {
-            self.nonempty[c / 64] |= 1 << (c % 64);
-        }
+        self.nonempty.set(c, !self.classes[c].is_empty());
     }
 
     /// The position of the first entry whose key is >= `k` (`END` if none).

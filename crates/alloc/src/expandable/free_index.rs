@@ -12,6 +12,7 @@
 //! update is two binary searches and a short `memmove`. A lookup searches the
 //! request's class, or else takes the first entry of the next non-empty class.
 
+use crate::size_classes::{class_of, ClassBits, CLASSES};
 use crate::sorted_chunks::SortedChunks;
 
 /// `(size << 64) | addr`: orders by size, then address.
@@ -21,23 +22,6 @@ type Key = u128;
 #[inline]
 fn key(size: u64, addr: u64) -> Key {
     (u128::from(size) << 64) | u128::from(addr)
-}
-
-/// Sub-class bits: `1 << SUB_BITS` classes per power of two.
-const SUB_BITS: u32 = 3;
-
-/// Number of size classes (every `u64` size has one).
-const CLASSES: usize = 64 << SUB_BITS;
-
-/// The size class of `size`: non-decreasing in `size`.
-#[inline]
-fn class_of(size: u64) -> usize {
-    if size < 1 << SUB_BITS {
-        return size as usize;
-    }
-    let log = 63 - size.leading_zeros();
-    let sub = (size >> (log - SUB_BITS)) & ((1 << SUB_BITS) - 1);
-    (((log - SUB_BITS + 1) as usize) << SUB_BITS) + sub as usize
 }
 
 /// The sorted entries of one size class (see [`SortedChunks`]). A class that
@@ -51,7 +35,7 @@ pub(crate) struct FreeIndex {
     /// One sorted class per size class (empty ones allocate nothing).
     classes: Vec<Class>,
     /// Bit `c` set iff class `c` is non-empty.
-    nonempty: [u64; CLASSES / 64],
+    nonempty: ClassBits,
     /// Number of entries.
     len: usize,
 }
@@ -60,7 +44,7 @@ impl Default for FreeIndex {
     fn default() -> Self {
         FreeIndex {
             classes: vec![Class::default(); CLASSES],
-            nonempty: [0; CLASSES / 64],
+            nonempty: ClassBits::default(),
             len: 0,
         }
     }
@@ -70,25 +54,13 @@ impl FreeIndex {
     /// The first non-empty class >= `from`, if any.
     #[inline]
     fn next_class(&self, from: usize) -> Option<usize> {
-        let mut w = from / 64;
-        let mut bits = *self.nonempty.get(w)? & (!0u64 << (from % 64));
-        loop {
-            if bits != 0 {
-                return Some(w * 64 + bits.trailing_zeros() as usize);
-            }
-            w += 1;
-            bits = *self.nonempty.get(w)?;
-        }
+        self.nonempty.next(from)
     }
 
     /// Updates the non-empty bit of class `c`.
     #[inline]
     fn mark(&mut self, c: usize) {
-        if self.classes[c].is_empty() {
-            self.nonempty[c / 64] &= !(1 << (c % 64));
-        } else {
-            self.nonempty[c / 64] |= 1 << (c % 64);
-        }
+        self.nonempty.set(c, !self.classes[c].is_empty());
     }
 
     /// Files free block `idx` of `size` bytes at `addr`. Returns false (and
@@ -99,7 +71,7 @@ impl FreeIndex {
         let inserted = self.classes[c].insert(key(size, addr), idx);
         if inserted {
             self.len += 1;
-            self.nonempty[c / 64] |= 1 << (c % 64);
+            self.nonempty.set(c, true);
         }
         inserted
     }
@@ -149,19 +121,8 @@ impl FreeIndex {
 
 #[cfg(test)]
 mod tests {
-    use super::{class_of, FreeIndex};
+    use super::FreeIndex;
     use std::collections::{BTreeSet, HashSet};
-
-    #[test]
-    fn classes_are_monotonic() {
-        let mut last = 0;
-        for s in (0..1u64 << 16).chain((16..64).map(|b| 1u64 << b)) {
-            let c = class_of(s);
-            assert!(c >= last, "class of {s}");
-            last = c;
-        }
-        assert!(class_of(u64::MAX) < super::CLASSES);
-    }
 
     /// Agrees with a `BTreeSet<(size, addr, idx)>` on a random sequence.
     #[test]
