@@ -89,6 +89,26 @@ impl PolicyRow {
         self.min_capacity
             .map(|c| c as f64 / peak_live.max(1) as f64)
     }
+
+    /// The min capacity in GiB as a table cell (`-`: none found).
+    pub fn min_capacity_cell(&self) -> String {
+        self.min_capacity.map_or("-".into(), gib)
+    }
+
+    /// The overhead as a table cell (`-`: no min capacity).
+    pub fn overhead_cell(&self, peak_live: u64) -> String {
+        self.overhead(peak_live)
+            .map_or("-".into(), |o| format!("{o:.3}"))
+    }
+
+    /// Whether the tight replay fit, as a table cell.
+    pub fn tight_ok_cell(&self) -> String {
+        if self.tight.ok {
+            "yes".into()
+        } else {
+            format!("no ({} ooms)", self.tight.ooms)
+        }
+    }
 }
 
 /// Capacity of the "unlimited" device: far above any trace's need.
@@ -242,14 +262,9 @@ pub fn table(rows: &[TraceRow]) -> String {
                 t.device.to_string(),
                 gib(t.peak_live),
                 p.policy.name().to_string(),
-                p.min_capacity.map_or("-".into(), gib),
-                p.overhead(t.peak_live)
-                    .map_or("-".into(), |o| format!("{o:.3}")),
-                if p.tight.ok {
-                    "yes".into()
-                } else {
-                    format!("no ({} ooms)", p.tight.ooms)
-                },
+                p.min_capacity_cell(),
+                p.overhead_cell(t.peak_live),
+                p.tight_ok_cell(),
                 p.tight.memory_calls().to_string(),
                 format!("{:.1}", p.tight.modeled_driver_us / 1000.0),
                 p.tight.syncs.to_string(),

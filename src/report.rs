@@ -310,14 +310,9 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
                 md,
                 "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {:.1} |",
                 p.policy,
-                p.min_capacity.map_or("-".into(), gib),
-                p.overhead(t.peak_live)
-                    .map_or("-".into(), |o| format!("{o:.3}")),
-                if p.tight.ok {
-                    "yes".to_string()
-                } else {
-                    format!("no ({} ooms)", p.tight.ooms)
-                },
+                p.min_capacity_cell(),
+                p.overhead_cell(t.peak_live),
+                p.tight_ok_cell(),
                 gib(p.unlimited.peak_reserved),
                 p.tight.memory_calls(),
                 p.tight.modeled_driver_us / 1000.0,
