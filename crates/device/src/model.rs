@@ -19,7 +19,6 @@
 use crate::{round_up, Call, DeviceError, DeviceResult, PhysHandle, Rule};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
 
 /// Where the `sim` device places virtual addresses (like a GPU's VA window).
 pub const VA_BASE: u64 = 0x7000_0000_0000;
@@ -42,31 +41,9 @@ struct Allocation {
     refs: u32,
 }
 
-/// A hasher for the models' integer ids and addresses (FxHash's multiply, then
-/// the well-mixed high bits brought down, since hashbrown buckets by the low
-/// bits and addresses have many low zero bits). Keys are never attacker-chosen.
-#[derive(Default, Clone, Copy)]
-pub(crate) struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0.rotate_left(26)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(b as u64);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-}
-
-/// A hash map keyed by ids or addresses.
-pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+/// A hash map keyed by ids or addresses (FxHash: one multiply per key; keys
+/// are never attacker-chosen).
+pub(crate) type IdMap<K, V> = rustc_hash::FxHashMap<K, V>;
 
 /// A count of the model's live objects, to prove that nothing leaked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

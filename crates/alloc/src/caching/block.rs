@@ -14,40 +14,12 @@
 use super::sizes::PoolKind;
 use crate::size_classes::{self, ClassBits, CLASSES};
 use crate::sorted_chunks::SortedChunks;
-use std::collections::{BTreeSet, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::BTreeSet;
 use vmmalloc_device::Stream;
 
-/// A hasher for integer keys (addresses, indices): one multiply, as in
-/// rustc's FxHash. Keys are never attacker-chosen.
-#[derive(Default, Clone, Copy)]
-pub(crate) struct IntHasher(u64);
-
-impl Hasher for IntHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        // The multiply leaves the key's low zero bits zero (addresses are
-        // multiples of 512), and hashbrown picks buckets with the low bits:
-        // bring the well-mixed high bits down (as rustc-hash 2 does).
-        self.0.rotate_left(26)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-    #[inline]
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-}
-
-/// A hash map keyed by integers.
-pub(crate) type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
+/// A hash map keyed by integers (FxHash: one multiply per key; keys are
+/// never attacker-chosen).
+pub(crate) type IntMap<K, V> = rustc_hash::FxHashMap<K, V>;
 
 /// Index of a block in the slab.
 pub(crate) type BlockId = usize;

@@ -9,7 +9,6 @@
 //!   and nothing else is;
 //! - an allocated block is in the live map under its address.
 
-use std::hash::{BuildHasherDefault, Hasher};
 use vmmalloc_device::Stream;
 
 /// "No block" in a link.
@@ -125,30 +124,8 @@ impl std::ops::IndexMut<u32> for Slab {
     }
 }
 
-/// A multiplicative hasher for 512-byte-aligned addresses (the live map's
-/// keys): one multiply, no per-byte loop.
-#[derive(Default, Clone, Copy)]
-pub(crate) struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0 ^ (self.0 >> 29)
-    }
-}
-
-/// Live allocations: address -> block index.
-pub(crate) type LiveMap = std::collections::HashMap<u64, u32, BuildHasherDefault<AddrHasher>>;
+/// Live allocations: address -> block index (FxHash: one multiply per key).
+pub(crate) type LiveMap = rustc_hash::FxHashMap<u64, u32>;
 
 /// Which pool a request goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
