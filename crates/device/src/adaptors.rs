@@ -134,6 +134,9 @@ impl<D: Device, H: CallHook> Device for Hooked<D, H> {
     fn destroy_event(&self, event: Event) -> DeviceResult<()> {
         self.run(Call::EventDestroy, 0, |d| d.destroy_event(event))
     }
+    fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
+        self.inner.is_capturing(stream)
+    }
     fn introspect(&self) -> Option<&dyn Introspect> {
         self.inner.introspect()
     }
@@ -583,6 +586,9 @@ impl<D: Device> Device for CapacityLimit<D> {
     }
     fn destroy_event(&self, event: Event) -> DeviceResult<()> {
         self.inner.destroy_event(event)
+    }
+    fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
+        self.inner.is_capturing(stream)
     }
     fn introspect(&self) -> Option<&dyn Introspect> {
         self.inner.introspect()

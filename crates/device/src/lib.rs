@@ -378,6 +378,16 @@ pub trait Device: Send + Sync {
     fn synchronize_event(&self, event: Event) -> DeviceResult<()>;
     /// Destroys an event.
     fn destroy_event(&self, event: Event) -> DeviceResult<()>;
+    /// Whether `stream` is being captured into a CUDA graph
+    /// (`cuStreamIsCapturing` != `CU_STREAM_CAPTURE_STATUS_NONE`). While it is,
+    /// the driver rejects synchronizing it, querying events recorded in the
+    /// capture, and (in global capture mode) other potentially unsafe calls, so
+    /// allocators must not sync, unmap or release on its behalf. Backends
+    /// without graph capture answer `false`.
+    fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
+        let _ = stream;
+        Ok(false)
+    }
 
     /// The checked model behind a CPU backend (`sim`, `host`), for tests and
     /// `validate()`; `None` on a real GPU.
@@ -476,6 +486,9 @@ macro_rules! impl_device_for_pointer {
             }
             fn destroy_event(&self, event: Event) -> DeviceResult<()> {
                 (**self).destroy_event(event)
+            }
+            fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
+                (**self).is_capturing(stream)
             }
             fn introspect(&self) -> Option<&dyn Introspect> {
                 (**self).introspect()
