@@ -39,9 +39,14 @@ pub struct CompareArgs {
     /// Write report.md and SVG plots to DIR.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
-    /// Cost model overrides, e.g. `create=40,map=2` (µs per call).
-    #[arg(long, value_name = "KEY=US,...")]
+    /// Cost model: a preset (`a100`, the default, or `linear`) and/or
+    /// overrides, e.g. `linear`, `create=40,unmap.per_handle=20`, `a100,map=2` (µs).
+    #[arg(long, value_name = "[PRESET][,KEY=US,...]")]
     pub cost: Option<String>,
+    /// Cost model from a JSON file (as `vmmalloc calibrate` writes); `--cost`
+    /// overrides apply on top.
+    #[arg(long, value_name = "FILE")]
+    pub cost_file: Option<PathBuf>,
     /// Device granularity in MiB for the simulated device.
     #[arg(long, default_value_t = 2)]
     pub granularity_mb: u64,
@@ -192,8 +197,9 @@ fn calls_json(c: &CallCounts) -> Value {
     Value::Object(m)
 }
 
-/// The JSON document (schema version 1).
-pub fn to_json(rows: &[TraceRow]) -> Value {
+/// The JSON document (schema version 1); `cost_model` names the cost model
+/// (a preset or a file, see [`CostModel::select`]).
+pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
     let traces: Vec<Value> = rows
         .iter()
         .map(|t| {
@@ -232,7 +238,7 @@ pub fn to_json(rows: &[TraceRow]) -> Value {
             })
         })
         .collect();
-    json!({ "version": 1, "traces": traces })
+    json!({ "version": 1, "cost_model": cost_model, "traces": traces })
 }
 
 /// Formats bytes as GiB with two decimals.
@@ -337,13 +343,15 @@ pub fn parse_policies(names: &[String]) -> Result<Vec<Policy>> {
 }
 
 /// Builds the base replay config from the command line.
-pub fn base_config(cost: Option<&str>, granularity_mb: u64) -> Result<ReplayConfig> {
+pub fn base_config(
+    cost: Option<&str>,
+    cost_file: Option<&std::path::Path>,
+    granularity_mb: u64,
+) -> Result<ReplayConfig> {
     let mut cfg = ReplayConfig::new(Policy::Expandable, 0);
-    let mut model = CostModel::default();
-    if let Some(c) = cost {
-        model.parse_overrides(c).map_err(anyhow::Error::msg)?;
-    }
+    let (model, label) = CostModel::select(cost, cost_file)?;
     cfg.cost = model;
+    cfg.cost_label = label;
     if granularity_mb == 0 || !granularity_mb.is_power_of_two() {
         bail!("--granularity-mb must be a power of two, got {granularity_mb}");
     }
@@ -354,7 +362,11 @@ pub fn base_config(cost: Option<&str>, granularity_mb: u64) -> Result<ReplayConf
 /// Runs `vmmalloc compare`.
 pub fn run(args: CompareArgs) -> Result<()> {
     let policies = parse_policies(&args.policies)?;
-    let base = base_config(args.cost.as_deref(), args.granularity_mb)?;
+    let base = base_config(
+        args.cost.as_deref(),
+        args.cost_file.as_deref(),
+        args.granularity_mb,
+    )?;
     let traces = load_inputs(&args.inputs)?;
     let total: u64 =
         traces.iter().map(|t| t.devices.len() as u64).sum::<u64>() * policies.len() as u64;
@@ -388,7 +400,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
         println!("overhead = min capacity / peak live; driver calls, time and syncs at the tight capacity (1.05 x peak live), teardown excluded.");
     }
     if let Some(j) = &args.json {
-        let text = serde_json::to_string_pretty(&to_json(&rows))?;
+        let text = serde_json::to_string_pretty(&to_json(&rows, &base.cost_label))?;
         if j == "-" {
             println!("{text}");
         } else {

@@ -20,9 +20,14 @@ pub struct ReplayArgs {
     /// Only this device of the trace (default: all).
     #[arg(long)]
     pub device: Option<u32>,
-    /// Cost model overrides, e.g. `create=40,map=2`.
-    #[arg(long)]
+    /// Cost model: a preset (`a100`, the default, or `linear`) and/or
+    /// overrides, e.g. `linear`, `create=40,unmap.per_handle=20` (µs).
+    #[arg(long, value_name = "[PRESET][,KEY=US,...]")]
     pub cost: Option<String>,
+    /// Cost model from a JSON file (as `vmmalloc calibrate` writes); `--cost`
+    /// overrides apply on top.
+    #[arg(long, value_name = "FILE")]
+    pub cost_file: Option<std::path::PathBuf>,
     /// Device granularity in MiB.
     #[arg(long, default_value_t = 2)]
     pub granularity_mb: u64,
@@ -33,7 +38,11 @@ impl ReplayArgs {
     /// rounded up to the granularity, cost model).
     pub fn config(&self) -> Result<ReplayConfig> {
         let policy: Policy = self.policy.parse()?;
-        let mut cfg = base_config(self.cost.as_deref(), self.granularity_mb)?;
+        let mut cfg = base_config(
+            self.cost.as_deref(),
+            self.cost_file.as_deref(),
+            self.granularity_mb,
+        )?;
         cfg.policy = policy;
         cfg.capacity = vmmalloc_device::round_up(parse_size(&self.capacity)?, cfg.granularity);
         Ok(cfg)

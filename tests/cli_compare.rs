@@ -232,3 +232,131 @@ fn bad_inputs_are_clear_errors() {
         assert!(err.contains("Error"), "{args:?}: {err}");
     }
 }
+
+/// `modeled_driver_us` of every policy at the tight capacity, and the `cost_model` label.
+fn modeled(args: &[&str]) -> (Vec<f64>, String) {
+    let out = bin().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let us = v["traces"][0]["policies"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| p["tight"]["modeled_driver_us"].as_f64().unwrap())
+        .collect();
+    (us, v["cost_model"].as_str().unwrap().to_string())
+}
+
+#[test]
+fn cost_presets_files_and_overrides_select_the_model() {
+    let dir = tmpdir("cost");
+    let trace = small_trace(&dir);
+    let t = trace.to_str().unwrap();
+    let base = [
+        "compare",
+        t,
+        "--policies",
+        "expandable,native",
+        "--json",
+        "-",
+    ];
+    let with = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        modeled(&a)
+    };
+    let (a100, label) = with(&[]);
+    assert_eq!(label, "a100");
+    assert_eq!(with(&["--cost", "a100"]).0, a100);
+    let (linear, label) = with(&["--cost", "linear"]);
+    assert_eq!(label, "linear");
+    assert_ne!(linear, a100, "the presets price the same calls differently");
+    // A file holding the linear preset prices exactly as --cost linear.
+    let file = dir.join("linear.json");
+    let mut costs = serde_json::Map::new();
+    for (kind, fixed, per_mib) in [
+        ("reserve", 20.0, 0.0),
+        ("address_free", 20.0, 0.0),
+        ("create", 0.0, 25.0),
+        ("map", 1.5, 0.0),
+        ("set_access", 30.0, 0.0),
+        ("unmap", 20.0, 0.0),
+        ("release", 20.0, 0.0),
+        ("alloc", 100.0, 0.0),
+        ("free", 50.0, 0.0),
+        ("sync", 50.0, 0.0),
+        ("other", 0.0, 0.0),
+    ] {
+        costs.insert(
+            kind.into(),
+            serde_json::json!({"fixed_us": fixed, "per_mib_us": per_mib, "per_handle_us": 0.0}),
+        );
+    }
+    let doc = serde_json::json!({"name": "linear copy", "costs_us": costs});
+    std::fs::write(&file, doc.to_string()).unwrap();
+    let (from_file, label) = with(&["--cost-file", file.to_str().unwrap()]);
+    assert_eq!(from_file, linear);
+    assert_eq!(label, file.to_str().unwrap());
+    // Overrides apply on top of a preset: free sync makes native cheaper.
+    let (cheap, label) = with(&["--cost", "linear,free=0"]);
+    assert_eq!(label, "linear + free=0");
+    assert!(cheap[1] < linear[1], "{cheap:?} vs {linear:?}");
+
+    // Bad input: an error naming the preset, file or key, never a panic.
+    let mut missing = doc.clone();
+    missing["costs_us"].as_object_mut().unwrap().remove("unmap");
+    let missing_file = dir.join("missing.json");
+    std::fs::write(&missing_file, missing.to_string()).unwrap();
+    let mut negative = doc.clone();
+    negative["costs_us"]["map"]["fixed_us"] = serde_json::json!(-2.0);
+    let negative_file = dir.join("negative.json");
+    std::fs::write(&negative_file, negative.to_string()).unwrap();
+    let malformed_file = dir.join("malformed.json");
+    std::fs::write(&malformed_file, "{\"costs_us\": ").unwrap();
+    let nowhere = dir.join("nowhere.json");
+    for (extra, needles) in [
+        (vec!["--cost", "h100"], vec!["h100", "a100, linear"]),
+        (vec!["--cost", "linear,bogus=1"], vec!["bogus"]),
+        (
+            vec!["--cost-file", missing_file.to_str().unwrap()],
+            vec!["missing.json", "costs_us.unmap"],
+        ),
+        (
+            vec!["--cost-file", negative_file.to_str().unwrap()],
+            vec!["negative.json", "costs_us.map.fixed_us"],
+        ),
+        (
+            vec!["--cost-file", malformed_file.to_str().unwrap()],
+            vec!["malformed.json", "JSON"],
+        ),
+        (
+            vec!["--cost-file", nowhere.to_str().unwrap()],
+            vec!["nowhere.json"],
+        ),
+        (
+            vec!["--cost", "linear", "--cost-file", file.to_str().unwrap()],
+            vec!["linear", "linear.json"],
+        ),
+    ] {
+        let mut a = base.to_vec();
+        a.extend_from_slice(&extra);
+        let out = bin().args(&a).output().unwrap();
+        assert!(!out.status.success(), "{extra:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{extra:?}: {err}");
+        for n in needles {
+            assert!(err.contains(n), "{extra:?}: `{n}` not in {err}");
+        }
+    }
+    // replay takes the same options.
+    let out = bin()
+        .args(["replay", t, "--policy", "native", "--cost", "v100"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("v100"));
+}

@@ -1,78 +1,154 @@
-//! The cost model: modeled microseconds per driver call.
+//! The cost model: modeled microseconds per driver call (version 2).
+//!
+//! Each call kind costs `fixed + per_mib × MiB of the call + per_handle ×
+//! handles the call covers`. The real driver charges mostly per call and per
+//! handle, little per byte: PyTorch's `c10/cuda/CUDACachingAllocator.cpp`,
+//! Note [Expandable Segments], "The cost to map/unmap memory is proportional to
+//! the number of physical memory chunks that were allocated (mapping 10
+//! separately allocated 2MiB pages takes 10x time compared to mapping one 20MiB
+//! physical allocation of 10 pages)".
+//!
+//! Two named presets (see docs/driver.md, "Cost model", for every figure and its
+//! source):
+//! - [`CostModel::a100`] (the default): per-call latencies measured on an A100
+//!   by kvcached's `benchmarks/bench_vmm` (4096 × 2 MiB pages).
+//! - [`CostModel::linear`]: the model before version 2, `cuMemCreate` linear in
+//!   bytes (50 µs per 2 MiB), every other call a flat cost; kept for sensitivity.
+//!
+//! A model can also be read from a JSON file ([`CostModel::from_json`], the
+//! format `vmmalloc calibrate` writes) and adjusted by `key=us` overrides
+//! ([`CostModel::parse_overrides`]). [`CostModel::select`] does all three, as
+//! the command line's `--cost` / `--cost-file` options do.
 
-use crate::{Call, CallCounts};
+use crate::{Call, CallCounts, MIB};
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::path::Path;
 
-/// Modeled cost of each driver call, in microseconds.
+/// What one call kind costs, in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct CallCost {
+    /// Paid once per call.
+    pub fixed_us: f64,
+    /// Paid per MiB of the call's size (the handle for `cuMemCreate`, the
+    /// range for map / unmap / set access, the allocation for
+    /// `cuMemAlloc` / `cuMemFree`).
+    pub per_mib_us: f64,
+    /// Paid per physical handle the call covers (one for `cuMemMap`; the
+    /// mappings in the range for `cuMemUnmap` and `cuMemSetAccess`).
+    pub per_handle_us: f64,
+}
+
+impl CallCost {
+    /// A flat cost per call.
+    pub const fn flat(us: f64) -> Self {
+        CallCost {
+            fixed_us: us,
+            per_mib_us: 0.0,
+            per_handle_us: 0.0,
+        }
+    }
+
+    /// The cost of one call of `bytes` covering `handles` handles.
+    #[inline]
+    pub fn of(&self, bytes: u64, handles: u64) -> f64 {
+        self.fixed_us
+            + self.per_mib_us * (bytes as f64 / MIB as f64)
+            + self.per_handle_us * handles as f64
+    }
+
+    /// The sum of two costs, part by part (a composite call).
+    pub fn plus(self, other: CallCost) -> CallCost {
+        CallCost {
+            fixed_us: self.fixed_us + other.fixed_us,
+            per_mib_us: self.per_mib_us + other.per_mib_us,
+            per_handle_us: self.per_handle_us + other.per_handle_us,
+        }
+    }
+
+    /// The parts as `(name, value)`, in file order.
+    pub fn parts(&self) -> [(&'static str, f64); 3] {
+        [
+            ("fixed_us", self.fixed_us),
+            ("per_mib_us", self.per_mib_us),
+            ("per_handle_us", self.per_handle_us),
+        ]
+    }
+
+    fn part_mut(&mut self, part: &str) -> Option<&mut f64> {
+        match part {
+            "fixed" | "fixed_us" => Some(&mut self.fixed_us),
+            "per_mib" | "per_mib_us" => Some(&mut self.per_mib_us),
+            "per_handle" | "per_handle_us" => Some(&mut self.per_handle_us),
+            _ => None,
+        }
+    }
+}
+
+/// A bad preset name, cost file or override; the message names the file and key.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CostError {
+    /// No preset of that name.
+    #[error("unknown cost preset `{0}`; valid presets: {presets}", presets = CostModel::PRESETS.join(", "))]
+    UnknownPreset(String),
+    /// A cost file could not be read or parsed, or a key in it is wrong.
+    #[error("cost file {file}: {message}")]
+    File {
+        /// The file (or its label).
+        file: String,
+        /// What is wrong, naming the key.
+        message: String,
+    },
+    /// A `key=us` override is malformed or names an unknown key.
+    #[error("{0}")]
+    Override(String),
+    /// Options that cannot go together.
+    #[error("{0}")]
+    Conflict(String),
+}
+
+/// Modeled cost of each driver call kind.
 ///
-/// Defaults are public A100 measurements (DESIGN.md, "Metrics"); every field can
-/// be overridden, e.g. from `scripts/gpu-check.sh`'s calibration JSON or with
-/// [`CostModel::parse_overrides`].
+/// The default is the [`CostModel::a100`] preset. Every part of every kind can
+/// be overridden (see [`CostModel::set`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CostModel {
     /// `cuMemAddressReserve`.
-    pub reserve_us: f64,
+    pub reserve: CallCost,
     /// `cuMemAddressFree`.
-    pub address_free_us: f64,
-    /// `cuMemCreate` of one 2 MiB unit; a larger handle costs proportionally more.
-    pub create_2mib_us: f64,
-    /// `cuMemMap`.
-    pub map_us: f64,
-    /// `cuMemSetAccess`.
-    pub set_access_us: f64,
-    /// `cuMemUnmap`.
-    pub unmap_us: f64,
-    /// `cuMemRelease`.
-    pub release_us: f64,
-    /// `cuMemAlloc`.
-    pub alloc_us: f64,
-    /// `cuMemFree`.
-    pub free_us: f64,
+    pub address_free: CallCost,
+    /// `cuMemCreate` (bytes = the handle's size).
+    pub create: CallCost,
+    /// `cuMemMap` (one handle, bytes = its size).
+    pub map: CallCost,
+    /// `cuMemSetAccess` (handles = mappings in the range).
+    pub set_access: CallCost,
+    /// `cuMemUnmap` (handles = mappings in the range).
+    pub unmap: CallCost,
+    /// `cuMemRelease` (bytes = the handle's size).
+    pub release: CallCost,
+    /// `cuMemAlloc` (bytes = the allocation).
+    pub alloc: CallCost,
+    /// `cuMemFree` (bytes = the allocation).
+    pub free: CallCost,
     /// A stream, device or event synchronization.
-    pub sync_us: f64,
-    /// Any other call (events, queries, streams, info).
-    pub other_us: f64,
+    pub sync: CallCost,
+    /// Any other call (events, queries, streams, info, copies).
+    pub other: CallCost,
 }
 
 impl Default for CostModel {
+    /// The [`CostModel::a100`] preset.
     fn default() -> Self {
-        CostModel {
-            reserve_us: 20.0,
-            address_free_us: 20.0,
-            create_2mib_us: 50.0,
-            map_us: 1.5,
-            set_access_us: 30.0,
-            unmap_us: 20.0,
-            release_us: 20.0,
-            alloc_us: 100.0,
-            free_us: 50.0,
-            sync_us: 50.0,
-            other_us: 0.0,
-        }
+        CostModel::a100()
     }
 }
 
 impl CostModel {
-    /// Modeled cost of one call; `bytes` is the size for `create` (ignored otherwise).
-    pub fn cost_us(&self, call: Call, bytes: u64) -> f64 {
-        match call {
-            Call::Reserve => self.reserve_us,
-            Call::AddressFree => self.address_free_us,
-            Call::Create => {
-                self.create_2mib_us * (bytes.max(1) as f64 / (2u64 << 20) as f64).max(1.0)
-            }
-            Call::Map => self.map_us,
-            Call::SetAccess => self.set_access_us,
-            Call::Unmap => self.unmap_us,
-            Call::Release => self.release_us,
-            Call::Alloc => self.alloc_us,
-            Call::Free => self.free_us,
-            Call::StreamSync | Call::DeviceSync | Call::EventSync => self.sync_us,
-            _ => self.other_us,
-        }
-    }
+    /// The preset names accepted by [`CostModel::preset`]; the first is the default.
+    pub const PRESETS: [&'static str; 2] = ["a100", "linear"];
 
-    /// The names accepted by [`CostModel::set`].
+    /// The call kinds of a cost file and of overrides, in file order.
     pub const KEYS: [&'static str; 11] = [
         "reserve",
         "address_free",
@@ -87,37 +163,177 @@ impl CostModel {
         "other",
     ];
 
-    /// Sets one cost by key (see [`CostModel::KEYS`]).
+    /// The parts of a kind in a cost file (`KIND.PART=us` in overrides, where
+    /// the `_us` suffix may be left out).
+    pub const PARTS: [&'static str; 3] = ["fixed_us", "per_mib_us", "per_handle_us"];
+
+    /// Per-call latencies on an A100 (the default).
+    ///
+    /// Sources: kvcached `benchmarks/bench_vmm` on an A100, 4096 × 2 MiB pages:
+    /// `cuMemAddressReserve` 19 µs, `cuMemCreate` 193 µs, `cuMemMap` 1.45 µs,
+    /// `cuMemSetAccess` 36 µs per call, `cuMemUnmap` 25.6 µs per handle.
+    /// `cuMemCreate` is mostly fixed; zero-filling the handle at device
+    /// bandwidth (~1.5 TB/s, A100 datasheet) adds ~0.7 µs per MiB.
+    /// `cuMemRelease` and `cuMemAddressFree` 20 µs, syncs 50 µs (issue 10's
+    /// figures; `vmmalloc calibrate` measures them). `cuMemAlloc` is priced as
+    /// create + map + set access of the same size and `cuMemFree` as unmap +
+    /// release + a device synchronization, which is what they do underneath.
+    pub fn a100() -> Self {
+        let create = CallCost {
+            fixed_us: 193.0,
+            per_mib_us: 0.7,
+            per_handle_us: 0.0,
+        };
+        let map = CallCost::flat(1.45);
+        let set_access = CallCost::flat(36.0);
+        let unmap = CallCost {
+            fixed_us: 0.0,
+            per_mib_us: 0.0,
+            per_handle_us: 25.6,
+        };
+        let release = CallCost::flat(20.0);
+        let sync = CallCost::flat(50.0);
+        // cuMemFree unmaps one handle: its per-handle cost is a fixed cost here.
+        let one_handle_unmap = CallCost::flat(unmap.of(0, 1));
+        CostModel {
+            reserve: CallCost::flat(19.0),
+            address_free: CallCost::flat(20.0),
+            create,
+            map,
+            set_access,
+            unmap,
+            release,
+            alloc: create.plus(map).plus(set_access),
+            free: one_handle_unmap.plus(release).plus(sync),
+            sync,
+            other: CallCost::flat(0.0),
+        }
+    }
+
+    /// The model before version 2: `cuMemCreate` 50 µs per 2 MiB (25 µs per
+    /// MiB, nothing fixed), every other call flat: reserve 20, address free
+    /// 20, map 1.5, set access 30, unmap 20, release 20, `cuMemAlloc` 100,
+    /// `cuMemFree` 50, syncs 50 µs.
+    ///
+    /// (Version 1 charged a create smaller than 2 MiB as 2 MiB; with the
+    /// 2 MiB granularity of current GPUs there is no such create.)
+    pub fn linear() -> Self {
+        CostModel {
+            reserve: CallCost::flat(20.0),
+            address_free: CallCost::flat(20.0),
+            create: CallCost {
+                fixed_us: 0.0,
+                per_mib_us: 25.0,
+                per_handle_us: 0.0,
+            },
+            map: CallCost::flat(1.5),
+            set_access: CallCost::flat(30.0),
+            unmap: CallCost::flat(20.0),
+            release: CallCost::flat(20.0),
+            alloc: CallCost::flat(100.0),
+            free: CallCost::flat(50.0),
+            sync: CallCost::flat(50.0),
+            other: CallCost::flat(0.0),
+        }
+    }
+
+    /// A preset by name (see [`CostModel::PRESETS`]).
+    pub fn preset(name: &str) -> Result<Self, CostError> {
+        match name.trim() {
+            "a100" => Ok(Self::a100()),
+            "linear" => Ok(Self::linear()),
+            other => Err(CostError::UnknownPreset(other.to_string())),
+        }
+    }
+
+    /// The cost of a kind of call (syncs share one entry; events, streams,
+    /// queries and copies are `other`).
+    pub fn of_call(&self, call: Call) -> &CallCost {
+        match call {
+            Call::Reserve => &self.reserve,
+            Call::AddressFree => &self.address_free,
+            Call::Create => &self.create,
+            Call::Map => &self.map,
+            Call::SetAccess => &self.set_access,
+            Call::Unmap => &self.unmap,
+            Call::Release => &self.release,
+            Call::Alloc => &self.alloc,
+            Call::Free => &self.free,
+            Call::StreamSync | Call::DeviceSync | Call::EventSync => &self.sync,
+            _ => &self.other,
+        }
+    }
+
+    /// Modeled cost of one call of `bytes` covering `handles` handles.
+    #[inline]
+    pub fn call_us(&self, call: Call, bytes: u64, handles: u64) -> f64 {
+        self.of_call(call).of(bytes, handles)
+    }
+
+    /// Modeled cost of one call of `bytes` covering one handle.
+    pub fn cost_us(&self, call: Call, bytes: u64) -> f64 {
+        self.call_us(call, bytes, 1)
+    }
+
+    /// The kind named `key` (see [`CostModel::KEYS`]).
+    pub fn kind(&self, key: &str) -> Option<&CallCost> {
+        Some(match key {
+            "reserve" => &self.reserve,
+            "address_free" => &self.address_free,
+            "create" => &self.create,
+            "map" => &self.map,
+            "set_access" => &self.set_access,
+            "unmap" => &self.unmap,
+            "release" => &self.release,
+            "alloc" => &self.alloc,
+            "free" => &self.free,
+            "sync" => &self.sync,
+            "other" => &self.other,
+            _ => return None,
+        })
+    }
+
+    fn kind_mut(&mut self, key: &str) -> Option<&mut CallCost> {
+        Some(match key {
+            "reserve" => &mut self.reserve,
+            "address_free" => &mut self.address_free,
+            "create" => &mut self.create,
+            "map" => &mut self.map,
+            "set_access" => &mut self.set_access,
+            "unmap" => &mut self.unmap,
+            "release" => &mut self.release,
+            "alloc" => &mut self.alloc,
+            "free" => &mut self.free,
+            "sync" => &mut self.sync,
+            "other" => &mut self.other,
+            _ => return None,
+        })
+    }
+
+    /// Sets one part by key: `KIND` (its fixed cost) or `KIND.PART` with PART
+    /// one of `fixed`, `per_mib`, `per_handle` (the `_us` suffix optional).
     pub fn set(&mut self, key: &str, us: f64) -> Result<(), String> {
         if !(us.is_finite() && us >= 0.0) {
             return Err(format!(
                 "cost for `{key}` must be a non-negative number of microseconds, got {us}"
             ));
         }
-        let slot = match key {
-            "reserve" => &mut self.reserve_us,
-            "address_free" => &mut self.address_free_us,
-            "create" => &mut self.create_2mib_us,
-            "map" => &mut self.map_us,
-            "set_access" => &mut self.set_access_us,
-            "unmap" => &mut self.unmap_us,
-            "release" => &mut self.release_us,
-            "alloc" => &mut self.alloc_us,
-            "free" => &mut self.free_us,
-            "sync" => &mut self.sync_us,
-            "other" => &mut self.other_us,
-            _ => {
-                return Err(format!(
-                    "unknown cost key `{key}`; valid keys: {}",
-                    Self::KEYS.join(", ")
-                ))
-            }
-        };
+        let (kind, part) = key.split_once('.').unwrap_or((key, "fixed"));
+        let slot = self.kind_mut(kind).ok_or_else(|| {
+            format!(
+                "unknown cost key `{key}`; valid kinds: {} (each optionally .fixed, .per_mib or .per_handle)",
+                Self::KEYS.join(", ")
+            )
+        })?;
+        let slot = slot.part_mut(part).ok_or_else(|| {
+            format!("unknown cost key `{key}`: `{part}` is not one of fixed, per_mib, per_handle")
+        })?;
         *slot = us;
         Ok(())
     }
 
-    /// Applies overrides written as `key=us,key=us` (e.g. `create=40,map=2`).
+    /// Applies overrides written as `key=us,key=us` (e.g. `create=40,unmap.per_handle=20`;
+    /// see [`CostModel::set`]).
     pub fn parse_overrides(&mut self, text: &str) -> Result<(), String> {
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (k, v) = part
@@ -132,12 +348,140 @@ impl CostModel {
         Ok(())
     }
 
-    /// Modeled time of a set of call counts where every create is of `unit` bytes
-    /// (a rough total; the `sim` device accumulates exact time per call).
-    pub fn total_us(&self, counts: &CallCounts, create_unit: u64) -> f64 {
+    /// Reads a cost file's text; `file` names it in errors.
+    ///
+    /// The format (what `vmmalloc calibrate` writes; other top-level keys are
+    /// ignored as metadata):
+    ///
+    /// ```json
+    /// { "costs_us": { "create": {"fixed_us": 193, "per_mib_us": 0.7, "per_handle_us": 0}, ... } }
+    /// ```
+    ///
+    /// Every kind of [`CostModel::KEYS`] must be present with all three parts,
+    /// each a non-negative number; unknown kinds or parts are errors.
+    pub fn from_json(text: &str, file: &str) -> Result<Self, CostError> {
+        let err = |message: String| CostError::File {
+            file: file.to_string(),
+            message,
+        };
+        let doc: Value =
+            serde_json::from_str(text).map_err(|e| err(format!("not valid JSON: {e}")))?;
+        let top = doc
+            .as_object()
+            .ok_or_else(|| err("the top level must be an object".into()))?;
+        let costs = top
+            .get("costs_us")
+            .ok_or_else(|| err("missing key `costs_us`".into()))?
+            .as_object()
+            .ok_or_else(|| err("`costs_us` must be an object".into()))?;
+        if let Some(k) = costs.keys().find(|k| !Self::KEYS.contains(&k.as_str())) {
+            return Err(err(format!(
+                "unknown key `costs_us.{k}`; valid kinds: {}",
+                Self::KEYS.join(", ")
+            )));
+        }
+        let mut model = CostModel::linear();
+        for kind in Self::KEYS {
+            let entry = costs
+                .get(kind)
+                .ok_or_else(|| err(format!("missing key `costs_us.{kind}`")))?
+                .as_object()
+                .ok_or_else(|| {
+                    err(format!(
+                        "`costs_us.{kind}` must be an object with {}",
+                        Self::PARTS.join(", ")
+                    ))
+                })?;
+            if let Some(p) = entry.keys().find(|p| !Self::PARTS.contains(&p.as_str())) {
+                return Err(err(format!(
+                    "unknown key `costs_us.{kind}.{p}`; valid parts: {}",
+                    Self::PARTS.join(", ")
+                )));
+            }
+            let slot = model.kind_mut(kind).expect("a key of KEYS");
+            for part in Self::PARTS {
+                let v = entry
+                    .get(part)
+                    .ok_or_else(|| err(format!("missing key `costs_us.{kind}.{part}`")))?;
+                let us = v.as_f64().ok_or_else(|| {
+                    err(format!(
+                        "`costs_us.{kind}.{part}` must be a number, got {v}"
+                    ))
+                })?;
+                if !(us.is_finite() && us >= 0.0) {
+                    return Err(err(format!(
+                        "`costs_us.{kind}.{part}` must be a non-negative number of microseconds, got {us}"
+                    )));
+                }
+                *slot.part_mut(part).expect("a part of PARTS") = us;
+            }
+        }
+        Ok(model)
+    }
+
+    /// Reads a cost file (see [`CostModel::from_json`]).
+    pub fn load(path: &Path) -> Result<Self, CostError> {
+        let text = std::fs::read_to_string(path).map_err(|e| CostError::File {
+            file: path.display().to_string(),
+            message: format!("cannot read it: {e}"),
+        })?;
+        Self::from_json(&text, &path.display().to_string())
+    }
+
+    /// The `costs_us` object of a cost file (see [`CostModel::from_json`]).
+    pub fn to_json(&self) -> Value {
+        let mut costs = Map::new();
+        for kind in Self::KEYS {
+            let c = self.kind(kind).expect("a key of KEYS");
+            let mut parts = Map::new();
+            for (name, v) in c.parts() {
+                parts.insert(name.to_string(), Value::from(v));
+            }
+            costs.insert(kind.to_string(), Value::Object(parts));
+        }
+        Value::Object(costs)
+    }
+
+    /// The model the command line asks for, and its label: `cost` is
+    /// `[PRESET][,KEY=US,...]` (a first item without `=` names a preset;
+    /// default `a100`), `file` a cost file; overrides apply on top of either.
+    /// The label is the preset name or the file path, with ` + overrides` when there are any.
+    pub fn select(cost: Option<&str>, file: Option<&Path>) -> Result<(Self, String), CostError> {
+        let text = cost.unwrap_or("").trim();
+        let (preset, overrides) = match text.split_once(',') {
+            Some((first, rest)) if !first.contains('=') => (Some(first.trim()), rest),
+            None if !text.is_empty() && !text.contains('=') => (Some(text), ""),
+            _ => (None, text),
+        };
+        let (mut model, label) = match (preset, file) {
+            (Some(p), Some(f)) => {
+                return Err(CostError::Conflict(format!(
+                    "--cost names the preset `{p}` and --cost-file gives {}; use one",
+                    f.display()
+                )))
+            }
+            (Some(p), None) => (Self::preset(p)?, p.to_string()),
+            (None, Some(f)) => (Self::load(f)?, f.display().to_string()),
+            (None, None) => (Self::default(), Self::PRESETS[0].to_string()),
+        };
+        model
+            .parse_overrides(overrides)
+            .map_err(CostError::Override)?;
+        let overrides = overrides.trim().trim_matches(',');
+        let label = if overrides.is_empty() {
+            label
+        } else {
+            format!("{label} + {overrides}")
+        };
+        Ok((model, label))
+    }
+
+    /// Modeled time of a set of call counts, each call of `bytes` covering one
+    /// handle (a rough total; the `sim` device accumulates exact time per call).
+    pub fn total_us(&self, counts: &CallCounts, bytes: u64) -> f64 {
         Call::ALL
             .iter()
-            .map(|c| counts.get(*c) as f64 * self.cost_us(*c, create_unit))
+            .map(|c| counts.get(*c) as f64 * self.cost_us(*c, bytes))
             .sum()
     }
 }
@@ -146,27 +490,165 @@ impl CostModel {
 mod tests {
     use super::*;
 
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
     #[test]
-    fn defaults_match_design() {
+    fn a100_matches_design() {
         let c = CostModel::default();
-        assert_eq!(c.cost_us(Call::Create, 2 << 20), 50.0);
-        assert_eq!(c.cost_us(Call::Create, 20 << 20), 500.0);
-        assert_eq!(c.cost_us(Call::Map, 2 << 20), 1.5);
-        assert_eq!(c.cost_us(Call::SetAccess, 0), 30.0);
-        assert_eq!(c.cost_us(Call::StreamSync, 0), 50.0);
+        assert_eq!(c, CostModel::a100());
+        assert!(close(c.call_us(Call::Create, 2 * MIB, 1), 193.0 + 1.4));
+        assert!(close(c.call_us(Call::Create, 20 * MIB, 1), 193.0 + 14.0));
+        assert!(close(c.call_us(Call::Map, 20 * MIB, 1), 1.45));
+        assert!(close(c.call_us(Call::SetAccess, 64 * MIB, 32), 36.0));
+        assert!(close(c.call_us(Call::Unmap, 20 * MIB, 10), 256.0));
+        assert!(close(c.call_us(Call::Reserve, 0, 0), 19.0));
+        assert!(close(c.call_us(Call::StreamSync, 0, 0), 50.0));
+        // cuMemAlloc = create + map + set access; cuMemFree = unmap + release + sync.
+        assert!(close(
+            c.call_us(Call::Alloc, 20 * MIB, 1),
+            193.0 + 14.0 + 1.45 + 36.0
+        ));
+        assert!(close(
+            c.call_us(Call::Free, 20 * MIB, 1),
+            25.6 + 20.0 + 50.0
+        ));
+        assert!(close(c.call_us(Call::EventQuery, 0, 0), 0.0));
+    }
+
+    #[test]
+    fn linear_is_the_old_model() {
+        let c = CostModel::linear();
+        assert!(close(c.call_us(Call::Create, 2 * MIB, 1), 50.0));
+        assert!(close(c.call_us(Call::Create, 20 * MIB, 1), 500.0));
+        assert!(close(c.call_us(Call::Map, 2 * MIB, 1), 1.5));
+        assert!(close(c.call_us(Call::SetAccess, 64 * MIB, 32), 30.0));
+        assert!(close(c.call_us(Call::Unmap, 64 * MIB, 32), 20.0));
+        assert!(close(c.call_us(Call::Alloc, 64 * MIB, 1), 100.0));
+        assert!(close(c.call_us(Call::Free, 64 * MIB, 1), 50.0));
+        assert!(close(c.call_us(Call::DeviceSync, 0, 0), 50.0));
+    }
+
+    #[test]
+    fn presets_by_name() {
+        assert_eq!(CostModel::preset("a100").unwrap(), CostModel::a100());
+        assert_eq!(CostModel::preset("linear").unwrap(), CostModel::linear());
+        let e = CostModel::preset("h100").unwrap_err().to_string();
+        assert!(e.contains("`h100`") && e.contains("a100, linear"), "{e}");
     }
 
     #[test]
     fn overrides_parse_and_reject_bad_keys() {
         let mut c = CostModel::default();
-        c.parse_overrides("create=40, map=2").unwrap();
-        assert_eq!(c.create_2mib_us, 40.0);
-        assert_eq!(c.map_us, 2.0);
+        c.parse_overrides("create=40, map=2, unmap.per_handle=3, create.per_mib_us=1")
+            .unwrap();
+        assert_eq!(c.create.fixed_us, 40.0);
+        assert_eq!(c.create.per_mib_us, 1.0);
+        assert_eq!(c.map.fixed_us, 2.0);
+        assert_eq!(c.unmap.per_handle_us, 3.0);
         assert!(c
             .parse_overrides("bogus=1")
             .unwrap_err()
-            .contains("valid keys"));
+            .contains("valid kinds"));
+        assert!(c
+            .parse_overrides("map.slope=1")
+            .unwrap_err()
+            .contains("map.slope"));
         assert!(c.parse_overrides("map=-1").is_err());
+        assert!(c.parse_overrides("map=x").is_err());
         assert!(c.parse_overrides("map").is_err());
+    }
+
+    #[test]
+    fn files_round_trip() {
+        let mut m = CostModel::a100();
+        m.set("set_access.per_handle", 0.5).unwrap();
+        let doc = serde_json::json!({ "name": "x", "costs_us": m.to_json() });
+        let back = CostModel::from_json(&doc.to_string(), "x.json").unwrap();
+        assert_eq!(back, m);
+    }
+
+    #[test]
+    fn bad_files_name_the_file_and_key() {
+        let good = serde_json::json!({ "costs_us": CostModel::a100().to_json() });
+        let cases: Vec<(Value, &str)> = {
+            let mut missing_kind = good.clone();
+            missing_kind["costs_us"]
+                .as_object_mut()
+                .unwrap()
+                .remove("unmap");
+            let mut missing_part = good.clone();
+            missing_part["costs_us"]["map"]
+                .as_object_mut()
+                .unwrap()
+                .remove("per_mib_us");
+            let mut negative = good.clone();
+            negative["costs_us"]["create"]["fixed_us"] = serde_json::json!(-1.0);
+            let mut text = good.clone();
+            text["costs_us"]["sync"]["fixed_us"] = serde_json::json!("fast");
+            let mut unknown = good.clone();
+            unknown["costs_us"]["cuMemMap"] = serde_json::json!({});
+            let mut unknown_part = good.clone();
+            unknown_part["costs_us"]["map"]["per_byte_us"] = serde_json::json!(1);
+            vec![
+                (missing_kind, "costs_us.unmap"),
+                (missing_part, "costs_us.map.per_mib_us"),
+                (negative, "costs_us.create.fixed_us"),
+                (text, "costs_us.sync.fixed_us"),
+                (unknown, "costs_us.cuMemMap"),
+                (unknown_part, "costs_us.map.per_byte_us"),
+                (serde_json::json!({"costs": {}}), "costs_us"),
+                (serde_json::json!([1]), "top level"),
+            ]
+        };
+        for (doc, key) in cases {
+            let e = CostModel::from_json(&doc.to_string(), "my.json")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("my.json") && e.contains(key), "{key}: {e}");
+        }
+        let e = CostModel::from_json("{", "my.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("my.json") && e.contains("JSON"), "{e}");
+        let e = CostModel::load(Path::new("/nonexistent/c.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/nonexistent/c.json"), "{e}");
+    }
+
+    #[test]
+    fn select_presets_files_and_overrides() {
+        let (m, l) = CostModel::select(None, None).unwrap();
+        assert_eq!((m, l.as_str()), (CostModel::a100(), "a100"));
+        let (m, l) = CostModel::select(Some("linear"), None).unwrap();
+        assert_eq!((m, l.as_str()), (CostModel::linear(), "linear"));
+        let (m, l) = CostModel::select(Some("linear,map=2"), None).unwrap();
+        assert_eq!(m.map.fixed_us, 2.0);
+        assert_eq!(m.create, CostModel::linear().create);
+        assert_eq!(l, "linear + map=2");
+        let (m, l) = CostModel::select(Some("map=3"), None).unwrap();
+        assert_eq!(m.map.fixed_us, 3.0);
+        assert_eq!(m.create, CostModel::a100().create);
+        assert_eq!(l, "a100 + map=3");
+        assert!(CostModel::select(Some("v100"), None)
+            .unwrap_err()
+            .to_string()
+            .contains("`v100`"));
+        assert!(matches!(
+            CostModel::select(Some("linear"), Some(Path::new("f.json"))),
+            Err(CostError::Conflict(_))
+        ));
+        let dir = std::env::temp_dir().join(format!("vmmalloc-cost-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("c.json");
+        let doc = serde_json::json!({ "costs_us": CostModel::linear().to_json() });
+        std::fs::write(&f, doc.to_string()).unwrap();
+        let (m, l) = CostModel::select(Some("sync=1"), Some(&f)).unwrap();
+        assert_eq!(m.sync.fixed_us, 1.0);
+        assert_eq!(m.create, CostModel::linear().create);
+        assert_eq!(l, format!("{} + sync=1", f.display()));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

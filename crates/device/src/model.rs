@@ -510,6 +510,16 @@ impl AddressSpace {
         )
     }
 
+    /// How many mappings (physical handles mapped) overlap `[addr, addr+size)`:
+    /// what a `cuMemUnmap` or `cuMemSetAccess` over that range acts on.
+    /// O(log n + k) for k mappings; 0 for an empty or overflowing range.
+    pub fn mappings_covered(&self, addr: u64, size: u64) -> u64 {
+        if size == 0 || addr.checked_add(size).is_none() {
+            return 0;
+        }
+        self.mappings_in(addr, size).count() as u64
+    }
+
     /// Whether `[addr, addr+size)` is covered without gaps by the given ordered mappings.
     fn covered(addr: u64, size: u64, maps: impl Iterator<Item = (u64, u64, bool)>) -> bool {
         let mut cursor = addr;

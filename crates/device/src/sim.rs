@@ -50,17 +50,31 @@ impl SimConfig {
 }
 
 /// A simulated GPU.
+///
+/// Every call is charged from the [`CostModel`] as `fixed + per_mib × MiB of
+/// the call + per_handle × handles covered`: the handle's size for
+/// `cuMemCreate` / `cuMemRelease`, the range for map / unmap / set access (the
+/// address-space model counts the mappings an unmap or set-access covers), the
+/// allocation for `cuMemAlloc` / `cuMemFree`. A second model may price the same
+/// calls alongside ([`SimDevice::also_priced_by`]).
 #[derive(Debug)]
 pub struct SimDevice {
     caps: DeviceCaps,
     cost: CostModel,
+    /// A second model pricing the same calls (e.g. `linear` beside `a100`).
+    second: Option<CostModel>,
     space: Mutex<AddressSpace>,
     streams: StreamModel,
     counts: [AtomicU64; Call::COUNT],
-    /// Modeled nanoseconds per call of each kind (`create` is charged by size).
-    call_ns: [u64; Call::COUNT],
+    /// Modeled nanoseconds per call kind.
+    kind_ns: [AtomicU64; Call::COUNT],
     /// Modeled time in nanoseconds.
     modeled_ns: AtomicU64,
+    /// Modeled time in nanoseconds under the second model.
+    second_ns: AtomicU64,
+    /// Whether an unmap or set-access needs the handles it covers counted
+    /// (some model has a per-handle cost for it).
+    count_handles: [bool; 2],
     /// Fake exported descriptors: fd -> allocation id.
     exported: Mutex<HashMap<i32, u64>>,
     next_fd: AtomicU64,
@@ -69,7 +83,7 @@ pub struct SimDevice {
 impl SimDevice {
     /// A simulated device.
     pub fn new(config: SimConfig) -> Self {
-        SimDevice {
+        let mut dev = SimDevice {
             caps: DeviceCaps {
                 name: config.name,
                 ordinal: config.ordinal,
@@ -79,15 +93,20 @@ impl SimDevice {
                 posix_fd_handles: true,
                 has_memory: false,
             },
-            call_ns: std::array::from_fn(|i| Self::ns(&config.cost, Call::ALL[i], 0)),
             cost: config.cost,
+            second: None,
             space: Mutex::new(AddressSpace::new(config.capacity, config.granularity)),
             streams: StreamModel::new(),
             counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            kind_ns: std::array::from_fn(|_| AtomicU64::new(0)),
             modeled_ns: AtomicU64::new(0),
+            second_ns: AtomicU64::new(0),
+            count_handles: [false; 2],
             exported: Mutex::new(HashMap::new()),
             next_fd: AtomicU64::new(1 << 20),
-        }
+        };
+        dev.update_handle_counting();
+        dev
     }
 
     /// A simulated device of `capacity` bytes with default parameters.
@@ -95,19 +114,41 @@ impl SimDevice {
         Self::new(SimConfig::with_capacity(capacity))
     }
 
-    fn ns(cost: &CostModel, call: Call, bytes: u64) -> u64 {
-        (cost.cost_us(call, bytes) * 1000.0).round() as u64
+    /// Also prices every call with `cost` (read with [`SimDevice::second_modeled_us`]).
+    pub fn also_priced_by(mut self, cost: CostModel) -> Self {
+        self.second = Some(cost);
+        self.update_handle_counting();
+        self
     }
 
-    fn charge(&self, call: Call, bytes: u64) {
-        self.counts[call.index()].fetch_add(1, Ordering::Relaxed);
-        let ns = if call == Call::Create {
-            Self::ns(&self.cost, call, bytes)
-        } else {
-            self.call_ns[call.index()]
-        };
+    fn update_handle_counting(&mut self) {
+        let models = std::iter::once(&self.cost).chain(self.second.as_ref());
+        let mut flags = [false; 2];
+        for m in models {
+            flags[0] |= m.unmap.per_handle_us != 0.0;
+            flags[1] |= m.set_access.per_handle_us != 0.0;
+        }
+        self.count_handles = flags;
+    }
+
+    fn ns(us: f64) -> u64 {
+        (us * 1000.0).round() as u64
+    }
+
+    /// Counts one call and charges it: `bytes` of the call, `handles` covered.
+    fn charge(&self, call: Call, bytes: u64, handles: u64) {
+        let i = call.index();
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        let ns = Self::ns(self.cost.call_us(call, bytes, handles));
         if ns > 0 {
             self.modeled_ns.fetch_add(ns, Ordering::Relaxed);
+            self.kind_ns[i].fetch_add(ns, Ordering::Relaxed);
+        }
+        if let Some(second) = &self.second {
+            let ns = Self::ns(second.call_us(call, bytes, handles));
+            if ns > 0 {
+                self.second_ns.fetch_add(ns, Ordering::Relaxed);
+            }
         }
     }
 
@@ -125,17 +166,36 @@ impl SimDevice {
         self.modeled_ns.load(Ordering::Relaxed) as f64 / 1000.0
     }
 
+    /// Modeled time of the calls of one kind so far, in microseconds.
+    pub fn modeled_us_of(&self, call: Call) -> f64 {
+        self.kind_ns[call.index()].load(Ordering::Relaxed) as f64 / 1000.0
+    }
+
+    /// Modeled driver time so far under the second model
+    /// ([`SimDevice::also_priced_by`]), in microseconds.
+    pub fn second_modeled_us(&self) -> Option<f64> {
+        self.second
+            .as_ref()
+            .map(|_| self.second_ns.load(Ordering::Relaxed) as f64 / 1000.0)
+    }
+
     /// Resets call counts and modeled time (not the address space).
     pub fn reset_counters(&self) {
-        for n in &self.counts {
+        for n in self.counts.iter().chain(&self.kind_ns) {
             n.store(0, Ordering::Relaxed);
         }
         self.modeled_ns.store(0, Ordering::Relaxed);
+        self.second_ns.store(0, Ordering::Relaxed);
     }
 
     /// The cost model in use.
     pub fn cost_model(&self) -> &CostModel {
         &self.cost
+    }
+
+    /// The second cost model, if any.
+    pub fn second_cost_model(&self) -> Option<&CostModel> {
+        self.second.as_ref()
     }
 }
 
@@ -145,7 +205,7 @@ impl Device for SimDevice {
     }
 
     fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
-        self.charge(Call::Reserve, size);
+        self.charge(Call::Reserve, size, 0);
         let mut s = self.space.lock();
         let addr = s.find_free_va(size, align)?;
         s.reserve(addr, size, align)?;
@@ -153,28 +213,35 @@ impl Device for SimDevice {
     }
 
     fn free_reservation(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.charge(Call::AddressFree, size);
+        self.charge(Call::AddressFree, size, 0);
         self.space.lock().free_reservation(addr, size)
     }
 
     fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
-        self.charge(Call::Create, size);
+        self.charge(Call::Create, size, 1);
         self.space.lock().create(size)
     }
 
     fn release(&self, handle: PhysHandle) -> DeviceResult<()> {
-        self.charge(Call::Release, 0);
-        self.space.lock().release(handle).map(|_| ())
+        let mut s = self.space.lock();
+        let bytes = s.handle_size(Call::Release, handle).unwrap_or(0);
+        self.charge(Call::Release, bytes, 1);
+        s.release(handle).map(|_| ())
     }
 
     fn map(&self, addr: u64, size: u64, handle: PhysHandle) -> DeviceResult<()> {
-        self.charge(Call::Map, size);
+        self.charge(Call::Map, size, 1);
         self.space.lock().map(addr, size, handle)
     }
 
     fn unmap(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.charge(Call::Unmap, size);
         let mut s = self.space.lock();
+        let handles = if self.count_handles[0] {
+            s.mappings_covered(addr, size)
+        } else {
+            0
+        };
+        self.charge(Call::Unmap, size, handles);
         s.check_unmap(addr, size)?;
         if let Some(stream) = self.streams.pending_use(addr, size) {
             return Err(DeviceError::rule(
@@ -187,12 +254,18 @@ impl Device for SimDevice {
     }
 
     fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.charge(Call::SetAccess, size);
-        self.space.lock().set_access(addr, size)
+        let mut s = self.space.lock();
+        let handles = if self.count_handles[1] {
+            s.mappings_covered(addr, size)
+        } else {
+            0
+        };
+        self.charge(Call::SetAccess, size, handles);
+        s.set_access(addr, size)
     }
 
     fn mem_info(&self) -> DeviceResult<MemInfo> {
-        self.charge(Call::MemInfo, 0);
+        self.charge(Call::MemInfo, 0, 0);
         let s = self.space.lock();
         Ok(MemInfo {
             free: s.free_bytes(),
@@ -201,7 +274,7 @@ impl Device for SimDevice {
     }
 
     fn alloc(&self, size: u64) -> DeviceResult<u64> {
-        self.charge(Call::Alloc, size);
+        self.charge(Call::Alloc, size, 1);
         let mut s = self.space.lock();
         s.check_plain(size)?;
         let addr = s.find_plain_va(size)?;
@@ -210,16 +283,17 @@ impl Device for SimDevice {
     }
 
     fn free(&self, ptr: u64) -> DeviceResult<()> {
-        self.charge(Call::Free, 0);
         let mut s = self.space.lock();
-        s.plain_size(ptr)?;
+        let size = s.plain_size(ptr);
+        self.charge(Call::Free, *size.as_ref().unwrap_or(&0), 1);
+        size?;
         // cuMemFree synchronizes implicitly: queued work finishes first.
         self.streams.complete_all();
         s.free_plain(ptr).map(|_| ())
     }
 
     fn export_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
-        self.charge(Call::Export, 0);
+        self.charge(Call::Export, 0, 0);
         let alloc = self.space.lock().allocation_of(Call::Export, handle)?;
         let fd = self.next_fd.fetch_add(1, Ordering::Relaxed) as i32;
         self.exported.lock().insert(fd, alloc);
@@ -227,7 +301,7 @@ impl Device for SimDevice {
     }
 
     fn import_fd(&self, fd: i32) -> DeviceResult<PhysHandle> {
-        self.charge(Call::Import, 0);
+        self.charge(Call::Import, 0, 0);
         let alloc = self.exported.lock().get(&fd).copied().ok_or_else(|| {
             DeviceError::rule(
                 Call::Import,
@@ -239,7 +313,7 @@ impl Device for SimDevice {
     }
 
     fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
-        self.charge(Call::CopyHtoD, src.len() as u64);
+        self.charge(Call::CopyHtoD, src.len() as u64, 0);
         self.space
             .lock()
             .check_accessible(Call::CopyHtoD, dst, src.len() as u64)?;
@@ -250,7 +324,7 @@ impl Device for SimDevice {
     }
 
     fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
-        self.charge(Call::CopyDtoH, dst.len() as u64);
+        self.charge(Call::CopyDtoH, dst.len() as u64, 0);
         self.space
             .lock()
             .check_accessible(Call::CopyDtoH, src, dst.len() as u64)?;
@@ -261,43 +335,43 @@ impl Device for SimDevice {
     }
 
     fn create_stream(&self) -> DeviceResult<Stream> {
-        self.charge(Call::StreamCreate, 0);
+        self.charge(Call::StreamCreate, 0, 0);
         Ok(self.streams.create_stream())
     }
 
     fn synchronize_stream(&self, stream: Stream) -> DeviceResult<()> {
-        self.charge(Call::StreamSync, 0);
+        self.charge(Call::StreamSync, 0, 0);
         self.streams.complete(stream)
     }
 
     fn synchronize(&self) -> DeviceResult<()> {
-        self.charge(Call::DeviceSync, 0);
+        self.charge(Call::DeviceSync, 0, 0);
         self.streams.complete_all();
         Ok(())
     }
 
     fn create_event(&self) -> DeviceResult<Event> {
-        self.charge(Call::EventCreate, 0);
+        self.charge(Call::EventCreate, 0, 0);
         Ok(self.streams.create_event())
     }
 
     fn record_event(&self, event: Event, stream: Stream) -> DeviceResult<()> {
-        self.charge(Call::EventRecord, 0);
+        self.charge(Call::EventRecord, 0, 0);
         self.streams.record(event, stream)
     }
 
     fn query_event(&self, event: Event) -> DeviceResult<bool> {
-        self.charge(Call::EventQuery, 0);
+        self.charge(Call::EventQuery, 0, 0);
         self.streams.query(event)
     }
 
     fn synchronize_event(&self, event: Event) -> DeviceResult<()> {
-        self.charge(Call::EventSync, 0);
+        self.charge(Call::EventSync, 0, 0);
         self.streams.synchronize_event(event)
     }
 
     fn destroy_event(&self, event: Event) -> DeviceResult<()> {
-        self.charge(Call::EventDestroy, 0);
+        self.charge(Call::EventDestroy, 0, 0);
         self.streams.destroy_event(event)
     }
 
@@ -327,7 +401,11 @@ mod tests {
 
     #[test]
     fn holds_a_141_gib_device_and_counts_calls() {
-        let dev = SimDevice::with_capacity(141 * GIB);
+        let dev = SimDevice::new(SimConfig {
+            cost: CostModel::linear(),
+            ..SimConfig::with_capacity(141 * GIB)
+        })
+        .also_priced_by(CostModel::a100());
         let g = dev.caps().granularity;
         let va = dev.reserve(200 * GIB, 0).unwrap();
         let mut handles = Vec::new();
@@ -359,5 +437,55 @@ mod tests {
             "{} vs {expected}",
             dev.modeled_us()
         );
+        // The same calls under a100: create 193 + 0.7/MiB, map 1.45, one set
+        // access 36, one unmap over every page at 25.6 per handle.
+        let p = pages as f64;
+        let a100 = (p + 1.0) * (193.0 + 1.4) + p * (1.45 + 25.6 + 20.0) + 36.0 + 19.0 + 20.0;
+        let second = dev.second_modeled_us().unwrap();
+        assert!((second - a100).abs() < 1e-2, "{second} vs {a100}");
+        let create = dev.modeled_us_of(Call::Create);
+        assert!((create - (p + 1.0) * 50.0).abs() < 1e-3, "{create}");
+    }
+
+    #[test]
+    fn a100_charges_per_handle_and_per_mib() {
+        let dev = SimDevice::with_capacity(8 * GIB);
+        assert_eq!(*dev.cost_model(), CostModel::a100());
+        assert!(dev.second_modeled_us().is_none());
+        let va = dev.reserve(GIB, 0).unwrap();
+        // Ten 2 MiB handles and one 20 MiB handle: same bytes, 10x the handles.
+        let small: Vec<_> = (0..10).map(|_| dev.create(2 * MIB).unwrap()).collect();
+        let big = dev.create(20 * MIB).unwrap();
+        let create = dev.modeled_us_of(Call::Create);
+        assert!((create - (10.0 * 194.4 + 207.0)).abs() < 1e-3, "{create}");
+        for (i, h) in small.iter().enumerate() {
+            dev.map(va + i as u64 * 2 * MIB, 2 * MIB, *h).unwrap();
+        }
+        dev.map(va + 20 * MIB, 20 * MIB, big).unwrap();
+        dev.set_access(va, 40 * MIB).unwrap();
+        dev.reset_counters();
+        assert_eq!(dev.modeled_us(), 0.0);
+        dev.unmap(va, 20 * MIB).unwrap();
+        let ten = dev.modeled_us_of(Call::Unmap);
+        dev.unmap(va + 20 * MIB, 20 * MIB).unwrap();
+        let one = dev.modeled_us_of(Call::Unmap) - ten;
+        assert!((ten - 256.0).abs() < 1e-3, "{ten}");
+        assert!((one - 25.6).abs() < 1e-3, "{one}");
+        // A failed unmap covers nothing.
+        assert!(dev.unmap(va, 2 * MIB).is_err());
+        assert!((dev.modeled_us_of(Call::Unmap) - 281.6).abs() < 1e-3);
+        for h in small.into_iter().chain([big]) {
+            dev.release(h).unwrap();
+        }
+        assert!((dev.modeled_us_of(Call::Release) - 220.0).abs() < 1e-3);
+        // cuMemAlloc of 20 MiB = create + map + set access; cuMemFree = unmap + release + sync.
+        dev.reset_counters();
+        let p = dev.alloc(20 * MIB).unwrap();
+        dev.free(p).unwrap();
+        let alloc = dev.modeled_us_of(Call::Alloc);
+        assert!((alloc - (207.0 + 1.45 + 36.0)).abs() < 1e-3, "{alloc}");
+        assert!((dev.modeled_us_of(Call::Free) - 95.6).abs() < 1e-3);
+        dev.free_reservation(va, GIB).unwrap();
+        assert!(dev.live().is_empty());
     }
 }

@@ -20,6 +20,8 @@ pub struct ReplayConfig {
     pub granularity: u64,
     /// Cost model of the simulated device.
     pub cost: CostModel,
+    /// The cost model's name as reports show it (a preset name or a file).
+    pub cost_label: String,
     /// Policy options.
     pub options: PolicyOptions,
     /// Stop at the first out-of-memory (capacity search) instead of skipping the
@@ -43,6 +45,7 @@ impl ReplayConfig {
             capacity,
             granularity: 2 * MIB,
             cost: CostModel::default(),
+            cost_label: CostModel::PRESETS[0].to_string(),
             options: PolicyOptions::default(),
             stop_at_oom: false,
             timeline_samples: 0,
@@ -103,6 +106,8 @@ pub struct ReplayResult {
     /// Modeled driver time while the trace ran, microseconds (teardown
     /// excluded, see `teardown_driver_us`).
     pub modeled_driver_us: f64,
+    /// Modeled time of the `cuMemCreate` calls among `modeled_driver_us`.
+    pub modeled_create_us: f64,
     /// Device calls the allocator made when it was dropped.
     pub teardown_calls: CallCounts,
     /// Modeled driver time of the teardown, microseconds.
@@ -208,6 +213,7 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
         syncs: 0,
         driver_calls: CallCounts::default(),
         modeled_driver_us: 0.0,
+        modeled_create_us: 0.0,
         teardown_calls: CallCounts::default(),
         teardown_driver_us: 0.0,
         cpu_time: Duration::ZERO,
@@ -239,6 +245,7 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
     let counts = sim.counts();
     result.syncs = counts.syncs();
     result.modeled_driver_us = sim.modeled_us();
+    result.modeled_create_us = sim.modeled_us_of(Call::Create);
     result.driver_calls = counts;
     Replayed {
         result,
