@@ -123,6 +123,10 @@ pub struct Stats {
     pub pages_mapped: u64,
     /// Ours: physical pages currently pooled (unmapped, handle kept).
     pub pages_pooled: u64,
+    /// Ours: physical handles (chunks of one or more pages) currently mapped.
+    pub handles_mapped: u64,
+    /// Ours: physical handles currently pooled.
+    pub handles_pooled: u64,
     /// Ours: targeted reclaims performed.
     pub reclaims: u64,
     /// Ours: bytes unmapped by targeted reclaims.
@@ -197,6 +201,8 @@ impl Stats {
         m.insert("max_split_size".into(), self.max_split_size);
         m.insert("vmmalloc.pages_mapped".into(), self.pages_mapped as i64);
         m.insert("vmmalloc.pages_pooled".into(), self.pages_pooled as i64);
+        m.insert("vmmalloc.handles_mapped".into(), self.handles_mapped as i64);
+        m.insert("vmmalloc.handles_pooled".into(), self.handles_pooled as i64);
         m.insert("vmmalloc.reclaims".into(), self.reclaims as i64);
         m.insert(
             "vmmalloc.reclaimed_bytes".into(),

@@ -172,20 +172,26 @@ fn a_failed_map_rolls_back_and_pools_the_pages() {
         n: 5,
         kind: FaultKind::Driver(999),
     });
-    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    // 8 MiB chunks: the 64 MiB block is backed by 8 handles.
+    let cfg = ExpandableConfig {
+        max_chunk: Some(8 * MIB),
+        ..ExpandableConfig::default()
+    };
+    let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
     let e = a.malloc(64 * MIB, Stream::DEFAULT).unwrap_err();
     assert!(matches!(e, AllocError::Device(_)), "{e}");
     a.validate().unwrap();
     let st = a.stats();
     assert_eq!(
-        (st.pages_mapped, st.pages_pooled),
-        (0, 32),
-        "the 4 mapped pages were unmapped"
+        (st.pages_mapped, st.pages_pooled, st.handles_pooled),
+        (0, 32, 8),
+        "the 4 mapped chunks were unmapped"
     );
     assert_eq!(st.allocation.all().current, 0);
-    // The pooled pages serve the retry without a single create.
+    // The pooled chunks serve the retry without a single create.
     let x = a.malloc(64 * MIB, Stream::DEFAULT).unwrap();
-    assert_eq!(dev.hook().seen(Call::Create), 32);
+    assert_eq!(dev.hook().seen(Call::Create), 8);
+    assert_eq!(a.stats().handles_mapped, 8);
     a.validate().unwrap();
     a.free(x.ptr).unwrap();
 }
@@ -206,7 +212,8 @@ fn a_zero_release_threshold_releases_rolled_back_pages() {
     let st = a.stats();
     assert_eq!(
         (st.pages_mapped, st.pages_pooled, st.num_device_free),
-        (0, 0, 8)
+        (0, 0, 1),
+        "the block's one 16 MiB chunk was released"
     );
     assert_eq!(dev.inner().live().handles, 0);
     a.validate().unwrap();
@@ -228,9 +235,15 @@ fn create_out_of_memory_reclaims_instead_of_failing() {
     });
     let y = a.malloc(8 * MIB, s1).unwrap();
     let st = a.stats();
+    // Reclaim takes whole chunks: the freed block's one 32 MiB chunk. The
+    // driver being full, it is released and an 8 MiB chunk created instead.
     assert_eq!(
         (st.num_alloc_retries, st.reclaims, st.reclaimed_bytes),
-        (1, 1, 8 * MIB)
+        (1, 1, 32 * MIB)
+    );
+    assert_eq!(
+        (st.num_device_free, st.handles_mapped, st.pages_pooled),
+        (1, 1, 0)
     );
     assert_eq!(st.num_ooms, 0);
     a.validate().unwrap();

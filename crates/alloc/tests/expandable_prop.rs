@@ -37,7 +37,9 @@ fn op(max: u64) -> impl Strategy<Value = Op> {
 
 /// Runs `ops`, checking after every step that the allocator validates and
 /// that no out-of-memory error was avoidable: after a full reclaim, live
-/// blocks pin at most their bytes plus two partial pages each.
+/// blocks pin at most their bytes plus two partial chunks each (a chunk a
+/// block covers only in part cannot be reclaimed; with `max_chunk` = the page
+/// size that is two partial pages, the page-level guarantee).
 fn run<D: Device + Introspect + 'static>(
     dev: Arc<D>,
     cfg: ExpandableConfig,
@@ -45,7 +47,7 @@ fn run<D: Device + Introspect + 'static>(
 ) -> Result<(), TestCaseError> {
     let a = ExpandableAllocator::new(dev.clone(), cfg)
         .map_err(|e| TestCaseError::fail(e.to_string()))?;
-    let page = a.page_size();
+    let edge = a.max_chunk().max(a.page_size());
     {
         let mut h = Harness::new(&a, &*dev, STREAMS).map_err(TestCaseError::fail)?;
         for (i, o) in ops.iter().enumerate() {
@@ -55,7 +57,7 @@ fn run<D: Device + Introspect + 'static>(
             h.check()
                 .map_err(|e| TestCaseError::fail(format!("after step {i} {o:?}: {e}")))?;
             if let Outcome::Oom(r) = out {
-                let bound = r.live + r.rounded + 2 * page * (h.live.len() as u64 + 1);
+                let bound = r.live + r.rounded + 2 * edge * (h.live.len() as u64 + 1);
                 prop_assert!(
                     bound > r.capacity,
                     "avoidable out-of-memory at step {i} ({o:?}): {r}"
@@ -91,6 +93,7 @@ proptest! {
             arena_size: Some(2 * GIB),
             release_threshold: 16 * MIB,
             memory_fraction: 0.75,
+            max_chunk: Some(64 * MIB),
         };
         run(Arc::new(SimDevice::with_capacity(2 * GIB)), cfg, &ops)?;
     }
@@ -103,6 +106,13 @@ proptest! {
     fn random_ops_on_host_keep_every_byte(ops in prop::collection::vec(op(24 * MIB), 1..50)) {
         let dev = HostDevice::new(HostConfig::with_capacity(64 * MIB)).map_err(|e| TestCaseError::fail(e.to_string()))?;
         run(Arc::new(dev), ExpandableConfig::default(), &ops)?;
+    }
+
+    #[test]
+    fn random_ops_on_host_with_one_page_chunks(ops in prop::collection::vec(op(24 * MIB), 1..50)) {
+        let dev = HostDevice::new(HostConfig::with_capacity(64 * MIB)).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let cfg = ExpandableConfig { max_chunk: Some(2 * MIB), ..ExpandableConfig::default() };
+        run(Arc::new(dev), cfg, &ops)?;
     }
 
     #[test]

@@ -73,8 +73,10 @@ fn blocks_split_and_merge_at_512_bytes() {
 /// The fragmentation scenario of docs/expandable.md: a 1 GiB device filled
 /// with 8 MiB blocks, every other one freed (512 MiB free in 64 gaps of
 /// 8 MiB), then one 256 MiB request — larger than any gap, smaller than the
-/// free total. It succeeds by moving 128 free pages, waiting only for the one
-/// stream that used them; no device-wide synchronize, no create, no release.
+/// free total. Each 8 MiB block was backed by one 8 MiB chunk, so each gap is
+/// a whole free chunk: the request succeeds by moving 32 of them (128 pages),
+/// waiting only for the one stream that used them; no device-wide
+/// synchronize, no create, no release.
 #[test]
 fn fragmentation_scenario_succeeds_without_device_sync() {
     let (dev, a) = setup(GIB, ExpandableConfig::default());
@@ -113,7 +115,7 @@ fn fragmentation_scenario_succeeds_without_device_sync() {
         "pages move, never re-created"
     );
     assert_eq!(c.get(Call::Unmap), 32, "one unmap per reclaimed 8 MiB gap");
-    assert_eq!(c.get(Call::Map), 128);
+    assert_eq!(c.get(Call::Map), 32, "one map per moved 8 MiB chunk");
     assert_eq!(
         c.get(Call::SetAccess),
         1,
@@ -290,7 +292,7 @@ fn reclaim_waits_only_for_the_stream_that_used_the_pages() {
         a.free(b.ptr).unwrap();
     }
     // The model refuses to unmap pages that queued work uses.
-    let err = dev.unmap(a_blocks[0].ptr, 2 * MIB).unwrap_err();
+    let err = dev.unmap(a_blocks[0].ptr, 16 * MIB).unwrap_err();
     assert_eq!(
         err.broken_rule(),
         Some(vmmalloc_device::Rule::InUseByStream)
@@ -464,9 +466,29 @@ fn one_set_access_per_contiguous_run_and_page_size_option() {
             c.get(Call::Map),
             c.get(Call::SetAccess)
         ),
-        (32, 32, 1)
+        (1, 1, 1),
+        "one 64 MiB chunk backs the block"
     );
     a.free(x.ptr).unwrap();
+    // With 2 MiB chunks the same block takes 32 handles, and still one set_access.
+    let (dev2, a2) = setup(
+        GIB,
+        ExpandableConfig {
+            max_chunk: Some(2 * MIB),
+            ..ExpandableConfig::default()
+        },
+    );
+    let y = a2.malloc(64 * MIB, Stream::DEFAULT).unwrap();
+    let c = dev2.counts();
+    assert_eq!(
+        (
+            c.get(Call::Create),
+            c.get(Call::Map),
+            c.get(Call::SetAccess)
+        ),
+        (32, 32, 1)
+    );
+    a2.free(y.ptr).unwrap();
 
     let cfg = ExpandableConfig {
         page_size: Some(8 * MIB),
@@ -479,8 +501,8 @@ fn one_set_access_per_contiguous_run_and_page_size_option() {
     let c = dev.counts();
     assert_eq!(
         c.get(Call::Create),
-        3,
-        "one 8 MiB page for the small pool, two for the large"
+        2,
+        "one 8 MiB page for the small pool, one 16 MiB chunk of two pages for the large"
     );
     assert_eq!(dev.live().physical_bytes, 24 * MIB);
     a.validate().unwrap();
@@ -617,10 +639,14 @@ fn empty_cache_keeps_live_blocks_and_releases_the_rest() {
     let c = since(&dev, &before);
     assert_eq!(c.get(Call::DeviceSync), 0);
     assert_eq!(c.get(Call::StreamSync), 1);
-    assert_eq!(c.get(Call::Release), 50);
-    assert_eq!(dev.live().handles, 5);
+    assert_eq!(
+        c.get(Call::Release),
+        1,
+        "the freed block's one 100 MiB chunk"
+    );
+    assert_eq!(dev.live().handles, 1);
     assert_eq!(a.stats().reserved_bytes.all().current as u64, 10 * MIB);
-    assert_eq!(a.stats().num_device_free, 50);
+    assert_eq!(a.stats().num_device_free, 1);
     a.validate().unwrap();
     a.free(keep.ptr).unwrap();
 }

@@ -86,10 +86,18 @@ impl Inner {
             };
             let (addr, seg) = (self.slab[idx].addr, self.slab[idx].seg);
             let (p0, p1) = self.seg(seg).page_span(&self.layout, addr, rounded);
-            if self.seg(seg).all_mapped(p0, p1) && self.unready.is_empty() {
+            // Fast path. When memory is tight, `back_pages` may first split
+            // free chunks the block would cover only in part.
+            if self.seg(seg).all_mapped(p0, p1) && self.unready.is_empty() && !self.tight() {
                 return Ok(self.take_block(idx, size, rounded, stream));
             }
-            match self.back_pages(dev, seg, p0, p1) {
+            // The free block's whole pages: chunks inside them are wholly free.
+            let room = {
+                let b = &self.slab[idx];
+                self.seg(seg).whole_pages(self.layout.page, b.addr, b.end())
+            };
+            let freed_at = self.slab[idx].freed_at;
+            match self.back_pages(dev, seg, p0, p1, room, freed_at) {
                 Ok(()) => return Ok(self.take_block(idx, size, rounded, stream)),
                 Err(e) => {
                     if let Some(s) = new_seg {
@@ -158,7 +166,7 @@ impl Inner {
             first: block,
             tail: block,
             mapped: BitVec::repeat(false, pages),
-            handles: Vec::new(),
+            chunks: Default::default(),
             mapped_pages: 0,
             active_blocks: 0,
             active_bytes: 0,

@@ -47,6 +47,7 @@ mod events;
 mod free_index;
 mod lock;
 mod pages;
+mod pool;
 mod reclaim;
 mod report;
 mod segment;
@@ -65,7 +66,7 @@ use counters::Counters;
 use events::Events;
 use lock::Lock;
 use segment::{Segment, StreamEntry};
-use vmmalloc_device::{Device, PhysHandle};
+use vmmalloc_device::Device;
 
 /// Every piece of allocator state, guarded by one mutex.
 pub(crate) struct Inner {
@@ -89,12 +90,12 @@ pub(crate) struct Inner {
     vacant_segments: Vec<u32>,
     /// Address-space reservations.
     arenas: Arenas,
-    /// Unmapped pages whose handle is kept (the page pool).
-    pool: Vec<PhysHandle>,
+    /// Unmapped chunks whose handle is kept (the chunk pool).
+    pool: pool::ChunkPool,
     /// Event pool and blocks waiting for events.
     events: Events,
-    /// Pages that are mapped but not yet accessible, `(segment, page)`: only
-    /// after a `set_access` failed and the rollback unmap failed too.
+    /// Chunks that are mapped but not yet accessible, `(segment, first
+    /// page)`: only after a `set_access` failed and the rollback unmap failed too.
     unready: Vec<(u32, u64)>,
     /// Counts frees; orders reclaim and stream waits.
     tick: u64,
@@ -169,7 +170,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 segments: Vec::new(),
                 vacant_segments: Vec::new(),
                 arenas: Arenas::default(),
-                pool: Vec::new(),
+                pool: pool::ChunkPool::default(),
                 events: Events::default(),
                 unready: Vec::new(),
                 tick: 0,
@@ -187,6 +188,12 @@ impl<D: Device> ExpandableAllocator<D> {
     /// Bytes of one physical page.
     pub fn page_size(&self) -> u64 {
         self.inner.lock().layout.page
+    }
+
+    /// Bytes of the largest physical chunk (one `cuMemCreate` handle).
+    pub fn max_chunk(&self) -> u64 {
+        let l = self.inner.lock().layout;
+        l.max_chunk_pages * l.page
     }
 
     /// Bytes of address space per segment.

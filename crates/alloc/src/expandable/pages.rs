@@ -1,15 +1,52 @@
-//! Physical pages: the page pool, mapping pages under a block, unmapping
+//! Physical chunks under blocks: planning which chunks back a block, getting
+//! their handles (pool, driver, targeted reclaim), mapping them, unmapping
 //! runs, and rolling back a half-done mapping.
 //!
+//! # Why chunks
+//!
+//! The driver charges per handle, not per byte: `cuMemCreate` costs ~193 µs
+//! per call plus ~0.7 µs per MiB on an A100 (kvcached `bench_vmm`), and
+//! PyTorch's Note [Expandable Segments] (`CUDACachingAllocator.cpp`) says
+//! mapping ten 2 MiB handles takes ten times as long as one 20 MiB handle. So
+//! the pages a block lacks are backed by as few handles as the work allows:
+//! one chunk per missing run (split at `max_chunk`), preferring chunks already
+//! in the pool.
+//!
+//! # Wholly used or wholly free
+//!
+//! A chunk is one mapping, and `cuMemUnmap` takes whole mappings only, so
+//! reclaim can give back a chunk only when it lies wholly inside free space.
+//! A chunk sized to the block that first needed it is wholly used by it, and
+//! wholly free once it is freed. The danger is a later, smaller block carved
+//! out of such a free chunk: it *pins* the whole chunk, and the rest of it is
+//! free memory nothing else can have. So when memory is tight (less than half
+//! of the limit is neither mapped nor pooled) such a chunk is **split**:
+//! unmapped (after waiting for its stream) and the block gets exact chunks of
+//! its own, from the pool or new ones. With room to spare, pinning is harmless
+//! and costs no call, so the chunk is reused as it is. Mapping pages *ahead*
+//! of a growing segment (fewer, larger handles, as PyTorch's 20 MiB pages do)
+//! was measured and rejected: the chunks it makes straddle blocks and can be
+//! neither reclaimed nor split (docs/results.md, "Chunks").
+//!
 //! Invariants (checked by `validate`): every handle is in exactly one place —
-//! mapped at one page of one segment, or in the pool; `stats.pages_mapped` and
-//! `stats.pages_pooled` equal those counts; mapped pages are accessible unless
-//! listed in `unready`.
+//! mapped as one chunk of one segment, or in the pool; `stats.pages_mapped`,
+//! `stats.pages_pooled` and the handle counts equal recounts; mapped chunks are
+//! accessible unless listed in `unready`.
 
 use super::reclaim::Exclude;
+use super::segment::Chunk;
 use super::Inner;
 use crate::AllocError;
 use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
+
+/// Memory is tight when less than 1/`TIGHT_DIV` of the limit is neither
+/// mapped nor pooled; then free chunks are split rather than pinned (see
+/// [`Inner::split_free_chunks`]). Measured against 1/4 and 1/8 in
+/// docs/results.md ("Chunks"): only 1/2 kept the fragmenting traces within 1 %.
+const TIGHT_DIV: u64 = 2;
+/// Plans tried for one request before it counts as out of memory (each after
+/// a reclaim or a driver out-of-memory).
+const MAX_ATTEMPTS: u32 = 4;
 
 /// Why pages could not be provided.
 #[derive(Debug)]
@@ -20,6 +57,15 @@ pub(crate) enum Backing {
     Fail(AllocError),
 }
 
+/// One chunk of a plan: pages `[first, first + pages)` of the segment, backed
+/// by a pooled handle of that size or by a new one.
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    first: u64,
+    pages: u64,
+    pooled: bool,
+}
+
 impl Inner {
     /// Address of page `p` of segment `seg`.
     #[inline]
@@ -28,86 +74,104 @@ impl Inner {
     }
 
     /// Updates the stats after `n` pages of `seg` were mapped (recorded in the
-    /// segment with [`super::segment::Segment::set_mapped`]); `before` is the
+    /// segment with [`super::segment::Segment::add_chunk`]); `before` is the
     /// segment's inactive split from before the first of them. One update per
     /// run gives the same counters, peaks included, as one per page: every
     /// page moves them the same way.
-    fn note_mapped(&mut self, seg: u32, n: u64, before: (i64, i64)) {
+    fn note_mapped(&mut self, seg: u32, n: u64, chunks: u64, before: (i64, i64)) {
         self.split_changed(seg, before);
         let k = self.seg(seg).kind as usize;
         self.counters
             .reserved_bytes
             .add(k, (n * self.layout.page) as i64);
         self.stats.pages_mapped += n;
+        self.stats.handles_mapped += chunks;
     }
 
-    /// Records that pages `[first, first + count)` of `seg` were unmapped;
-    /// their handles go to the pool.
+    /// Records that the whole chunks in pages `[first, first + count)` of
+    /// `seg` were unmapped; their handles go to the pool.
     fn note_unmapped(&mut self, seg: u32, first: u64, count: u64) {
         let before = self.seg(seg).inactive_split(self.layout.page);
-        for p in first..first + count {
-            if let Some(h) = self.seg_mut(seg).clear_mapped(p) {
-                self.pool_put(h);
+        let firsts: Vec<u64> = self
+            .seg(seg)
+            .chunks_within(first, first + count)
+            .map(|(f, _)| f)
+            .collect();
+        let mut pages = 0;
+        for f in &firsts {
+            if let Some(c) = self.seg_mut(seg).remove_chunk(*f) {
+                pages += c.pages;
+                self.pool_put(c.handle, c.pages);
             }
         }
+        debug_assert_eq!(pages, count, "unmapped runs are whole chunks");
         self.split_changed(seg, before);
         let k = self.seg(seg).kind as usize;
         self.counters
             .reserved_bytes
-            .add(k, -((count * self.layout.page) as i64));
-        self.stats.pages_mapped -= count;
+            .add(k, -((pages * self.layout.page) as i64));
+        self.stats.pages_mapped -= pages;
+        self.stats.handles_mapped -= firsts.len() as u64;
         if !self.unready.is_empty() {
-            let pages = first..first + count;
             self.unready
-                .retain(|&(s, q)| !(s == seg && pages.contains(&q)));
+                .retain(|&(s, q)| !(s == seg && firsts.contains(&q)));
         }
     }
 
-    /// Puts a handle in the pool.
+    /// Puts a chunk of `pages` pages in the pool.
     #[inline]
-    pub(super) fn pool_put(&mut self, h: PhysHandle) {
-        self.pool.push(h);
-        self.stats.pages_pooled = self.pool.len() as u64;
+    pub(super) fn pool_put(&mut self, h: PhysHandle, pages: u64) {
+        self.pool.put(h, pages);
+        self.sync_pool_stats();
     }
 
-    /// Moves up to `n - got.len()` pooled handles into `got`.
-    fn pool_take(&mut self, got: &mut Vec<PhysHandle>, n: u64) {
-        while (got.len() as u64) < n {
-            match self.pool.pop() {
-                Some(h) => got.push(h),
-                None => break,
-            }
-        }
-        self.stats.pages_pooled = self.pool.len() as u64;
+    /// Copies the pool's size into the stats.
+    #[inline]
+    pub(super) fn sync_pool_stats(&mut self) {
+        self.stats.pages_pooled = self.pool.pages();
+        self.stats.handles_pooled = self.pool.count();
     }
 
-    /// Releases pooled handles above the release threshold. Stops at the first
-    /// failed release (the handle stays pooled).
+    /// Releases pooled chunks (largest first) while the pool holds more than
+    /// the release threshold. Stops at the first failed release (the chunk
+    /// stays pooled).
     pub(super) fn trim_pool<D: Device + ?Sized>(&mut self, dev: &D) {
         let page = self.layout.page;
-        while (self.pool.len() as u64).saturating_mul(page) > self.release_threshold {
-            let Some(h) = self.pool.pop() else { break };
-            if self.release_handle(dev, h).is_err() {
-                self.pool.push(h);
+        while self.pool.pages().saturating_mul(page) > self.release_threshold {
+            if self.release_largest(dev).is_err() {
                 break;
             }
         }
-        self.stats.pages_pooled = self.pool.len() as u64;
     }
 
-    /// Releases every pooled handle; failed ones stay pooled, the first error
+    /// Releases the largest pooled chunk; returns its pages (0 when the pool
+    /// is empty). A chunk whose release fails stays pooled.
+    pub(super) fn release_largest<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+    ) -> Result<u64, DeviceError> {
+        let Some((h, pages)) = self.pool.take_largest() else {
+            return Ok(0);
+        };
+        let r = self.release_handle(dev, h);
+        if r.is_err() {
+            self.pool.put(h, pages);
+        }
+        self.sync_pool_stats();
+        r.map(|()| pages)
+    }
+
+    /// Releases every pooled chunk; failed ones stay pooled, the first error
     /// is returned.
     pub(super) fn release_pool<D: Device + ?Sized>(&mut self, dev: &D) -> Result<(), DeviceError> {
-        let mut kept = Vec::new();
         let mut first_err = None;
-        while let Some(h) = self.pool.pop() {
+        for (h, pages) in self.pool.drain() {
             if let Err(e) = self.release_handle(dev, h) {
-                kept.push(h);
+                self.pool.put(h, pages);
                 first_err.get_or_insert(e);
             }
         }
-        self.pool = kept;
-        self.stats.pages_pooled = self.pool.len() as u64;
+        self.sync_pool_stats();
         first_err.map_or(Ok(()), Err)
     }
 
@@ -123,8 +187,9 @@ impl Inner {
         Ok(())
     }
 
-    /// Unmaps pages `[first, first + count)` of `seg` in one call; their
-    /// handles go to the pool. On failure nothing changes.
+    /// Unmaps pages `[first, first + count)` of `seg`, which are whole
+    /// chunks, in one call; their handles go to the pool. On failure nothing
+    /// changes.
     pub(super) fn unmap_run<D: Device + ?Sized>(
         &mut self,
         dev: &D,
@@ -139,35 +204,84 @@ impl Inner {
         Ok(())
     }
 
-    /// Makes pages `[p0, p1]` of `seg` mapped and accessible, taking pages
-    /// from the pool, the driver, or a targeted reclaim. On failure every page
-    /// this call mapped is unmapped again (handles go to the pool).
+    /// Makes pages `[p0, p1]` of `seg` mapped and accessible, taking chunks
+    /// from the pool, the driver, or a targeted reclaim. `room` is the whole
+    /// pages of the free block the request is carved from (freed at tick
+    /// `freed_at`): chunks inside it are wholly free and may be split. On
+    /// failure every chunk this call mapped is unmapped again (handles go to
+    /// the pool).
     pub(super) fn back_pages<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         seg: u32,
         p0: u64,
         p1: u64,
+        room: (u64, u64),
+        freed_at: u64,
     ) -> Result<(), Backing> {
         self.fix_unready(dev, seg, p0, p1)
             .map_err(|e| Backing::Fail(e.into()))?;
-        let missing: Vec<u64> = {
-            let s = self.seg(seg);
-            (p0..=p1).filter(|&p| !s.mapped[p as usize]).collect()
-        };
-        if missing.is_empty() {
+        self.split_free_chunks(dev, seg, p0, p1, room, freed_at)
+            .map_err(|e| Backing::Fail(e.into()))?;
+        let runs = self.seg(seg).unmapped_runs(p0, p1 + 1);
+        if runs.is_empty() {
             return Ok(());
         }
-        let n = missing.len() as u64;
-        if n > self.limit_pages {
-            return Err(Backing::Short(n - self.limit_pages));
+        let need: u64 = runs.iter().map(|r| r.1).sum();
+        if need > self.limit_pages {
+            return Err(Backing::Short(need - self.limit_pages));
         }
-        let handles = self.acquire(dev, n, Some((seg, p0, p1)))?;
-        self.map_pages(dev, seg, &missing, handles)
-            .map_err(|e| Backing::Fail(e.into()))
+        self.acquire_and_map(dev, seg, &runs, Some((seg, p0, p1)))
     }
 
-    /// Gives access to mapped-but-unready pages inside `[p0, p1]` of `seg`.
+    /// Whether memory is tight: less than 1/[`TIGHT_DIV`] of the limit is
+    /// neither mapped nor pooled.
+    pub(super) fn tight(&self) -> bool {
+        let held = self.mapped_pages() + self.pool.pages();
+        self.limit_pages
+            .saturating_sub(held)
+            .saturating_mul(TIGHT_DIV)
+            < self.limit_pages
+    }
+
+    /// When memory is tight, unmaps the wholly free chunks (inside the free
+    /// block's whole pages `room`) that the request `[p0, p1]` would cover
+    /// only in part: a chunk kept wholly used or wholly free can be reclaimed
+    /// whole later, one pinned by a small block cannot. The pages are mapped
+    /// again by exact chunks (pooled ones first). The free block was freed at
+    /// tick `freed_at`: its stream is waited for first unless it was since.
+    fn split_free_chunks<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        seg: u32,
+        p0: u64,
+        p1: u64,
+        room: (u64, u64),
+        freed_at: u64,
+    ) -> Result<(), DeviceError> {
+        let partial: Vec<(u64, Chunk)> = self
+            .seg(seg)
+            .chunks_overlapping(p0, p1 + 1)
+            .into_iter()
+            .filter(|&(f, c)| {
+                (f < p0 || f + c.pages > p1 + 1) && f >= room.0 && f + c.pages <= room.1
+            })
+            .collect();
+        if partial.is_empty() || !self.tight() {
+            return Ok(());
+        }
+        let owner = self.seg(seg).owner;
+        if freed_at > self.streams[owner as usize].synced_at {
+            self.wait_stream(dev, owner)?;
+        }
+        for (f, c) in partial {
+            self.unmap_run(dev, seg, f, c.pages)?;
+        }
+        self.stats.reclaims += 1;
+        Ok(())
+    }
+
+    /// Gives access to unready chunks overlapping pages `[p0, p1]` of `seg`.
     fn fix_unready<D: Device + ?Sized>(
         &mut self,
         dev: &D,
@@ -175,190 +289,261 @@ impl Inner {
         p0: u64,
         p1: u64,
     ) -> Result<(), DeviceError> {
-        let todo: Vec<u64> = self
-            .unready
-            .iter()
-            .filter(|&&(s, p)| s == seg && (p0..=p1).contains(&p))
-            .map(|&(_, p)| p)
-            .collect();
-        for p in todo {
-            let addr = self.page_addr(seg, p);
+        if self.unready.is_empty() {
+            return Ok(());
+        }
+        for (f, c) in self.seg(seg).chunks_overlapping(p0, p1 + 1) {
+            if !self.unready.contains(&(seg, f)) {
+                continue;
+            }
+            let addr = self.page_addr(seg, f);
             self.stats.driver_calls.add(Call::SetAccess);
-            dev.set_access(addr, self.layout.page)?;
-            self.unready.retain(|&(s, q)| !(s == seg && q == p));
+            dev.set_access(addr, c.pages * self.layout.page)?;
+            self.unready.retain(|&u| u != (seg, f));
         }
         Ok(())
     }
 
-    /// `n` handles: pooled first, then created, then reclaimed. On shortage,
-    /// handles created by this call are released again and the others go
-    /// back to the pool.
-    pub(super) fn acquire<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        n: u64,
-        exclude: Exclude,
-    ) -> Result<Vec<PhysHandle>, Backing> {
-        let mut got = Vec::with_capacity(n as usize);
-        self.pool_take(&mut got, n);
-        if got.len() as u64 == n {
-            return Ok(got);
-        }
-        let want = n - got.len() as u64;
-        let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
-        let headroom = self.limit_pages.saturating_sub(held);
-        let mut shortfall = 0;
-        if want > headroom {
-            // Proactive: creating the rest would pass the memory limit.
-            let lack = want - headroom;
-            let reclaimable = self.reclaimable(exclude, lack);
-            if reclaimable < lack {
-                shortfall = lack - reclaimable;
-            } else {
-                self.stats.num_alloc_retries += 1;
-                self.reclaim(dev, lack, exclude);
-                self.pool_take(&mut got, n);
+    /// Plans chunks for the unmapped `runs` (`(first, count)`): per run, the
+    /// largest pooled chunk that fits the rest of the run, else one new chunk
+    /// for the rest (split at `max_chunk`).
+    fn plan(&self, runs: &[(u64, u64)]) -> Vec<Planned> {
+        let mut view = super::pool::PoolView::of(&self.pool);
+        let max = self.layout.max_chunk_pages;
+        let mut plan = Vec::new();
+        for &(a, n) in runs {
+            let (mut p, end) = (a, a + n);
+            while p < end {
+                let rest = (end - p).min(max);
+                let (pages, pooled) = match view.take_largest_at_most(rest) {
+                    Some(k) => (k, true),
+                    None => (rest, false),
+                };
+                plan.push(Planned {
+                    first: p,
+                    pages,
+                    pooled,
+                });
+                p += pages;
             }
         }
-        // The handles this call creates: `got[created]` (creates append to
-        // `got` in one stretch, after the pooled handles taken so far).
-        let mut created = got.len()..got.len();
-        while shortfall == 0 && (got.len() as u64) < n {
-            let held = self.mapped_pages() + self.pool.len() as u64 + got.len() as u64;
-            if held >= self.limit_pages {
-                break;
-            }
-            self.stats.driver_calls.add(Call::Create);
-            match dev.create(self.layout.page) {
-                Ok(h) => {
-                    self.stats.num_device_alloc += 1;
-                    got.push(h);
-                    created.end = got.len();
-                }
-                Err(e) if e.is_out_of_memory() => {
-                    // The driver is out of memory: take free pages from elsewhere.
-                    let lack = n - got.len() as u64;
-                    if self.reclaimable(exclude, lack) >= lack {
-                        self.stats.num_alloc_retries += 1;
-                        self.reclaim(dev, lack, exclude);
-                        self.pool_take(&mut got, n);
-                    }
-                    break;
-                }
-                Err(e) => {
-                    self.give_back(dev, got, created);
-                    return Err(Backing::Fail(e.into()));
-                }
-            }
-        }
-        if (got.len() as u64) < n {
-            let lacking = if shortfall > 0 {
-                shortfall
-            } else {
-                n - got.len() as u64
-            };
-            self.give_back(dev, got, created);
-            return Err(Backing::Short(lacking));
-        }
-        Ok(got)
+        plan
     }
 
-    /// Undoes a failed [`Inner::acquire`]: releases the handles it created
-    /// (`got[created]`), pools the others.
-    fn give_back<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        got: Vec<PhysHandle>,
-        created: std::ops::Range<usize>,
-    ) {
-        for (i, h) in got.into_iter().enumerate() {
-            if !created.contains(&i) || self.release_handle(dev, h).is_err() {
-                self.pool_put(h);
-            }
-        }
-        self.trim_pool(dev);
-    }
-
-    /// Maps `handles` at the `pages` of `seg` (ascending), one `set_access`
-    /// per contiguous run. On failure, unmaps what it mapped.
-    fn map_pages<D: Device + ?Sized>(
+    /// Backs `runs` of `seg` with chunks and maps them. Memory comes from the
+    /// pool first, then from new handles within the limit; when that is not
+    /// enough, pooled chunks the plan cannot use are released, then whole free
+    /// chunks elsewhere are reclaimed (never those overlapping `exclude`) and
+    /// the plan is made again with them.
+    pub(super) fn acquire_and_map<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         seg: u32,
-        pages: &[u64],
-        mut handles: Vec<PhysHandle>,
-    ) -> Result<(), DeviceError> {
-        let page = self.layout.page;
-        // Pages are mapped in order, so the ones this call mapped are always
-        // `pages[..done]`.
-        let mut done = 0;
-        let mut i = 0;
-        while i < pages.len() {
-            let start = pages[i];
-            let mut count = 1;
-            while i + (count as usize) < pages.len() && pages[i + count as usize] == start + count {
-                count += 1;
-            }
-            let before = self.seg(seg).inactive_split(page);
-            for p in start..start + count {
-                let Some(h) = handles.pop() else {
-                    unreachable!("acquire returned one handle per missing page")
+        runs: &[(u64, u64)],
+        exclude: Exclude,
+    ) -> Result<(), Backing> {
+        // The driver said out of memory: only released memory can be created again.
+        let mut driver_full = false;
+        for attempt in 0..MAX_ATTEMPTS {
+            let plan = self.plan(runs);
+            let create: u64 = plan.iter().filter(|c| !c.pooled).map(|c| c.pages).sum();
+            let used_pool: u64 = plan.iter().filter(|c| c.pooled).map(|c| c.pages).sum();
+            let held = self.mapped_pages() + self.pool.pages();
+            let free = if driver_full {
+                0
+            } else {
+                self.limit_pages.saturating_sub(held)
+            };
+            let spare = self.pool.pages() - used_pool;
+            if create > free + spare {
+                // Not enough even after releasing the pool the plan cannot
+                // use: reclaim whole free chunks, then plan again.
+                let lack = create - free - spare;
+                let reclaimable = if attempt + 1 < MAX_ATTEMPTS {
+                    self.reclaimable(exclude, lack)
+                } else {
+                    0
                 };
-                let addr = self.page_addr(seg, p);
-                self.stats.driver_calls.add(Call::Map);
-                match dev.map(addr, page, h) {
-                    Ok(()) => {
-                        self.seg_mut(seg).set_mapped(p, h);
-                        done += 1;
+                if reclaimable < lack {
+                    self.trim_pool(dev);
+                    return Err(Backing::Short(lack - reclaimable));
+                }
+                self.stats.num_alloc_retries += 1;
+                if self.reclaim(dev, lack, exclude) == 0 {
+                    return Err(Backing::Short(lack));
+                }
+                continue;
+            }
+            // Take the planned pooled chunks out first, so that releasing
+            // spare pool memory cannot take them.
+            let mut handles: Vec<Option<PhysHandle>> = plan
+                .iter()
+                .map(|c| {
+                    if c.pooled {
+                        self.pool.take(c.pages)
+                    } else {
+                        None
                     }
+                })
+                .collect();
+            self.sync_pool_stats();
+            let mut release_err = None;
+            let mut freed = 0;
+            while create > free + freed {
+                match self.release_largest(dev) {
+                    Ok(0) => break,
+                    Ok(p) => freed += p,
                     Err(e) => {
-                        self.note_mapped(seg, p - start, before);
-                        self.pool_put(h);
-                        return Err(self.undo_mapping(dev, seg, &pages[..done], handles, e));
+                        release_err = Some(e);
+                        break;
                     }
                 }
             }
-            self.note_mapped(seg, count, before);
-            let addr = self.page_addr(seg, start);
-            self.stats.driver_calls.add(Call::SetAccess);
-            if let Err(e) = dev.set_access(addr, count * page) {
-                return Err(self.undo_mapping(dev, seg, &pages[..done], handles, e));
+            if let Some(e) = release_err {
+                self.pool_back(&plan, handles);
+                return Err(Backing::Fail(e.into()));
             }
-            i += count as usize;
+            let mut oom = false;
+            for (c, h) in plan.iter().zip(handles.iter_mut()) {
+                if h.is_some() {
+                    continue;
+                }
+                self.stats.driver_calls.add(Call::Create);
+                match dev.create(c.pages * self.layout.page) {
+                    Ok(new) => {
+                        self.stats.num_device_alloc += 1;
+                        *h = Some(new);
+                    }
+                    Err(e) if e.is_out_of_memory() => {
+                        oom = true;
+                        break;
+                    }
+                    Err(e) => {
+                        // Handles created so far stay pooled: they are valid memory.
+                        self.pool_back(&plan, handles);
+                        self.trim_pool(dev);
+                        return Err(Backing::Fail(e.into()));
+                    }
+                }
+            }
+            if oom {
+                // Keep what was created (pooled), and plan again with it.
+                self.pool_back(&plan, handles);
+                driver_full = true;
+                continue;
+            }
+            let handles: Vec<PhysHandle> = handles.into_iter().flatten().collect();
+            return self
+                .map_chunks(dev, seg, &plan, handles)
+                .map_err(|e| Backing::Fail(e.into()));
+        }
+        // Every attempt ended in an out-of-memory from the driver.
+        self.trim_pool(dev);
+        let short = runs.iter().map(|r| r.1).sum::<u64>();
+        Err(Backing::Short(
+            short.saturating_sub(self.pool.pages()).max(1),
+        ))
+    }
+
+    /// Puts the handles of a plan that were obtained back into the pool.
+    fn pool_back(&mut self, plan: &[Planned], handles: Vec<Option<PhysHandle>>) {
+        for (c, h) in plan.iter().zip(handles) {
+            if let Some(h) = h {
+                self.pool.put(h, c.pages);
+            }
+        }
+        self.sync_pool_stats();
+    }
+
+    /// Maps `handles` as the chunks of `plan` (ascending), one `set_access`
+    /// per contiguous run. On failure, unmaps what it mapped.
+    fn map_chunks<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        seg: u32,
+        plan: &[Planned],
+        handles: Vec<PhysHandle>,
+    ) -> Result<(), DeviceError> {
+        let page = self.layout.page;
+        // Chunks are mapped in order, so the ones this call mapped are always
+        // `plan[..done]`.
+        let mut done = 0;
+        let mut i = 0;
+        while i < plan.len() {
+            let mut j = i;
+            while j + 1 < plan.len() && plan[j + 1].first == plan[j].first + plan[j].pages {
+                j += 1;
+            }
+            let before = self.seg(seg).inactive_split(page);
+            let mut run_pages = 0;
+            for k in i..=j {
+                let c = plan[k];
+                let addr = self.page_addr(seg, c.first);
+                self.stats.driver_calls.add(Call::Map);
+                match dev.map(addr, c.pages * page, handles[k]) {
+                    Ok(()) => {
+                        self.seg_mut(seg).add_chunk(
+                            c.first,
+                            Chunk {
+                                handle: handles[k],
+                                pages: c.pages,
+                            },
+                        );
+                        run_pages += c.pages;
+                        done += 1;
+                    }
+                    Err(e) => {
+                        self.note_mapped(seg, run_pages, (k - i) as u64, before);
+                        for (c, &h) in plan[k..].iter().zip(&handles[k..]) {
+                            self.pool.put(h, c.pages);
+                        }
+                        self.sync_pool_stats();
+                        return Err(self.undo_mapping(dev, seg, &plan[..done], e));
+                    }
+                }
+            }
+            self.note_mapped(seg, run_pages, (j + 1 - i) as u64, before);
+            let addr = self.page_addr(seg, plan[i].first);
+            self.stats.driver_calls.add(Call::SetAccess);
+            if let Err(e) = dev.set_access(addr, run_pages * page) {
+                for (c, &h) in plan[j + 1..].iter().zip(&handles[j + 1..]) {
+                    self.pool.put(h, c.pages);
+                }
+                self.sync_pool_stats();
+                return Err(self.undo_mapping(dev, seg, &plan[..done], e));
+            }
+            i = j + 1;
         }
         Ok(())
     }
 
-    /// Rolls back pages mapped by a failed [`Inner::map_pages`]: unmaps them
-    /// (run by run, then page by page), pools their handles and the unused
-    /// ones. A page that cannot be unmapped stays mapped and is listed as
-    /// unready (mapped, maybe inaccessible). Returns `err`.
+    /// Rolls back chunks mapped by a failed [`Inner::map_chunks`]: unmaps
+    /// them (run by run, then chunk by chunk) and pools their handles. A
+    /// chunk that cannot be unmapped stays mapped and is listed as unready
+    /// (mapped, maybe inaccessible). Returns `err`.
     fn undo_mapping<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         seg: u32,
-        done: &[u64],
-        unused: Vec<PhysHandle>,
+        done: &[Planned],
         err: DeviceError,
     ) -> DeviceError {
-        for h in unused {
-            self.pool_put(h);
-        }
         let mut i = 0;
         while i < done.len() {
-            let start = done[i];
-            let mut count = 1;
-            while i + (count as usize) < done.len() && done[i + count as usize] == start + count {
-                count += 1;
+            let mut j = i;
+            while j + 1 < done.len() && done[j + 1].first == done[j].first + done[j].pages {
+                j += 1;
             }
-            if self.unmap_run(dev, seg, start, count).is_err() {
-                for p in start..start + count {
-                    if self.unmap_run(dev, seg, p, 1).is_err() {
-                        self.unready.push((seg, p));
+            let first = done[i].first;
+            let count = done[j].first + done[j].pages - first;
+            if self.unmap_run(dev, seg, first, count).is_err() {
+                for c in &done[i..=j] {
+                    if self.unmap_run(dev, seg, c.first, c.pages).is_err() {
+                        self.unready.push((seg, c.first));
                     }
                 }
             }
-            i += count as usize;
+            i = j + 1;
         }
         self.trim_pool(dev);
         err

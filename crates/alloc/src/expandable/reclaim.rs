@@ -1,9 +1,11 @@
-//! Targeted reclaim: unmap just enough whole free pages, least recently freed
-//! first, waiting only for the streams that last used them.
+//! Targeted reclaim: unmap just enough whole free chunks, least recently
+//! freed first, waiting only for the streams that last used them.
 //!
+//! Only a chunk that lies wholly inside a free block can be unmapped
+//! (`cuMemUnmap` covers whole mappings, and a chunk is one mapping).
 //! A free block's pages were last used by work on its segment's stream (work
 //! on other streams was waited for through events before the block became
-//! free). Before unmapping pages of a block freed at tick `t` on stream `S`,
+//! free). Before unmapping chunks of a block freed at tick `t` on stream `S`,
 //! the allocator synchronizes `S` unless it already did so at a tick ≥ `t`.
 //! It never synchronizes the whole device.
 
@@ -12,27 +14,20 @@ use super::Inner;
 use vmmalloc_device::{Call, Device, DeviceError};
 
 /// Pages a reclaim must leave alone: `(segment, first page, last page)`, the
-/// pages of the request being served.
+/// pages of the request being served; no chunk overlapping them is unmapped.
 pub(crate) type Exclude = Option<(u32, u64, u64)>;
 
-/// A free block with whole mapped pages: `(freed_at, block)`.
+/// A free block with whole free chunks: `(freed_at, block)`.
 type Candidate = (u64, u32);
 
-/// Removes the excluded pages `[x0, x1]` from runs `(first, count)`.
-fn clip(runs: Vec<(u64, u64)>, x: Option<(u64, u64)>) -> Vec<(u64, u64)> {
-    let Some((x0, x1)) = x else { return runs };
-    let mut out = Vec::with_capacity(runs.len() + 1);
-    for (f, n) in runs {
-        let end = f + n;
-        if end <= x0 || f > x1 {
-            out.push((f, n));
-            continue;
-        }
-        if f < x0 {
-            out.push((f, x0 - f));
-        }
-        if end > x1 + 1 {
-            out.push((x1 + 1, end - x1 - 1));
+/// Groups chunks `(first, pages)` (ascending) into runs of adjacent ones,
+/// as `(first, pages)`.
+fn runs_of(chunks: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &(f, n) in chunks {
+        match out.last_mut() {
+            Some(r) if r.0 + r.1 == f => r.1 += n,
+            _ => out.push((f, n)),
         }
     }
     out
@@ -57,35 +52,31 @@ impl Inner {
         indexed.chain(tails)
     }
 
-    /// Runs of whole, mapped pages of free block `idx`, minus `exclude`.
-    fn free_runs(&self, idx: u32, exclude: Exclude) -> Vec<(u64, u64)> {
+    /// Chunks lying wholly inside free block `idx`, except those overlapping
+    /// `exclude`, as `(first page, pages)`, ascending.
+    fn free_chunks(&self, idx: u32, exclude: Exclude) -> Vec<(u64, u64)> {
         let b = &self.slab[idx];
         let s = self.seg(b.seg);
         let (wf, wl) = s.whole_pages(self.layout.page, b.addr, b.end());
         let x = exclude.and_then(|(xs, x0, x1)| (xs == b.seg).then_some((x0, x1)));
-        clip(s.mapped_runs(wf, wl), x)
+        s.chunks_within(wf, wl)
+            .filter(|(f, c)| x.is_none_or(|(x0, x1)| f + c.pages <= x0 || *f > x1))
+            .map(|(f, c)| (f, c.pages))
+            .collect()
     }
 
-    /// Number of whole, mapped pages of free block `idx`, minus `exclude`
-    /// (the pages [`Inner::free_runs`] lists, counted a bitmap word at a time).
+    /// Pages of whole free chunks of free block `idx`, minus `exclude`.
     fn free_pages(&self, idx: u32, exclude: Exclude) -> u64 {
         let b = &self.slab[idx];
         let s = self.seg(b.seg);
         let (wf, wl) = s.whole_pages(self.layout.page, b.addr, b.end());
-        if wf >= wl {
+        if wf >= wl || s.mapped_count(wf, wl) == 0 {
             return 0;
         }
-        let mut n = s.mapped_count(wf, wl);
-        if let Some((xs, x0, x1)) = exclude {
-            let (lo, hi) = (wf.max(x0), wl.min(x1 + 1));
-            if xs == b.seg && lo < hi {
-                n -= s.mapped_count(lo, hi);
-            }
-        }
-        n
+        self.free_chunks(idx, exclude).iter().map(|c| c.1).sum()
     }
 
-    /// Free blocks holding whole mapped pages, in every stream and pool.
+    /// Free blocks holding whole free chunks, in every stream and pool.
     fn candidates(&self, exclude: Exclude) -> Vec<Candidate> {
         self.free_blocks(self.layout.page)
             .filter(|&idx| self.free_pages(idx, exclude) > 0)
@@ -93,7 +84,7 @@ impl Inner {
             .collect()
     }
 
-    /// Whole free mapped pages a reclaim could take, counted up to `cap`:
+    /// Pages of whole free chunks a reclaim could take, counted up to `cap`:
     /// the exact count when it is below `cap`, else `cap` (callers only ask
     /// whether `cap` pages can be reclaimed, and how many are lacking).
     pub(super) fn reclaimable(&self, exclude: Exclude, cap: u64) -> u64 {
@@ -121,8 +112,10 @@ impl Inner {
         Ok(())
     }
 
-    /// Unmaps up to `want` whole free pages (oldest free blocks first, highest
-    /// pages of a block first) into the pool. Returns the pages reclaimed.
+    /// Unmaps whole free chunks into the pool until at least `want` pages are
+    /// reclaimed (oldest free blocks first, highest chunks of a block first).
+    /// Returns the pages reclaimed (more than `want` when a chunk is larger
+    /// than what was still lacking; fewer when not enough are free).
     pub(super) fn reclaim<D: Device + ?Sized>(
         &mut self,
         dev: &D,
@@ -148,13 +141,20 @@ impl Inner {
                 unsafe_streams.push(owner);
                 continue;
             }
-            for (first, count) in self.free_runs(idx, exclude).into_iter().rev() {
-                let take = count.min(want - got);
-                if self.unmap_run(dev, seg, first + count - take, take).is_ok() {
-                    got += take;
-                }
-                if got >= want {
+            // Highest chunks first; one unmap per run of adjacent chunks.
+            let chunks = self.free_chunks(idx, exclude);
+            let mut take = 0;
+            let mut n = 0;
+            for &(_, pages) in chunks.iter().rev() {
+                if got + take >= want {
                     break;
+                }
+                take += pages;
+                n += 1;
+            }
+            for (first, count) in runs_of(&chunks[chunks.len() - n..]).into_iter().rev() {
+                if self.unmap_run(dev, seg, first, count).is_ok() {
+                    got += count;
                 }
             }
         }
@@ -165,7 +165,7 @@ impl Inner {
         got
     }
 
-    /// Unmaps every whole free page of every segment into the pool (for
+    /// Unmaps every whole free chunk of every segment into the pool (for
     /// `empty_cache` and lowering the memory fraction). Returns the first error.
     pub(super) fn unmap_all_free<D: Device + ?Sized>(
         &mut self,
@@ -188,7 +188,7 @@ impl Inner {
                     continue;
                 }
             }
-            for (first, count) in self.free_runs(idx, None) {
+            for (first, count) in runs_of(&self.free_chunks(idx, None)) {
                 if let Err(e) = self.unmap_run(dev, seg, first, count) {
                     first_err.get_or_insert(e);
                 }
@@ -200,17 +200,12 @@ impl Inner {
 
 #[cfg(test)]
 mod tests {
-    use super::clip;
+    use super::runs_of;
 
     #[test]
-    fn clip_cuts_the_excluded_pages_out_of_runs() {
-        assert_eq!(clip(vec![(0, 10)], Some((3, 5))), vec![(0, 3), (6, 4)]);
-        assert_eq!(
-            clip(vec![(0, 3), (8, 2)], Some((3, 7))),
-            vec![(0, 3), (8, 2)]
-        );
-        assert_eq!(clip(vec![(4, 2)], Some((3, 7))), vec![]);
-        assert_eq!(clip(vec![(0, 4)], None), vec![(0, 4)]);
-        assert_eq!(clip(vec![(2, 4)], Some((0, 2))), vec![(3, 3)]);
+    fn adjacent_chunks_form_one_run() {
+        assert_eq!(runs_of(&[(0, 2), (2, 8), (12, 1)]), vec![(0, 10), (12, 1)]);
+        assert_eq!(runs_of(&[]), vec![]);
+        assert_eq!(runs_of(&[(5, 1)]), vec![(5, 1)]);
     }
 }

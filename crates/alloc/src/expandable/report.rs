@@ -65,7 +65,7 @@ impl Inner {
         }
         let live = self.counters.allocated_bytes.current() as u64;
         let mapped = self.mapped_pages() * page;
-        let pooled = self.pool.len() as u64 * page;
+        let pooled = self.pool.pages() * page;
         let active = self.counters.active_bytes.current() as u64;
         let mut hint = format!(
             "On {stream}, {} of physical pages ({} pages of {}) were lacking after counting every free, pooled and reclaimable page.",

@@ -2,9 +2,11 @@
 //!
 //! A segment covers `[base, base + len)` of an arena; its blocks tile that
 //! range. Page `i` covers `[base + i·page, base + (i+1)·page)`.
+//! Physical memory is mapped in **chunks**: one handle of one or more whole
+//! pages, mapped at its first page (see [`Chunk`]).
 //! Invariants (checked by `validate`):
-//! - `mapped[i]` ⇔ `handles[i].is_some()` (for `i < handles.len()`; pages
-//!   beyond are unmapped); `mapped_pages` = number of set bits;
+//! - chunks do not overlap and lie inside the segment; `mapped[i]` ⇔ page `i`
+//!   lies in a chunk; `mapped_pages` = number of set bits = pages of all chunks;
 //! - every page that overlaps an allocated or pending-free block is mapped;
 //! - `active_blocks`, `active_bytes`, `free_blocks` equal a recount of the
 //!   segment's blocks;
@@ -16,7 +18,17 @@
 use super::blocks::PoolKind;
 use super::free_index::FreeIndex;
 use bitvec::vec::BitVec;
+use std::collections::BTreeMap;
 use vmmalloc_device::{PhysHandle, Stream};
+
+/// One mapped physical chunk: a handle of `pages` whole pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    /// The `cuMemCreate` handle.
+    pub handle: PhysHandle,
+    /// Its size in pages.
+    pub pages: u64,
+}
 
 /// One expandable segment.
 #[derive(Debug)]
@@ -35,8 +47,8 @@ pub(crate) struct Segment {
     pub tail: u32,
     /// Which pages are mapped.
     pub mapped: BitVec,
-    /// Handle mapped at each page (grown on demand up to the highest mapped page).
-    pub handles: Vec<Option<PhysHandle>>,
+    /// Mapped chunks by first page.
+    pub chunks: BTreeMap<u64, Chunk>,
     /// Number of mapped pages.
     pub mapped_pages: u64,
     /// Allocated + pending-free blocks.
@@ -81,26 +93,54 @@ impl Segment {
         (first, last.max(first))
     }
 
-    /// Records that `handle` is now mapped at page `i`.
-    pub fn set_mapped(&mut self, i: u64, handle: PhysHandle) {
-        let i = i as usize;
-        if self.handles.len() <= i {
-            self.handles.resize(i + 1, None);
-        }
-        self.handles[i] = Some(handle);
-        self.mapped.set(i, true);
-        self.mapped_pages += 1;
+    /// Records that `chunk` is now mapped at pages `[first, first + chunk.pages)`.
+    pub fn add_chunk(&mut self, first: u64, chunk: Chunk) {
+        let (f, n) = (first as usize, chunk.pages as usize);
+        self.mapped[f..f + n].fill(true);
+        self.mapped_pages += chunk.pages;
+        self.chunks.insert(first, chunk);
     }
 
-    /// Records that page `i` is no longer mapped; returns its handle.
-    pub fn clear_mapped(&mut self, i: u64) -> Option<PhysHandle> {
-        let i = i as usize;
-        let h = self.handles.get_mut(i).and_then(Option::take);
-        if self.mapped[i] {
-            self.mapped.set(i, false);
-            self.mapped_pages -= 1;
-        }
-        h
+    /// Records that the chunk at `first` is no longer mapped; returns it.
+    pub fn remove_chunk(&mut self, first: u64) -> Option<Chunk> {
+        let c = self.chunks.remove(&first)?;
+        let (f, n) = (first as usize, c.pages as usize);
+        self.mapped[f..f + n].fill(false);
+        self.mapped_pages -= c.pages;
+        Some(c)
+    }
+
+    /// The chunk holding page `p`, as `(first page, chunk)`.
+    #[inline]
+    pub fn chunk_at(&self, p: u64) -> Option<(u64, Chunk)> {
+        let (&f, &c) = self.chunks.range(..=p).next_back()?;
+        (p < f + c.pages).then_some((f, c))
+    }
+
+    /// Chunks lying wholly inside pages `[from, to)`, ascending, as
+    /// `(first page, chunk)`.
+    #[inline]
+    pub fn chunks_within(
+        &self,
+        from: u64,
+        to: u64,
+    ) -> impl DoubleEndedIterator<Item = (u64, Chunk)> + '_ {
+        self.chunks
+            .range(from..to.max(from))
+            .filter(move |(&f, c)| f + c.pages <= to)
+            .map(|(&f, &c)| (f, c))
+    }
+
+    /// Chunks overlapping pages `[from, to)`, ascending.
+    pub fn chunks_overlapping(&self, from: u64, to: u64) -> Vec<(u64, Chunk)> {
+        let mut out: Vec<(u64, Chunk)> = self.chunk_at(from).into_iter().collect();
+        let start = if out.is_empty() { from } else { from + 1 };
+        out.extend(
+            self.chunks
+                .range(start..to.max(start))
+                .map(|(&f, &c)| (f, c)),
+        );
+        out
     }
 
     /// Runs of mapped pages in the half-open range `[from, to)`, as `(first, count)`.
@@ -123,6 +163,24 @@ impl Segment {
             f((p + start) as u64, len as u64);
             p += start + len;
         }
+    }
+
+    /// Runs of unmapped pages in the half-open range `[from, to)`, as
+    /// `(first, count)`, ascending.
+    pub fn unmapped_runs(&self, from: u64, to: u64) -> Vec<(u64, u64)> {
+        let to = to.min(self.mapped.len() as u64) as usize;
+        let mut runs = Vec::new();
+        let mut p = from as usize;
+        while p < to {
+            let bits = &self.mapped[p..to];
+            let Some(start) = bits.first_zero() else {
+                break;
+            };
+            let len = bits[start..].first_one().unwrap_or(bits.len() - start);
+            runs.push(((p + start) as u64, len as u64));
+            p += start + len;
+        }
+        runs
     }
 
     /// Number of mapped pages in the half-open range `[from, to)`.
@@ -205,7 +263,7 @@ mod tests {
             first: 0,
             tail: 0,
             mapped: BitVec::repeat(false, 300),
-            handles: Vec::new(),
+            chunks: Default::default(),
             mapped_pages: 0,
             active_blocks: 0,
             active_bytes: 0,

@@ -90,7 +90,7 @@ impl Inner {
             device: ordinal,
             segments,
             mapped_bytes: self.mapped_pages() * self.layout.page,
-            pooled_bytes: self.pool.len() as u64 * self.layout.page,
+            pooled_bytes: self.pool.pages() * self.layout.page,
         }
     }
 }

@@ -71,14 +71,11 @@ impl Inner {
         check_fraction(fraction)?;
         self.fraction = fraction;
         self.limit_pages = self.layout.limit_pages(fraction);
-        while self.mapped_pages() + self.pool.len() as u64 > self.limit_pages {
-            let Some(h) = self.pool.pop() else { break };
-            if let Err(e) = self.release_handle(dev, h) {
-                self.pool_put(h);
-                return Err(e.into());
+        while self.mapped_pages() + self.pool.pages() > self.limit_pages {
+            if self.release_largest(dev)? == 0 {
+                break;
             }
         }
-        self.stats.pages_pooled = self.pool.len() as u64;
         Ok(())
     }
 
@@ -119,13 +116,13 @@ impl Inner {
                     Err(e) => log("unmap", &e),
                 }
             }
-            for h in seg.handles.drain(..).flatten() {
-                self.pool.push(h);
+            for (_, c) in std::mem::take(&mut seg.chunks) {
+                self.pool.put(c.handle, c.pages);
             }
             seg.mapped.fill(false);
             seg.mapped_pages = 0;
         }
-        for h in std::mem::take(&mut self.pool) {
+        for (h, _) in self.pool.drain() {
             self.stats.driver_calls.add(Call::Release);
             if let Err(e) = twice(|| dev.release(h)) {
                 log("release", &e);

@@ -3,7 +3,8 @@
 //! - blocks tile each segment, links agree, free neighbours are merged;
 //! - free blocks are exactly the free index; allocated blocks exactly the live map;
 //! - every active byte is on a mapped page, and accessible on a model device;
-//! - page bitmaps, handle tables, the pool and `unready` agree; no handle twice;
+//! - page bitmaps, chunk tables, the pool and `unready` agree; chunks do not
+//!   overlap; no handle twice;
 //! - stats equal a recount;
 //! - arenas' slices match the segments;
 //! - on a model device: its own invariants hold and its live reservations,
@@ -58,6 +59,7 @@ impl Inner {
         let mut free_seen = vec![[0usize; 2]; self.streams.len()];
         let mut bases = Vec::new();
         let mut mapped_total = 0u64;
+        let mut chunks_total = 0u64;
         for (si, s) in self.segments.iter().enumerate() {
             let Some(s) = s else { continue };
             let si = si as u32;
@@ -78,23 +80,33 @@ impl Inner {
                     s.mapped.count_ones()
                 ));
             }
-            for (p, h) in s.handles.iter().enumerate() {
-                if h.is_some() != s.mapped[p] {
+            let mut covered = 0u64;
+            let mut prev_end = 0u64;
+            for (&f, c) in &s.chunks {
+                if c.pages == 0 || f < prev_end || f + c.pages > s.mapped.len() as u64 {
                     return Err(format!(
-                        "segment {si} page {p}: handle table and bitmap disagree"
+                        "segment {si}: chunk at page {f} ({} pages) overlaps another or leaves the segment",
+                        c.pages
                     ));
                 }
-                if let Some(h) = h {
-                    if !handles.insert(h.0) {
-                        return Err(format!("handle {:#x} is mapped twice", h.0));
-                    }
+                if !s.mapped[f as usize..(f + c.pages) as usize].all() {
+                    return Err(format!(
+                        "segment {si}: chunk at page {f} is not marked mapped"
+                    ));
                 }
+                if !handles.insert(c.handle.0) {
+                    return Err(format!("handle {:#x} is mapped twice", c.handle.0));
+                }
+                covered += c.pages;
+                prev_end = f + c.pages;
             }
-            if s.mapped[s.handles.len().min(s.mapped.len())..].any() {
+            if covered != s.mapped_pages {
                 return Err(format!(
-                    "segment {si}: a page beyond the handle table is marked mapped"
+                    "segment {si}: chunks cover {covered} pages but {} are marked mapped",
+                    s.mapped_pages
                 ));
             }
+            chunks_total += s.chunks.len() as u64;
             mapped_total += s.mapped_pages;
             rc.reserved_bytes[k] += (s.mapped_pages * page) as i64;
             rc.segment[k] += 1;
@@ -163,10 +175,10 @@ impl Inner {
                                 b.addr, b.size
                             ));
                         }
-                        if self
-                            .unready
-                            .iter()
-                            .any(|&(us, up)| us == si && (p0..=p1).contains(&up))
+                        if !self.unready.is_empty()
+                            && s.chunks_overlapping(p0, p1 + 1)
+                                .iter()
+                                .any(|&(f, _)| self.unready.contains(&(si, f)))
                         {
                             return Err(format!(
                                 "active block {:#x} lies on a page without access",
@@ -286,11 +298,16 @@ impl Inner {
         }
         for &(s, p) in &self.unready {
             match self.segments.get(s as usize) {
-                Some(Some(seg)) if seg.mapped[p as usize] => {}
-                _ => return Err(format!("unready page {p} of segment {s} is not mapped")),
+                Some(Some(seg)) if seg.chunks.contains_key(&p) => {}
+                _ => {
+                    return Err(format!(
+                        "unready chunk at page {p} of segment {s} is not mapped"
+                    ))
+                }
             }
         }
-        for h in &self.pool {
+        self.pool.check()?;
+        for (h, _) in self.pool.iter() {
             if !handles.insert(h.0) {
                 return Err(format!(
                     "pooled handle {:#x} is also mapped or pooled twice",
@@ -299,12 +316,25 @@ impl Inner {
             }
         }
         let st = &self.stats();
-        if st.pages_mapped != mapped_total || st.pages_pooled != self.pool.len() as u64 {
+        if (
+            st.pages_mapped,
+            st.pages_pooled,
+            st.handles_mapped,
+            st.handles_pooled,
+        ) != (
+            mapped_total,
+            self.pool.pages(),
+            chunks_total,
+            self.pool.count(),
+        ) {
             return Err(format!(
-                "stats say {} pages mapped / {} pooled, recount {mapped_total} / {}",
+                "stats say {} pages in {} handles mapped / {} in {} pooled, recount {mapped_total} in {chunks_total} / {} in {}",
                 st.pages_mapped,
+                st.handles_mapped,
                 st.pages_pooled,
-                self.pool.len()
+                st.handles_pooled,
+                self.pool.pages(),
+                self.pool.count()
             ));
         }
         check_stat("allocation", &st.allocation, rc.allocation)?;
@@ -329,8 +359,8 @@ impl Inner {
             let live = m.live();
             let ours = (
                 self.arenas.list.len(),
-                mapped_total as usize + self.pool.len(),
-                mapped_total as usize,
+                (chunks_total + self.pool.count()) as usize,
+                chunks_total as usize,
             );
             if (live.reservations, live.handles, live.mappings) != ours {
                 return Err(format!(
