@@ -2,12 +2,23 @@
 # Regenerates docs/results.md and its plots (docs/results/) from the built-in set:
 # the bundled PyTorch snapshot and the three generated workloads, every policy.
 # A second section replays longer runs of the same workloads (more steps, same
-# parameters otherwise), where steady-state driver work outweighs the cold start.
+# parameters otherwise), where steady-state driver work outweighs the cold start;
+# a third is the ablation of the expandable policy's largest physical chunk.
+# Extra arguments go to each `vmmalloc compare` of the built-in set (e.g.
+# `--cost linear`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet --bin vmmalloc
 rm -rf docs/results
 ./target/release/vmmalloc compare --out docs/results --json docs/results/results.json "$@"
+# Ablation hook: the expandable policy with its largest physical chunk capped
+# (policy option max_chunk) at 2, 20 and 64 MiB and at its default, on the
+# built-in set. ABLATION="" skips it; ABLATION="SPEC,..." replaces the list.
+ABLATION=${ABLATION-expandable:max_chunk=2MiB,expandable:max_chunk=20MiB,expandable:max_chunk=64MiB,expandable}
+if [[ -n $ABLATION ]]; then
+  ./target/release/vmmalloc compare --policies "$ABLATION" --out docs/results/ablation \
+    --json docs/results/ablation/results.json "$@"
+fi
 LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
 ./target/release/vmmalloc compare "${LONG[@]}" --out docs/results/long --json docs/results/long/results.json
 {
@@ -22,6 +33,17 @@ LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
   echo '```'
   sed -n '/^trace /,/^```/p' docs/results/long/report.md | sed '/^```/d'
   echo '```'
+  if [[ -n $ABLATION ]]; then
+    echo
+    echo "## Ablation: largest physical chunk"
+    echo
+    echo "\`vmmalloc compare --policies $ABLATION\` on the built-in set: min capacity against cold"
+    echo "and steady driver time at the tight capacity, one row per cap on the largest physical"
+    echo "handle (\`max_chunk\`; \`default\` is the allocator's own choice). Full report:"
+    echo "[results/ablation/report.md](results/ablation/report.md)."
+    echo
+    sed -n '/^## Ablation: expandable options/,/^## Traces/p' docs/results/ablation/report.md | sed '1,2d;/^## Traces/d;/^!\[/d'
+  fi
   echo
   echo "Command: \`scripts/compare.sh\` ($(./target/release/vmmalloc --version), $(date -u +%Y-%m-%d), $(nproc) cores)."
 } > docs/results.md

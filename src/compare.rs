@@ -8,10 +8,10 @@ use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
-use vmmalloc_alloc::Policy;
+use vmmalloc_alloc::{split_policy_specs, Policy, PolicySpec};
 use vmmalloc_device::cost::CostModel;
 use vmmalloc_device::{round_up, Call, CallCounts, GIB, MIB};
-use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig, ReplayResult};
+use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig, ReplayResult, SteadyResult};
 use vmmalloc_trace::{DeviceTrace, Input, Trace};
 
 /// The built-in set: the bundled real snapshot plus the three workloads.
@@ -26,12 +26,10 @@ pub struct CompareArgs {
     /// Snapshots (.pickle), text traces, or workload names (`train-varlen`,
     /// `serve-kv:seed=3`, ...). Default: the bundled snapshot and the three workloads.
     pub inputs: Vec<String>,
-    /// Policies to compare, comma-separated.
-    #[arg(
-        long,
-        default_value = "expandable,caching,torch-es,native",
-        value_delimiter = ','
-    )]
+    /// Policies to compare, comma-separated, each `NAME[:key=value,...]`
+    /// with policy options, e.g. `expandable,expandable:max_chunk=20MiB,caching`
+    /// (the spec as written labels its row).
+    #[arg(long, default_value = "expandable,caching,torch-es,native")]
     pub policies: Vec<String>,
     /// Write the results as JSON to FILE (`-` for standard output).
     #[arg(long, value_name = "FILE")]
@@ -57,11 +55,14 @@ pub struct CompareArgs {
 pub struct PolicyRow {
     /// The policy.
     pub policy: Policy,
+    /// The policy with its options; its label names the row.
+    pub spec: PolicySpec,
     /// Smallest capacity that runs the trace.
     pub min_capacity: Option<u64>,
-    /// Replay at the tight capacity (1.05 × peak live).
+    /// Replay at the tight capacity (1.05 × peak live), cold then steady
+    /// (`tight.steady`), priced by the chosen model and by `linear`.
     pub tight: ReplayResult,
-    /// Replay on an unlimited device.
+    /// Replay on an unlimited device, cold then steady.
     pub unlimited: ReplayResult,
 }
 
@@ -106,13 +107,43 @@ impl PolicyRow {
             .map_or("-".into(), |o| format!("{o:.3}"))
     }
 
-    /// Whether the tight replay fit, as a table cell.
+    /// The row's label: the policy spec as written.
+    pub fn label(&self) -> &str {
+        &self.spec.label
+    }
+
+    /// Whether the tight replay fit, as a table cell (cold, and the steady
+    /// pass's out-of-memory errors if it had any).
     pub fn tight_ok_cell(&self) -> String {
-        if self.tight.ok {
-            "yes".into()
+        let cold = if self.tight.ok {
+            "yes".to_string()
         } else {
             format!("no ({} ooms)", self.tight.ooms)
+        };
+        match &self.tight.steady {
+            Some(st) if !st.ok => format!("{cold}; steady {} ooms", st.ooms),
+            _ => cold,
         }
+    }
+
+    /// The steady pass at the tight capacity as (memory calls, ms, syncs)
+    /// cells (`-`: no steady pass, the cold one stopped).
+    pub fn steady_cells(&self) -> [String; 3] {
+        match &self.tight.steady {
+            Some(st) => [
+                st.memory_calls().to_string(),
+                format!("{:.1}", st.modeled_driver_us / 1000.0),
+                st.syncs.to_string(),
+            ],
+            None => ["-".into(), "-".into(), "-".into()],
+        }
+    }
+
+    /// The cold pass at the tight capacity priced by `linear`, ms, as a cell.
+    pub fn cold_linear_cell(&self) -> String {
+        self.tight
+            .modeled_driver_us_second
+            .map_or("-".into(), |us| format!("{:.1}", us / 1000.0))
     }
 }
 
@@ -126,11 +157,13 @@ pub fn tight_capacity(peak_live: u64, granularity: u64) -> u64 {
     round_up((peak_live as f64 * 1.05).ceil() as u64, granularity)
 }
 
-/// Measures one device trace against the policies.
+/// Measures one device trace against the policies: capacity search, then
+/// the tight and unlimited replays, each cold and steady, priced by the
+/// chosen model and by `linear`.
 pub fn measure(
     name: &str,
     dt: &DeviceTrace,
-    policies: &[Policy],
+    policies: &[PolicySpec],
     base: &ReplayConfig,
     tick: &(dyn Fn() + Sync),
 ) -> TraceRow {
@@ -148,12 +181,16 @@ pub fn measure(
         for _ in 0..workers {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&policy) = policies.get(i) else {
+                let Some(spec) = policies.get(i) else {
                     break;
                 };
                 let mut cfg = base.clone();
-                cfg.policy = policy;
+                cfg.policy = spec.policy;
+                cfg.options = spec.options.clone();
                 let search = min_capacity(ops, peak_live, &cfg, unl);
+                cfg.steady = true;
+                cfg.pre_trace_ops = dt.pre_trace().len();
+                cfg.second_cost = Some(CostModel::linear());
                 let mut tcfg = cfg.clone();
                 tcfg.capacity = tight_cap;
                 tcfg.timeline_samples = 400;
@@ -162,7 +199,8 @@ pub fn measure(
                 ucfg.capacity = unl;
                 let unlimited = replay(ops, &ucfg);
                 rows.lock().unwrap().push(PolicyRow {
-                    policy,
+                    policy: spec.policy,
+                    spec: spec.clone(),
                     min_capacity: search.min_capacity,
                     tight,
                     unlimited,
@@ -172,7 +210,7 @@ pub fn measure(
         }
     });
     let mut policies_rows = rows.into_inner().unwrap();
-    policies_rows.sort_by_key(|r| policies.iter().position(|p| *p == r.policy));
+    policies_rows.sort_by_key(|r| policies.iter().position(|p| p.label == r.spec.label));
     TraceRow {
         name: name.to_string(),
         device: dt.device(),
@@ -197,6 +235,21 @@ fn calls_json(c: &CallCounts) -> Value {
     Value::Object(m)
 }
 
+/// The `steady` object of a replay: the second pass's calls per kind, modeled
+/// time and syncs, plus its out-of-memory errors (null: no second pass).
+fn steady_json(st: Option<&SteadyResult>) -> Value {
+    match st {
+        Some(st) => json!({
+            "driver_calls": calls_json(&st.driver_calls),
+            "modeled_driver_us": st.modeled_driver_us,
+            "modeled_driver_us_linear": st.modeled_driver_us_second,
+            "syncs": st.syncs,
+            "ooms": st.ooms,
+        }),
+        None => Value::Null,
+    }
+}
+
 /// The JSON document (schema version 1); `cost_model` names the cost model
 /// (a preset or a file, see [`CostModel::select`]).
 pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
@@ -206,7 +259,7 @@ pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
             let mut pols = Map::new();
             for p in &t.policies {
                 pols.insert(
-                    p.policy.name().to_string(),
+                    p.label().to_string(),
                     json!({
                         "min_capacity_bytes": p.min_capacity,
                         "overhead": p.overhead(t.peak_live),
@@ -218,11 +271,15 @@ pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
                             "syncs": p.tight.syncs,
                             "driver_calls": calls_json(&p.tight.driver_calls),
                             "modeled_driver_us": p.tight.modeled_driver_us,
+                            "modeled_driver_us_linear": p.tight.modeled_driver_us_second,
+                            "steady": steady_json(p.tight.steady.as_ref()),
                         },
                         "unlimited": {
                             "peak_reserved_bytes": p.unlimited.peak_reserved,
                             "driver_calls": calls_json(&p.unlimited.driver_calls),
                             "modeled_driver_us": p.unlimited.modeled_driver_us,
+                            "modeled_driver_us_linear": p.unlimited.modeled_driver_us_second,
+                            "steady": steady_json(p.unlimited.steady.as_ref()),
                         },
                     }),
                 );
@@ -256,24 +313,33 @@ pub fn table(rows: &[TraceRow]) -> String {
         "min cap GiB",
         "overhead",
         "tight ok",
-        "driver calls",
-        "driver ms",
-        "syncs",
+        "cold calls",
+        "cold ms",
+        "cold ms linear",
+        "cold syncs",
+        "steady calls",
+        "steady ms",
+        "steady syncs",
     ];
     let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
     for t in rows {
         for p in &t.policies {
+            let [steady_calls, steady_ms, steady_syncs] = p.steady_cells();
             lines.push(vec![
                 t.name.clone(),
                 t.device.to_string(),
                 gib(t.peak_live),
-                p.policy.name().to_string(),
+                p.label().to_string(),
                 p.min_capacity_cell(),
                 p.overhead_cell(t.peak_live),
                 p.tight_ok_cell(),
                 p.tight.memory_calls().to_string(),
                 format!("{:.1}", p.tight.modeled_driver_us / 1000.0),
+                p.cold_linear_cell(),
                 p.tight.syncs.to_string(),
+                steady_calls,
+                steady_ms,
+                steady_syncs,
             ]);
         }
     }
@@ -327,13 +393,34 @@ pub fn load_inputs(inputs: &[String]) -> Result<Vec<Trace>> {
         .collect()
 }
 
-/// Parses a policy list.
+/// Parses a policy list (names only; see [`parse_policy_specs`] for options).
 pub fn parse_policies(names: &[String]) -> Result<Vec<Policy>> {
     let mut out = Vec::new();
-    for n in names.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+    for n in names
+        .iter()
+        .flat_map(|s| s.split(','))
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+    {
         let p: Policy = n.parse()?;
         if !out.contains(&p) {
             out.push(p);
+        }
+    }
+    if out.is_empty() {
+        bail!("no policies given");
+    }
+    Ok(out)
+}
+
+/// Parses a list of policy specs, `NAME[:key=value,...]` (see
+/// [`PolicySpec`]); a spec given twice is measured once.
+pub fn parse_policy_specs(items: &[String]) -> Result<Vec<PolicySpec>> {
+    let mut out: Vec<PolicySpec> = Vec::new();
+    for item in split_policy_specs(items) {
+        let spec: PolicySpec = item.parse()?;
+        if !out.iter().any(|s| s.label == spec.label) {
+            out.push(spec);
         }
     }
     if out.is_empty() {
@@ -361,7 +448,7 @@ pub fn base_config(
 
 /// Runs `vmmalloc compare`.
 pub fn run(args: CompareArgs) -> Result<()> {
-    let policies = parse_policies(&args.policies)?;
+    let policies = parse_policy_specs(&args.policies)?;
     let base = base_config(
         args.cost.as_deref(),
         args.cost_file.as_deref(),
@@ -397,7 +484,12 @@ pub fn run(args: CompareArgs) -> Result<()> {
     let json_to_stdout = args.json.as_deref() == Some("-");
     if !json_to_stdout {
         print!("{}", table(&rows));
-        println!("overhead = min capacity / peak live; driver calls, time and syncs at the tight capacity (1.05 x peak live), teardown excluded.");
+        println!(
+            "cost model: {}. overhead = min capacity / peak live; memory calls, modeled driver time and syncs at the tight capacity \
+             (1.05 x peak live): cold = first replay, steady = second replay after freeing what the first left live; \
+             cold ms linear = the cold calls priced by the linear preset; teardown excluded.",
+            base.cost_label
+        );
     }
     if let Some(j) = &args.json {
         let text = serde_json::to_string_pretty(&to_json(&rows, &base.cost_label))?;
@@ -427,8 +519,16 @@ pub fn run(args: CompareArgs) -> Result<()> {
             );
         }
         for p in &t.policies {
-            if let Some(e) = p.tight.error.as_ref().or(p.unlimited.error.as_ref()) {
-                eprintln!("error: {} on {}: {e}", p.policy, t.name);
+            let steady_error = |r: &ReplayResult| r.steady.as_ref().and_then(|s| s.error.clone());
+            if let Some(e) = p
+                .tight
+                .error
+                .clone()
+                .or(p.unlimited.error.clone())
+                .or(steady_error(&p.tight))
+                .or(steady_error(&p.unlimited))
+            {
+                eprintln!("error: {} on {}: {e}", p.label(), t.name);
             }
         }
     }

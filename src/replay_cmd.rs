@@ -2,8 +2,8 @@
 
 use crate::compare::{base_config, gib, load_inputs};
 use anyhow::{bail, Result};
-use vmmalloc_alloc::Policy;
-use vmmalloc_device::{Call, GIB, MIB};
+use vmmalloc_alloc::PolicySpec;
+use vmmalloc_device::Call;
 use vmmalloc_trace::replay::{replay, ReplayConfig};
 
 /// Arguments of `vmmalloc replay`.
@@ -11,7 +11,8 @@ use vmmalloc_trace::replay::{replay, ReplayConfig};
 pub struct ReplayArgs {
     /// A snapshot (.pickle), a text trace, or a workload name.
     pub input: String,
-    /// The policy.
+    /// The policy, optionally with options: `NAME[:key=value,...]`, e.g.
+    /// `expandable:max_chunk=20MiB`.
     #[arg(long, default_value = "expandable")]
     pub policy: String,
     /// Simulated device capacity, e.g. `80GiB`, `14.5G`, `512MiB` or bytes.
@@ -31,19 +32,25 @@ pub struct ReplayArgs {
     /// Device granularity in MiB.
     #[arg(long, default_value_t = 2)]
     pub granularity_mb: u64,
+    /// Replay the trace a second time (steady state) after freeing what the
+    /// first pass left live, and print the second pass's figures too
+    /// (`replay` only).
+    #[arg(long)]
+    pub steady: bool,
 }
 
 impl ReplayArgs {
     /// The replay configuration these options describe (policy, capacity
     /// rounded up to the granularity, cost model).
     pub fn config(&self) -> Result<ReplayConfig> {
-        let policy: Policy = self.policy.parse()?;
+        let spec: PolicySpec = self.policy.parse()?;
         let mut cfg = base_config(
             self.cost.as_deref(),
             self.cost_file.as_deref(),
             self.granularity_mb,
         )?;
-        cfg.policy = policy;
+        cfg.policy = spec.policy;
+        cfg.options = spec.options;
         cfg.capacity = vmmalloc_device::round_up(parse_size(&self.capacity)?, cfg.granularity);
         Ok(cfg)
     }
@@ -56,26 +63,7 @@ impl ReplayArgs {
 
 /// Parses a size with an optional unit (B, K/KiB, M/MiB, G/GiB, T/TiB; decimal allowed).
 pub fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| anyhow::anyhow!("`{s}` is not a size (e.g. 80GiB, 512MiB, 1048576)"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1u64,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => MIB,
-        "g" | "gb" | "gib" => GIB,
-        "t" | "tb" | "tib" => 1 << 40,
-        u => bail!("unknown size unit `{u}` in `{s}` (use B, KiB, MiB, GiB or TiB)"),
-    };
-    if !(v.is_finite() && v > 0.0) {
-        bail!("size `{s}` must be positive");
-    }
-    Ok((v * mult as f64).round() as u64)
+    vmmalloc_alloc::parse_size(s).map_err(anyhow::Error::msg)
 }
 
 /// Runs `vmmalloc replay`.
@@ -87,6 +75,9 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     for t in &traces {
         for dt in t.devices.iter().filter(|d| args.selects(d.device())) {
             any = true;
+            let mut cfg = cfg.clone();
+            cfg.steady = args.steady;
+            cfg.pre_trace_ops = dt.pre_trace().len();
             let r = replay(dt.replay_ops(), &cfg);
             println!(
                 "{} device {} — policy {} on a {} GiB simulated device",
@@ -152,6 +143,29 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                     println!("    {:<20} {n}", c.driver_symbol());
                 }
             }
+            if let Some(st) = &r.steady {
+                println!(
+                    "  steady state (2nd pass): {}, {} trace allocations freed before it, {} memory calls, {:.3} ms modeled, {} syncs",
+                    if st.ok {
+                        "ok".to_string()
+                    } else {
+                        format!("{} out-of-memory errors", st.ooms)
+                    },
+                    st.freed_between,
+                    st.memory_calls(),
+                    st.modeled_driver_us / 1000.0,
+                    st.syncs
+                );
+                for c in Call::ALL {
+                    let n = st.driver_calls.get(c);
+                    if n > 0 {
+                        println!("    {:<20} {n}", c.driver_symbol());
+                    }
+                }
+                if let Some(e) = &st.error {
+                    println!("  steady error: {e}");
+                }
+            }
             if let Some(m) = &r.oom_message {
                 println!(
                     "  first out-of-memory (event {}): {m}",
@@ -172,6 +186,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vmmalloc_device::{GIB, MIB};
 
     #[test]
     fn sizes_parse_with_units() {

@@ -91,7 +91,7 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
             ))?
             .label(format!(
                 "{} reserved{}",
-                p.policy,
+                p.label(),
                 if p.tight.ok { "" } else { " (OOM)" }
             ))
             .legend(move |(x, y)| {
@@ -123,7 +123,7 @@ fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
     root.fill(&WHITE)?;
     let policies: Vec<_> = rows
         .first()
-        .map(|t| t.policies.iter().map(|p| p.policy).collect())
+        .map(|t| t.policies.iter().map(|p| p.label().to_string()).collect())
         .unwrap_or_default();
     let n_p = policies.len().max(1);
     let max_o = rows
@@ -168,7 +168,7 @@ fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
                 let o = t
                     .policies
                     .iter()
-                    .find(|p| p.policy == *policy)?
+                    .find(|p| p.label() == policy)?
                     .overhead(t.peak_live)?;
                 let x0 = ti as f64 + 0.1 + pi as f64 * w;
                 Some(Rectangle::new(
@@ -176,7 +176,7 @@ fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
                     color.filled(),
                 ))
             }))?
-            .label(policy.name())
+            .label(policy.as_str())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
     chart
@@ -198,7 +198,12 @@ fn create_ms(r: &vmmalloc_trace::replay::ReplayResult) -> f64 {
 /// creating physical pages (the cold start, about the same for any policy
 /// that maps pages) and everything else.
 fn head_to_head(md: &mut String, rows: &[TraceRow]) -> Result<()> {
-    let pick = |t: &TraceRow, p: Policy| t.policies.iter().find(|r| r.policy == p).cloned();
+    let pick = |t: &TraceRow, p: Policy| {
+        t.policies
+            .iter()
+            .find(|r| r.policy == p && r.spec.is_plain())
+            .cloned()
+    };
     let pairs: Vec<_> = rows
         .iter()
         .filter_map(|t| Some((t, pick(t, Policy::Expandable)?, pick(t, Policy::TorchEs)?)))
@@ -213,8 +218,8 @@ fn head_to_head(md: &mut String, rows: &[TraceRow]) -> Result<()> {
          about the peak once) and the rest (map, set access, unmap, release, reserve, syncs). A ratio is shown \
          only where both fit.\n"
     )?;
-    writeln!(md, "| trace | expandable ms (create + rest) | torch-es ms (create + rest) | ratio total | ratio rest |")?;
-    writeln!(md, "|---|---:|---:|---:|---:|")?;
+    writeln!(md, "| trace | expandable ms (create + rest) | torch-es ms (create + rest) | ratio total | ratio rest | ratio linear | steady ms expandable / torch-es |")?;
+    writeln!(md, "|---|---:|---:|---:|---:|---:|---:|")?;
     for (t, e, s) in pairs {
         let (ec, sc) = (create_ms(&e.tight), create_ms(&s.tight));
         let (et, st) = (
@@ -230,7 +235,7 @@ fn head_to_head(md: &mut String, rows: &[TraceRow]) -> Result<()> {
         };
         writeln!(
             md,
-            "| {} (d{}) | {:.1} ({:.1} + {:.1}) | {:.1} ({:.1} + {:.1}){} | {} | {} |",
+            "| {} (d{}) | {:.1} ({:.1} + {:.1}) | {:.1} ({:.1} + {:.1}){} | {} | {} | {} | {} |",
             t.name,
             t.device,
             et,
@@ -241,11 +246,80 @@ fn head_to_head(md: &mut String, rows: &[TraceRow]) -> Result<()> {
             st - sc,
             if s.tight.ok { "" } else { " out of memory" },
             ratio(et, st),
-            ratio(et - ec, st - sc)
+            ratio(et - ec, st - sc),
+            match (
+                e.tight.modeled_driver_us_second,
+                s.tight.modeled_driver_us_second
+            ) {
+                (Some(a), Some(b)) => ratio(a, b),
+                _ => "-".to_string(),
+            },
+            match (&e.tight.steady, &s.tight.steady) {
+                (Some(a), Some(b)) => format!(
+                    "{:.1} / {:.1}",
+                    a.modeled_driver_us / 1000.0,
+                    b.modeled_driver_us / 1000.0
+                ),
+                _ => "-".to_string(),
+            }
         )?;
     }
     writeln!(md)?;
     Ok(())
+}
+
+/// Policies measured under several option sets (e.g. `expandable`,
+/// `expandable:max_chunk=2MiB`, ...): one table per policy, min capacity
+/// against cold and steady driver time at the tight capacity, per trace.
+/// Empty when no policy appears more than once.
+pub fn ablation(rows: &[TraceRow]) -> String {
+    let mut md = String::new();
+    let mut seen: Vec<Policy> = Vec::new();
+    for t in rows {
+        for p in &t.policies {
+            let n = t.policies.iter().filter(|q| q.policy == p.policy).count();
+            if n > 1 && !seen.contains(&p.policy) {
+                seen.push(p.policy);
+            }
+        }
+    }
+    for policy in seen {
+        let _ = writeln!(md, "## Ablation: {policy} options\n");
+        let _ = writeln!(
+            md,
+            "Each row is one option set (`--policies NAME:key=value,...`). min cap and overhead from the capacity \
+             search; cold / steady = modeled driver time and memory calls of the first / second replay at the \
+             tight capacity (1.05 × peak live).\n"
+        );
+        let _ = writeln!(md, "| trace | {policy} options | min cap GiB | overhead | cold ms | cold ms linear | cold calls | steady ms | steady calls | tight ok |");
+        let _ = writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|");
+        for t in rows {
+            for p in t.policies.iter().filter(|p| p.policy == policy) {
+                let [steady_calls, steady_ms, _] = p.steady_cells();
+                let opts = p
+                    .label()
+                    .split_once(':')
+                    .map_or("default".to_string(), |(_, o)| o.to_string());
+                let _ = writeln!(
+                    md,
+                    "| {} (d{}) | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} |",
+                    t.name,
+                    t.device,
+                    opts,
+                    p.min_capacity_cell(),
+                    p.overhead_cell(t.peak_live),
+                    p.tight.modeled_driver_us / 1000.0,
+                    p.cold_linear_cell(),
+                    p.tight.memory_calls(),
+                    steady_ms,
+                    steady_calls,
+                    p.tight_ok_cell()
+                );
+            }
+        }
+        let _ = writeln!(md);
+    }
+    md
 }
 
 /// The cost model in one line: each kind's fixed, per-MiB and per-handle µs.
@@ -290,13 +364,17 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
         "- **peak live**: maximum of the requested bytes of live allocations (pre-trace allocations included).\n\
          - **min cap**: smallest device (bisection to the granularity) that replays the trace without out-of-memory.\n\
          - **overhead** = min cap / peak live (1.00 is perfect).\n\
-         - **driver calls / driver ms / syncs**: memory calls (reserve, create, map, set access, unmap, release, alloc, free), \
-         modeled driver time and synchronizations when replaying at the tight capacity, 1.05 × peak live. \
+         - **cold calls / cold ms / cold syncs**: memory calls (reserve, create, map, set access, unmap, release, alloc, free), \
+         modeled driver time and synchronizations when replaying at the tight capacity, 1.05 × peak live; \
+         **cold ms linear**: the same calls priced by the `linear` preset. \
+         **steady**: the same figures for a second replay of the trace, after freeing what the first left live \
+         (pre-trace allocations stay): what every later iteration of a training or serving loop pays. \
          The allocator's teardown when it is dropped at the end is not included (a process pays it once at exit; \
          PyTorch's allocators leave it to the driver).\n"
     )?;
     writeln!(md, "```\n{}```\n", table(rows))?;
     head_to_head(&mut md, rows)?;
+    md.push_str(&ablation(rows));
     writeln!(md, "![overhead per policy](overhead.svg)\n")?;
     writeln!(md, "## Traces\n")?;
     for t in rows {
@@ -313,20 +391,32 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
             t.peak_live,
             gib(t.tight_capacity)
         )?;
-        writeln!(md, "| policy | min cap GiB | overhead | tight ok | peak reserved (unlimited) GiB | driver calls at tight | modeled driver ms | syncs | CPU ms |")?;
-        writeln!(md, "|---|---:|---:|---|---:|---:|---:|---:|---:|")?;
+        writeln!(md, "| policy | min cap GiB | overhead | tight ok | peak reserved (unlimited) GiB | cold calls | cold ms | cold ms linear | cold syncs | steady calls | steady ms | steady syncs | steady calls unlimited | CPU ms |")?;
+        writeln!(
+            md,
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        )?;
         for p in &t.policies {
+            let [steady_calls, steady_ms, steady_syncs] = p.steady_cells();
             writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {:.1} |",
-                p.policy,
+                "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {:.1} |",
+                p.label(),
                 p.min_capacity_cell(),
                 p.overhead_cell(t.peak_live),
                 p.tight_ok_cell(),
                 gib(p.unlimited.peak_reserved),
                 p.tight.memory_calls(),
                 p.tight.modeled_driver_us / 1000.0,
+                p.cold_linear_cell(),
                 p.tight.syncs,
+                steady_calls,
+                steady_ms,
+                steady_syncs,
+                p.unlimited
+                    .steady
+                    .as_ref()
+                    .map_or("-".into(), |st| st.memory_calls().to_string()),
                 p.tight.cpu_time.as_secs_f64() * 1000.0,
             )?;
         }

@@ -61,6 +61,7 @@ fn compare_json_matches_the_schema() {
     let v: Value =
         serde_json::from_slice(&out.stdout).expect("stdout is exactly the JSON document");
     assert_eq!(v["version"], 1);
+    assert_eq!(v["cost_model"], "a100");
     let traces = v["traces"].as_array().unwrap();
     assert_eq!(traces.len(), 1);
     let t = &traces[0];
@@ -99,9 +100,11 @@ fn compare_json_matches_the_schema() {
                 "capacity_bytes",
                 "driver_calls",
                 "modeled_driver_us",
+                "modeled_driver_us_linear",
                 "ok",
                 "ooms",
                 "retries",
+                "steady",
                 "syncs"
             ],
             "{name}"
@@ -110,9 +113,41 @@ fn compare_json_matches_the_schema() {
         uk.sort();
         assert_eq!(
             uk,
-            ["driver_calls", "modeled_driver_us", "peak_reserved_bytes"],
+            [
+                "driver_calls",
+                "modeled_driver_us",
+                "modeled_driver_us_linear",
+                "peak_reserved_bytes",
+                "steady"
+            ],
             "{name}"
         );
+        for side in ["tight", "unlimited"] {
+            let st = &p[side]["steady"];
+            let mut sk: Vec<&String> = st.as_object().unwrap().keys().collect();
+            sk.sort();
+            assert_eq!(
+                sk,
+                [
+                    "driver_calls",
+                    "modeled_driver_us",
+                    "modeled_driver_us_linear",
+                    "ooms",
+                    "syncs"
+                ],
+                "{name} {side}"
+            );
+            assert!(st["modeled_driver_us"].as_f64().unwrap() >= 0.0);
+            assert!(p[side]["modeled_driver_us_linear"].as_f64().unwrap() > 0.0);
+        }
+        if name == "expandable" || name == "torch-es" {
+            // Segments that only grow: on an unlimited device, the second pass
+            // reuses what the first mapped. (The caching replica may split its
+            // cached segments differently in the second pass and allocate anew.)
+            let st = &p["unlimited"]["steady"];
+            assert_eq!(st["modeled_driver_us"].as_f64().unwrap(), 0.0, "{name}");
+            assert_eq!(st["driver_calls"], serde_json::json!({}), "{name}");
+        }
         let peak = t["peak_live_bytes"].as_u64().unwrap();
         let tight = p["tight"]["capacity_bytes"].as_u64().unwrap();
         assert_eq!(tight % (2 << 20), 0);
@@ -359,4 +394,94 @@ fn cost_presets_files_and_overrides_select_the_model() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("v100"));
+}
+
+#[test]
+fn policy_options_label_rows_and_feed_the_ablation() {
+    let dir = tmpdir("ablation");
+    let trace = small_trace(&dir);
+    let out_dir = dir.join("out");
+    let out = bin()
+        .args([
+            "compare",
+            trace.to_str().unwrap(),
+            "--policies",
+            "expandable,expandable:max_chunk=20MiB,page_size=4MiB,caching:max_split_size_mb=64",
+            "--json",
+            "-",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pols = v["traces"][0]["policies"].as_object().unwrap();
+    let mut names: Vec<&String> = pols.keys().collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "caching:max_split_size_mb=64",
+            "expandable",
+            "expandable:max_chunk=20MiB,page_size=4MiB"
+        ]
+    );
+    // 4 MiB pages: a different policy configuration, different calls.
+    assert_ne!(
+        pols["expandable"]["tight"]["driver_calls"],
+        pols["expandable:max_chunk=20MiB,page_size=4MiB"]["tight"]["driver_calls"]
+    );
+    let md = std::fs::read_to_string(out_dir.join("report.md")).unwrap();
+    assert!(md.contains("## Ablation: expandable options"), "{md}");
+    assert!(md.contains("| max_chunk=20MiB,page_size=4MiB |"), "{md}");
+    assert!(md.contains("| default |"), "{md}");
+    assert!(!md.contains("Ablation: caching"), "caching appears once");
+
+    for (spec, needle) in [
+        ("expandable:max_chunks=2MiB", "max_chunks"),
+        ("expandable:max_chunk=huge", "max_chunk"),
+        ("native:max_chunk=2MiB", "max_chunk"),
+    ] {
+        let out = bin()
+            .args(["compare", "frag-adversary", "--policies", spec])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{spec}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(needle) && !err.contains("panicked"),
+            "{spec}: {err}"
+        );
+    }
+}
+
+#[test]
+fn replay_steady_prints_the_second_pass() {
+    let dir = tmpdir("steady");
+    let trace = small_trace(&dir);
+    let out = bin()
+        .args([
+            "replay",
+            trace.to_str().unwrap(),
+            "--policy",
+            "expandable:max_chunk=20MiB",
+            "--steady",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("steady state (2nd pass): ok") && text.contains("0 memory calls"),
+        "{text}"
+    );
 }

@@ -31,7 +31,7 @@ pub mod testing;
 pub mod torch_es;
 
 pub use error::{AllocError, AllocResult, OomReport, StreamUsage};
-pub use policy::{build, Policy, PolicyOptions};
+pub use policy::{build, parse_size, split_policy_specs, Policy, PolicyOptions, PolicySpec};
 pub use snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 pub use stats::{Stat, StatType, Stats};
 pub use vmmalloc_device::Stream;

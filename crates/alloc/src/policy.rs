@@ -68,6 +68,181 @@ pub struct PolicyOptions {
     pub expandable: crate::expandable::ExpandableConfig,
     /// `caching` and `torch-es`: PyTorch's allocator options.
     pub caching: crate::caching::CachingConfig,
+    /// `expandable`: largest physical chunk (one cuMemCreate handle) in bytes;
+    /// None = adaptive. Set by the policy option `max_chunk`
+    /// ([`PolicySpec`]). Held here until `ExpandableConfig` has its own
+    /// `max_chunk` field, which [`build`] then fills from it; the 2 MiB-page
+    /// allocator ignores it.
+    pub max_chunk: Option<u64>,
+}
+
+/// Parses a size: bytes, or a number with a unit (`K`/`KiB`, `M`/`MiB`,
+/// `G`/`GiB`, `T`/`TiB`, case-insensitive; decimals allowed), e.g. `20MiB`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 80GiB, 512MiB, 1048576)"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1u64,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        u => {
+            return Err(format!(
+                "unknown size unit `{u}` in `{s}` (use B, KiB, MiB, GiB or TiB)"
+            ))
+        }
+    };
+    let bytes = v * mult as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("`{s}` is not a positive size"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+/// A policy with options, written `NAME[:key=value,...]`, e.g.
+/// `expandable:max_chunk=20MiB` or `caching:max_split_size_mb=128`. Its label
+/// (the text as written, trimmed) names its row in reports.
+///
+/// Options by policy (an unknown option is an error naming it):
+/// - `expandable`: `max_chunk`, `page_size`, `arena_size`, `release_threshold`
+///   (sizes: bytes or e.g. `20MiB`), `memory_fraction` (in (0, 1]).
+/// - `caching`, `torch-es`: the `PYTORCH_CUDA_ALLOC_CONF` keys
+///   [`crate::caching::CachingConfig::parse`] accepts, e.g. `max_split_size_mb=128`,
+///   `garbage_collection_threshold=0.6`.
+/// - `native`: none.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicySpec {
+    /// The policy.
+    pub policy: Policy,
+    /// The spec as written (`expandable`, `expandable:max_chunk=20MiB`).
+    pub label: String,
+    /// The options, defaults where not given.
+    pub options: PolicyOptions,
+}
+
+impl PolicySpec {
+    /// A policy with default options.
+    pub fn plain(policy: Policy) -> Self {
+        PolicySpec {
+            policy,
+            label: policy.name().to_string(),
+            options: PolicyOptions::default(),
+        }
+    }
+
+    /// Whether no option was given.
+    pub fn is_plain(&self) -> bool {
+        self.label == self.policy.name()
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> AllocResult<()> {
+        let bad = |msg: String| {
+            AllocError::InvalidOption(format!("policy `{}`: option `{key}`: {msg}", self.label))
+        };
+        let o = &mut self.options;
+        match (self.policy, key) {
+            (Policy::Expandable, "max_chunk") => {
+                o.max_chunk = Some(parse_size(value).map_err(bad)?)
+            }
+            (Policy::Expandable, "page_size") => {
+                o.expandable.page_size = Some(parse_size(value).map_err(bad)?)
+            }
+            (Policy::Expandable, "arena_size") => {
+                o.expandable.arena_size = Some(parse_size(value).map_err(bad)?)
+            }
+            (Policy::Expandable, "release_threshold") => {
+                o.expandable.release_threshold = if value.trim() == "0" {
+                    0
+                } else {
+                    parse_size(value).map_err(bad)?
+                }
+            }
+            (Policy::Expandable, "memory_fraction") => {
+                let f: f64 = value
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(format!("`{value}` is not a number")))?;
+                if !(f.is_finite() && f > 0.0 && f <= 1.0) {
+                    return Err(bad(format!("must be in (0, 1], got {f}")));
+                }
+                o.expandable.memory_fraction = f;
+            }
+            _ => {
+                let valid = match self.policy {
+                    Policy::Expandable => {
+                        "max_chunk, page_size, arena_size, release_threshold, memory_fraction"
+                    }
+                    _ => "none",
+                };
+                return Err(AllocError::InvalidOption(format!(
+                    "policy `{}`: unknown option `{key}`; valid options for {}: {valid}",
+                    self.label, self.policy
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for PolicySpec {
+    type Err = AllocError;
+    fn from_str(s: &str) -> AllocResult<PolicySpec> {
+        let label = s.trim();
+        let (name, opts) = label.split_once(':').unwrap_or((label, ""));
+        let mut spec = PolicySpec {
+            policy: name.trim().parse()?,
+            label: label.to_string(),
+            options: PolicyOptions::default(),
+        };
+        // caching / torch-es options, as PYTORCH_CUDA_ALLOC_CONF, parsed together.
+        let mut conf = Vec::new();
+        for kv in opts.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = kv.split_once('=').ok_or_else(|| {
+                AllocError::InvalidOption(format!(
+                    "policy `{label}`: option `{kv}` is not key=value"
+                ))
+            })?;
+            match spec.policy {
+                Policy::Caching | Policy::TorchEs => {
+                    conf.push(format!("{}:{}", k.trim(), v.trim()))
+                }
+                _ => spec.set(k.trim(), v.trim())?,
+            }
+        }
+        if !conf.is_empty() {
+            spec.options.caching = crate::caching::CachingConfig::parse(&conf.join(","))
+                .map_err(|e| AllocError::InvalidOption(format!("policy `{label}`: {e}")))?;
+        }
+        Ok(spec)
+    }
+}
+
+/// Splits a comma-separated list of policy specs: an item with `=` and no `:`
+/// continues the options of the spec before it, so
+/// `expandable,expandable:max_chunk=20MiB,page_size=4MiB,caching` is three specs.
+pub fn split_policy_specs(items: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for item in items.iter().flat_map(|s| s.split(',')) {
+        let item = item.trim();
+        if item.is_empty() {
+            continue;
+        }
+        match out.last_mut() {
+            Some(prev) if item.contains('=') && !item.contains(':') && prev.contains(':') => {
+                prev.push(',');
+                prev.push_str(item);
+            }
+            _ => out.push(item.to_string()),
+        }
+    }
+    out
 }
 
 /// Builds a policy over a device.
@@ -91,4 +266,80 @@ pub fn build(
         )?),
         Policy::Native => Box::new(crate::native::NativeAllocator::new(device)?),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("20MiB"), Ok(20 * MIB));
+        assert_eq!(parse_size("2m"), Ok(2 * MIB));
+        assert_eq!(parse_size("1.5GiB"), Ok(1536 * MIB));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("lots").unwrap_err().contains("lots"));
+        assert!(parse_size("3 parsecs").unwrap_err().contains("parsecs"));
+        assert!(parse_size("0").is_err());
+    }
+
+    #[test]
+    fn specs_carry_options_and_their_label() {
+        let p: PolicySpec = "expandable".parse().unwrap();
+        assert_eq!(p, PolicySpec::plain(Policy::Expandable));
+        assert!(p.is_plain());
+        let p: PolicySpec = "expandable:max_chunk=20MiB,page_size=4MiB,memory_fraction=0.5"
+            .parse()
+            .unwrap();
+        assert_eq!(p.policy, Policy::Expandable);
+        assert!(!p.is_plain());
+        assert_eq!(
+            p.label,
+            "expandable:max_chunk=20MiB,page_size=4MiB,memory_fraction=0.5"
+        );
+        assert_eq!(p.options.max_chunk, Some(20 * MIB));
+        assert_eq!(p.options.expandable.page_size, Some(4 * MIB));
+        assert_eq!(p.options.expandable.memory_fraction, 0.5);
+        let p: PolicySpec = "caching:max_split_size_mb=128,garbage_collection_threshold=0.6"
+            .parse()
+            .unwrap();
+        assert_eq!(p.options.caching.max_split_size, 128 * MIB);
+        assert_eq!(p.options.caching.garbage_collection_threshold, 0.6);
+        let p: PolicySpec = "torch-es:max_split_size_mb=64".parse().unwrap();
+        assert_eq!(p.options.caching.max_split_size, 64 * MIB);
+    }
+
+    #[test]
+    fn bad_specs_name_the_option() {
+        for (spec, needle) in [
+            ("expandable:max_chunks=20MiB", "max_chunks"),
+            ("expandable:max_chunk=big", "max_chunk"),
+            ("expandable:max_chunk", "max_chunk"),
+            ("expandable:memory_fraction=2", "memory_fraction"),
+            ("native:max_chunk=2MiB", "max_chunk"),
+            ("caching:no_such_key=1", "no_such_key"),
+            ("bogus:max_chunk=2MiB", "bogus"),
+        ] {
+            let e = spec.parse::<PolicySpec>().unwrap_err().to_string();
+            assert!(e.contains(needle), "{spec}: {e}");
+        }
+    }
+
+    #[test]
+    fn lists_split_between_specs_not_inside_options() {
+        let items = vec![
+            "expandable,expandable:max_chunk=20MiB,page_size=4MiB".to_string(),
+            "caching".to_string(),
+        ];
+        assert_eq!(
+            split_policy_specs(&items),
+            [
+                "expandable",
+                "expandable:max_chunk=20MiB,page_size=4MiB",
+                "caching"
+            ]
+        );
+    }
 }

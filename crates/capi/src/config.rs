@@ -528,6 +528,7 @@ impl Config {
                 ..defaults
             },
             caching,
+            max_chunk: None,
         })
     }
 

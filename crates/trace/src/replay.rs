@@ -20,6 +20,9 @@ pub struct ReplayConfig {
     pub granularity: u64,
     /// Cost model of the simulated device.
     pub cost: CostModel,
+    /// A second cost model pricing the same calls (e.g. `linear` beside
+    /// `a100`): [`ReplayResult::modeled_driver_us_second`].
+    pub second_cost: Option<CostModel>,
     /// The cost model's name as reports show it (a preset name or a file).
     pub cost_label: String,
     /// Policy options.
@@ -35,6 +38,16 @@ pub struct ReplayConfig {
     /// e.g. to look at the allocator right after a given event with
     /// [`replay_keeping`].
     pub stop_after: Option<usize>,
+    /// Replay the trace a second time (steady state, [`ReplayResult::steady`]):
+    /// after the first pass, free what the trace allocated and still holds
+    /// (the first `pre_trace_ops` allocations stay), then replay the ops after
+    /// `pre_trace_ops` again. Needs a full first pass (no `stop_after`, and no
+    /// stop at an out-of-memory).
+    pub steady: bool,
+    /// How many leading ops allocate what was live before the trace began
+    /// ([`crate::DeviceTrace::pre_trace`]'s length): kept across passes, and
+    /// not replayed in the second.
+    pub pre_trace_ops: usize,
 }
 
 impl ReplayConfig {
@@ -46,11 +59,14 @@ impl ReplayConfig {
             granularity: 2 * MIB,
             cost: CostModel::default(),
             cost_label: CostModel::PRESETS[0].to_string(),
+            second_cost: None,
             options: PolicyOptions::default(),
             stop_at_oom: false,
             timeline_samples: 0,
             validate_every: 0,
             stop_after: None,
+            steady: false,
+            pre_trace_ops: 0,
         }
     }
 }
@@ -108,11 +124,17 @@ pub struct ReplayResult {
     pub modeled_driver_us: f64,
     /// Modeled time of the `cuMemCreate` calls among `modeled_driver_us`.
     pub modeled_create_us: f64,
+    /// `modeled_driver_us` under [`ReplayConfig::second_cost`], if set.
+    pub modeled_driver_us_second: Option<f64>,
+    /// The second pass, if [`ReplayConfig::steady`] asked for one and the
+    /// first pass ran to the end. Every other field describes the first pass
+    /// (cold start), except the teardown, which follows the second.
+    pub steady: Option<SteadyResult>,
     /// Device calls the allocator made when it was dropped.
     pub teardown_calls: CallCounts,
     /// Modeled driver time of the teardown, microseconds.
     pub teardown_driver_us: f64,
-    /// CPU time of the replay loop.
+    /// CPU time of the replay loop (the first pass).
     pub cpu_time: Duration,
     /// Memory over time (if asked for).
     pub timeline: Vec<Sample>,
@@ -120,23 +142,67 @@ pub struct ReplayResult {
     pub error: Option<String>,
 }
 
+/// What the second pass of a steady-state replay measured: the cost every
+/// later iteration of a training or serving loop pays. It counts from the end
+/// of the first pass, so the frees of what the first pass left live are in it.
+#[derive(Debug, Clone, Default)]
+pub struct SteadyResult {
+    /// Whether every allocation of the second pass succeeded.
+    pub ok: bool,
+    /// Out-of-memory errors in the second pass (reported, not hidden).
+    pub ooms: u64,
+    /// Op index (into the replayed ops) of the second pass's first out-of-memory.
+    pub first_oom: Option<usize>,
+    /// Its message.
+    pub oom_message: Option<String>,
+    /// Trace allocations still live after the first pass, freed before the second.
+    pub freed_between: usize,
+    /// Peak of requested live bytes during the second pass.
+    pub peak_live: u64,
+    /// Allocator retries (`num_alloc_retries`) in the second pass.
+    pub retries: u64,
+    /// Synchronizations in the second pass.
+    pub syncs: u64,
+    /// Device calls per kind in the second pass.
+    pub driver_calls: CallCounts,
+    /// Modeled driver time of the second pass, microseconds.
+    pub modeled_driver_us: f64,
+    /// The same under [`ReplayConfig::second_cost`], if set.
+    pub modeled_driver_us_second: Option<f64>,
+    /// An error that is not out-of-memory, if any.
+    pub error: Option<String>,
+}
+
+impl SteadyResult {
+    /// Device calls that touch memory (see [`ReplayResult::memory_calls`]).
+    pub fn memory_calls(&self) -> u64 {
+        memory_calls(&self.driver_calls)
+    }
+}
+
+/// The memory calls among `counts` (reserve, create, map, set access, unmap,
+/// release, address free, alloc, free).
+pub fn memory_calls(counts: &CallCounts) -> u64 {
+    [
+        Call::Reserve,
+        Call::AddressFree,
+        Call::Create,
+        Call::Release,
+        Call::Map,
+        Call::Unmap,
+        Call::SetAccess,
+        Call::Alloc,
+        Call::Free,
+    ]
+    .iter()
+    .map(|c| counts.get(*c))
+    .sum()
+}
+
 impl ReplayResult {
     /// Device calls that touch memory (everything but event queries/records and info).
     pub fn memory_calls(&self) -> u64 {
-        [
-            Call::Reserve,
-            Call::AddressFree,
-            Call::Create,
-            Call::Release,
-            Call::Map,
-            Call::Unmap,
-            Call::SetAccess,
-            Call::Alloc,
-            Call::Free,
-        ]
-        .iter()
-        .map(|c| self.driver_calls.get(*c))
-        .sum()
+        memory_calls(&self.driver_calls)
     }
 }
 
@@ -194,7 +260,11 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
     let mut sim_config = SimConfig::with_capacity(config.capacity);
     sim_config.granularity = config.granularity;
     sim_config.cost = config.cost;
-    let sim = Arc::new(SimDevice::new(sim_config));
+    let mut sim = SimDevice::new(sim_config);
+    if let Some(second) = config.second_cost {
+        sim = sim.also_priced_by(second);
+    }
+    let sim = Arc::new(sim);
     let device: Arc<dyn Device> = sim.clone();
     let mut result = ReplayResult {
         policy: config.policy,
@@ -214,6 +284,8 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
         driver_calls: CallCounts::default(),
         modeled_driver_us: 0.0,
         modeled_create_us: 0.0,
+        modeled_driver_us_second: None,
+        steady: None,
         teardown_calls: CallCounts::default(),
         teardown_driver_us: 0.0,
         cpu_time: Duration::ZERO,
@@ -237,8 +309,9 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
         None => ops,
     };
     let start = Instant::now();
-    result.final_live = run_ops(&*alloc, &sim, ops, config, &mut result);
-    result.cpu_time = start.elapsed();
+    let mut state = OpState::default();
+    run_ops(&*alloc, &sim, ops, 0, config, &mut result, &mut state);
+    result.final_live = state.live;
     let stats = alloc.stats();
     result.peak_reserved = stats.reserved_bytes.all().peak.max(0) as u64;
     result.retries = stats.num_alloc_retries;
@@ -246,7 +319,13 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
     result.syncs = counts.syncs();
     result.modeled_driver_us = sim.modeled_us();
     result.modeled_create_us = sim.modeled_us_of(Call::Create);
+    result.modeled_driver_us_second = sim.second_modeled_us();
     result.driver_calls = counts;
+    result.cpu_time = start.elapsed();
+    let full_pass = result.error.is_none() && result.ops == ops.len() && !ops.is_empty();
+    if config.steady && config.stop_after.is_none() && full_pass {
+        result.steady = Some(steady_pass(&*alloc, &sim, ops, config, &result, &mut state));
+    }
     Replayed {
         result,
         allocator: Some(alloc),
@@ -254,27 +333,121 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
     }
 }
 
-/// Runs the ops; returns the requested bytes live where it stopped.
-fn run_ops(
+/// The second pass of a steady-state replay (see [`ReplayConfig::steady`]).
+fn steady_pass(
     alloc: &dyn Allocator,
     sim: &SimDevice,
     ops: &[Op],
     config: &ReplayConfig,
+    first: &ReplayResult,
+    state: &mut OpState,
+) -> SteadyResult {
+    let counts = sim.counts();
+    let us = sim.modeled_us();
+    let second_us = sim.second_modeled_us();
+    let retries = first.retries;
+    let mut steady = SteadyResult {
+        ok: true,
+        ..SteadyResult::default()
+    };
+    // Free what the trace allocated and still holds; pre-trace allocations stay.
+    let pre = config.pre_trace_ops.min(ops.len());
+    let mut keep = vec![false; state.ptrs.len()];
+    for op in &ops[..pre] {
+        if let Op::Alloc { id, .. } = *op {
+            if let Some(k) = keep.get_mut(id as usize) {
+                *k = true;
+            }
+        }
+    }
+    for (id, &kept) in keep.iter().enumerate() {
+        let ptr = state.ptrs[id];
+        if ptr == u64::MAX || kept {
+            continue;
+        }
+        if let Err(e) = alloc.free(ptr) {
+            steady.ok = false;
+            steady.error = Some(format!("freeing {ptr:#x} after the first pass: {e}"));
+            return steady;
+        }
+        state.ptrs[id] = u64::MAX;
+        state.live -= state.sizes[id];
+        steady.freed_between += 1;
+    }
+    // The second pass: a scratch result, no timeline, never stopping at an OOM.
+    let mut cfg = config.clone();
+    cfg.timeline_samples = 0;
+    cfg.stop_at_oom = false;
+    let mut pass = ReplayResult {
+        ok: true,
+        ..first.clone()
+    };
+    pass.ooms = 0;
+    pass.first_oom = None;
+    pass.oom_message = None;
+    pass.error = None;
+    pass.peak_live = 0;
+    pass.final_live_allocs = first.final_live_allocs - steady.freed_between;
+    pass.timeline = Vec::new();
+    run_ops(alloc, sim, &ops[pre..], pre, &cfg, &mut pass, state);
+    let now = sim.counts();
+    steady.ok = pass.ok;
+    steady.ooms = pass.ooms;
+    steady.first_oom = pass.first_oom;
+    steady.oom_message = pass.oom_message;
+    steady.error = pass.error;
+    steady.peak_live = pass.peak_live;
+    steady.retries = alloc.stats().num_alloc_retries.saturating_sub(retries);
+    steady.driver_calls = now.since(&counts);
+    steady.syncs = steady.driver_calls.syncs();
+    steady.modeled_driver_us = sim.modeled_us() - us;
+    steady.modeled_driver_us_second = sim
+        .second_modeled_us()
+        .zip(second_us)
+        .map(|(now, before)| now - before);
+    steady
+}
+
+/// What the replay loop carries from op to op (and from pass to pass).
+#[derive(Default)]
+struct OpState {
+    /// Dense id -> pointer (u64::MAX: not live / failed).
+    ptrs: Vec<u64>,
+    /// Dense id -> requested size.
+    sizes: Vec<u64>,
+    /// Trace stream -> device stream; traces use a handful, so a list beats a
+    /// map, and the last one used is checked first.
+    streams: Vec<(u64, Stream)>,
+    last_stream: Option<(u64, Stream)>,
+    /// Requested bytes live.
+    live: u64,
+}
+
+/// Runs the ops (`first_index`: the index of `ops[0]` among all the replayed
+/// ops, for error messages and out-of-memory positions); `state.live` ends as
+/// the requested bytes live where it stopped.
+fn run_ops(
+    alloc: &dyn Allocator,
+    sim: &SimDevice,
+    ops: &[Op],
+    first_index: usize,
+    config: &ReplayConfig,
     result: &mut ReplayResult,
-) -> u64 {
-    // Dense id -> pointer (u64::MAX: not live / failed).
-    let mut ptrs: Vec<u64> = Vec::new();
-    let mut sizes: Vec<u64> = Vec::new();
-    // Trace stream -> device stream; traces use a handful, so a list beats a map,
-    // and the last one used is checked first.
-    let mut streams: Vec<(u64, Stream)> = Vec::new();
-    let mut last_stream: Option<(u64, Stream)> = None;
-    let mut live: u64 = 0;
+    state: &mut OpState,
+) {
+    let OpState {
+        ptrs,
+        sizes,
+        streams,
+        last_stream,
+        live,
+    } = state;
     let sample_every = ops
         .len()
         .checked_div(config.timeline_samples)
         .map_or(usize::MAX, |n| n.max(1));
-    for (i, op) in ops.iter().enumerate() {
+    for (j, op) in ops.iter().enumerate() {
+        let i = first_index + j;
         match *op {
             Op::Alloc { id, size, stream } => {
                 let id = id as usize;
@@ -282,7 +455,7 @@ fn run_ops(
                     ptrs.resize(id + 1, u64::MAX);
                     sizes.resize(id + 1, 0);
                 }
-                let known = match last_stream {
+                let known = match *last_stream {
                     Some((t, s)) if t == stream => Some(s),
                     _ => streams.iter().find(|e| e.0 == stream).map(|e| e.1),
                 };
@@ -297,7 +470,7 @@ fn run_ops(
                                 Err(e) => {
                                     result.error = Some(format!("op {i}: creating a stream: {e}"));
                                     result.ok = false;
-                                    return live;
+                                    return;
                                 }
                             }
                         };
@@ -305,15 +478,15 @@ fn run_ops(
                         s
                     }
                 };
-                last_stream = Some((stream, s));
+                *last_stream = Some((stream, s));
                 match alloc.malloc(size, s) {
                     Ok(a) => {
                         ptrs[id] = a.ptr;
                         sizes[id] = size;
-                        live += size;
+                        *live += size;
                         result.final_live_allocs += 1;
-                        if live > result.peak_live {
-                            result.peak_live = live;
+                        if *live > result.peak_live {
+                            result.peak_live = *live;
                             result.peak_live_op = Some(i);
                         }
                     }
@@ -326,14 +499,14 @@ fn run_ops(
                         }
                         if config.stop_at_oom {
                             result.ops = i + 1;
-                            return live;
+                            return;
                         }
                     }
                     Err(e) => {
                         result.ok = false;
                         result.error = Some(format!("op {i}: malloc({size}) failed: {e}"));
                         result.ops = i + 1;
-                        return live;
+                        return;
                     }
                 }
             }
@@ -345,33 +518,32 @@ fn run_ops(
                         result.ok = false;
                         result.error = Some(format!("op {i}: free({ptr:#x}) failed: {e}"));
                         result.ops = i + 1;
-                        return live;
+                        return;
                     }
                     ptrs[id] = u64::MAX;
-                    live -= sizes[id];
+                    *live -= sizes[id];
                     result.final_live_allocs -= 1;
                 }
             }
         }
-        if config.validate_every > 0 && i % config.validate_every == 0 {
+        if config.validate_every > 0 && i.is_multiple_of(config.validate_every) {
             if let Err(e) = alloc.validate() {
                 result.ok = false;
                 result.error = Some(format!("op {i}: invariant broken: {e}"));
                 result.ops = i + 1;
-                return live;
+                return;
             }
         }
-        if i % sample_every == 0 {
+        if i.is_multiple_of(sample_every) {
             let reserved = alloc.stats().reserved_bytes.all().current.max(0) as u64;
             result.timeline.push(Sample {
                 op: i,
-                live,
+                live: *live,
                 reserved,
             });
         }
     }
-    result.ops = ops.len();
-    live
+    result.ops = first_index + ops.len();
 }
 
 /// The result of a capacity search for one policy.
@@ -439,6 +611,7 @@ pub fn min_capacity(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vmmalloc_device::GIB;
 
     fn ops() -> Vec<Op> {
         // 3 allocations of 3 MiB + 100 B live at the peak, on two streams.
@@ -573,6 +746,84 @@ mod tests {
         let r = replay(&ops(), &cfg);
         let full = replay(&ops(), &ReplayConfig::new(Policy::Native, 64 * MIB));
         assert_eq!((r.ops, r.driver_calls), (full.ops, full.driver_calls));
+    }
+
+    #[test]
+    fn steady_state_replays_the_trace_again_and_counts_it_apart() {
+        // One pre-trace allocation (op 0, id 0) that stays, a trace that
+        // leaves id 4 live at its end.
+        let s = 3 * MIB + 100;
+        let mut trace = vec![Op::Alloc {
+            id: 0,
+            size: 8 * MIB,
+            stream: 0,
+        }];
+        trace.extend(ops().into_iter().map(|op| match op {
+            Op::Alloc { id, size, stream } => Op::Alloc {
+                id: id + 1,
+                size,
+                stream,
+            },
+            Op::Free { id } => Op::Free { id: id + 1 },
+        }));
+        trace.pop(); // id 4 stays live
+        for policy in Policy::ALL {
+            let mut cfg = ReplayConfig::new(policy, GIB);
+            cfg.steady = true;
+            cfg.pre_trace_ops = 1;
+            cfg.validate_every = 1;
+            cfg.second_cost = Some(CostModel::linear());
+            let r = replay(&trace, &cfg);
+            assert!(r.ok, "{policy}: {:?}", r.error);
+            let st = r.steady.as_ref().expect("a full first pass");
+            assert!(st.ok && st.error.is_none(), "{policy}: {st:?}");
+            assert_eq!(
+                st.freed_between, 1,
+                "{policy}: id 4 only; the pre-trace one stays"
+            );
+            assert_eq!(st.peak_live, 8 * MIB + 3 * s, "{policy}");
+            assert_eq!(st.ooms, 0);
+            assert!(r.modeled_driver_us_second.unwrap() > 0.0);
+            match policy {
+                // One cuMemAlloc per request, one cuMemFree per free, in both passes:
+                // 1 free between passes + 4 allocations and 3 frees of the trace.
+                Policy::Native => {
+                    assert_eq!(st.driver_calls.get(Call::Alloc), 4);
+                    assert_eq!(st.driver_calls.get(Call::Free), 4);
+                    assert!(st.modeled_driver_us > 0.0);
+                    assert!(st.modeled_driver_us_second.unwrap() > 0.0);
+                }
+                // Caching policies reuse what the first pass mapped: no memory calls.
+                _ => {
+                    assert_eq!(st.memory_calls(), 0, "{policy}: {:?}", st.driver_calls);
+                    assert_eq!(st.modeled_driver_us, 0.0, "{policy}");
+                    assert_eq!(st.modeled_driver_us_second, Some(0.0), "{policy}");
+                }
+            }
+            // The cold figures are the first pass alone.
+            let mut cold_cfg = cfg.clone();
+            cold_cfg.steady = false;
+            let cold = replay(&trace, &cold_cfg);
+            assert_eq!(cold.driver_calls, r.driver_calls, "{policy}");
+            assert_eq!(cold.modeled_driver_us, r.modeled_driver_us, "{policy}");
+            assert!(cold.steady.is_none());
+        }
+    }
+
+    #[test]
+    fn steady_state_reports_an_out_of_memory_in_the_second_pass() {
+        let mut cfg = ReplayConfig::new(Policy::Native, 8 * MIB);
+        cfg.steady = true;
+        let r = replay(&ops(), &cfg);
+        assert_eq!(r.ooms, 1);
+        let st = r.steady.expect("the first pass ran to the end");
+        assert!(!st.ok);
+        assert_eq!(st.ooms, 1);
+        assert_eq!(st.first_oom, Some(4));
+        assert!(st.oom_message.unwrap().contains("Tried to allocate"));
+        // No second pass after a stopped first pass.
+        cfg.stop_at_oom = true;
+        assert!(replay(&ops(), &cfg).steady.is_none());
     }
 
     #[test]
