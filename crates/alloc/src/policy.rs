@@ -68,12 +68,6 @@ pub struct PolicyOptions {
     pub expandable: crate::expandable::ExpandableConfig,
     /// `caching` and `torch-es`: PyTorch's allocator options.
     pub caching: crate::caching::CachingConfig,
-    /// `expandable`: largest physical chunk (one cuMemCreate handle) in bytes;
-    /// None = adaptive. Set by the policy option `max_chunk`
-    /// ([`PolicySpec`]). Held here until `ExpandableConfig` has its own
-    /// `max_chunk` field, which [`build`] then fills from it; the 2 MiB-page
-    /// allocator ignores it.
-    pub max_chunk: Option<u64>,
 }
 
 /// Parses a size: bytes, or a number with a unit (`K`/`KiB`, `M`/`MiB`,
@@ -149,7 +143,7 @@ impl PolicySpec {
         let o = &mut self.options;
         match (self.policy, key) {
             (Policy::Expandable, "max_chunk") => {
-                o.max_chunk = Some(parse_size(value).map_err(bad)?)
+                o.expandable.max_chunk = Some(parse_size(value).map_err(bad)?)
             }
             (Policy::Expandable, "page_size") => {
                 o.expandable.page_size = Some(parse_size(value).map_err(bad)?)
@@ -299,7 +293,7 @@ mod tests {
             p.label,
             "expandable:max_chunk=20MiB,page_size=4MiB,memory_fraction=0.5"
         );
-        assert_eq!(p.options.max_chunk, Some(20 * MIB));
+        assert_eq!(p.options.expandable.max_chunk, Some(20 * MIB));
         assert_eq!(p.options.expandable.page_size, Some(4 * MIB));
         assert_eq!(p.options.expandable.memory_fraction, 0.5);
         let p: PolicySpec = "caching:max_split_size_mb=128,garbage_collection_threshold=0.6"

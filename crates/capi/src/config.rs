@@ -528,7 +528,6 @@ impl Config {
                 ..defaults
             },
             caching,
-            max_chunk: None,
         })
     }
 
