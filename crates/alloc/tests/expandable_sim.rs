@@ -444,7 +444,8 @@ fn memory_fraction_caps_mapped_plus_pooled_pages() {
     assert!(dev.live().physical_bytes <= 512 * MIB);
     // Lowering the fraction releases pooled pages above the new cap.
     a.set_memory_fraction(0.25).unwrap();
-    assert!(a.set_memory_fraction(0.0).is_err());
+    assert!(a.set_memory_fraction(-0.1).is_err());
+    assert!(a.set_memory_fraction(f64::NAN).is_err());
     assert!(a.set_memory_fraction(1.5).is_err());
     a.free(y.ptr).unwrap();
     let z = a.malloc(200 * MIB, s1).unwrap();
@@ -682,4 +683,31 @@ fn gib_sized_requests_on_a_141_gib_device() {
     for p in [y.ptr, z.ptr] {
         a.free(p).unwrap();
     }
+}
+
+/// A memory fraction of 0 is valid (PyTorch's `setMemoryFraction` accepts
+/// [0, 1]): no new memory can be mapped until it is raised again (cached
+/// blocks still serve, as PyTorch's limit applies to new device memory).
+#[test]
+fn memory_fraction_zero_allows_nothing() {
+    let (_dev, a) = setup(GIB, ExpandableConfig::default());
+    let x = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    a.free(x.ptr).unwrap();
+    a.set_memory_fraction(0.0).unwrap();
+    let cached = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    a.free(cached.ptr).unwrap();
+    assert!(a
+        .malloc(16 * MIB, Stream::DEFAULT)
+        .unwrap_err()
+        .is_out_of_memory());
+    a.empty_cache().unwrap();
+    assert!(a
+        .malloc(MIB, Stream::DEFAULT)
+        .unwrap_err()
+        .is_out_of_memory());
+    a.validate().unwrap();
+    a.set_memory_fraction(1.0).unwrap();
+    let y = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    a.free(y.ptr).unwrap();
+    a.validate().unwrap();
 }

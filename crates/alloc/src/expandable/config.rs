@@ -25,7 +25,8 @@ pub struct ExpandableConfig {
     /// Default: `u64::MAX` (keep every page until `empty_cache`).
     pub release_threshold: u64,
     /// Fraction of device memory this allocator may hold, mapped or pooled, in
-    /// (0, 1]. Default 1.0. [`crate::Allocator::set_memory_fraction`] changes it
+    /// [0, 1] (PyTorch's `setMemoryFraction` accepts 0 to 1 inclusive; 0 allows
+    /// nothing). Default 1.0. [`crate::Allocator::set_memory_fraction`] changes it
     /// at run time.
     pub memory_fraction: f64,
     /// Largest physical chunk (one `cuMemCreate` handle) in bytes; None =
@@ -89,11 +90,11 @@ impl Layout {
 
 /// Checks a memory fraction.
 pub(crate) fn check_fraction(fraction: f64) -> AllocResult<()> {
-    if fraction.is_finite() && fraction > 0.0 && fraction <= 1.0 {
+    if (0.0..=1.0).contains(&fraction) {
         Ok(())
     } else {
         Err(AllocError::InvalidOption(format!(
-            "memory_fraction must be in (0, 1], got {fraction}"
+            "memory_fraction must be in [0, 1], got {fraction}"
         )))
     }
 }
@@ -246,7 +247,7 @@ mod tests {
         );
         bad(
             ExpandableConfig {
-                memory_fraction: 0.0,
+                memory_fraction: 1.5,
                 ..Default::default()
             },
             "memory_fraction",
