@@ -23,7 +23,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 const MIB: usize = 1 << 20;
 const BACKENDS: [&str; 4] = ["expandable", "caching", "torch-es", "native"];
 
-type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
+type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void, *mut *mut c_void) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void);
 
 /// Function pointers into the loaded library (which is never unloaded).
@@ -84,7 +84,8 @@ fn api() -> &'static Api {
             };
         }
         Api {
-            malloc: sym!("vmmalloc_malloc"),
+            // Not vmmalloc_malloc: it throws C++ exceptions (tests/shim.rs covers it).
+            malloc: sym!("vmmalloc_try_malloc"),
             free: sym!("vmmalloc_free"),
             init: sym!("vmmalloc_init"),
             empty_cache: sym!("vmmalloc_empty_cache"),
@@ -109,8 +110,11 @@ fn api() -> &'static Api {
 // except the documented pointer contracts, which these wrappers uphold.
 
 fn malloc(size: usize, device: i32) -> *mut c_void {
-    // SAFETY: vmmalloc_malloc has no pointer preconditions (the stream is opaque).
-    unsafe { (api().malloc)(size, device, std::ptr::null_mut()) }
+    let mut out = std::ptr::null_mut();
+    // SAFETY: `out` is valid for a write; the stream is opaque.
+    let rc = unsafe { (api().malloc)(size, device, std::ptr::null_mut(), &mut out) };
+    assert_eq!(rc == 0, !out.is_null() || size == 0, "rc {rc}, out {out:p}");
+    out
 }
 
 fn free(ptr: *mut c_void, size: usize, device: i32) {
