@@ -89,7 +89,9 @@ fn entry<T>(name: &str, on_panic: T, body: impl FnOnce() -> T) -> T {
         // No lock may be taken in a forked child (see fork.rs).
         let m = format!("{name}: {}", fork::MESSAGE);
         diag::set_error(&m);
-        diag::log_unlocked(&m);
+        if runtime::log_level_unlocked() != LogLevel::Off {
+            diag::log_unlocked(&m);
+        }
         return on_panic;
     }
     match catch_unwind(AssertUnwindSafe(body)) {

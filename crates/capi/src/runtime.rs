@@ -163,6 +163,17 @@ fn write_global() -> std::sync::RwLockWriteGuard<'static, Global> {
 /// in a forked child).
 static ON_OOM: AtomicU8 = AtomicU8::new(0);
 
+/// The configured log level's index in `LogLevel::ALL` (error until configured).
+static LOG: AtomicU8 = AtomicU8::new(1);
+
+/// The configured log level, without taking a lock (for a forked child).
+pub fn log_level_unlocked() -> LogLevel {
+    LogLevel::ALL
+        .get(LOG.load(Ordering::Relaxed) as usize)
+        .copied()
+        .unwrap_or(LogLevel::Error)
+}
+
 /// The configured `on_oom`, without taking a lock.
 pub fn on_oom() -> crate::config::OnOom {
     crate::config::OnOom::ALL
@@ -195,6 +206,8 @@ pub fn runtime() -> Arc<Runtime> {
         .position(|o| *o == oom)
         .unwrap_or(0);
     ON_OOM.store(index as u8, Ordering::Relaxed);
+    let log = LogLevel::ALL.iter().position(|l| *l == rt.log).unwrap_or(1);
+    LOG.store(log as u8, Ordering::Relaxed);
     if let Ok(c) = &rt.config {
         diag::log(
             c.log,
@@ -245,6 +258,7 @@ pub fn configure(text: &str) -> Result<(), String> {
 /// before are invalid afterwards).
 pub fn reset() {
     ON_OOM.store(0, Ordering::Relaxed);
+    LOG.store(1, Ordering::Relaxed);
     let mut g = write_global();
     g.runtime = None;
     g.conf_override = None;
