@@ -5,8 +5,18 @@
 //!
 //! ```c
 //! // PyTorch's alloc/free pair (CUDAPluggableAllocator(path, "vmmalloc_malloc", "vmmalloc_free")).
-//! void* vmmalloc_malloc(size_t size, int device, void* stream);          // NULL on failure
+//! // vmmalloc_malloc is C++ (src/shim.cpp): it throws on failure unless on_oom:null.
+//! void* vmmalloc_malloc(size_t size, int device, void* stream);
 //! void  vmmalloc_free(void* ptr, size_t size, int device, void* stream);
+//! // The same without exceptions: 0 ok, 1 out of memory, 2 other failure.
+//! int   vmmalloc_try_malloc(size_t size, int device, void* stream, void** out);
+//! // CUDA graph pools (PyTorch's hooks are the shim's C++ vmmalloc_begin_allocate_to_pool,
+//! // vmmalloc_end_allocate_to_pool, vmmalloc_release_pool, which call these).
+//! int   vmmalloc_pool_begin(int device, uint64_t pool_hi, uint64_t pool_lo);
+//! int   vmmalloc_pool_try_malloc(size_t size, int device, void* stream,
+//!                                uint64_t pool_hi, uint64_t pool_lo, void** out);
+//! int   vmmalloc_pool_end(int device, uint64_t pool_hi, uint64_t pool_lo);
+//! int   vmmalloc_pool_release(int device, uint64_t pool_hi, uint64_t pool_lo);
 //! // PyTorch's hooks: set_init_fn, set_reset_fn, set_memory_fraction_fn, set_record_stream_fn.
 //! void  vmmalloc_init(int device_count);
 //! void  vmmalloc_empty_cache(void);
@@ -30,7 +40,10 @@
 //!
 //! # Errors
 //!
-//! No call unwinds across the boundary: every entry point catches panics. A
+//! No Rust frame is unwound: every entry point catches panics, and only the
+//! C++ shim's `vmmalloc_malloc` throws, after `vmmalloc_try_malloc` returned.
+//! In a child forked from a process that used the library every call fails
+//! at once, taking no lock (`fork.rs`). A
 //! failure returns NULL or -1 (or nothing, for the `void` hooks), sets the
 //! calling thread's last error (see [`vmmalloc_last_error`]) and logs one line
 //! `vmmalloc: error: <call>(<arguments>): <reason>` to stderr (`log:off`
