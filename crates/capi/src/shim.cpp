@@ -21,7 +21,10 @@
 //
 // Exported from the cdylib by build.rs's version script (exports.map).
 
+#include <dlfcn.h>
+
 #include <atomic>
+#include <cstdlib>
 #include <cstddef>
 #include <cstdio>
 #include <functional>
@@ -91,6 +94,47 @@ bool pool_for(int device, cudaStream_t stream, MempoolId_t* pool) {
   return false;
 }
 
+// While a capture is underway, allocate in relaxed capture mode, as PyTorch
+// does around every device allocation during capture
+// (c10/cuda/CUDACachingAllocator.cpp, cudaMallocMaybeCapturing:
+// `CUDAStreamCaptureModeGuard g{cudaStreamCaptureModeRelaxed}`): in the
+// default global mode (torch.cuda.graph's capture_error_mode="global") the
+// driver would reject "potentially unsafe" calls made by this thread while
+// any capture is underway. cuThreadExchangeStreamCaptureMode (cuda.h) is
+// looked up in the libcuda already loaded (RTLD_NOLOAD: none on host/sim
+// devices, where there is nothing to do).
+typedef int (*ExchangeMode)(int* mode);
+constexpr int CU_STREAM_CAPTURE_MODE_RELAXED = 2;  // cuda.h CUstreamCaptureMode
+
+ExchangeMode exchange_mode() {
+  static ExchangeMode fn = []() -> ExchangeMode {
+    const char* names[] = {std::getenv("VMMALLOC_CUDA_LIBRARY"), "libcuda.so.1", "libcuda.so"};
+    for (const char* name : names) {
+      if (!name || !*name) continue;
+      if (void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) {
+        if (void* f = dlsym(h, "cuThreadExchangeStreamCaptureMode")) {
+          return reinterpret_cast<ExchangeMode>(f);
+        }
+      }
+    }
+    return nullptr;
+  }();
+  return fn;
+}
+
+struct RelaxedCaptureMode {
+  ExchangeMode fn = nullptr;
+  int previous = CU_STREAM_CAPTURE_MODE_RELAXED;
+  explicit RelaxedCaptureMode(bool capturing) {
+    if (!capturing) return;
+    fn = exchange_mode();
+    if (fn && fn(&previous) != 0) fn = nullptr;  // the mode was not changed
+  }
+  ~RelaxedCaptureMode() {
+    if (fn) fn(&previous);  // restores the thread's mode (also when throwing)
+  }
+};
+
 [[noreturn]] void raise(int code) {
   if (code == 1) {
     std::string what = "CUDA out of memory. vmmalloc: " + last_error_text();
@@ -112,9 +156,13 @@ extern "C" {
 __attribute__((visibility("default"))) void* vmmalloc_malloc(size_t size, int device, void* stream) {
   void* out = nullptr;
   MempoolId_t pool;
-  int rc = pool_for(device, static_cast<cudaStream_t>(stream), &pool)
-               ? vmmalloc_pool_try_malloc(size, device, stream, pool.first, pool.second, &out)
-               : vmmalloc_try_malloc(size, device, stream, &out);
+  int rc;
+  {
+    RelaxedCaptureMode relaxed(active.load(std::memory_order_acquire) > 0);
+    rc = pool_for(device, static_cast<cudaStream_t>(stream), &pool)
+             ? vmmalloc_pool_try_malloc(size, device, stream, pool.first, pool.second, &out)
+             : vmmalloc_try_malloc(size, device, stream, &out);
+  }
   if (rc == 0) return out;
   if (vmmalloc_raises()) raise(rc);
   return nullptr;
