@@ -169,13 +169,12 @@ def test_runner_rejects_a_bad_config_before_the_script(lib, fake_torch, tmp_path
 
 
 def test_runner_without_torch_says_so(lib, tmp_path):
-    try:
-        import torch  # noqa: F401
-        pytest.skip("torch is installed here")
-    except ImportError:
-        pass
+    # A `torch` that fails to import hides an installed one (CI installs torch).
+    hidden = tmp_path / "no-torch" / "torch"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('No module named torch (hidden by the test)')\n")
     (tmp_path / "s.py").write_text("print('RAN')\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hidden.parent), str(REPO / "python")]))
     out = subprocess.run([sys.executable, "-m", "vmmalloc", "s.py"], env=env, capture_output=True, text=True,
                          cwd=tmp_path, timeout=60)
     assert out.returncode == 2
