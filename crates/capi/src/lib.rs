@@ -552,6 +552,15 @@ pub extern "C" fn vmmalloc_memory_stats_json(device: c_int) -> *mut c_char {
             if let Some(m) = map.as_object_mut() {
                 m.insert("vmmalloc.graph_pools".into(), pools.into());
                 m.insert("vmmalloc.deferred_frees".into(), deferred.into());
+                let (allocated, reserved) =
+                    rt.existing(ordinal).map_or((0, 0), |d| d.pools.bytes());
+                m.insert(
+                    "vmmalloc.graph_pool_allocated_bytes".into(),
+                    allocated.into(),
+                );
+                m.insert("vmmalloc.graph_pool_reserved_bytes".into(), reserved.into());
+                let refused = rt.existing(ordinal).map_or(0, |d| d.pools.refused());
+                m.insert("vmmalloc.graph_pool_refused_calls".into(), refused.into());
             }
             serde_json::to_string(&map).map_err(|e| e.to_string())
         }) {

@@ -23,6 +23,15 @@
 //! `CUDAStreamCaptureModeGuard(cudaStreamCaptureModeRelaxed)`) but has nothing
 //! to reclaim, so it needs no event query, sync, unmap or release.
 //!
+//! **Pinned memory.** A graph replays at the addresses it captured, including
+//! those of blocks it freed during capture (their memory is part of every
+//! replay). So while any graph may use a pool (use count > 0), the pool's
+//! device refuses `unmap` ([`PoolGuard`]): the pool's allocator may reuse a
+//! freed block in place (as PyTorch reuses a shared pool's blocks) but never
+//! move its pages elsewhere (a targeted reclaim) or return them; under memory
+//! pressure the pool's allocation fails instead. While a capture into the pool
+//! is underway, `release` is refused too.
+//!
 //! `releasePool` follows PyTorch's use count: each `begin` on a pool adds one
 //! (graphs may share a pool), each `release` removes one; at zero the pool's
 //! cached memory goes back to the device, and the pool itself (its allocator,
@@ -31,16 +40,60 @@
 
 use crate::config::LogLevel;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use vmmalloc_alloc::{AllocError, Allocation, Allocator, Stream};
+use vmmalloc_device::adaptors::CallHook;
+use vmmalloc_device::{Call, DeviceError, DeviceResult};
 
 /// PyTorch's `MempoolId_t` (`std::pair<CaptureId_t, CaptureId_t>`).
 pub type PoolId = (u64, u64);
 
+/// The state a pool's device checks before each call (see the module docs).
+#[derive(Debug, Default)]
+pub struct PoolGuard {
+    /// A graph may replay: no unmap.
+    pinned: AtomicBool,
+    /// A capture into the pool is underway: no release either.
+    capturing: AtomicBool,
+    /// Calls refused so far.
+    refused: AtomicU32,
+}
+
+/// The hook on a pool allocator's device: checks the pool's [`PoolGuard`].
+#[derive(Debug, Clone)]
+pub struct PoolHook(pub Arc<PoolGuard>);
+
+impl CallHook for PoolHook {
+    fn before(&self, call: Call, bytes: u64) -> DeviceResult<()> {
+        self.0.check(call, bytes)
+    }
+}
+
+impl PoolGuard {
+    fn check(&self, call: Call, _bytes: u64) -> DeviceResult<()> {
+        let refuse = match call {
+            Call::Unmap => self.pinned.load(Ordering::Acquire),
+            Call::Release => self.capturing.load(Ordering::Acquire),
+            _ => false,
+        };
+        if !refuse {
+            return Ok(());
+        }
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        Err(DeviceError::Unsupported {
+            call,
+            what: "a CUDA graph pool's memory stays mapped while a graph may replay it                    (vmmalloc refuses to unmap or release it until releasePool)"
+                .into(),
+        })
+    }
+}
+
 /// One private pool.
 struct Pool {
     allocator: Box<dyn Allocator>,
+    /// Shared with the hook on the pool allocator's device.
+    guard: Arc<PoolGuard>,
     /// Graphs using the pool (PyTorch's `PrivatePool::use_count`).
     use_count: u32,
     /// A capture is allocating into it now.
@@ -105,10 +158,12 @@ impl GraphPools {
     /// `beginAllocateToPool`: creates the pool (with `make`) or adds a graph
     /// to it, and marks it capturing. Errors: the pool is capturing already
     /// (PyTorch: "beginAllocateToPool: already recording to mempool_id").
+    /// `make` builds the pool's allocator over the device wrapped with the
+    /// given guard (`Hooked::new(device, PoolHook(guard))`).
     pub fn begin(
         &self,
         id: PoolId,
-        make: impl FnOnce() -> Result<Box<dyn Allocator>, String>,
+        make: impl FnOnce(Arc<PoolGuard>) -> Result<Box<dyn Allocator>, String>,
     ) -> Result<(), String> {
         let mut s = self.lock();
         match s.pools.get_mut(&id) {
@@ -118,13 +173,21 @@ impl GraphPools {
             Some(p) => {
                 p.use_count += 1;
                 p.capturing = true;
+                p.guard.pinned.store(true, Ordering::Release);
+                p.guard.capturing.store(true, Ordering::Release);
             }
             None => {
-                let allocator = make()?;
+                let guard = Arc::new(PoolGuard {
+                    pinned: AtomicBool::new(true),
+                    capturing: AtomicBool::new(true),
+                    refused: AtomicU32::new(0),
+                });
+                let allocator = make(guard.clone())?;
                 s.pools.insert(
                     id,
                     Pool {
                         allocator,
+                        guard,
                         use_count: 1,
                         capturing: true,
                     },
@@ -145,6 +208,7 @@ impl GraphPools {
         match s.pools.get_mut(&id) {
             Some(p) if p.capturing => {
                 p.capturing = false;
+                p.guard.capturing.store(false, Ordering::Release);
                 self.capturing.fetch_sub(1, Ordering::AcqRel);
                 Ok(())
             }
@@ -182,6 +246,8 @@ impl GraphPools {
         if p.use_count > 0 {
             return Ok(());
         }
+        // No graph uses the pool any more: its memory may move and go.
+        p.guard.pinned.store(false, Ordering::Release);
         let emptied = p.allocator.empty_cache().map_err(|e| e.to_string());
         if p.live() == 0 {
             s.pools.remove(&id);
@@ -285,6 +351,27 @@ impl GraphPools {
         let s = self.lock();
         (s.pools.len(), s.deferred.len())
     }
+
+    /// Bytes allocated and reserved in the pools (current values).
+    pub fn bytes(&self) -> (i64, i64) {
+        let s = self.lock();
+        s.pools.values().fold((0, 0), |(a, r), p| {
+            let st = p.allocator.stats();
+            (
+                a + st.allocated_bytes.all().current,
+                r + st.reserved_bytes.all().current,
+            )
+        })
+    }
+
+    /// Device calls the pools' guards refused so far.
+    pub fn refused(&self) -> u32 {
+        let s = self.lock();
+        s.pools
+            .values()
+            .map(|p| p.guard.refused.load(Ordering::Relaxed))
+            .sum()
+    }
 }
 
 fn unknown(s: &State, id: PoolId) -> String {
@@ -356,7 +443,10 @@ mod tests {
         let main = build(policy, device.clone(), &options).unwrap();
         let main_free = |p: u64| main.free(p);
         let pools = GraphPools::new(LogLevel::Off);
-        let make = || build(policy, device.clone(), &options).map_err(|e| e.to_string());
+        let make = |guard| {
+            let d: Arc<dyn Device> = Arc::new(Hooked::new(device.clone(), PoolHook(guard)));
+            build(policy, d, &options).map_err(|e| e.to_string())
+        };
         let st: Vec<Stream> = (0..4).map(|_| device.create_stream().unwrap()).collect();
         let s = st[3];
         // Main-allocator memory used on two streams, some freed (events pending).
@@ -474,5 +564,70 @@ mod tests {
         ] {
             capture_scenario(policy);
         }
+    }
+
+    /// A graph's freed blocks stay mapped at their captured addresses while
+    /// the graph may replay: with the device full and the pool's free memory
+    /// in two separate ranges, a request larger than either cannot be met by
+    /// moving those pages (the unmap is refused), and they stay accessible.
+    #[test]
+    fn pinned_pool_pages_never_move() {
+        let dev = Arc::new(SimDevice::new(SimConfig::with_capacity(64 * MIB)));
+        let device: Arc<dyn Device> = dev.clone();
+        let options = PolicyOptions::default();
+        let policy = Policy::Expandable;
+        let main = build(policy, device.clone(), &options).unwrap();
+        let main_free = |p: u64| main.free(p);
+        let pools = GraphPools::new(LogLevel::Off);
+        let make = |guard| {
+            let d: Arc<dyn Device> = Arc::new(Hooked::new(device.clone(), PoolHook(guard)));
+            build(policy, d, &options).map_err(|e| e.to_string())
+        };
+        let s = device.create_stream().unwrap();
+        pools.begin((0, 7), make).unwrap();
+        let a = pools.malloc((0, 7), 24 * MIB, s).unwrap();
+        let c = pools.malloc((0, 7), 8 * MIB, s).unwrap(); // the graph's output, kept
+        let b = pools.malloc((0, 7), 24 * MIB, s).unwrap();
+        pools.free(a.ptr, &main_free).unwrap();
+        pools.free(b.ptr, &main_free).unwrap();
+        pools.end((0, 7)).unwrap();
+        assert!(pools.flush_with(&main_free).is_empty());
+        let m = main.malloc(8 * MIB, s).unwrap(); // the device is full now
+                                                  // A second graph captures into the same pool.
+        pools.begin((0, 7), make).unwrap();
+        let r = pools.malloc((0, 7), 40 * MIB, s);
+        let model = dev.introspect().unwrap();
+        for (what, x) in [("a", a), ("b", b), ("c", c)] {
+            assert!(
+                model.is_accessible(x.ptr, x.size),
+                "{what}'s captured pages were moved ({r:?})"
+            );
+        }
+        match r {
+            Ok(big) => {
+                assert_eq!(pools.refused(), 0);
+                // Only an in-place reuse could have fit: it overlaps a or b.
+                let g = (big.ptr, big.size);
+                assert!(overlaps(g, (a.ptr, a.size)) || overlaps(g, (b.ptr, b.size)));
+            }
+            Err((oom, e)) => {
+                assert!(oom || e.contains("CUDA graph pool"), "{e}");
+                eprintln!(
+                    "40 MiB in the pinned pool: {e} ({} refused)",
+                    pools.refused()
+                );
+            }
+        }
+        pools.end((0, 7)).unwrap();
+        // After both graphs are released, the pool's memory may go.
+        pools.release((0, 7), &main_free).unwrap();
+        pools.release((0, 7), &main_free).unwrap();
+        pools.free(c.ptr, &main_free).unwrap();
+        assert_eq!(pools.counts().0, 0);
+        main.free(m.ptr).unwrap();
+        main.empty_cache().unwrap();
+        drop(main);
+        let info = dev.mem_info().unwrap();
+        assert_eq!(info.free, info.total);
     }
 }

@@ -12,10 +12,11 @@
 use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
 use crate::diag;
 use crate::history::History;
-use crate::pools::{GraphPools, PoolId};
+use crate::pools::{GraphPools, PoolHook, PoolId};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use vmmalloc_alloc::{AllocError, Allocation, Allocator, Policy, PolicyOptions, Stream};
+use vmmalloc_device::adaptors::Hooked;
 use vmmalloc_device::Device;
 
 /// Device ordinals the plug-in can serve (0 .. MAX_DEVICES-1).
@@ -88,8 +89,10 @@ impl DeviceState {
     /// `beginAllocateToPool`: creates the pool's allocator (same policy and
     /// options, same device) on first use.
     pub fn pool_begin(&self, id: PoolId) -> Result<(), String> {
-        self.pools.begin(id, || {
-            vmmalloc_alloc::build(self.policy, self.device.clone(), &self.options)
+        self.pools.begin(id, |guard| {
+            let device: Arc<dyn Device> =
+                Arc::new(Hooked::new(self.device.clone(), PoolHook(guard)));
+            vmmalloc_alloc::build(self.policy, device, &self.options)
                 .map_err(|e| format!("cannot create the pool's {} allocator: {e}", self.policy))
         })
     }

@@ -194,6 +194,8 @@ int main(int argc, char** argv) {
   // The graph's output is still usable, and freeing it drops the pool.
   CHECK(static_cast<unsigned char*>(in_pool)[4096] == 0x5a, "output lost after release");
   CHECK(stat("vmmalloc.graph_pools") == 1, "pools %ld", stat("vmmalloc.graph_pools"));
+  CHECK(stat("vmmalloc.graph_pool_allocated_bytes") >= long(3 * MiB), "pool bytes %ld",
+        stat("vmmalloc.graph_pool_allocated_bytes"));
   free_fn(in_pool, 3 * MiB, 0, captured);
   CHECK(last_error() == nullptr, "%s", err().c_str());
   CHECK(stat("vmmalloc.graph_pools") == 0, "pools %ld", stat("vmmalloc.graph_pools"));
