@@ -506,7 +506,13 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
             return fail(&rt, LError, format!("{call}: {m}"));
         }
         for d in rt.active_devices() {
-            match d.allocator.record_stream(addr(ptr), Stream(addr(stream))) {
+            let r = match d.allocator.record_stream(addr(ptr), Stream(addr(stream))) {
+                Err(AllocError::InvalidPointer { .. }) => {
+                    d.pools.record_stream(addr(ptr), Stream(addr(stream)))
+                }
+                other => other,
+            };
+            match r {
                 Ok(()) => return,
                 Err(AllocError::InvalidPointer { .. }) => continue,
                 Err(e) => return fail(&rt, LError, format!("{call}: {e}")),

@@ -328,6 +328,21 @@ impl GraphPools {
         r
     }
 
+    /// `recordStream` for a block of one of the pools.
+    pub fn record_stream(&self, ptr: u64, stream: Stream) -> Result<(), AllocError> {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return Err(AllocError::InvalidPointer { ptr });
+        }
+        let s = self.lock();
+        for p in s.pools.values() {
+            match p.allocator.record_stream(ptr, stream) {
+                Err(AllocError::InvalidPointer { .. }) => continue,
+                r => return r,
+            }
+        }
+        Err(AllocError::InvalidPointer { ptr })
+    }
+
     /// Applies the frees queued during capture (`main_free` frees from the
     /// main allocator), unless a capture is still underway. Errors (a pointer
     /// no allocator knows) are returned as text.
@@ -468,6 +483,9 @@ mod tests {
             .iter()
             .map(|&n| (pools.malloc((1, 1), n, s).unwrap().ptr, n))
             .collect();
+        // record_stream reaches the pool's block.
+        pools.record_stream(graph[0].0, st[1]).unwrap();
+        assert!(pools.record_stream(0xdead000, st[1]).is_err());
         // Frees during capture: a pool block and a main block, both queued.
         let (p, _) = graph.remove(1);
         pools.free(p, &main_free).unwrap();

@@ -75,6 +75,7 @@ int main(int argc, char** argv) {
   auto last_error = sym<const char* (*)()>("vmmalloc_last_error");
   auto stats = sym<char* (*)(int)>("vmmalloc_memory_stats_json");
   auto free_string = sym<void (*)(char*)>("vmmalloc_free_string");
+  auto record_stream = sym<void (*)(void*, void*)>("vmmalloc_record_stream");
   auto err = [&]() { return std::string(last_error() ? last_error() : "(none)"); };
   auto stat = [&](const char* name) {
     char* s = stats(0);
@@ -162,6 +163,8 @@ int main(int argc, char** argv) {
   CHECK(in_pool && outside, "%s", err().c_str());
   CHECK(live() == 1, "the main allocator holds %ld allocations, expected 1", live());
   std::memset(in_pool, 0x5a, 3 * MiB);
+  record_stream(in_pool, nullptr);  // Tensor.record_stream on a pool block
+  CHECK(last_error() == nullptr, "%s", err().c_str());
   // A second capture into the same pool is refused while the first runs.
   begin(0, pool, [](cudaStream_t) { return true; });
   CHECK(err().find("already being captured") != std::string::npos, "%s", err().c_str());
