@@ -187,7 +187,7 @@ extern "C" __attribute__((visibility("default"))) void vmmalloc_begin_allocate_t
 
 extern "C" __attribute__((visibility("default"))) void vmmalloc_end_allocate_to_pool(
     int device, MempoolId_t pool) {
-  {
+  if (!vmmalloc_forked()) {  // in a forked child the lock may never be released
     std::lock_guard<std::mutex> g(captures_mutex);
     for (auto it = captures->begin(); it != captures->end(); ++it) {
       if (it->device == device && it->pool == pool) {
