@@ -123,6 +123,8 @@ pub struct GraphPools {
     capturing: AtomicU32,
     /// Number of pools that exist (the hot free path skips the lock at 0).
     count: AtomicU32,
+    /// Frees queued or a sweep wanted (the hot malloc path skips the lock when false).
+    pending: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -137,6 +139,7 @@ impl GraphPools {
             log,
             capturing: AtomicU32::new(0),
             count: AtomicU32::new(0),
+            pending: AtomicBool::new(false),
             state: Mutex::new(State::default()),
         }
     }
@@ -246,15 +249,39 @@ impl GraphPools {
         if p.use_count > 0 {
             return Ok(());
         }
-        // No graph uses the pool any more: its memory may move and go.
+        // No graph uses the pool any more: its memory may move and go, now
+        // or (while another capture is underway on the device) at the next flush.
         p.guard.pinned.store(false, Ordering::Release);
-        let emptied = p.allocator.empty_cache().map_err(|e| e.to_string());
-        if p.live() == 0 {
+        if self.capturing() {
+            self.pending.store(true, Ordering::Release);
+            return Ok(());
+        }
+        self.sweep(&mut s).into_iter().next().map_or(Ok(()), Err)
+    }
+
+    /// Returns the cache of every pool no graph uses, and drops those with
+    /// nothing live (their allocator gives all their memory back). Not
+    /// during capture. Returns the failures.
+    fn sweep(&self, s: &mut State) -> Vec<String> {
+        let mut errors = Vec::new();
+        let mut gone = Vec::new();
+        for (id, p) in s.pools.iter() {
+            if p.use_count > 0 || p.capturing {
+                continue;
+            }
+            if let Err(e) = p.allocator.empty_cache() {
+                errors.push(format!("pool {}: {e}", name(*id)));
+            }
+            if p.live() == 0 {
+                gone.push(*id);
+            }
+        }
+        for id in gone {
             s.pools.remove(&id);
             s.released.insert(id);
             self.count.fetch_sub(1, Ordering::AcqRel);
         }
-        emptied
+        errors
     }
 
     /// Allocates in pool `id` (routed here by the shim's capture filter).
@@ -288,6 +315,7 @@ impl GraphPools {
         }
         if self.capturing() {
             self.lock().deferred.push(ptr);
+            self.pending.store(true, Ordering::Release);
             return Ok(());
         }
         for e in self.flush_with(main_free) {
@@ -347,18 +375,22 @@ impl GraphPools {
     /// main allocator), unless a capture is still underway. Errors (a pointer
     /// no allocator knows) are returned as text.
     pub fn flush_with(&self, main_free: &dyn Fn(u64) -> Result<(), AllocError>) -> Vec<String> {
-        if self.capturing() {
+        if self.capturing() || !self.pending.swap(false, Ordering::AcqRel) {
             return Vec::new();
         }
         let queued = std::mem::take(&mut self.lock().deferred);
-        queued
+        let mut errors: Vec<String> = queued
             .into_iter()
             .filter_map(|p| {
                 self.free_now(p, main_free)
                     .err()
                     .map(|e| format!("free of {p:#x} deferred during capture: {e}"))
             })
-            .collect()
+            .collect();
+        if self.count.load(Ordering::Acquire) > 0 {
+            errors.extend(self.sweep(&mut self.lock()));
+        }
+        errors
     }
 
     /// Pools that exist, and frees waiting for the end of capture.
