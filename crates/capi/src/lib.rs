@@ -358,7 +358,7 @@ pub extern "C" fn vmmalloc_pool_release(device: c_int, pool_hi: u64, pool_lo: u6
     })
 }
 
-/// Frees `ptr`, returned by [`vmmalloc_malloc`]. PyTorch's `free_fn`: `size`,
+/// Frees `ptr`, returned by `vmmalloc_malloc` or [`vmmalloc_try_malloc`]. PyTorch's `free_fn`: `size`,
 /// `device` and `stream` are what the allocation was made with; `device` says
 /// which allocator to ask first (all are searched if it is wrong), `size` and
 /// `stream` are not needed (the allocator knows them).

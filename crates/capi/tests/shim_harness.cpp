@@ -76,6 +76,7 @@ int main(int argc, char** argv) {
   auto stats = sym<char* (*)(int)>("vmmalloc_memory_stats_json");
   auto free_string = sym<void (*)(char*)>("vmmalloc_free_string");
   auto record_stream = sym<void (*)(void*, void*)>("vmmalloc_record_stream");
+  auto empty_cache = sym<void (*)()>("vmmalloc_empty_cache");
   auto err = [&]() { return std::string(last_error() ? last_error() : "(none)"); };
   auto stat = [&](const char* name) {
     char* s = stats(0);
@@ -156,12 +157,22 @@ int main(int argc, char** argv) {
   CHECK(configure(roomy.c_str()) == 0, "%s", err().c_str());
   cudaStream_t captured = reinterpret_cast<cudaStream_t>(0x100);
   MempoolId_t pool{0, 1};
+  void* before = malloc_fn(MiB, 0, nullptr);
   begin(0, pool, [captured](cudaStream_t s) { return s == captured; });
+  CHECK(last_error() == nullptr, "%s", err().c_str());
+  // During capture a free is queued (no event query, unmap or release), and
+  // empty_cache leaves the device alone.
+  free_fn(before, MiB, 0, nullptr);
+  CHECK(last_error() == nullptr, "%s", err().c_str());
+  CHECK(stat("vmmalloc.deferred_frees") == 1 && live() == 1, "deferred %ld, live %ld",
+        stat("vmmalloc.deferred_frees"), live());
+  empty_cache();
   CHECK(last_error() == nullptr, "%s", err().c_str());
   void* in_pool = malloc_fn(3 * MiB, 0, captured);
   void* outside = malloc_fn(3 * MiB, 0, nullptr);
   CHECK(in_pool && outside, "%s", err().c_str());
-  CHECK(live() == 1, "the main allocator holds %ld allocations, expected 1", live());
+  // `outside`, and `before` (its free is queued).
+  CHECK(live() == 2, "the main allocator holds %ld allocations, expected 2", live());
   std::memset(in_pool, 0x5a, 3 * MiB);
   record_stream(in_pool, nullptr);  // Tensor.record_stream on a pool block
   CHECK(last_error() == nullptr, "%s", err().c_str());
@@ -170,6 +181,9 @@ int main(int argc, char** argv) {
   CHECK(err().find("already being captured") != std::string::npos, "%s", err().c_str());
   end(0, pool);
   CHECK(last_error() == nullptr, "%s", err().c_str());
+  // The first call after the capture applies the queued free.
+  CHECK(stat("vmmalloc.deferred_frees") == 0, "deferred %ld", stat("vmmalloc.deferred_frees"));
+  CHECK(live() == 1, "live %ld after the queued free", live());
   // After the capture, the stream allocates from the main allocator again,
   // and main-allocator churn never touches the pool's memory.
   void* after = malloc_fn(MiB, 0, captured);
