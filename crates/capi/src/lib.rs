@@ -461,7 +461,7 @@ pub extern "C" fn vmmalloc_empty_cache() {
                 );
                 continue;
             }
-            for e in d.flush() {
+            for e in d.flush().into_iter().chain(d.pools.empty_released()) {
                 fail(&rt, LError, format!("vmmalloc_empty_cache(): {e}"));
             }
             if let Err(e) = d.empty_cache() {

@@ -259,6 +259,16 @@ impl GraphPools {
         self.sweep(&mut s).into_iter().next().map_or(Ok(()), Err)
     }
 
+    /// `empty_cache` for the pools: returns the cache of the pools no graph
+    /// uses any more (and drops the empty ones); pools a graph may still
+    /// replay are left alone. Nothing while a capture is underway.
+    pub fn empty_released(&self) -> Vec<String> {
+        if self.capturing() || self.count.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
+        self.sweep(&mut self.lock())
+    }
+
     /// Returns the cache of every pool no graph uses, and drops those with
     /// nothing live (their allocator gives all their memory back). Not
     /// during capture. Returns the failures.
@@ -671,7 +681,12 @@ mod tests {
         pools.end((0, 7)).unwrap();
         // After both graphs are released, the pool's memory may go.
         pools.release((0, 7), &main_free).unwrap();
+        assert_eq!(pools.bytes().1, 56 * MIB as i64, "one graph is left: all stays");
         pools.release((0, 7), &main_free).unwrap();
+        // The freed blocks' pages went back; the live output's stay.
+        assert_eq!(pools.bytes(), (8 * MIB as i64, 8 * MIB as i64));
+        assert!(pools.empty_released().is_empty());
+        assert_eq!(pools.counts().0, 1);
         pools.free(c.ptr, &main_free).unwrap();
         assert_eq!(pools.counts().0, 0);
         main.free(m.ptr).unwrap();
