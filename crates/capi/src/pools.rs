@@ -681,7 +681,11 @@ mod tests {
         pools.end((0, 7)).unwrap();
         // After both graphs are released, the pool's memory may go.
         pools.release((0, 7), &main_free).unwrap();
-        assert_eq!(pools.bytes().1, 56 * MIB as i64, "one graph is left: all stays");
+        assert_eq!(
+            pools.bytes().1,
+            56 * MIB as i64,
+            "one graph is left: all stays"
+        );
         pools.release((0, 7), &main_free).unwrap();
         // The freed blocks' pages went back; the live output's stay.
         assert_eq!(pools.bytes(), (8 * MIB as i64, 8 * MIB as i64));
