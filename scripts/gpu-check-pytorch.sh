@@ -10,6 +10,11 @@
 #      must complete, with every tensor's contents checked.
 #   3. scripts/torch_train_varlen.py (variable sequence lengths) under PyTorch's
 #      allocator and each vmmalloc backend: peak reserved and step time side by side.
+#   4. scripts/torch_plugin_checks.py (issue 11), under vmmalloc expandable:
+#      non-contiguous tensors copied across two GPUs (skipped, with the reason,
+#      on a one-GPU box), a CUDA graph replayed 100 times, out-of-memory caught
+#      as torch.cuda.OutOfMemoryError with vmmalloc's text,
+#      torch.cuda.memory_allocated() matching vmmalloc's stats.
 #
 # Needs python3 with a CUDA build of PyTorch. Exit status: 0 when every check
 # passed, 1 otherwise (each check still runs), 1 with one clear line when
@@ -85,6 +90,23 @@ step "train_varlen: pytorch default" run_py pytorch "" scripts/torch_train_varle
 for backend in expandable torch-es caching native; do
     step "train_varlen: vmmalloc $backend" \
         run_py "$backend" "backend:$backend,on_oom:abort" scripts/torch_train_varlen.py --steps "$STEPS"
+done
+
+echo "=== PyTorch-process checks (issue 11)"
+# plugin_check NAME: exit 3 from the script is a skip (its reason printed), not a failure.
+plugin_check() {
+    local out rc=0
+    out="$(VMMALLOC_CONF="backend:expandable" timeout 300 "$PY" -m vmmalloc scripts/torch_plugin_checks.py "$1" 2>&1)" \
+        || rc=$?
+    printf '%s\n' "$out" | tail -n 8 | sed "s/^/    [$1] /"
+    if ((rc == 3)); then
+        echo "    [$1] skipped"
+        return 0
+    fi
+    return "$rc"
+}
+for check in peer-copy graph-replay oom-exception memory-allocated; do
+    step "plugin: $check" plugin_check "$check"
 done
 
 echo "=== side by side"

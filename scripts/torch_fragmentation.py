@@ -26,9 +26,10 @@ Prints one line `RESULT {json}` (allocator, outcome ok|oom, limit, peak
 reserved, seconds) and exits 0 when the outcome is the expected one, 1
 otherwise, 2 when it cannot run (no CUDA).
 
-Under a pluggable allocator an out-of-memory is a NULL data pointer, not an
-exception (PyTorch does not check it), so every allocation here is followed
-by a data_ptr() check before any kernel touches it.
+vmmalloc raises on out-of-memory (torch.cuda.OutOfMemoryError, or
+RuntimeError "CUDA out of memory. ..." without its torch companion); with
+on_oom:null it returns a NULL data pointer PyTorch does not check, so every
+allocation here is also followed by a data_ptr() check.
 """
 
 import argparse
@@ -67,6 +68,11 @@ def empty(torch, nbytes):
     try:
         t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     except torch.cuda.OutOfMemoryError as e:
+        raise OutOfMemory(str(e).splitlines()[0]) from None
+    except RuntimeError as e:
+        # vmmalloc without its torch companion raises RuntimeError with the same text.
+        if not str(e).startswith("CUDA out of memory."):
+            raise
         raise OutOfMemory(str(e).splitlines()[0]) from None
     if nbytes > 0 and t.data_ptr() == 0:
         # A pluggable allocator's failure: vmmalloc logged the report on stderr.

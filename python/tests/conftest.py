@@ -36,7 +36,11 @@ class Alloc:
         self.lib = lib
 
     def malloc(self, size, device=0, stream=None):
-        return self.lib.vmmalloc_malloc(size, device, stream)
+        # vmmalloc_try_malloc, not vmmalloc_malloc: that one throws a C++
+        # exception on failure (on_oom:raise), which ctypes cannot catch.
+        out = ctypes.c_void_p()
+        self.lib.vmmalloc_try_malloc(size, device, stream, ctypes.byref(out))
+        return out.value
 
     def free(self, ptr, size=0, device=0, stream=None):
         self.lib.vmmalloc_free(ptr, size, device, stream)

@@ -137,7 +137,8 @@ def test_bad_env_config_fails_first_malloc(lib, tmp_path):
     code = (
         "import vmmalloc, sys\n"
         "lib = vmmalloc.load()\n"
-        "assert not lib.vmmalloc_malloc(64, 0, None)\n"
+        "import ctypes; out = ctypes.c_void_p()\n"
+        "assert lib.vmmalloc_try_malloc(64, 0, None, ctypes.byref(out)) == 2 and not out.value\n"
         "print(vmmalloc.last_error())\n"
     )
     env = dict(os.environ, VMMALLOC_CONF="device:host,backend:fast", PYTHONPATH=str(REPO / "python"))

@@ -28,6 +28,9 @@ FAKE_TORCH = textwrap.dedent('''
         def set_reset_fn(self, p): _log("set_reset_fn", p)
         def set_memory_fraction_fn(self, p): _log("set_memory_fraction_fn", p)
         def set_record_stream_fn(self, p): _log("set_record_stream_fn", p)
+        def set_begin_allocate_to_pool(self, p): _log("set_begin_allocate_to_pool", p)
+        def set_end_allocate_to_pool_fn(self, p): _log("set_end_allocate_to_pool_fn", p)
+        def set_release_pool(self, p): _log("set_release_pool", p)
 
     class _Memory:
         class CUDAPluggableAllocator:
@@ -42,11 +45,21 @@ FAKE_TORCH = textwrap.dedent('''
                 raise RuntimeError("Can't swap an already initialized allocator")
             _log("change_current_allocator")
 
+    def _torch_own(device=None):
+        raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
     class cuda:
         memory = _Memory
+        memory_allocated = staticmethod(_torch_own)
         @staticmethod
         def is_initialized():
             return bool(os.environ.get("FAKE_TORCH_CUDA_INITIALIZED"))
+        @staticmethod
+        def current_device():
+            return 0
+        @staticmethod
+        def _get_device_index(device, optional=False):
+            return int(device)
 ''')
 
 
@@ -61,6 +74,7 @@ def fake_torch(tmp_path):
         _m = types.ModuleType("torch.cuda.memory")
         _m.CUDAPluggableAllocator = _Memory.CUDAPluggableAllocator
         _m.change_current_allocator = _Memory.change_current_allocator
+        _m.memory_allocated = _torch_own
         cuda.memory = _m
         sys.modules["torch.cuda"] = cuda
         sys.modules["torch.cuda.memory"] = _m
@@ -89,7 +103,13 @@ def test_runner_enables_then_runs_script_as_main(lib, fake_torch, tmp_path):
         lib = vmmalloc.load()
         p = lib.vmmalloc_malloc(4096, 0, None)
         assert p, vmmalloc.last_error()
+        import torch
+        st = vmmalloc.memory_stats(0)
+        assert torch.cuda.memory_allocated() == torch.cuda.memory.memory_allocated(0) == st["allocated_bytes.all.current"] > 0
+        assert torch.cuda.memory.max_memory_reserved(0) == st["reserved_bytes.all.peak"]
+        assert torch.cuda.memory._snapshot()["segments"]
         lib.vmmalloc_free(p, 4096, 0, None)
+        assert torch.cuda.memory_allocated(0) == 0
         print("STATS", vmmalloc.memory_stats(0)["allocation.all.allocated"])
     '''))
     out, calls = run_py(["-m", "vmmalloc", "--summary", "--snapshot", "at-exit.pickle", "train.py", "--lr", "3"],
@@ -107,10 +127,13 @@ def test_runner_enables_then_runs_script_as_main(lib, fake_torch, tmp_path):
     assert calls[0][0] == "CUDAPluggableAllocator"
     assert Path(calls[0][1]).name == "libvmmalloc.so"
     assert calls[0][2:] == ["vmmalloc_malloc", "vmmalloc_free"]
-    hooks = {c[0]: c[1] for c in calls[1:5]}
-    assert set(hooks) == {"set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn"}
+    hooks = {c[0]: c[1] for c in calls[1:8]}
+    assert set(hooks) == {"set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn",
+                          "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"}
     assert all(isinstance(p, int) and p > 0 for p in hooks.values())
-    assert len(set(hooks.values())) == 4
+    assert len(set(hooks.values())) == 7
+    # Without a real torch there is no companion: RuntimeError, said once.
+    assert out.stderr.count("UserWarning: vmmalloc: out-of-memory raises RuntimeError") == 1
     assert calls[-1] == ["change_current_allocator"]
 
 
@@ -146,13 +169,12 @@ def test_runner_rejects_a_bad_config_before_the_script(lib, fake_torch, tmp_path
 
 
 def test_runner_without_torch_says_so(lib, tmp_path):
-    try:
-        import torch  # noqa: F401
-        pytest.skip("torch is installed here")
-    except ImportError:
-        pass
+    # A `torch` that fails to import hides an installed one (CI installs torch).
+    hidden = tmp_path / "no-torch" / "torch"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('No module named torch (hidden by the test)')\n")
     (tmp_path / "s.py").write_text("print('RAN')\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hidden.parent), str(REPO / "python")]))
     out = subprocess.run([sys.executable, "-m", "vmmalloc", "s.py"], env=env, capture_output=True, text=True,
                          cwd=tmp_path, timeout=60)
     assert out.returncode == 2

@@ -9,13 +9,16 @@ Quick start::
 or, without touching the script: ``python -m vmmalloc train.py --args``.
 
 ``enable()`` needs PyTorch; everything else here talks to libvmmalloc.so
-through ctypes and works without it (PyTorch's own memory_stats(),
-memory_summary() and _dump_snapshot() raise under a pluggable allocator, so use
-these instead).
+through ctypes and works without it. After ``enable()``, torch.cuda's memory
+functions (``memory_allocated``, ``memory_stats``, ``memory_summary``,
+``memory._snapshot`` ...) answer from vmmalloc, and an out-of-memory raises
+``torch.cuda.OutOfMemoryError`` (or ``RuntimeError`` without the torch
+companion) whose message starts with "CUDA out of memory.".
 """
 
 import warnings
 
+from . import _companion, _torch
 from ._lib import (
     VmmallocError,
     check_config,
@@ -43,6 +46,7 @@ __all__ = [
     "enable",
     "find_library",
     "is_enabled",
+    "oom_exception",
     "last_error",
     "library_path",
     "memory_stats",
@@ -56,15 +60,19 @@ __version__ = "0.1.0"
 
 # PyTorch's hook setters on the allocator object (torch/csrc/cuda/Module.cpp)
 # and the library functions they take.
-HOOKS = (
-    ("set_init_fn", "vmmalloc_init"),
-    ("set_reset_fn", "vmmalloc_empty_cache"),
-    ("set_memory_fraction_fn", "vmmalloc_set_memory_fraction"),
-    ("set_record_stream_fn", "vmmalloc_record_stream"),
-)
+HOOKS = _torch.HOOKS + _torch.GRAPH_HOOKS
 
 _allocator = None
 _enabled_conf = None
+# What an out-of-memory raises in Python, and why (see oom_exception()).
+_oom = (None, None)
+
+
+def oom_exception():
+    """(exception type name, reason) an out-of-memory raises since enable():
+    ``torch.cuda.OutOfMemoryError`` with the torch companion, else
+    ``RuntimeError``; (None, None) before enable()."""
+    return _oom
 
 
 def is_enabled():
@@ -80,8 +88,15 @@ def enable(conf=None):
     configuration raises VmmallocError naming the key. Calling it again with
     the same ``conf`` does nothing. Returns the
     ``torch.cuda.memory.CUDAPluggableAllocator``.
+
+    It installs every hook this PyTorch's pluggable allocator has (init,
+    empty_cache, memory fraction, record_stream, and the CUDA graph pool hooks),
+    makes torch.cuda's memory functions answer from vmmalloc, and registers the
+    torch companion (built once per PyTorch version, see ``_companion``) so that
+    out-of-memory raises ``torch.cuda.OutOfMemoryError``; without it, a
+    ``RuntimeError`` (said once, as a warning).
     """
-    global _allocator, _enabled_conf
+    global _allocator, _enabled_conf, _oom
     try:
         import torch
     except ImportError as e:
@@ -105,12 +120,7 @@ def enable(conf=None):
 
     pluggable = CUDAPluggableAllocator(path, "vmmalloc_malloc", "vmmalloc_free")
     native = pluggable.allocator()
-    for setter, fn in HOOKS:
-        set_fn = getattr(native, setter, None)
-        if set_fn is None:
-            warnings.warn(f"this PyTorch has no CUDAPluggableAllocator.{setter}; {fn} is not hooked up")
-            continue
-        set_fn(_lib.function_pointer(fn))
+    _torch.install_hooks(native, warnings.warn)
     try:
         change_current_allocator(pluggable)
     except RuntimeError as e:
@@ -118,4 +128,10 @@ def enable(conf=None):
             f"PyTorch refused the allocator ({e}); its CUDA allocator was already used: call "
             "vmmalloc.enable() before the first CUDA tensor") from e
     _allocator, _enabled_conf = pluggable, conf
+    _torch.patch_memory_functions(torch)
+    _oom = _companion.install(torch)
+    if _oom[0] != "torch.cuda.OutOfMemoryError":
+        warnings.warn(f"vmmalloc: out-of-memory raises RuntimeError, not torch.cuda.OutOfMemoryError "
+                      f"(the torch companion is unavailable: {_oom[1]}); its message starts with "
+                      f"'CUDA out of memory.' either way")
     return pluggable

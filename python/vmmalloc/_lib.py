@@ -64,7 +64,10 @@ def _declare(lib):
     c_int, c_size_t, c_void_p, c_char_p, c_double = (
         ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_double)
     sig = {
+        # Throws a C++ exception on failure unless on_oom:null: never call it
+        # through ctypes (use vmmalloc_try_malloc); PyTorch calls it from C++.
         "vmmalloc_malloc": (c_void_p, [c_size_t, c_int, c_void_p]),
+        "vmmalloc_try_malloc": (c_int, [c_size_t, c_int, c_void_p, ctypes.POINTER(c_void_p)]),
         "vmmalloc_free": (None, [c_void_p, c_size_t, c_int, c_void_p]),
         "vmmalloc_init": (None, [c_int]),
         "vmmalloc_empty_cache": (None, []),

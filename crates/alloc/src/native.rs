@@ -188,9 +188,12 @@ impl<D: Device> Allocator for NativeAllocator<D> {
     }
 
     fn set_memory_fraction(&self, fraction: f64) -> AllocResult<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        // PyTorch accepts 0 to 1 inclusive (torch/cuda/memory.py,
+        // `set_per_process_memory_fraction`: "if fraction < 0 or fraction > 1:
+        // raise ValueError"); 0 allows nothing.
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(AllocError::InvalidOption(format!(
-                "memory fraction {fraction} is not in (0, 1]"
+                "memory fraction {fraction} is not in [0, 1]"
             )));
         }
         self.state.lock().limit = Some((self.device.caps().total_memory as f64 * fraction) as u64);

@@ -90,9 +90,10 @@ pub const KEYS: [KeyDoc; 15] = [
     },
     KeyDoc {
         name: "on_oom",
-        default: "null",
-        meaning: "null: malloc returns NULL on out-of-memory (the C contract) | abort: log the report and abort \
-                  (PyTorch does not check a pluggable allocator's NULL)",
+        default: "raise",
+        meaning: "raise: vmmalloc_malloc throws a C++ exception whose message starts with `CUDA out of memory.` \
+                  (PyTorch turns it into a Python exception; it does not check a pluggable allocator's NULL) | \
+                  null: malloc returns NULL on failure (the C contract; opt-in) | abort: log the report and abort",
     },
     KeyDoc {
         name: "max_split_size_mb",
@@ -199,6 +200,8 @@ impl LogLevel {
 /// What `vmmalloc_malloc` does when the allocator is out of memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnOom {
+    /// `vmmalloc_malloc` (the C++ shim) throws; `vmmalloc_try_malloc` returns the error code.
+    Raise,
     /// Return NULL (and set the last error).
     Null,
     /// Log the report and abort the process.
@@ -207,11 +210,12 @@ pub enum OnOom {
 
 impl OnOom {
     /// Every choice, default first.
-    pub const ALL: [OnOom; 2] = [OnOom::Null, OnOom::Abort];
+    pub const ALL: [OnOom; 3] = [OnOom::Raise, OnOom::Null, OnOom::Abort];
 
     /// The choice's name in `VMMALLOC_CONF`.
     pub fn name(self) -> &'static str {
         match self {
+            OnOom::Raise => "raise",
             OnOom::Null => "null",
             OnOom::Abort => "abort",
         }
@@ -241,7 +245,7 @@ pub struct Config {
     pub max_entries: usize,
     /// `log`: stderr verbosity.
     pub log: LogLevel,
-    /// `on_oom`: NULL or abort.
+    /// `on_oom`: raise, NULL or abort.
     pub on_oom: OnOom,
     /// `max_split_size_mb`, in bytes (caching, torch-es).
     pub max_split_size: Option<u64>,
@@ -268,7 +272,7 @@ impl Default for Config {
             record_history: false,
             max_entries: 100_000,
             log: LogLevel::Error,
-            on_oom: OnOom::Null,
+            on_oom: OnOom::Raise,
             max_split_size: None,
             roundup_power2_divisions: None,
             garbage_collection_threshold: None,
@@ -775,7 +779,7 @@ mod tests {
             ),
             ("device:tpu", "device", "cuda | host | sim"),
             ("log:loud", "log", "off | error | info"),
-            ("on_oom:panic", "on_oom", "null | abort"),
+            ("on_oom:panic", "on_oom", "raise | null | abort"),
             ("record_history:yes", "record_history", "True | False"),
             ("page_size_mb:0", "page_size_mb", "positive integer"),
             ("page_size_mb:-2", "page_size_mb", "positive integer"),

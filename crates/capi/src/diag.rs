@@ -61,3 +61,13 @@ pub(crate) fn fail(configured: LogLevel, level: LogLevel, message: &str) {
     set_error(message);
     log(configured, level, message);
 }
+
+/// Writes one line `vmmalloc: error: <message>` to stderr with a raw
+/// `write(2)`, taking no lock (for a forked child, where a lock held by a
+/// parent thread would never be released). Never panics.
+pub(crate) fn log_unlocked(message: &str) {
+    let line = format!("vmmalloc: error: {}\n", message.replace('\n', " "));
+    // SAFETY: the buffer is valid for `line.len()` bytes; fd 2 may be closed,
+    // in which case write fails harmlessly.
+    let _ = unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+}

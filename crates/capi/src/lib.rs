@@ -5,8 +5,18 @@
 //!
 //! ```c
 //! // PyTorch's alloc/free pair (CUDAPluggableAllocator(path, "vmmalloc_malloc", "vmmalloc_free")).
-//! void* vmmalloc_malloc(size_t size, int device, void* stream);          // NULL on failure
+//! // vmmalloc_malloc is C++ (src/shim.cpp): it throws on failure unless on_oom:null.
+//! void* vmmalloc_malloc(size_t size, int device, void* stream);
 //! void  vmmalloc_free(void* ptr, size_t size, int device, void* stream);
+//! // The same without exceptions: 0 ok, 1 out of memory, 2 other failure.
+//! int   vmmalloc_try_malloc(size_t size, int device, void* stream, void** out);
+//! // CUDA graph pools (PyTorch's hooks are the shim's C++ vmmalloc_begin_allocate_to_pool,
+//! // vmmalloc_end_allocate_to_pool, vmmalloc_release_pool, which call these).
+//! int   vmmalloc_pool_begin(int device, uint64_t pool_hi, uint64_t pool_lo);
+//! int   vmmalloc_pool_try_malloc(size_t size, int device, void* stream,
+//!                                uint64_t pool_hi, uint64_t pool_lo, void** out);
+//! int   vmmalloc_pool_end(int device, uint64_t pool_hi, uint64_t pool_lo);
+//! int   vmmalloc_pool_release(int device, uint64_t pool_hi, uint64_t pool_lo);
 //! // PyTorch's hooks: set_init_fn, set_reset_fn, set_memory_fraction_fn, set_record_stream_fn.
 //! void  vmmalloc_init(int device_count);
 //! void  vmmalloc_empty_cache(void);
@@ -30,7 +40,10 @@
 //!
 //! # Errors
 //!
-//! No call unwinds across the boundary: every entry point catches panics. A
+//! No Rust frame is unwound: every entry point catches panics, and only the
+//! C++ shim's `vmmalloc_malloc` throws, after `vmmalloc_try_malloc` returned.
+//! In a child forked from a process that used the library every call fails
+//! at once, taking no lock (`fork.rs`). A
 //! failure returns NULL or -1 (or nothing, for the `void` hooks), sets the
 //! calling thread's last error (see [`vmmalloc_last_error`]) and logs one line
 //! `vmmalloc: error: <call>(<arguments>): <reason>` to stderr (`log:off`
@@ -52,7 +65,9 @@ pub mod config;
 mod devices;
 mod diag;
 mod dump;
+mod fork;
 mod history;
+mod pools;
 mod runtime;
 
 pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
@@ -66,6 +81,16 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use vmmalloc_alloc::{AllocError, Stats, Stream};
 
+// The C++ shim (src/shim.cpp, built by build.rs). Rust never calls these
+// (they may throw); the reference keeps the shim's object in the link, and
+// exports.map exports its entry points.
+extern "C-unwind" {
+    fn vmmalloc_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void;
+}
+#[used]
+static KEEP_SHIM: unsafe extern "C-unwind" fn(usize, c_int, *mut c_void) -> *mut c_void =
+    vmmalloc_malloc;
+
 /// Requests above this (1 PiB) are refused before any policy sees them.
 const MAX_REQUEST: u64 = 1 << 50;
 
@@ -73,6 +98,15 @@ const MAX_REQUEST: u64 = 1 << 50;
 /// panic (reported as an internal error, returning `on_panic`).
 fn entry<T>(name: &str, on_panic: T, body: impl FnOnce() -> T) -> T {
     diag::clear_error();
+    if fork::forked() {
+        // No lock may be taken in a forked child (see fork.rs).
+        let m = format!("{name}: {}", fork::MESSAGE);
+        diag::set_error(&m);
+        if runtime::log_level_unlocked() != LogLevel::Off {
+            diag::log_unlocked(&m);
+        }
+        return on_panic;
+    }
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(v) => v,
         Err(p) => {
@@ -108,22 +142,41 @@ fn addr(p: *const c_void) -> u64 {
     p.addr() as u64
 }
 
-/// Allocates `size` bytes on device `device` for use on `stream` (a
-/// `cudaStream_t`; NULL is the default stream). PyTorch's `alloc_fn`.
-///
-/// Returns NULL on failure (bad configuration, bad ordinal, size 0, out of
-/// memory, driver error) with the reason in [`vmmalloc_last_error`]; with
-/// `on_oom:abort`, out-of-memory aborts the process after logging the report.
-#[no_mangle]
-pub extern "C" fn vmmalloc_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    entry("vmmalloc_malloc", std::ptr::null_mut(), || {
+/// `vmmalloc_try_malloc`'s result: success (`*out` is the pointer; NULL for size 0).
+pub const VMMALLOC_OK: c_int = 0;
+/// `vmmalloc_try_malloc`'s result: out of memory (the report in [`vmmalloc_last_error`]).
+pub const VMMALLOC_E_OOM: c_int = 1;
+/// `vmmalloc_try_malloc`'s result: any other failure (bad configuration,
+/// ordinal, pool; driver error; forked child), reason in [`vmmalloc_last_error`].
+pub const VMMALLOC_E_FAIL: c_int = 2;
+
+/// Allocates for [`vmmalloc_try_malloc`] and [`vmmalloc_pool_try_malloc`]:
+/// `pool` routes the request to a CUDA graph pool of the device.
+fn try_malloc(
+    name: &str,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    pool: Option<pools::PoolId>,
+    out: *mut *mut c_void,
+) -> c_int {
+    if out.is_null() {
+        diag::fail(LError, LError, &format!("{name}: out is NULL"));
+        return VMMALLOC_E_FAIL;
+    }
+    let (rc, ptr) = entry(name, (VMMALLOC_E_FAIL, std::ptr::null_mut()), || {
         let rt = runtime::runtime();
-        let call = || format!("vmmalloc_malloc(size={size}, device={device}, stream={stream:p})");
+        let call = || match pool {
+            None => format!("{name}(size={size}, device={device}, stream={stream:p})"),
+            Some((a, b)) => {
+                format!("{name}(size={size}, device={device}, stream={stream:p}, pool=({a}, {b}))")
+            }
+        };
         let d = match rt.device(device) {
             Ok(d) => d,
             Err(m) => {
                 fail(&rt, LError, format!("{}: {m}", call()));
-                return std::ptr::null_mut();
+                return (VMMALLOC_E_FAIL, std::ptr::null_mut());
             }
         };
         if size == 0 {
@@ -132,9 +185,13 @@ pub extern "C" fn vmmalloc_malloc(size: usize, device: c_int, stream: *mut c_voi
                 LInfo,
                 format!("{}: size 0: nothing to allocate, returning NULL (an empty tensor needs no memory)", call()),
             );
-            return std::ptr::null_mut();
+            return (VMMALLOC_OK, std::ptr::null_mut());
         }
-        let on_oom = rt.config().map_or(OnOom::Null, |c| c.on_oom);
+        if !d.pools.capturing() {
+            for e in d.flush() {
+                fail(&rt, LError, e);
+            }
+        }
         // Sizes beyond any device never reach a policy (whose rounding could
         // overflow); larger-than-this-device ones get the policy's full report.
         let result = if size as u64 > MAX_REQUEST {
@@ -147,25 +204,161 @@ pub extern "C" fn vmmalloc_malloc(size: usize, device: c_int, stream: *mut c_voi
                     vmmalloc_alloc::summary::format_bytes(d.device.caps().total_memory)
                 ),
             ))
+        } else if let Some(id) = pool {
+            d.pools.malloc(id, size as u64, Stream(addr(stream)))
         } else {
             d.malloc(size as u64, Stream(addr(stream)))
                 .map_err(|e| (e.is_out_of_memory(), e.to_string()))
         };
         match result {
-            Ok(a) => std::ptr::with_exposed_provenance_mut(a.ptr as usize),
+            Ok(a) => (
+                VMMALLOC_OK,
+                std::ptr::with_exposed_provenance_mut(a.ptr as usize),
+            ),
             Err((oom, m)) => {
                 fail(&rt, LError, format!("{}: {m}", call()));
-                if oom && on_oom == OnOom::Abort {
+                if oom && runtime::on_oom() == OnOom::Abort {
                     diag::log(LError, LError, "aborting (on_oom:abort)");
                     std::process::abort();
                 }
-                std::ptr::null_mut()
+                let rc = if oom { VMMALLOC_E_OOM } else { VMMALLOC_E_FAIL };
+                (rc, std::ptr::null_mut())
+            }
+        }
+    });
+    // SAFETY: `out` is non-null and, per the callers' contract, valid for a write.
+    unsafe { out.write(ptr) };
+    rc
+}
+
+/// Allocates `size` bytes on device `device` for use on `stream` (a
+/// `cudaStream_t`; NULL is the default stream), never throwing: returns
+/// [`VMMALLOC_OK`] with the pointer in `*out` (NULL for size 0), or
+/// [`VMMALLOC_E_OOM`] / [`VMMALLOC_E_FAIL`] with `*out` NULL and the reason in
+/// [`vmmalloc_last_error`]. With `on_oom:abort`, out-of-memory aborts the
+/// process after logging the report.
+///
+/// `vmmalloc_malloc` (PyTorch's `alloc_fn`, in the C++ shim `shim.cpp`) calls
+/// this and throws a C++ exception on failure (`on_oom:raise`, the default) or
+/// returns NULL (`on_oom:null`).
+///
+/// # Safety
+///
+/// `out` is NULL (an error) or valid for writing one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_try_malloc(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    out: *mut *mut c_void,
+) -> c_int {
+    try_malloc("vmmalloc_malloc", size, device, stream, None, out)
+}
+
+/// As [`vmmalloc_try_malloc`], into CUDA graph pool `(pool_hi, pool_lo)`
+/// (PyTorch's `MempoolId_t`) of `device`, which [`vmmalloc_pool_begin`]
+/// created. The shim routes an allocation here when a capture's filter
+/// accepts its stream.
+///
+/// # Safety
+///
+/// `out` is NULL (an error) or valid for writing one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_pool_try_malloc(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    pool_hi: u64,
+    pool_lo: u64,
+    out: *mut *mut c_void,
+) -> c_int {
+    try_malloc(
+        "vmmalloc_malloc",
+        size,
+        device,
+        stream,
+        Some((pool_hi, pool_lo)),
+        out,
+    )
+}
+
+/// 1 if a failed [`vmmalloc_try_malloc`] must become an exception in
+/// `vmmalloc_malloc` (`on_oom:raise`, the default), 0 if it returns NULL.
+/// Takes no lock and leaves the last error alone (the shim reads it next).
+#[no_mangle]
+pub extern "C" fn vmmalloc_raises() -> c_int {
+    c_int::from(runtime::on_oom() == OnOom::Raise)
+}
+
+/// 1 in a child forked from a process that used vmmalloc (where every call
+/// fails, see `fork.rs`), else 0. Takes no lock.
+#[no_mangle]
+pub extern "C" fn vmmalloc_forked() -> c_int {
+    c_int::from(fork::forked())
+}
+
+/// Runs a graph-pool hook of `device` (`what` names it in errors).
+fn pool_hook(
+    name: &str,
+    device: c_int,
+    id: pools::PoolId,
+    hook: impl FnOnce(&runtime::DeviceState) -> Result<(), String>,
+) -> c_int {
+    entry(name, -1, || {
+        let rt = runtime::runtime();
+        let call = format!("{name}(device={device}, pool=({}, {}))", id.0, id.1);
+        match rt.device(device).and_then(|d| hook(d)) {
+            Ok(()) => {
+                diag::log(rt.log_level(), LInfo, &call);
+                0
+            }
+            Err(m) => {
+                fail(&rt, LError, format!("{call}: {m}"));
+                -1
             }
         }
     })
 }
 
-/// Frees `ptr`, returned by [`vmmalloc_malloc`]. PyTorch's `free_fn`: `size`,
+/// PyTorch's `beginAllocateToPool` without the stream filter (the shim's
+/// `vmmalloc_begin_allocate_to_pool` keeps the filter and calls this): a
+/// capture into pool `(pool_hi, pool_lo)` of `device` starts; the pool is
+/// created on first use, or gains one graph. Returns 0, or -1 (pool already
+/// being captured into) with the reason in [`vmmalloc_last_error`].
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_begin(device: c_int, pool_hi: u64, pool_lo: u64) -> c_int {
+    pool_hook(
+        "vmmalloc_begin_allocate_to_pool",
+        device,
+        (pool_hi, pool_lo),
+        |d| d.pool_begin((pool_hi, pool_lo)),
+    )
+}
+
+/// PyTorch's `endAllocateToPool`: the capture into the pool ends. Returns 0,
+/// or -1 (unknown pool, no capture into it underway).
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_end(device: c_int, pool_hi: u64, pool_lo: u64) -> c_int {
+    pool_hook(
+        "vmmalloc_end_allocate_to_pool",
+        device,
+        (pool_hi, pool_lo),
+        |d| d.pools.end((pool_hi, pool_lo)),
+    )
+}
+
+/// PyTorch's `releasePool`: a graph using the pool is gone; when none is
+/// left the pool's memory goes back to the device (the rest once its last
+/// live allocation is freed). Returns 0, or -1 (unknown pool, released twice,
+/// still capturing).
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_release(device: c_int, pool_hi: u64, pool_lo: u64) -> c_int {
+    pool_hook("vmmalloc_release_pool", device, (pool_hi, pool_lo), |d| {
+        d.pool_release((pool_hi, pool_lo))
+    })
+}
+
+/// Frees `ptr`, returned by `vmmalloc_malloc` or [`vmmalloc_try_malloc`]. PyTorch's `free_fn`: `size`,
 /// `device` and `stream` are what the allocation was made with; `device` says
 /// which allocator to ask first (all are searched if it is wrong), `size` and
 /// `stream` are not needed (the allocator knows them).
@@ -258,6 +451,19 @@ pub extern "C" fn vmmalloc_empty_cache() {
     entry("vmmalloc_empty_cache", (), || {
         let rt = runtime::runtime();
         for d in rt.active_devices() {
+            if d.pools.capturing() {
+                // A capture is underway: releasing memory would unmap and
+                // release pages (illegal during capture); nothing is freed.
+                diag::log(
+                    rt.log_level(),
+                    LInfo,
+                    &format!("vmmalloc_empty_cache(): device {}: skipped, a CUDA graph capture is underway", d.ordinal),
+                );
+                continue;
+            }
+            for e in d.flush().into_iter().chain(d.pools.empty_released()) {
+                fail(&rt, LError, format!("vmmalloc_empty_cache(): {e}"));
+            }
             if let Err(e) = d.empty_cache() {
                 fail(
                     &rt,
@@ -300,7 +506,13 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
             return fail(&rt, LError, format!("{call}: {m}"));
         }
         for d in rt.active_devices() {
-            match d.allocator.record_stream(addr(ptr), Stream(addr(stream))) {
+            let r = match d.allocator.record_stream(addr(ptr), Stream(addr(stream))) {
+                Err(AllocError::InvalidPointer { .. }) => {
+                    d.pools.record_stream(addr(ptr), Stream(addr(stream)))
+                }
+                other => other,
+            };
+            match r {
                 Ok(()) => return,
                 Err(AllocError::InvalidPointer { .. }) => continue,
                 Err(e) => return fail(&rt, LError, format!("{call}: {e}")),
@@ -319,7 +531,13 @@ fn stats_of(rt: &Runtime, device: c_int) -> Result<(u32, Stats), String> {
     let ordinal = rt.check_ordinal(device)?;
     let stats = rt
         .existing(ordinal)
-        .map(|d| d.allocator.stats())
+        .map(|d| {
+            // Frees deferred during a capture that has ended count now.
+            for e in d.flush() {
+                diag::log(rt.log_level(), LError, &e);
+            }
+            d.allocator.stats()
+        })
         .unwrap_or_default();
     Ok((ordinal, stats))
 }
@@ -333,9 +551,25 @@ fn stats_of(rt: &Runtime, device: c_int) -> Result<(u32, Stats), String> {
 pub extern "C" fn vmmalloc_memory_stats_json(device: c_int) -> *mut c_char {
     entry("vmmalloc_memory_stats_json", std::ptr::null_mut(), || {
         let rt = runtime::runtime();
-        match stats_of(&rt, device)
-            .and_then(|(_, s)| serde_json::to_string(&s.to_map()).map_err(|e| e.to_string()))
-        {
+        match stats_of(&rt, device).and_then(|(ordinal, s)| {
+            let mut map = serde_json::to_value(s.to_map()).map_err(|e| e.to_string())?;
+            // CUDA graph pools (their memory is not in the figures above).
+            let (pools, deferred) = rt.existing(ordinal).map_or((0, 0), |d| d.pools.counts());
+            if let Some(m) = map.as_object_mut() {
+                m.insert("vmmalloc.graph_pools".into(), pools.into());
+                m.insert("vmmalloc.deferred_frees".into(), deferred.into());
+                let (allocated, reserved) =
+                    rt.existing(ordinal).map_or((0, 0), |d| d.pools.bytes());
+                m.insert(
+                    "vmmalloc.graph_pool_allocated_bytes".into(),
+                    allocated.into(),
+                );
+                m.insert("vmmalloc.graph_pool_reserved_bytes".into(), reserved.into());
+                let refused = rt.existing(ordinal).map_or(0, |d| d.pools.refused());
+                m.insert("vmmalloc.graph_pool_refused_calls".into(), refused.into());
+            }
+            serde_json::to_string(&map).map_err(|e| e.to_string())
+        }) {
             Ok(json) => owned_c_string(&json),
             Err(m) => {
                 fail(

@@ -12,9 +12,11 @@
 use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
 use crate::diag;
 use crate::history::History;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use crate::pools::{GraphPools, PoolHook, PoolId};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use vmmalloc_alloc::{AllocError, Allocation, Allocator, Stream};
+use vmmalloc_alloc::{AllocError, Allocation, Allocator, Policy, PolicyOptions, Stream};
+use vmmalloc_device::adaptors::Hooked;
 use vmmalloc_device::Device;
 
 /// Device ordinals the plug-in can serve (0 .. MAX_DEVICES-1).
@@ -30,6 +32,11 @@ pub struct DeviceState {
     pub allocator: Box<dyn Allocator>,
     /// The event history (`record_history:True`).
     pub history: Option<History>,
+    /// CUDA graph private pools and the frees deferred during capture.
+    pub pools: GraphPools,
+    /// The policy and options a graph pool's allocator is built with.
+    policy: Policy,
+    options: PolicyOptions,
 }
 
 impl DeviceState {
@@ -67,8 +74,36 @@ impl DeviceState {
         }
     }
 
-    /// Frees, recording the events when history is on.
+    /// Frees `ptr` (of the main allocator or a graph pool); while a capture
+    /// is underway on the device the free is queued (see [`GraphPools`]).
     pub fn free(&self, ptr: u64) -> Result<(), AllocError> {
+        self.pools.free(ptr, &|p| self.free_main(p))
+    }
+
+    /// Applies the frees queued during capture if no capture is underway,
+    /// returning what failed.
+    pub fn flush(&self) -> Vec<String> {
+        self.pools.flush_with(&|p| self.free_main(p))
+    }
+
+    /// `beginAllocateToPool`: creates the pool's allocator (same policy and
+    /// options, same device) on first use.
+    pub fn pool_begin(&self, id: PoolId) -> Result<(), String> {
+        self.pools.begin(id, |guard| {
+            let device: Arc<dyn Device> =
+                Arc::new(Hooked::new(self.device.clone(), PoolHook(guard)));
+            vmmalloc_alloc::build(self.policy, device, &self.options)
+                .map_err(|e| format!("cannot create the pool's {} allocator: {e}", self.policy))
+        })
+    }
+
+    /// `releasePool`: one graph using pool `id` is gone (see [`GraphPools::release`]).
+    pub fn pool_release(&self, id: PoolId) -> Result<(), String> {
+        self.pools.release(id, &|p| self.free_main(p))
+    }
+
+    /// Frees from the main allocator, recording the events when history is on.
+    fn free_main(&self, ptr: u64) -> Result<(), AllocError> {
         let Some(h) = &self.history else {
             return self.allocator.free(ptr);
         };
@@ -126,6 +161,30 @@ fn write_global() -> std::sync::RwLockWriteGuard<'static, Global> {
     GLOBAL.write().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `on_oom` of the current runtime as a number (`OnOom` index; raise until
+/// a configuration says otherwise), readable without a lock (by the shim, and
+/// in a forked child).
+static ON_OOM: AtomicU8 = AtomicU8::new(0);
+
+/// The configured log level's index in `LogLevel::ALL` (error until configured).
+static LOG: AtomicU8 = AtomicU8::new(1);
+
+/// The configured log level, without taking a lock (for a forked child).
+pub fn log_level_unlocked() -> LogLevel {
+    LogLevel::ALL
+        .get(LOG.load(Ordering::Relaxed) as usize)
+        .copied()
+        .unwrap_or(LogLevel::Error)
+}
+
+/// The configured `on_oom`, without taking a lock.
+pub fn on_oom() -> crate::config::OnOom {
+    crate::config::OnOom::ALL
+        .get(ON_OOM.load(Ordering::Relaxed) as usize)
+        .copied()
+        .unwrap_or(crate::config::OnOom::Raise)
+}
+
 /// The runtime, created on first use.
 pub fn runtime() -> Arc<Runtime> {
     if let Some(rt) = &read_global().runtime {
@@ -139,7 +198,19 @@ pub fn runtime() -> Arc<Runtime> {
         Some(text) => Config::parse(text),
         None => Config::from_env(),
     };
+    crate::fork::install();
     let rt = Arc::new(Runtime::new(config));
+    let oom = rt
+        .config
+        .as_ref()
+        .map_or(crate::config::OnOom::Raise, |c| c.on_oom);
+    let index = crate::config::OnOom::ALL
+        .iter()
+        .position(|o| *o == oom)
+        .unwrap_or(0);
+    ON_OOM.store(index as u8, Ordering::Relaxed);
+    let log = LogLevel::ALL.iter().position(|l| *l == rt.log).unwrap_or(1);
+    LOG.store(log as u8, Ordering::Relaxed);
     if let Ok(c) = &rt.config {
         diag::log(
             c.log,
@@ -189,6 +260,8 @@ pub fn configure(text: &str) -> Result<(), String> {
 /// Drops every allocator and the configuration (tests only: pointers from
 /// before are invalid afterwards).
 pub fn reset() {
+    ON_OOM.store(0, Ordering::Relaxed);
+    LOG.store(1, Ordering::Relaxed);
     let mut g = write_global();
     g.runtime = None;
     g.conf_override = None;
@@ -293,6 +366,9 @@ impl Runtime {
             history: config
                 .record_history
                 .then(|| History::new(config.max_entries)),
+            pools: GraphPools::new(config.log),
+            policy,
+            options,
         });
         Ok(slot.get_or_init(|| state))
     }

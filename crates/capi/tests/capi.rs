@@ -23,7 +23,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 const MIB: usize = 1 << 20;
 const BACKENDS: [&str; 4] = ["expandable", "caching", "torch-es", "native"];
 
-type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
+type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void, *mut *mut c_void) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void);
 
 /// Function pointers into the loaded library (which is never unloaded).
@@ -84,7 +84,8 @@ fn api() -> &'static Api {
             };
         }
         Api {
-            malloc: sym!("vmmalloc_malloc"),
+            // Not vmmalloc_malloc: it throws C++ exceptions (tests/shim.rs covers it).
+            malloc: sym!("vmmalloc_try_malloc"),
             free: sym!("vmmalloc_free"),
             init: sym!("vmmalloc_init"),
             empty_cache: sym!("vmmalloc_empty_cache"),
@@ -109,8 +110,11 @@ fn api() -> &'static Api {
 // except the documented pointer contracts, which these wrappers uphold.
 
 fn malloc(size: usize, device: i32) -> *mut c_void {
-    // SAFETY: vmmalloc_malloc has no pointer preconditions (the stream is opaque).
-    unsafe { (api().malloc)(size, device, std::ptr::null_mut()) }
+    let mut out = std::ptr::null_mut();
+    // SAFETY: `out` is valid for a write; the stream is opaque.
+    let rc = unsafe { (api().malloc)(size, device, std::ptr::null_mut(), &mut out) };
+    assert_eq!(rc == 0, !out.is_null() || size == 0, "rc {rc}, out {out:p}");
+    out
 }
 
 fn free(ptr: *mut c_void, size: usize, device: i32) {
@@ -1260,4 +1264,144 @@ fn cuda_child(backend: &str) {
             "{backend}: fake device {dev} still holds {l:?}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------
+// Fork
+// ---------------------------------------------------------------------------
+
+/// Waits for `pid` at most `limit`; kills it and returns None if it hangs.
+fn wait_with_timeout(pid: libc::pid_t, limit: std::time::Duration) -> Option<i32> {
+    let start = std::time::Instant::now();
+    loop {
+        let mut status = 0;
+        // SAFETY: `status` is valid for a write; `pid` is our child.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if r == pid {
+            return Some(status);
+        }
+        if start.elapsed() > limit {
+            // SAFETY: killing and reaping our own child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, 0);
+            }
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// The body of a forked child: every call fails with the fork error, none
+/// hangs (a lock held by a parent thread at fork time is never released).
+fn child_checks() -> bool {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: `out` is valid for a write.
+    let rc = unsafe { (api().malloc)(4096, 0, std::ptr::null_mut(), &mut out) };
+    let forked = |e: Option<String>| e.is_some_and(|e| e.contains("forked"));
+    let mut ok = rc == 2 && out.is_null() && forked(last_error());
+    free(0x1000 as *mut c_void, 0, 0);
+    ok &= forked(last_error());
+    // SAFETY: no preconditions.
+    ok &= unsafe { (api().stats_json)(0) }.is_null() && forked(last_error());
+    // SAFETY: no preconditions.
+    unsafe { (api().empty_cache)() };
+    ok &= forked(last_error());
+    ok
+}
+
+#[test]
+fn forked_child_gets_an_error_not_a_hang() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let _g = serial();
+    for backend in ["expandable", "caching"] {
+        if !setup(backend, "") {
+            continue;
+        }
+        fresh(&format!(
+            "device:host,capacity_gb:1,log:off,backend:{backend}"
+        ));
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for t in 0..3usize {
+                let stop = &stop;
+                s.spawn(move || {
+                    let mut i = 0usize;
+                    while !stop.load(Ordering::Relaxed) {
+                        let n = (i * 7919 + t * 104729) % (3 * MIB) + 1;
+                        let p = malloc(n, 0);
+                        if !p.is_null() {
+                            free(p, n, 0);
+                        }
+                        i += 1;
+                    }
+                });
+            }
+            for _ in 0..30 {
+                std::thread::sleep(std::time::Duration::from_millis(3));
+                // SAFETY: the child only calls into the library and _exits.
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    let code = if child_checks() { 0 } else { 1 };
+                    // SAFETY: leaving the child without running the parent's destructors.
+                    unsafe { libc::_exit(code) };
+                }
+                assert!(pid > 0, "fork failed");
+                let status = wait_with_timeout(pid, std::time::Duration::from_secs(20));
+                let Some(status) = status else {
+                    stop.store(true, Ordering::Relaxed);
+                    panic!("{backend}: the forked child hung (killed after 20 s)");
+                };
+                assert!(
+                    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                    "{backend}: the child's calls did not all fail with the fork error (status {status})"
+                );
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        // The parent is unaffected.
+        let p = malloc(MIB, 0);
+        assert!(!p.is_null(), "{:?}", last_error());
+        free(p, MIB, 0);
+        validate(0);
+    }
+    reset();
+}
+
+#[test]
+fn memory_fraction_zero_is_valid_and_allows_nothing() {
+    let _g = serial();
+    // torch.cuda.set_per_process_memory_fraction accepts 0..=1 inclusive
+    // (torch/cuda/memory.py). `expandable` joins this list once its
+    // check_fraction (crates/alloc/src/expandable/config.rs) accepts 0.
+    for backend in ["caching", "torch-es", "native"] {
+        if !setup(backend, "") {
+            continue;
+        }
+        // SAFETY: no preconditions.
+        unsafe { (api().set_memory_fraction)(0.0, 0) };
+        assert_eq!(last_error(), None, "{backend}: fraction 0 refused");
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `out` is valid for a write.
+        let rc = unsafe { (api().malloc)(MIB, 0, std::ptr::null_mut(), &mut out) };
+        assert_eq!(
+            rc,
+            1,
+            "{backend}: 1 MiB under fraction 0: {:?}",
+            last_error()
+        );
+        assert!(last_error().unwrap().contains("Tried to allocate 1.00 MiB"));
+        // Back to the whole device.
+        // SAFETY: no preconditions.
+        unsafe { (api().set_memory_fraction)(1.0, 0) };
+        let p = malloc(MIB, 0);
+        assert!(!p.is_null(), "{backend}: {:?}", last_error());
+        free(p, MIB, 0);
+        for bad in [-0.1, 1.5, f64::NAN] {
+            // SAFETY: no preconditions.
+            unsafe { (api().set_memory_fraction)(bad, 0) };
+            assert!(last_error().is_some(), "{backend}: fraction {bad} accepted");
+        }
+    }
+    reset();
 }

@@ -1,0 +1,162 @@
+"""What enable() changes in torch: the pluggable allocator's hooks, and
+torch.cuda's memory functions answering from vmmalloc.
+
+Under a pluggable allocator PyTorch's own ``memory_stats()`` (hence
+``memory_allocated()`` and the rest), ``reset_peak_memory_stats()``,
+``memory._snapshot()`` raise: ``CUDAPluggableAllocator::getDeviceStats``,
+``resetPeakStats`` and ``snapshot`` are ``TORCH_CHECK(false, "CUDAPluggableAllocator
+does not yet support ...")`` (torch/csrc/cuda/CUDAPluggableAllocator.cpp). So
+enable() replaces these functions, in ``torch.cuda`` and ``torch.cuda.memory``
+alike, by ones that read vmmalloc's figures (same keys, same meanings).
+"""
+
+import os
+import pickle
+import tempfile
+from collections import OrderedDict
+
+from . import _lib
+
+# PyTorch's hook setters on the pluggable allocator object (pybind methods in
+# torch/csrc/cuda/Module.cpp, each taking a function address) and our
+# functions. The graph hooks have C++ signatures (the begin hook receives a
+# std::function filter), so they live in the library's C++ shim.
+HOOKS = (
+    ("set_init_fn", "vmmalloc_init"),
+    ("set_reset_fn", "vmmalloc_empty_cache"),
+    ("set_memory_fraction_fn", "vmmalloc_set_memory_fraction"),
+    ("set_record_stream_fn", "vmmalloc_record_stream"),
+)
+GRAPH_HOOKS = (
+    ("set_begin_allocate_to_pool", "vmmalloc_begin_allocate_to_pool"),
+    ("set_end_allocate_to_pool_fn", "vmmalloc_end_allocate_to_pool"),
+    ("set_release_pool", "vmmalloc_release_pool"),
+)
+
+# The functions enable() replaces, in torch.cuda.memory and torch.cuda.
+PATCHED = (
+    "memory_stats",
+    "memory_stats_as_nested_dict",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "memory_summary",
+    "_snapshot",
+    "_dump_snapshot",
+)
+
+# What the functions were before enable(), by (module name, function name).
+originals = {}
+
+
+def _device_index(device):
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    return torch.cuda._get_device_index(device, optional=True)
+
+
+def memory_stats(device=None):
+    """torch.cuda.memory_stats(): PyTorch's keys (sorted, as PyTorch returns
+    them) plus vmmalloc's, from vmmalloc."""
+    stats = _lib.memory_stats(_device_index(device))
+    return OrderedDict(sorted(stats.items()))
+
+
+def memory_stats_as_nested_dict(device=None):
+    """torch.cuda.memory_stats_as_nested_dict(), from vmmalloc."""
+    nested = {}
+    for key, value in memory_stats(device).items():
+        *path, last = key.split(".")
+        d = nested
+        for p in path:
+            d = d.setdefault(p, {})
+        if isinstance(d, dict):
+            d[last] = value
+    return nested
+
+
+def _stat(key, device):
+    return memory_stats(device).get(key, 0)
+
+
+def memory_allocated(device=None):
+    """torch.cuda.memory_allocated(): bytes in live allocations."""
+    return _stat("allocated_bytes.all.current", device)
+
+
+def max_memory_allocated(device=None):
+    """torch.cuda.max_memory_allocated(): peak of memory_allocated()."""
+    return _stat("allocated_bytes.all.peak", device)
+
+
+def memory_reserved(device=None):
+    """torch.cuda.memory_reserved(): bytes the allocator holds on the device."""
+    return _stat("reserved_bytes.all.current", device)
+
+
+def max_memory_reserved(device=None):
+    """torch.cuda.max_memory_reserved(): peak of memory_reserved()."""
+    return _stat("reserved_bytes.all.peak", device)
+
+
+def reset_peak_memory_stats(device=None):
+    """torch.cuda.reset_peak_memory_stats()."""
+    _lib.reset_peak_memory_stats(_device_index(device))
+
+
+def memory_summary(device=None, abbreviated=False):
+    """torch.cuda.memory_summary(): PyTorch's table plus vmmalloc's rows
+    (``abbreviated`` is accepted; the table is always complete)."""
+    return _lib.memory_summary(_device_index(device))
+
+
+def _snapshot(device=None, augment_with_fx_traces=False):
+    """torch.cuda.memory._snapshot(): every device's segments and history,
+    in PyTorch's snapshot schema (``device`` is accepted, as PyTorch's is)."""
+    fd, path = tempfile.mkstemp(suffix=".pickle", prefix="vmmalloc-snapshot-")
+    os.close(fd)
+    try:
+        _lib.dump_snapshot(path)
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    finally:
+        os.unlink(path)
+
+
+def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces=False):
+    """torch.cuda.memory._dump_snapshot(): the snapshot pickle, written by vmmalloc."""
+    _lib.dump_snapshot(filename)
+
+
+def patch_memory_functions(torch):
+    """Makes torch.cuda's memory functions answer from vmmalloc (both
+    ``torch.cuda.X`` and ``torch.cuda.memory.X``). Returns the names patched."""
+    ours = globals()
+    done = []
+    for module in (torch.cuda.memory, torch.cuda):
+        for name in PATCHED:
+            if not hasattr(module, name) and module is torch.cuda:
+                continue  # private names live in torch.cuda.memory only
+            originals.setdefault((module.__name__, name), getattr(module, name, None))
+            setattr(module, name, ours[name])
+            done.append(f"{module.__name__}.{name}")
+    return done
+
+
+def install_hooks(native, warn):
+    """Installs every hook the pluggable allocator object has; warns (once
+    each) about those this PyTorch lacks. Returns the setters used."""
+    used = []
+    for setter, fn in HOOKS + GRAPH_HOOKS:
+        set_fn = getattr(native, setter, None)
+        if set_fn is None:
+            warn(f"this PyTorch has no CUDAPluggableAllocator.{setter}; {fn} is not hooked up"
+                 + (" (CUDA graphs will fail)" if (setter, fn) in GRAPH_HOOKS else ""))
+            continue
+        set_fn(_lib.function_pointer(fn))
+        used.append(setter)
+    return used
