@@ -790,7 +790,11 @@ impl Driver {
 
     /// `cuMemGetAccess`: the access flags (`CU_MEM_ACCESS_FLAGS_PROT_*`) that
     /// `location` has to the mapping containing `ptr`.
-    pub fn mem_get_access(&self, location: &CUmemLocation, ptr: CUdeviceptr) -> Result<u64, CuError> {
+    pub fn mem_get_access(
+        &self,
+        location: &CUmemLocation,
+        ptr: CUdeviceptr,
+    ) -> Result<u64, CuError> {
         let mut flags: u64 = 0;
         // SAFETY: `flags` is a valid out-pointer and `location` a readable
         // CUmemLocation; the call only reads the driver's mapping tables.

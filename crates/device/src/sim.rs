@@ -67,6 +67,20 @@ pub struct SimDevice {
 }
 
 impl SimDevice {
+    /// Test control: starts a CUDA-graph capture on `stream` in global mode
+    /// (PyTorch's default), as `cuStreamBeginCapture` would. While it lasts the
+    /// device refuses what the real driver refuses (see [`StreamModel`]).
+    pub fn begin_capture(&self, stream: Stream) -> DeviceResult<()> {
+        self.streams
+            .begin_capture(stream, crate::CaptureMode::Global)
+    }
+
+    /// Test control: ends the capture on `stream` (`cuStreamEndCapture`);
+    /// fails with `CaptureInvalidated` if a forbidden call was made during it.
+    pub fn end_capture(&self, stream: Stream) -> DeviceResult<()> {
+        self.streams.end_capture(stream)
+    }
+
     /// A simulated device.
     pub fn new(config: SimConfig) -> Self {
         SimDevice {
@@ -202,6 +216,8 @@ impl Device for SimDevice {
 
     fn alloc(&self, size: u64) -> DeviceResult<u64> {
         self.charge(Call::Alloc, size);
+        // cuMemAlloc is "potentially unsafe" during a capture (cuStreamBeginCapture docs).
+        self.streams.check_unsafe_call(Call::Alloc)?;
         let mut s = self.space.lock();
         s.check_plain(size)?;
         let addr = s.find_plain_va(size)?;
@@ -211,6 +227,8 @@ impl Device for SimDevice {
 
     fn free(&self, ptr: u64) -> DeviceResult<()> {
         self.charge(Call::Free, 0);
+        // cuMemFree synchronizes: forbidden during a (global-mode) capture.
+        self.streams.check_unsafe_call(Call::Free)?;
         let mut s = self.space.lock();
         s.plain_size(ptr)?;
         // cuMemFree synchronizes implicitly: queued work finishes first.
@@ -272,6 +290,8 @@ impl Device for SimDevice {
 
     fn synchronize(&self) -> DeviceResult<()> {
         self.charge(Call::DeviceSync, 0);
+        // cuCtxSynchronize is forbidden during a (global-mode) capture.
+        self.streams.check_unsafe_call(Call::DeviceSync)?;
         self.streams.complete_all();
         Ok(())
     }
@@ -299,6 +319,10 @@ impl Device for SimDevice {
     fn destroy_event(&self, event: Event) -> DeviceResult<()> {
         self.charge(Call::EventDestroy, 0);
         self.streams.destroy_event(event)
+    }
+
+    fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
+        self.streams.is_capturing(stream)
     }
 
     fn introspect(&self) -> Option<&dyn Introspect> {
