@@ -145,6 +145,16 @@ impl Fake {
             .unwrap_or_else(|e| panic!("opening fake device {ordinal}: {e}"))
     }
 
+    /// Opens device `ordinal` with `ipc:true` (exportable handles).
+    fn open_ipc(&self, ordinal: u32) -> CudaDevice {
+        let options = cuda::CudaOptions {
+            ipc: true,
+            ..Default::default()
+        };
+        CudaDevice::open_with_options(Arc::clone(&self.driver), ordinal, &options)
+            .unwrap_or_else(|e| panic!("opening fake device {ordinal}: {e}"))
+    }
+
     fn live(&self, ordinal: i32) -> Live {
         let mut l = Live::default();
         // SAFETY: `l` is a writable FakeCudaLive.
@@ -160,8 +170,10 @@ impl Fake {
         assert_eq!(rc, 0, "fake device {ordinal}: {}", self.last_error());
     }
 
-    /// Queues work on `stream` that uses `[addr, addr+len)`, as a kernel would.
-    fn submit(&self, stream: Stream, addr: u64, len: u64) {
+    /// Queues work on `stream` of `dev` that uses `[addr, addr+len)`, as a
+    /// kernel would (in `dev`'s context, as a launch is).
+    fn submit(&self, dev: &CudaDevice, stream: Stream, addr: u64, len: u64) {
+        let _ctx = dev.enter(Call::EventRecord).unwrap();
         // SAFETY: the stream value came from the backend (a fake CUstream) or is null.
         let rc = unsafe {
             (self.submit)(
@@ -307,7 +319,10 @@ fake_test! {
     /// passes with a granularity other than 2 MiB.
     env [("FAKE_CUDA_CAPACITY_MB", "96"), ("FAKE_CUDA_GRANULARITY_KB", "64")]
     fn caps_follow_the_configuration(fake) {
-        let dev = fake.open(0);
+        let plain = fake.open(0);
+        assert!(!plain.caps().posix_fd_handles, "handle types are requested only with ipc:true");
+        drop(plain);
+        let dev = fake.open_ipc(0);
         let caps = dev.caps();
         assert_eq!(caps.granularity, 64 * 1024);
         assert_eq!(caps.total_memory, 96 * MIB);
@@ -526,7 +541,7 @@ fake_test! {
         dev.map(va, 2 * g, h).unwrap();
         dev.set_access(va, 2 * g).unwrap();
         let s = dev.create_stream().unwrap();
-        fake.submit(s, va + g, 4096);
+        fake.submit(&dev, s, va + g, 4096);
         let e = dev.create_event().unwrap();
         dev.record_event(e, s).unwrap();
         assert!(!dev.query_event(e).unwrap(), "event ready while work is queued");
@@ -534,14 +549,14 @@ fake_test! {
         dev.synchronize_stream(s).unwrap();
         assert!(dev.query_event(e).unwrap());
         // Again, waited for through the event this time.
-        fake.submit(s, va, 16);
+        fake.submit(&dev, s, va, 16);
         dev.record_event(e, s).unwrap();
         expect_driver(fake, dev.unmap(va, 2 * g), Rule::InUseByStream);
         dev.synchronize_event(e).unwrap();
         dev.unmap(va, 2 * g).unwrap();
         // And on the default stream, through a device-wide synchronize.
         dev.map(va, 2 * g, h).unwrap();
-        fake.submit(Stream::DEFAULT, va, 16);
+        fake.submit(&dev, Stream::DEFAULT, va, 16);
         expect_driver(fake, dev.unmap(va, 2 * g), Rule::InUseByStream);
         dev.synchronize().unwrap();
         dev.unmap(va, 2 * g).unwrap();
@@ -558,6 +573,7 @@ fake_test! {
         let p = dev.alloc(1000).unwrap();
         dev.free(p).unwrap();
         expect_rule(fake, dev.free(p), Rule::UnknownPointer);
+        let _ctx = dev.enter(Call::Free).unwrap();
         // SAFETY: the fake validates the pointer.
         expect_code(unsafe { fake.driver.mem_free(p) }, 1);
         assert!(fake.last_error().contains(Rule::UnknownPointer.describe()), "{}", fake.last_error());
@@ -591,7 +607,7 @@ fake_test! {
 
 fake_test! {
     fn rule_import_needs_an_exported_descriptor(fake) {
-        let dev = fake.open(0);
+        let dev = fake.open_ipc(0);
         let f = std::fs::File::open("/dev/null").unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
         expect_driver(fake, dev.import_fd(fd), Rule::UnknownShareableHandle);
@@ -638,12 +654,13 @@ fake_test! {
     env [("FAKE_CUDA_DEVICES", "2"), ("FAKE_CUDA_CAPACITY_MB", "512,256")]
     fn two_devices(fake) {
         assert_eq!(cuda::device_count().unwrap(), 2);
-        let d0 = fake.open(0);
-        let d1 = CudaDevice::open(1).unwrap(); // through VMMALLOC_CUDA_LIBRARY
+        let d0 = fake.open_ipc(0);
+        let ipc = cuda::CudaOptions { ipc: true, ..Default::default() };
+        let d1 = CudaDevice::open_configured(1, &ipc).unwrap(); // through VMMALLOC_CUDA_LIBRARY
         assert_eq!(d0.caps().total_memory, 512 * MIB);
         assert_eq!((d1.caps().total_memory, d1.caps().ordinal), (256 * MIB, 1));
         assert_eq!(d1.caps().name, "vmmalloc fake-cuda device 1");
-        assert_ne!(d0.context(), d1.context());
+        assert_ne!(d0.context().unwrap(), d1.context().unwrap());
         let g = d0.caps().granularity;
 
         // Interleaved on one thread: every call lands on its own device.
@@ -749,7 +766,7 @@ fake_test! {
     fn primary_context_is_shared_and_released_once(fake) {
         let a = fake.open(0);
         let b = fake.open(0);
-        assert_eq!(a.context(), b.context());
+        assert_eq!(a.context().unwrap(), b.context().unwrap());
         assert_eq!(fake.live(0).primary_refs, 2);
         let g = a.caps().granularity;
         let va = a.reserve(g, 0).unwrap();
