@@ -571,6 +571,27 @@ impl CudaDevice {
         ordinal: u32,
         options: &CudaOptions,
     ) -> DeviceResult<CudaDevice> {
+        Self::open_inner(driver, ordinal, options, true)
+    }
+
+    /// What [`CudaDevice::open_with`] would report for device `ordinal`,
+    /// guaranteed to create and retain no context (for `vmmalloc info`): a
+    /// driver that needs a context for the granularity query gives
+    /// `Unavailable` saying so.
+    pub fn probe(driver: Arc<Driver>, ordinal: u32) -> DeviceResult<DeviceCaps> {
+        let options = CudaOptions {
+            peers: Peers::None,
+            ipc: false,
+        };
+        Self::open_inner(driver, ordinal, &options, false).map(|d| d.caps)
+    }
+
+    fn open_inner(
+        driver: Arc<Driver>,
+        ordinal: u32,
+        options: &CudaOptions,
+        may_retain: bool,
+    ) -> DeviceResult<CudaDevice> {
         let unavailable = |e: CuError| DeviceError::Unavailable(describe(&driver, e));
         match driver.init(0) {
             Ok(()) => {}
@@ -663,7 +684,7 @@ impl CudaDevice {
         let granularity =
             match driver.mem_get_allocation_granularity(&prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) {
                 Ok(g) => g,
-                Err(e) if e.code == CUDA_ERROR_INVALID_CONTEXT => {
+                Err(e) if e.code == CUDA_ERROR_INVALID_CONTEXT && may_retain => {
                     let _ctx = device.enter(Call::Reserve)?;
                     driver
                         .mem_get_allocation_granularity(&prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)

@@ -1068,6 +1068,12 @@ fn vmmalloc_info_shows_the_fake_devices() {
         .env(vmm_sys::LIBRARY_ENV, &lib)
         .env("FAKE_CUDA_DEVICES", "2")
         .env("FAKE_CUDA_CAPACITY_MB", "2048,1024")
+        // Item 10: info creates no context. Any retain, push or set would
+        // fail here and show a device as unusable.
+        .env(
+            "FAKE_CUDA_FAIL",
+            "cuDevicePrimaryCtxRetain:1,cuCtxPushCurrent_v2:1,cuCtxSetCurrent:1",
+        )
         .output()
         .expect("run vmmalloc info");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -1078,11 +1084,14 @@ fn vmmalloc_info_shows_the_fake_devices() {
             "CUDA driver: CUDA 12.8 (12080) from {}, 2 device(s)",
             lib.display()
         ),
-        "  [0] vmmalloc fake-cuda device 0: 2 GiB memory, VMM supported, granularity 2 MiB, \
-         POSIX fd handles: yes"
+        "  [0] vmmalloc fake-cuda device 0: 2 GiB memory, VMM supported, granularity 2 MiB"
             .to_owned(),
-        "  [1] vmmalloc fake-cuda device 1: 1 GiB memory, VMM supported, granularity 2 MiB, \
-         POSIX fd handles: yes"
+        // No NVML on a machine with the fake: nothing to match.
+        "      PCI 0000:10:00.0, GPU-fa4ec0da-0000-4000-8000-000000000000, no NVML device matches"
+            .to_owned(),
+        "  [1] vmmalloc fake-cuda device 1: 1 GiB memory, VMM supported, granularity 2 MiB"
+            .to_owned(),
+        "      PCI 0000:11:00.0, GPU-fa4ec0da-0000-4000-8000-000000000001, no NVML device matches"
             .to_owned(),
         "backends available: cuda, host, sim".to_owned(),
     ];
