@@ -767,6 +767,16 @@ impl CudaDevice {
         })
     }
 
+    /// Whether the primary context certainly does not exist: this device
+    /// holds no retain and `cuDevicePrimaryCtxGetState` says inactive. Then
+    /// nothing can be queued or capturing on the device, and calls that only
+    /// wait or ask need not create a context (issue 11: none for a device
+    /// PyTorch has not used).
+    fn no_context_anywhere(&self) -> bool {
+        self.ctx.get().is_none()
+            && matches!(self.driver.device_primary_ctx_get_state(self.dev), Ok((_, false)))
+    }
+
     /// The retained primary context, retaining it on first use.
     fn primary(&self, call: Call) -> DeviceResult<CUcontext> {
         if let Some(c) = self.ctx.get() {
@@ -1152,6 +1162,9 @@ impl Device for CudaDevice {
 
     fn synchronize_stream(&self, stream: Stream) -> DeviceResult<()> {
         self.check_stream(Call::StreamSync, stream)?;
+        if self.no_context_anywhere() {
+            return Ok(());
+        }
         let _ctx = self.enter(Call::StreamSync)?;
         match stream_ref(stream) {
             // SAFETY: the stream is null, a special stream value, or one this
@@ -1171,6 +1184,9 @@ impl Device for CudaDevice {
     }
 
     fn synchronize(&self) -> DeviceResult<()> {
+        if self.no_context_anywhere() {
+            return Ok(());
+        }
         let _ctx = self.enter(Call::DeviceSync)?;
         self.driver
             .ctx_synchronize()
@@ -1249,6 +1265,9 @@ impl Device for CudaDevice {
 
     fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
         self.check_stream(Call::StreamSync, stream)?;
+        if self.no_context_anywhere() {
+            return Ok(false);
+        }
         let _ctx = self.enter(Call::StreamSync)?;
         let s = match stream_ref(stream) {
             StreamRef::Raw(s) => s,
@@ -1314,6 +1333,25 @@ mod tests {
             err.to_string(),
             "map: CUDA_ERROR_INVALID_VALUE (1): cuMemMap(ptr 0x200000, size 0x200000, offset 0, \
              handle 0x1): invalid argument"
+        );
+    }
+
+    #[test]
+    fn special_stream_values_get_their_own_keys() {
+        assert_eq!(stream_key(CU_STREAM_LEGACY as u64), Stream::DEFAULT);
+        assert_eq!(stream_key(0), Stream::DEFAULT);
+        assert_eq!(stream_key(0x7f00_1234_5670), Stream(0x7f00_1234_5670));
+        let mine = stream_key(CU_STREAM_PER_THREAD as u64);
+        assert!(is_per_thread_key(mine) && !is_per_thread_key(Stream(0x7f00_1234_5672)));
+        assert_eq!(stream_ref(mine), StreamRef::Raw(raw_stream(CU_STREAM_PER_THREAD)));
+        let theirs = std::thread::spawn(|| stream_key(CU_STREAM_PER_THREAD as u64).0)
+            .join()
+            .unwrap();
+        assert_ne!(Stream(theirs), mine);
+        assert_eq!(stream_ref(Stream(theirs)), StreamRef::OtherThread);
+        assert_eq!(
+            stream_ref(Stream(0x7f00_1234_5670)),
+            StreamRef::Raw(raw_stream(0x7f00_1234_5670))
         );
     }
 

@@ -1228,6 +1228,12 @@ fake_test! {
         assert!(!d1.primary_context_active().unwrap());
         assert!(!d1.has_retained_context());
         assert_eq!(d1.caps().granularity, 2 * MIB);
+        // Waiting on or asking about a device without a context creates none.
+        d1.synchronize().unwrap();
+        d1.synchronize_stream(Stream::DEFAULT).unwrap();
+        assert!(!d1.is_capturing(Stream::DEFAULT).unwrap());
+        assert_eq!(fake.live(1).primary_refs, 0);
+        assert!(!d1.primary_context_active().unwrap());
         d1.mem_info().unwrap();
         assert_eq!(fake.live(1).primary_refs, 1);
         assert!(d1.primary_context_active().unwrap() && d1.has_retained_context());
