@@ -774,7 +774,10 @@ impl CudaDevice {
     /// PyTorch has not used).
     fn no_context_anywhere(&self) -> bool {
         self.ctx.get().is_none()
-            && matches!(self.driver.device_primary_ctx_get_state(self.dev), Ok((_, false)))
+            && matches!(
+                self.driver.device_primary_ctx_get_state(self.dev),
+                Ok((_, false))
+            )
     }
 
     /// The retained primary context, retaining it on first use.
@@ -1343,7 +1346,10 @@ mod tests {
         assert_eq!(stream_key(0x7f00_1234_5670), Stream(0x7f00_1234_5670));
         let mine = stream_key(CU_STREAM_PER_THREAD as u64);
         assert!(is_per_thread_key(mine) && !is_per_thread_key(Stream(0x7f00_1234_5672)));
-        assert_eq!(stream_ref(mine), StreamRef::Raw(raw_stream(CU_STREAM_PER_THREAD)));
+        assert_eq!(
+            stream_ref(mine),
+            StreamRef::Raw(raw_stream(CU_STREAM_PER_THREAD))
+        );
         let theirs = std::thread::spawn(|| stream_key(CU_STREAM_PER_THREAD as u64).0)
             .join()
             .unwrap();

@@ -83,6 +83,10 @@ struct Inner {
     capturing: usize,
     /// Events whose last record was on a capturing stream.
     captured_events: HashSet<u64>,
+    /// Extra (stream, sequence) targets of events recorded with
+    /// [`StreamModel::record_joined`] (the legacy stream's implicit
+    /// synchronization); empty in the common case.
+    joins: IdMap<u64, Vec<(u64, u64)>>,
 }
 
 /// Streams, work items and events of a CPU model device.
@@ -227,6 +231,9 @@ impl StreamModel {
                     if !g.captured_events.is_empty() {
                         g.captured_events.remove(&event.0);
                     }
+                    if !g.joins.is_empty() {
+                        g.joins.remove(&event.0);
+                    }
                 }
                 Ok(())
             }
@@ -254,25 +261,66 @@ impl StreamModel {
         Ok(target)
     }
 
+    /// Records `event` on `stream` joined with `others`: it completes once
+    /// everything queued so far on all of them has (an operation on the
+    /// legacy default stream waits for every blocking stream's earlier work:
+    /// CUDA Driver API, "Stream synchronization behavior").
+    pub fn record_joined(
+        &self,
+        event: Event,
+        stream: Stream,
+        others: &[Stream],
+    ) -> DeviceResult<()> {
+        self.record(event, stream)?;
+        let mut g = self.inner.lock();
+        if g.captured_events.contains(&event.0) {
+            return Ok(());
+        }
+        let targets: Vec<(u64, u64)> = others
+            .iter()
+            .filter_map(|o| g.streams.get(&o.0).map(|s| (o.0, s.submitted)))
+            .collect();
+        if !targets.is_empty() {
+            g.joins.insert(event.0, targets);
+        }
+        Ok(())
+    }
+
     /// Whether the event has completed.
     pub fn query(&self, event: Event) -> DeviceResult<bool> {
         let g = self.inner.lock();
+        let done =
+            |stream: u64, seq: u64| g.streams.get(&stream).is_none_or(|s| s.completed >= seq);
         Ok(match Self::event_target(&g, Call::EventQuery, event)? {
             None => true,
-            Some((stream, seq)) => g.streams.get(&stream).is_none_or(|s| s.completed >= seq),
+            Some((stream, seq)) => {
+                done(stream, seq)
+                    && g.joins
+                        .get(&event.0)
+                        .is_none_or(|j| j.iter().all(|&(s, q)| done(s, q)))
+            }
         })
     }
 
     /// Waits for the event: completes the work it depends on.
     pub fn synchronize_event(&self, event: Event) -> DeviceResult<()> {
-        let mut g = self.inner.lock();
-        if let Some((stream, seq)) = Self::event_target(&g, Call::EventSync, event)? {
-            if let Some(s) = g.streams.get_mut(&stream) {
-                if s.completed < seq {
-                    s.completed = seq;
-                    while s.pending.front().is_some_and(|p| p.0 <= seq) {
-                        s.pending.pop_front();
+        let mut guard = self.inner.lock();
+        let g = &mut *guard;
+        if let Some((stream, seq)) = Self::event_target(g, Call::EventSync, event)? {
+            let catch_up = |streams: &mut IdMap<u64, StreamState>, stream: u64, seq: u64| {
+                if let Some(s) = streams.get_mut(&stream) {
+                    if s.completed < seq {
+                        s.completed = seq;
+                        while s.pending.front().is_some_and(|p| p.0 <= seq) {
+                            s.pending.pop_front();
+                        }
                     }
+                }
+            };
+            catch_up(&mut g.streams, stream, seq);
+            if let Some(j) = g.joins.get(&event.0) {
+                for &(stream, seq) in j {
+                    catch_up(&mut g.streams, stream, seq);
                 }
             }
         }
@@ -283,6 +331,7 @@ impl StreamModel {
     pub fn destroy_event(&self, event: Event) -> DeviceResult<()> {
         let mut g = self.inner.lock();
         g.captured_events.remove(&event.0);
+        g.joins.remove(&event.0);
         g.events.remove(&event.0).map(|_| ()).ok_or_else(|| {
             DeviceError::rule(Call::EventDestroy, Rule::UnknownEvent, format!("{event:?}"))
         })

@@ -113,3 +113,24 @@ fn capture_modes_decide_what_is_unsafe() {
     });
     refused(m.end_capture(s), Rule::CaptureInvalidated, 901);
 }
+
+#[test]
+fn an_event_joined_to_other_streams_waits_for_all_of_them() {
+    let d = SimDevice::with_capacity(256 * MIB);
+    let m = vmmalloc_device::Introspect::streams(&d);
+    let (a, b) = (d.create_stream().unwrap(), d.create_stream().unwrap());
+    m.submit(a, 0, 0).unwrap();
+    m.submit(b, 0, 0).unwrap();
+    let e = d.create_event().unwrap();
+    m.record_joined(e, Stream::DEFAULT, &[a, b]).unwrap();
+    assert!(!d.query_event(e).unwrap());
+    d.synchronize_stream(a).unwrap();
+    assert!(!d.query_event(e).unwrap(), "b's work is still queued");
+    d.synchronize_event(e).unwrap();
+    assert_eq!(m.pending_items(b), 0);
+    assert!(d.query_event(e).unwrap());
+    // A plain record afterwards forgets the join.
+    m.submit(b, 0, 0).unwrap();
+    d.record_event(e, a).unwrap();
+    assert!(d.query_event(e).unwrap());
+}

@@ -1432,6 +1432,10 @@ fake_test! {
                 // synchronized (the whole context) without naming it.
                 let e3 = dev.create_event().unwrap();
                 dev.record_event(e3, a).unwrap();
+                assert!(
+                    !dev.query_event(e3).unwrap(),
+                    "an event for the other thread's stream ignored its queued work"
+                );
                 dev.synchronize_stream(a).unwrap();
                 assert!(dev.query_event(e3).unwrap());
                 dev.destroy_event(e3).unwrap();

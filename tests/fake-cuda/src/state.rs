@@ -577,6 +577,19 @@ impl Fake {
             .any(capturing)
     }
 
+    /// The blocking streams of `host` (made without `CU_STREAM_NON_BLOCKING`,
+    /// and every thread's per-thread stream), as the device knows them.
+    pub fn blocking_streams_of(&self, host: &Arc<HostDevice>) -> Vec<Stream> {
+        let t = self.tables.lock();
+        t.blocking
+            .iter()
+            .filter_map(|v| t.streams.get(v))
+            .chain(t.per_thread.values())
+            .filter(|s| Arc::ptr_eq(&s.host, host))
+            .map(|s| s.inner)
+            .collect()
+    }
+
     /// A new (unmodelled) graph value for `cuStreamEndCapture`.
     pub fn new_graph(&self) -> u64 {
         let mut t = self.tables.lock();

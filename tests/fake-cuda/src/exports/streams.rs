@@ -117,7 +117,8 @@ pub unsafe extern "C" fn cuEventCreate(phEvent: *mut CUevent, Flags: c_uint) -> 
 }
 
 /// `CUresult cuEventRecord(CUevent hEvent, CUstream hStream)`: event and stream
-/// must belong to the same device.
+/// must belong to the same device. On the legacy stream the event also waits
+/// for the earlier work of every blocking stream (per-thread streams included).
 ///
 /// # Safety
 /// No pointer is dereferenced: the fake validates every argument itself.
@@ -132,6 +133,14 @@ pub unsafe extern "C" fn cuEventRecord(hEvent: CUevent, hStream: CUstream) -> CU
                 "event of device {} recorded on a stream of device {}",
                 e.dev, s.dev
             )));
+        }
+        let value = hStream.expose_provenance();
+        if value == 0 || value == CU_STREAM_LEGACY {
+            // The legacy default stream waits for every blocking stream's
+            // earlier work (CUDA Driver API, "Stream synchronization
+            // behavior"), and so does an event recorded on it.
+            let others = f.blocking_streams_of(&e.host);
+            return Ok(e.host.streams().record_joined(e.inner, s.inner, &others)?);
         }
         Ok(e.host.record_event(e.inner, s.inner)?)
     })
