@@ -14,19 +14,13 @@ pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
     let capacity = config.model_capacity();
     let name = |kind: &str| format!("{kind}{ordinal} ({} GiB)", capacity as f64 / GIB as f64);
     match config.device {
-        DeviceKind::Cuda => CudaDevice::open_configured(
-            ordinal,
-            &CudaOptions {
-                peers: config.peers.clone(),
-                ipc: config.ipc,
-            },
-        )
-        .map(|d| {
-            // PyTorch hands us its own streams (side streams, NCCL's): accept them.
-            d.accept_external_streams(true);
-            Arc::new(d) as Arc<dyn Device>
-        })
-        .map_err(|e| format!("cannot open CUDA device {ordinal}: {e}")),
+        DeviceKind::Cuda => CudaDevice::open_configured(ordinal, &cuda_options(config))
+            .map(|d| {
+                // PyTorch hands us its own streams (side streams, NCCL's): accept them.
+                d.accept_external_streams(true);
+                Arc::new(d) as Arc<dyn Device>
+            })
+            .map_err(|e| format!("cannot open CUDA device {ordinal}: {e}")),
         DeviceKind::Host => HostDevice::new(HostConfig {
             name: name("host"),
             capacity,
@@ -40,5 +34,13 @@ pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
             ordinal,
             ..SimConfig::with_capacity(capacity)
         }))),
+    }
+}
+
+/// The `cuda` backend's options from `peers:` and `ipc:`.
+fn cuda_options(config: &Config) -> CudaOptions {
+    CudaOptions {
+        peers: config.peers.clone(),
+        ipc: config.ipc,
     }
 }
