@@ -179,3 +179,47 @@ fn child() {
         unsafe { free(p, 3 * MIB, dev, std::ptr::null_mut()) };
     }
 }
+
+#[test]
+fn untouched_devices_get_no_context() {
+    vmmalloc_test_support::in_child(
+        "untouched_devices_get_no_context",
+        &[("FAKE_CUDA_DEVICES", "2"), ("VMMALLOC_CONF", "log:off")],
+        untouched_child,
+    );
+}
+
+/// PyTorch's `empty_cache` walks every device and
+/// `set_per_process_memory_fraction` may name one it never used: neither may
+/// create a primary context there (`cuDevicePrimaryCtxGetState` stays inactive).
+fn untouched_child() {
+    let (v, f) = (vmmalloc(), fake());
+    // SAFETY: every `sym` names the signature declared in
+    // crates/capi/src/lib.rs or cuda.h.
+    let (init, empty_cache, set_fraction, cu_init, get_state) = unsafe {
+        (
+            sym::<unsafe extern "C" fn(c_int)>(v, "vmmalloc_init"),
+            sym::<unsafe extern "C" fn()>(v, "vmmalloc_empty_cache"),
+            sym::<unsafe extern "C" fn(c_double, c_int)>(v, "vmmalloc_set_memory_fraction"),
+            sym::<unsafe extern "C" fn(c_uint) -> u32>(f, "cuInit"),
+            sym::<unsafe extern "C" fn(c_int, *mut c_uint, *mut c_int) -> u32>(
+                f,
+                "cuDevicePrimaryCtxGetState",
+            ),
+        )
+    };
+    let active = |dev: c_int| {
+        let (mut flags, mut active) = (0, 0);
+        // SAFETY: valid out-pointers; cuInit was called.
+        assert_eq!(unsafe { get_state(dev, &mut flags, &mut active) }, 0);
+        active != 0
+    };
+    // SAFETY: the C ABI's contracts (plain values).
+    unsafe {
+        assert_eq!(cu_init(0), 0);
+        init(2);
+        set_fraction(0.5, 1);
+        empty_cache();
+    }
+    assert!(!active(0) && !active(1), "a primary context was created");
+}
