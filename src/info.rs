@@ -4,6 +4,13 @@
 //!
 //! Never fails for lack of a GPU: where NVML or the driver is missing it says
 //! so in one line each and still exits 0.
+//!
+//! NVML numbers every GPU of the machine; CUDA numbers only those
+//! `CUDA_VISIBLE_DEVICES` lets through, in its own order. The two are matched
+//! by PCI bus id (`cuDeviceGetPCIBusId` / `nvmlDeviceGetPciInfo`), else by
+//! UUID (`cuDeviceGetUuid` / `nvmlDeviceGetUUID`). Every CUDA query made here
+//! needs no context, and none is created on any device
+//! ([`CudaDevice::probe`]).
 
 use anyhow::Result;
 use nvml_wrapper::enums::device::UsedGpuMemory;
@@ -12,7 +19,7 @@ use nvml_wrapper::Nvml;
 use serde_json::{json, Value};
 use vmm_sys::{version_string, Driver, LoadError};
 use vmmalloc_device::cuda::{self, CudaDevice};
-use vmmalloc_device::{Device, DeviceCaps, GIB, MIB};
+use vmmalloc_device::{DeviceCaps, GIB, MIB};
 
 /// Arguments of `vmmalloc info`.
 #[derive(clap::Args, Debug)]
@@ -27,16 +34,22 @@ pub fn run(args: InfoArgs) -> Result<()> {
     let nvml = probe_nvml();
     let cuda = probe_cuda();
     let backends = backends(&cuda);
+    let matches = cuda_to_nvml(&nvml, &cuda);
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     if args.json {
         let out = json!({
             "nvml": nvml.to_json(),
-            "cuda": cuda.to_json(),
+            "cuda": cuda.to_json(&matches),
+            "cuda_visible_devices": visible,
             "backends": backends,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         print!("{}", nvml.to_text());
-        print!("{}", cuda.to_text());
+        print!("{}", cuda.to_text(&matches));
+        if let Some(v) = &visible {
+            println!("CUDA_VISIBLE_DEVICES={v}");
+        }
         println!("backends available: {}", backends.join(", "));
     }
     Ok(())
@@ -70,6 +83,10 @@ enum NvmlReport {
 
 struct NvmlDevice {
     index: u32,
+    /// `nvmlDeviceGetPciInfo`'s bus id, e.g. `00000000:3B:00.0`.
+    pci_bus_id: Option<String>,
+    /// `nvmlDeviceGetUUID`, e.g. `GPU-5f3c...`.
+    uuid: Option<String>,
     name: Result<String, String>,
     /// total, free, used.
     memory: Result<(u64, u64, u64), String>,
@@ -98,6 +115,8 @@ fn probe_nvml() -> NvmlReport {
             .map(|index| match nvml.device_by_index(index) {
                 Ok(d) => NvmlDevice {
                     index,
+                    pci_bus_id: d.pci_info().ok().map(|p| p.bus_id),
+                    uuid: d.uuid().ok(),
                     name: d.name().map_err(|e| e.to_string()),
                     memory: d
                         .memory_info()
@@ -120,6 +139,8 @@ fn probe_nvml() -> NvmlReport {
                 },
                 Err(e) => NvmlDevice {
                     index,
+                    pci_bus_id: None,
+                    uuid: None,
                     name: Err(e.to_string()),
                     memory: Err(e.to_string()),
                     processes: Err(e.to_string()),
@@ -158,6 +179,10 @@ impl NvmlReport {
         s += &format!(", {} device(s)\n", devices.len());
         for d in devices {
             let name = d.name.as_deref().unwrap_or("(name unknown)");
+            let name = match &d.pci_bus_id {
+                Some(b) => format!("{name} (PCI {b})"),
+                None => name.to_owned(),
+            };
             match &d.memory {
                 Ok((total, free, used)) => {
                     s += &format!(
@@ -200,6 +225,8 @@ impl NvmlReport {
                             .map(|d| {
                                 json!({
                                     "index": d.index,
+                                    "pci_bus_id": d.pci_bus_id,
+                                    "uuid": d.uuid,
                                     "name": result_json(&d.name, |n| json!(n)),
                                     "memory": result_json(&d.memory, |(t, f, u)| {
                                         json!({ "total": t, "free": f, "used": u })
@@ -256,6 +283,79 @@ enum CudaReport {
 struct CudaDeviceReport {
     ordinal: u32,
     caps: Result<DeviceCaps, String>,
+    /// `cuDeviceGetPCIBusId`, e.g. `0000:3B:00.0`.
+    pci_bus_id: Option<String>,
+    /// `cuDeviceGetUuid`, formatted as NVML does (`GPU-...`).
+    uuid: Option<String>,
+}
+
+/// A 16-byte UUID as NVML prints it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+fn nvml_uuid(b: &[u8; 16]) -> String {
+    let h = |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        h(0..4),
+        h(4..6),
+        h(6..8),
+        h(8..10),
+        h(10..16)
+    )
+}
+
+/// A PCI bus id as `(domain, bus, device, function)`, whatever the width of
+/// the domain (NVML writes 8 hex digits, CUDA 4).
+fn parse_bus_id(id: &str) -> Option<(u32, u32, u32, u32)> {
+    let (domain, rest) = id.trim().split_once(':')?;
+    let (bus, rest) = rest.split_once(':')?;
+    let (device, function) = rest.split_once('.')?;
+    let hex = |s: &str| u32::from_str_radix(s.trim_matches(char::from(0)), 16).ok();
+    Some((hex(domain)?, hex(bus)?, hex(device)?, hex(function)?))
+}
+
+/// For each CUDA device `(pci bus id, uuid)`, the index of the NVML device
+/// `(index, pci bus id, uuid)` that is the same GPU: same PCI address, else
+/// same UUID.
+fn match_devices(
+    cuda: &[(Option<&str>, Option<&str>)],
+    nvml: &[(u32, Option<&str>, Option<&str>)],
+) -> Vec<Option<u32>> {
+    cuda.iter()
+        .map(|(bus, uuid)| {
+            let by_bus = bus.and_then(parse_bus_id).and_then(|b| {
+                nvml.iter()
+                    .find(|(_, nb, _)| nb.and_then(parse_bus_id) == Some(b))
+                    .map(|(i, _, _)| *i)
+            });
+            by_bus.or_else(|| {
+                uuid.and_then(|u| {
+                    nvml.iter()
+                        .find(|(_, _, nu)| nu.is_some_and(|nu| nu.eq_ignore_ascii_case(u)))
+                        .map(|(i, _, _)| *i)
+                })
+            })
+        })
+        .collect()
+}
+
+/// The NVML index of each CUDA device (`None`: NVML missing or no match).
+fn cuda_to_nvml(nvml: &NvmlReport, cuda: &CudaReport) -> Vec<Option<u32>> {
+    let CudaReport::Loaded { devices, .. } = cuda else {
+        return Vec::new();
+    };
+    let keys: Vec<_> = devices
+        .iter()
+        .map(|d| (d.pci_bus_id.as_deref(), d.uuid.as_deref()))
+        .collect();
+    let nv: Vec<_> = match nvml {
+        NvmlReport::Loaded {
+            devices: Ok(ds), ..
+        } => ds
+            .iter()
+            .map(|d| (d.index, d.pci_bus_id.as_deref(), d.uuid.as_deref()))
+            .collect(),
+        _ => Vec::new(),
+    };
+    match_devices(&keys, &nv)
 }
 
 fn probe_cuda() -> CudaReport {
@@ -268,11 +368,16 @@ fn probe_cuda() -> CudaReport {
         Ok(0) => (Vec::new(), Some("no CUDA device found".to_owned())),
         Ok(n) => (
             (0..n)
-                .map(|ordinal| CudaDeviceReport {
-                    ordinal,
-                    caps: CudaDevice::open_with(driver.clone(), ordinal)
-                        .map(|d| d.caps().clone())
-                        .map_err(|e| e.to_string()),
+                .map(|ordinal| {
+                    let dev = driver.device_get(ordinal as i32).ok();
+                    CudaDeviceReport {
+                        ordinal,
+                        caps: CudaDevice::probe(driver.clone(), ordinal).map_err(|e| e.to_string()),
+                        pci_bus_id: dev.and_then(|d| driver.device_get_pci_bus_id(d).ok()),
+                        uuid: dev
+                            .and_then(|d| driver.device_get_uuid(d).ok())
+                            .map(|b| nvml_uuid(&b)),
+                    }
                 })
                 .collect(),
             None,
@@ -288,7 +393,7 @@ fn probe_cuda() -> CudaReport {
 }
 
 impl CudaReport {
-    fn to_text(&self) -> String {
+    fn to_text(&self, nvml: &[Option<u32>]) -> String {
         let (library, version, devices, problem) = match self {
             CudaReport::Missing(e @ LoadError::Library { .. }) => {
                 return format!("CUDA driver: not found ({e})\n")
@@ -310,25 +415,33 @@ impl CudaReport {
             return format!("{s}; {p}\n");
         }
         s += &format!(", {} device(s)\n", devices.len());
-        for d in devices {
+        for (i, d) in devices.iter().enumerate() {
             match &d.caps {
                 Ok(c) => {
                     s += &format!(
-                    "  [{}] {}: {} memory, VMM supported, granularity {}, POSIX fd handles: {}\n",
-                    d.ordinal,
-                    c.name,
-                    human(c.total_memory),
-                    human(c.granularity),
-                    if c.posix_fd_handles { "yes" } else { "no" }
-                )
+                        "  [{}] {}: {} memory, VMM supported, granularity {}\n",
+                        d.ordinal,
+                        c.name,
+                        human(c.total_memory),
+                        human(c.granularity),
+                    )
                 }
                 Err(e) => s += &format!("  [{}] unusable: {e}\n", d.ordinal),
             }
+            s += &format!(
+                "      PCI {}, {}, {}\n",
+                d.pci_bus_id.as_deref().unwrap_or("unknown"),
+                d.uuid.as_deref().unwrap_or("UUID unknown"),
+                match nvml.get(i).copied().flatten() {
+                    Some(n) => format!("NVML device {n}"),
+                    None => "no NVML device matches".to_owned(),
+                }
+            );
         }
         s
     }
 
-    fn to_json(&self) -> Value {
+    fn to_json(&self, nvml: &[Option<u32>]) -> Value {
         match self {
             CudaReport::Missing(e) => json!({
                 "available": false,
@@ -346,21 +459,26 @@ impl CudaReport {
                 "driver_version": version.as_ref().ok(),
                 "driver_version_string": version.as_ref().ok().map(|v| version_string(*v)),
                 "error": problem.clone().or_else(|| version.as_ref().err().cloned()),
-                "devices": devices.iter().map(|d| match &d.caps {
-                    Ok(c) => json!({
-                        "ordinal": d.ordinal,
-                        "available": true,
-                        "name": c.name,
-                        "total_memory": c.total_memory,
-                        "granularity": c.granularity,
-                        "vmm_supported": c.vmm_supported,
-                        "posix_fd_handles": c.posix_fd_handles,
-                    }),
-                    Err(e) => json!({
-                        "ordinal": d.ordinal,
-                        "available": false,
-                        "error": e,
-                    }),
+                "devices": devices.iter().enumerate().map(|(i, d)| {
+                    let mut v = match &d.caps {
+                        Ok(c) => json!({
+                            "ordinal": d.ordinal,
+                            "available": true,
+                            "name": c.name,
+                            "total_memory": c.total_memory,
+                            "granularity": c.granularity,
+                            "vmm_supported": c.vmm_supported,
+                        }),
+                        Err(e) => json!({
+                            "ordinal": d.ordinal,
+                            "available": false,
+                            "error": e,
+                        }),
+                    };
+                    v["pci_bus_id"] = json!(d.pci_bus_id);
+                    v["uuid"] = json!(d.uuid);
+                    v["nvml_index"] = json!(nvml.get(i).copied().flatten());
+                    v
                 }).collect::<Vec<_>>(),
             }),
         }
@@ -409,9 +527,42 @@ mod tests {
         });
         assert_eq!(backends(&report), ["host", "sim"]);
         assert_eq!(
-            report.to_text(),
+            report.to_text(&[]),
             "CUDA driver: not found (/nonexistent: cannot open shared object file)\n"
         );
-        assert_eq!(report.to_json()["available"], false);
+        assert_eq!(report.to_json(&[])["available"], false);
+    }
+
+    #[test]
+    fn uuids_print_as_nvml_does() {
+        let b = [
+            0x5f, 0x3c, 0x01, 0x02, 0xaa, 0xbb, 0x4c, 0xdd, 0x80, 0x01, 1, 2, 3, 4, 5, 6,
+        ];
+        assert_eq!(nvml_uuid(&b), "GPU-5f3c0102-aabb-4cdd-8001-010203040506");
+    }
+
+    #[test]
+    fn cuda_devices_match_nvml_by_bus_id_then_uuid() {
+        assert_eq!(parse_bus_id("00000000:3B:00.0"), Some((0, 0x3b, 0, 0)));
+        assert_eq!(parse_bus_id("0000:3b:00.0"), Some((0, 0x3b, 0, 0)));
+        assert_eq!(parse_bus_id("nonsense"), None);
+        // NVML sees four GPUs; CUDA_VISIBLE_DEVICES=2,0 shows two, in that order.
+        let nvml = [
+            (0, Some("00000000:1A:00.0"), Some("GPU-aaaa")),
+            (1, Some("00000000:1B:00.0"), Some("GPU-bbbb")),
+            (2, Some("00000000:3B:00.0"), Some("GPU-cccc")),
+            (3, None, Some("GPU-dddd")),
+        ];
+        let cuda = [
+            (Some("0000:3B:00.0"), Some("GPU-cccc")),
+            (Some("0000:1a:00.0"), None),
+            (None, Some("GPU-DDDD")),
+            (Some("0000:99:00.0"), Some("GPU-eeee")),
+        ];
+        assert_eq!(
+            match_devices(&cuda, &nvml),
+            [Some(2), Some(0), Some(3), None]
+        );
+        assert_eq!(match_devices(&cuda, &[]), [None, None, None, None]);
     }
 }

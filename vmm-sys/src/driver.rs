@@ -151,6 +151,28 @@ entry_points! {
     fn cuEventSynchronize(event: CUevent);
     /// `CUresult cuEventDestroy_v2(CUevent hEvent)`.
     fn cuEventDestroy_v2(event: CUevent);
+    /// `CUresult cuCtxPushCurrent_v2(CUcontext ctx)`.
+    fn cuCtxPushCurrent_v2(ctx: CUcontext);
+    /// `CUresult cuCtxPopCurrent_v2(CUcontext *pctx)`.
+    fn cuCtxPopCurrent_v2(pctx: *mut CUcontext);
+    /// `CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)`.
+    fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut c_uint, active: *mut c_int);
+    /// `CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev)`.
+    fn cuDeviceCanAccessPeer(can_access: *mut c_int, dev: CUdevice, peer: CUdevice);
+    /// `CUresult cuMemGetAccess(unsigned long long *flags, const CUmemLocation *location,
+    /// CUdeviceptr ptr)`.
+    fn cuMemGetAccess(flags: *mut u64, location: *const CUmemLocation, ptr: CUdeviceptr);
+    /// `CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)`.
+    fn cuDeviceGetPCIBusId(bus_id: *mut c_char, len: c_int, dev: CUdevice);
+    /// `CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)` (cuda.h maps
+    /// `cuDeviceGetUuid` to it since CUDA 11.4).
+    fn cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice);
+    /// `CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)`.
+    fn cuStreamBeginCapture_v2(stream: CUstream, mode: CUstreamCaptureMode);
+    /// `CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)`.
+    fn cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph);
+    /// `CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)`.
+    fn cuStreamIsCapturing(stream: CUstream, status: *mut CUstreamCaptureStatus);
     /// `CUresult cuGetErrorName(CUresult error, const char **pStr)`.
     fn cuGetErrorName(error: CUresult, text: *mut *const c_char);
     /// `CUresult cuGetErrorString(CUresult error, const char **pStr)`.
@@ -710,6 +732,150 @@ impl Driver {
         check("cuEventDestroy_v2", unsafe {
             (self.fns.cuEventDestroy_v2)(event)
         })
+    }
+
+    // -- Context stack, peers, identity, capture (issue 11) --------------------
+
+    /// `cuCtxPushCurrent_v2`: pushes `ctx` onto the calling thread's context
+    /// stack; it becomes current until popped. Balance with
+    /// [`Driver::ctx_pop_current`].
+    ///
+    /// # Safety
+    /// `ctx` is a live context (e.g. a retained primary context).
+    pub unsafe fn ctx_push_current(&self, ctx: CUcontext) -> Result<(), CuError> {
+        // SAFETY: `ctx` is live (function contract).
+        check("cuCtxPushCurrent_v2", unsafe {
+            (self.fns.cuCtxPushCurrent_v2)(ctx)
+        })
+    }
+
+    /// `cuCtxPopCurrent_v2`: pops the calling thread's current context and
+    /// returns it; the one below (or none) becomes current again.
+    ///
+    /// # Safety
+    /// Must balance a push made by the caller on this thread: popping a
+    /// context someone else pushed changes their current context.
+    pub unsafe fn ctx_pop_current(&self) -> Result<CUcontext, CuError> {
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer; the push is the caller's (contract).
+        check("cuCtxPopCurrent_v2", unsafe {
+            (self.fns.cuCtxPopCurrent_v2)(&mut ctx)
+        })?;
+        Ok(ctx)
+    }
+
+    /// `cuDevicePrimaryCtxGetState`: `(flags, active)`. `active` tells whether
+    /// the primary context exists (someone, e.g. the CUDA runtime, retained
+    /// it); asking creates nothing.
+    pub fn device_primary_ctx_get_state(&self, dev: CUdevice) -> Result<(u32, bool), CuError> {
+        let mut flags: c_uint = 0;
+        let mut active: c_int = 0;
+        // SAFETY: both are valid out-pointers; the driver validates the device.
+        check("cuDevicePrimaryCtxGetState", unsafe {
+            (self.fns.cuDevicePrimaryCtxGetState)(dev, &mut flags, &mut active)
+        })?;
+        Ok((flags, active != 0))
+    }
+
+    /// `cuDeviceCanAccessPeer`: whether contexts on `dev` can access memory
+    /// of `peer` directly. Needs no context.
+    pub fn device_can_access_peer(&self, dev: CUdevice, peer: CUdevice) -> Result<bool, CuError> {
+        let mut can: c_int = 0;
+        // SAFETY: `can` is a valid out-pointer; the driver validates the devices.
+        check("cuDeviceCanAccessPeer", unsafe {
+            (self.fns.cuDeviceCanAccessPeer)(&mut can, dev, peer)
+        })?;
+        Ok(can != 0)
+    }
+
+    /// `cuMemGetAccess`: the access flags (`CU_MEM_ACCESS_FLAGS_PROT_*`) that
+    /// `location` has to the mapping containing `ptr`.
+    pub fn mem_get_access(
+        &self,
+        location: &CUmemLocation,
+        ptr: CUdeviceptr,
+    ) -> Result<u64, CuError> {
+        let mut flags: u64 = 0;
+        // SAFETY: `flags` is a valid out-pointer and `location` a readable
+        // CUmemLocation; the call only reads the driver's mapping tables.
+        check("cuMemGetAccess", unsafe {
+            (self.fns.cuMemGetAccess)(&mut flags, location, ptr)
+        })?;
+        Ok(flags)
+    }
+
+    /// `cuDeviceGetPCIBusId`: `"domain:bus:device.function"` (e.g.
+    /// `"0000:3B:00.0"`), as NVML reports it. Needs no context.
+    pub fn device_get_pci_bus_id(&self, dev: CUdevice) -> Result<String, CuError> {
+        let mut buf = [0 as c_char; 64];
+        // SAFETY: `buf` is writable for its length, which we pass; the driver
+        // NUL-terminates within it.
+        check("cuDeviceGetPCIBusId", unsafe {
+            (self.fns.cuDeviceGetPCIBusId)(buf.as_mut_ptr(), buf.len() as c_int, dev)
+        })?;
+        buf[buf.len() - 1] = 0;
+        // SAFETY: NUL-terminated within `buf` (set above at the latest).
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
+    }
+
+    /// `cuDeviceGetUuid_v2`: the device's 16-byte UUID (NVML prints it as
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`). Needs no context.
+    pub fn device_get_uuid(&self, dev: CUdevice) -> Result<[u8; 16], CuError> {
+        let mut uuid = CUuuid { bytes: [0; 16] };
+        // SAFETY: `uuid` is a valid out-pointer.
+        check("cuDeviceGetUuid_v2", unsafe {
+            (self.fns.cuDeviceGetUuid_v2)(&mut uuid, dev)
+        })?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    /// `cuStreamBeginCapture_v2`: starts capturing `stream` into a graph.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the current context (not the legacy
+    /// default stream, which the driver refuses).
+    pub unsafe fn stream_begin_capture(
+        &self,
+        stream: CUstream,
+        mode: CUstreamCaptureMode,
+    ) -> Result<(), CuError> {
+        // SAFETY: `stream` is live (function contract).
+        check("cuStreamBeginCapture_v2", unsafe {
+            (self.fns.cuStreamBeginCapture_v2)(stream, mode)
+        })
+    }
+
+    /// `cuStreamEndCapture`: ends the capture and returns the graph.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the current context; the caller owns the
+    /// returned graph.
+    pub unsafe fn stream_end_capture(&self, stream: CUstream) -> Result<CUgraph, CuError> {
+        let mut graph: CUgraph = std::ptr::null_mut();
+        // SAFETY: `graph` is a valid out-pointer; `stream` is live (contract).
+        check("cuStreamEndCapture", unsafe {
+            (self.fns.cuStreamEndCapture)(stream, &mut graph)
+        })?;
+        Ok(graph)
+    }
+
+    /// `cuStreamIsCapturing`: the stream's `CU_STREAM_CAPTURE_STATUS_*`.
+    ///
+    /// # Safety
+    /// `stream` is null, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD` or a live
+    /// stream of the current context.
+    pub unsafe fn stream_is_capturing(
+        &self,
+        stream: CUstream,
+    ) -> Result<CUstreamCaptureStatus, CuError> {
+        let mut status: CUstreamCaptureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `status` is a valid out-pointer; `stream` is valid (contract).
+        check("cuStreamIsCapturing", unsafe {
+            (self.fns.cuStreamIsCapturing)(stream, &mut status)
+        })?;
+        Ok(status)
     }
 }
 

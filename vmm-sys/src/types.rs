@@ -9,7 +9,7 @@
 //! here against `cudarc::driver::sys` (bindgen output of the real header).
 #![allow(non_camel_case_types, non_snake_case)]
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 
 // ---------------------------------------------------------------------------
 // Scalar and handle types
@@ -216,6 +216,23 @@ pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 /// An unknown internal error.
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
+/// Peer access is not supported between these two devices.
+pub const CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: CUresult = 217;
+/// The operation cannot be performed in the present state (cuda.h: e.g. a
+/// capture-related call on a stream in the wrong capture state).
+pub const CUDA_ERROR_ILLEGAL_STATE: CUresult = 401;
+/// The operation is not permitted while the stream is capturing (cuda.h);
+/// a capture that hits it is invalidated.
+pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
+/// The capture sequence was invalidated by an earlier error (cuda.h).
+pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
+/// The capture was not initiated in this stream (cuda.h).
+pub const CUDA_ERROR_STREAM_CAPTURE_UNMATCHED: CUresult = 903;
+/// A disallowed implicit dependency on a capture from the legacy stream (cuda.h).
+pub const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: CUresult = 906;
+/// The operation is not permitted on an event last recorded in a capturing stream (cuda.h).
+pub const CUDA_ERROR_CAPTURED_EVENT: CUresult = 907;
+
 /// The name of a result code this crate knows (without asking the driver), e.g.
 /// `"CUDA_ERROR_OUT_OF_MEMORY"` for 2.
 pub fn result_name(code: CUresult) -> Option<&'static str> {
@@ -234,6 +251,13 @@ pub fn result_name(code: CUresult) -> Option<&'static str> {
         CUDA_ERROR_ILLEGAL_ADDRESS => "CUDA_ERROR_ILLEGAL_ADDRESS",
         CUDA_ERROR_NOT_PERMITTED => "CUDA_ERROR_NOT_PERMITTED",
         CUDA_ERROR_NOT_SUPPORTED => "CUDA_ERROR_NOT_SUPPORTED",
+        CUDA_ERROR_PEER_ACCESS_UNSUPPORTED => "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+        CUDA_ERROR_ILLEGAL_STATE => "CUDA_ERROR_ILLEGAL_STATE",
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED => "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED => "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        CUDA_ERROR_STREAM_CAPTURE_UNMATCHED => "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
+        CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        CUDA_ERROR_CAPTURED_EVENT => "CUDA_ERROR_CAPTURED_EVENT",
         CUDA_ERROR_UNKNOWN => "CUDA_ERROR_UNKNOWN",
         _ => return None,
     })
@@ -287,3 +311,46 @@ pub const CU_STREAM_NON_BLOCKING: u32 = 1;
 pub const CU_EVENT_DEFAULT: u32 = 0;
 /// `CU_EVENT_DISABLE_TIMING`: cheaper events that record no timestamp.
 pub const CU_EVENT_DISABLE_TIMING: u32 = 2;
+
+/// `CUstream` value `CU_STREAM_LEGACY` (cuda.h `((CUstream)0x1)`): the legacy
+/// default stream, which synchronizes with every blocking stream of its context.
+pub const CU_STREAM_LEGACY: usize = 0x1;
+/// `CUstream` value `CU_STREAM_PER_THREAD` (cuda.h `((CUstream)0x2)`): the
+/// calling thread's own default stream in the current context.
+pub const CU_STREAM_PER_THREAD: usize = 0x2;
+
+/// `CUuuid` (`struct CUuuid_st { char bytes[16]; }`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CUuuid {
+    /// The 16 bytes of the UUID.
+    pub bytes: [c_char; 16],
+}
+
+/// Opaque `struct CUgraph_st`.
+#[repr(C)]
+pub struct CUgraph_st {
+    _private: [u8; 0],
+}
+
+/// `CUgraph`: a CUDA graph (what a stream capture produces).
+pub type CUgraph = *mut CUgraph_st;
+
+/// `CUstreamCaptureStatus` (a C enum).
+pub type CUstreamCaptureStatus = u32;
+/// `CU_STREAM_CAPTURE_STATUS_NONE`: the stream is not capturing.
+pub const CU_STREAM_CAPTURE_STATUS_NONE: CUstreamCaptureStatus = 0;
+/// `CU_STREAM_CAPTURE_STATUS_ACTIVE`: the stream is capturing.
+pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: CUstreamCaptureStatus = 1;
+/// `CU_STREAM_CAPTURE_STATUS_INVALIDATED`: capturing, but an error
+/// invalidated the capture; it must still be ended.
+pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: CUstreamCaptureStatus = 2;
+
+/// `CUstreamCaptureMode` (a C enum).
+pub type CUstreamCaptureMode = u32;
+/// `CU_STREAM_CAPTURE_MODE_GLOBAL`: potentially unsafe calls are prohibited on every thread.
+pub const CU_STREAM_CAPTURE_MODE_GLOBAL: CUstreamCaptureMode = 0;
+/// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`: prohibited on the capturing thread only.
+pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: CUstreamCaptureMode = 1;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`: not prohibited.
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: CUstreamCaptureMode = 2;

@@ -318,6 +318,16 @@ fn symbol_table_is_the_issue_list() {
         "cuEventQuery",
         "cuEventSynchronize",
         "cuEventDestroy_v2",
+        "cuCtxPushCurrent_v2",
+        "cuCtxPopCurrent_v2",
+        "cuDevicePrimaryCtxGetState",
+        "cuDeviceCanAccessPeer",
+        "cuMemGetAccess",
+        "cuDeviceGetPCIBusId",
+        "cuDeviceGetUuid_v2",
+        "cuStreamBeginCapture_v2",
+        "cuStreamEndCapture",
+        "cuStreamIsCapturing",
         "cuGetErrorName",
         "cuGetErrorString",
     ];
@@ -404,4 +414,67 @@ fn version_strings() {
     assert_eq!(version_string(12040), "12.4");
     assert_eq!(version_string(11020), "11.2");
     assert_eq!(version_string(13000), "13.0");
+}
+
+#[test]
+fn issue_11_types_match_cuda_h() {
+    same_layout!(CUuuid, cu::CUuuid);
+    assert_eq!(size_of::<CUuuid>(), 16);
+    same_field!(CUuuid, cu::CUuuid, bytes);
+    same_layout!(CUgraph, cu::CUgraph);
+    same_layout!(CUstreamCaptureStatus, cu::CUstreamCaptureStatus);
+    same_layout!(CUstreamCaptureMode, cu::CUstreamCaptureMode);
+    use cu::CUstreamCaptureMode_enum as M;
+    use cu::CUstreamCaptureStatus_enum as S;
+    assert_eq!(
+        CU_STREAM_CAPTURE_STATUS_NONE,
+        S::CU_STREAM_CAPTURE_STATUS_NONE as u32
+    );
+    assert_eq!(
+        CU_STREAM_CAPTURE_STATUS_ACTIVE,
+        S::CU_STREAM_CAPTURE_STATUS_ACTIVE as u32
+    );
+    assert_eq!(
+        CU_STREAM_CAPTURE_STATUS_INVALIDATED,
+        S::CU_STREAM_CAPTURE_STATUS_INVALIDATED as u32
+    );
+    assert_eq!(
+        CU_STREAM_CAPTURE_MODE_GLOBAL,
+        M::CU_STREAM_CAPTURE_MODE_GLOBAL as u32
+    );
+    assert_eq!(
+        CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL as u32
+    );
+    assert_eq!(
+        CU_STREAM_CAPTURE_MODE_RELAXED,
+        M::CU_STREAM_CAPTURE_MODE_RELAXED as u32
+    );
+    use cu::cudaError_enum as E;
+    for (ours, theirs) in [
+        (
+            CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+            E::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+        ),
+        (CUDA_ERROR_ILLEGAL_STATE, E::CUDA_ERROR_ILLEGAL_STATE),
+        (
+            CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            E::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        ),
+        (
+            CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+            E::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+        ),
+        (
+            CUDA_ERROR_STREAM_CAPTURE_UNMATCHED,
+            E::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED,
+        ),
+        (
+            CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+            E::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+        ),
+        (CUDA_ERROR_CAPTURED_EVENT, E::CUDA_ERROR_CAPTURED_EVENT),
+    ] {
+        assert_eq!(ours, theirs as u32, "{theirs:?}");
+    }
 }

@@ -17,6 +17,7 @@ use std::str::FromStr;
 use vmmalloc_alloc::caching::CachingConfig;
 use vmmalloc_alloc::expandable::ExpandableConfig;
 use vmmalloc_alloc::{Policy, PolicyOptions};
+use vmmalloc_device::cuda::Peers;
 use vmmalloc_device::{GIB, MIB};
 
 /// The environment variable the configuration is read from.
@@ -34,7 +35,7 @@ pub struct KeyDoc {
 }
 
 /// Every key `VMMALLOC_CONF` accepts, in documentation order.
-pub const KEYS: [KeyDoc; 15] = [
+pub const KEYS: [KeyDoc; 17] = [
     KeyDoc {
         name: "backend",
         default: "expandable",
@@ -114,6 +115,19 @@ pub const KEYS: [KeyDoc; 15] = [
         name: "expandable_segments",
         default: "False",
         meaning: "caching only: accepted for PYTORCH_CUDA_ALLOC_CONF compatibility; use backend:torch-es instead",
+    },
+    KeyDoc {
+        name: "peers",
+        default: "auto",
+        meaning: "cuda: devices granted read-write access to every mapping: auto (every device with \
+                  cuDeviceCanAccessPeer = 1) | none | ordinals joined by + (e.g. 1+2; each must exist and be \
+                  peer-capable)",
+    },
+    KeyDoc {
+        name: "ipc",
+        default: "False",
+        meaning: "cuda: True requests CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR so memory can be exported to \
+                  other processes; off, export fails with an error",
     },
 ];
 
@@ -257,6 +271,10 @@ pub struct Config {
     pub expandable_segments: Option<bool>,
     /// The text this configuration was parsed from.
     pub source: String,
+    /// `peers`: devices granted access to every mapping (cuda).
+    pub peers: Peers,
+    /// `ipc`: request exportable (POSIX fd) handles (cuda).
+    pub ipc: bool,
 }
 
 impl Default for Config {
@@ -278,6 +296,8 @@ impl Default for Config {
             garbage_collection_threshold: None,
             expandable_segments: None,
             source: String::new(),
+            peers: Peers::Auto,
+            ipc: false,
         }
     }
 }
@@ -426,6 +446,8 @@ impl Config {
                 self.garbage_collection_threshold = Some(t);
             }
             "expandable_segments" => self.expandable_segments = Some(boolean(key, v)?),
+            "peers" => self.peers = parse_peers(key, v)?,
+            "ipc" => self.ipc = boolean(key, v)?,
             _ => {
                 return Err(ConfigError {
                     key: Some(key.to_string()),
@@ -561,6 +583,15 @@ impl Config {
             ("log", self.log.name().to_string()),
             ("on_oom", self.on_oom.name().to_string()),
             ("pytorch_alloc_conf", self.pytorch_alloc_conf()),
+            (
+                "peers",
+                match &self.peers {
+                    Peers::Auto => "auto".to_string(),
+                    Peers::None => "none".to_string(),
+                    Peers::List(l) => l.iter().map(u32::to_string).collect::<Vec<_>>().join("+"),
+                },
+            ),
+            ("ipc", if self.ipc { "True" } else { "False" }.to_string()),
         ]
     }
 }
@@ -622,6 +653,27 @@ fn boolean(key: &str, v: &str) -> Result<bool, ConfigError> {
         "True" | "true" | "1" => Ok(true),
         "False" | "false" | "0" => Ok(false),
         _ => Err(ConfigError::bad_value(key, v, "True | False")),
+    }
+}
+
+/// `auto` | `none` | ordinals joined by `+` (`1+2`). Whether each ordinal
+/// exists and can access the device is checked when the device opens.
+fn parse_peers(key: &str, v: &str) -> Result<Peers, ConfigError> {
+    let valid = "auto | none | device ordinals joined by + (e.g. 1+2)";
+    match v {
+        "auto" => Ok(Peers::Auto),
+        "none" => Ok(Peers::None),
+        _ => v
+            .split('+')
+            .map(|p| {
+                p.trim()
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|&n| (n as usize) < crate::runtime::MAX_DEVICES)
+                    .ok_or_else(|| ConfigError::bad_value(key, v, valid))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Peers::List),
     }
 }
 
@@ -746,6 +798,33 @@ mod tests {
                 k.name
             );
         }
+    }
+
+    #[test]
+    fn peers_and_ipc_parse_or_name_the_key() {
+        let c = Config::default();
+        assert_eq!((c.peers.clone(), c.ipc), (Peers::Auto, false));
+        assert_eq!(Config::parse("peers:none").unwrap().peers, Peers::None);
+        assert_eq!(Config::parse("peers:auto").unwrap().peers, Peers::Auto);
+        assert_eq!(
+            Config::parse("peers:1+2,ipc:True").unwrap().peers,
+            Peers::List(vec![1, 2])
+        );
+        assert!(Config::parse("ipc:true").unwrap().ipc);
+        for (text, key) in [
+            ("peers:1,2", "2"),
+            ("peers:all", "peers"),
+            ("peers:1+x", "peers"),
+            ("peers:64", "peers"),
+            ("peers:", "peers"),
+            ("ipc:yes", "ipc"),
+            ("ipc:2", "ipc"),
+        ] {
+            let e = Config::parse(text).unwrap_err();
+            assert_eq!(e.key.as_deref(), Some(key), "{text}: {e}");
+        }
+        let s = Config::parse("peers:3+1").unwrap().settings();
+        assert!(s.contains(&("peers", "3+1".to_string())), "{s:?}");
     }
 
     #[test]

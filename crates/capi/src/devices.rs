@@ -2,18 +2,19 @@
 
 use crate::config::{Config, DeviceKind, MODEL_GRANULARITY};
 use std::sync::Arc;
-use vmmalloc_device::cuda::CudaDevice;
+use vmmalloc_device::cuda::{CudaDevice, CudaOptions};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::{SimConfig, SimDevice};
 use vmmalloc_device::{Device, GIB};
 
-/// Opens device `ordinal` of the configured kind: `CudaDevice::open(ordinal)`
-/// on `cuda`; a fresh host or sim device of `capacity_gb` per ordinal otherwise.
+/// Opens device `ordinal` of the configured kind: `CudaDevice::open_configured`
+/// with `peers:` and `ipc:` on `cuda`; a fresh host or sim device of
+/// `capacity_gb` per ordinal otherwise.
 pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
     let capacity = config.model_capacity();
     let name = |kind: &str| format!("{kind}{ordinal} ({} GiB)", capacity as f64 / GIB as f64);
     match config.device {
-        DeviceKind::Cuda => CudaDevice::open(ordinal)
+        DeviceKind::Cuda => CudaDevice::open_configured(ordinal, &cuda_options(config))
             .map(|d| {
                 // PyTorch hands us its own streams (side streams, NCCL's): accept them.
                 d.accept_external_streams(true);
@@ -33,5 +34,13 @@ pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
             ordinal,
             ..SimConfig::with_capacity(capacity)
         }))),
+    }
+}
+
+/// The `cuda` backend's options from `peers:` and `ipc:`.
+fn cuda_options(config: &Config) -> CudaOptions {
+    CudaOptions {
+        peers: config.peers.clone(),
+        ipc: config.ipc,
     }
 }

@@ -79,7 +79,8 @@ use std::any::Any;
 use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
-use vmmalloc_alloc::{AllocError, Stats, Stream};
+use vmmalloc_alloc::{AllocError, Stats};
+use vmmalloc_device::cuda::stream_key;
 
 // The C++ shim (src/shim.cpp, built by build.rs). Rust never calls these
 // (they may throw); the reference keeps the shim's object in the link, and
@@ -195,7 +196,7 @@ fn try_malloc(
         // Sizes beyond any device never reach a policy (whose rounding could
         // overflow); larger-than-this-device ones get the policy's full report.
         let result = if size as u64 > MAX_REQUEST {
-            d.record_oom(size as u64, Stream(addr(stream)));
+            d.record_oom(size as u64, stream_key(addr(stream)));
             Err((
                 true,
                 format!(
@@ -205,9 +206,9 @@ fn try_malloc(
                 ),
             ))
         } else if let Some(id) = pool {
-            d.pools.malloc(id, size as u64, Stream(addr(stream)))
+            d.pools.malloc(id, size as u64, stream_key(addr(stream)))
         } else {
-            d.malloc(size as u64, Stream(addr(stream)))
+            d.malloc(size as u64, stream_key(addr(stream)))
                 .map_err(|e| (e.is_out_of_memory(), e.to_string()))
         };
         match result {
@@ -506,9 +507,12 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
             return fail(&rt, LError, format!("{call}: {m}"));
         }
         for d in rt.active_devices() {
-            let r = match d.allocator.record_stream(addr(ptr), Stream(addr(stream))) {
+            let r = match d
+                .allocator
+                .record_stream(addr(ptr), stream_key(addr(stream)))
+            {
                 Err(AllocError::InvalidPointer { .. }) => {
-                    d.pools.record_stream(addr(ptr), Stream(addr(stream)))
+                    d.pools.record_stream(addr(ptr), stream_key(addr(stream)))
                 }
                 other => other,
             };

@@ -1372,9 +1372,8 @@ fn forked_child_gets_an_error_not_a_hang() {
 fn memory_fraction_zero_is_valid_and_allows_nothing() {
     let _g = serial();
     // torch.cuda.set_per_process_memory_fraction accepts 0..=1 inclusive
-    // (torch/cuda/memory.py). `expandable` joins this list once its
-    // check_fraction (crates/alloc/src/expandable/config.rs) accepts 0.
-    for backend in ["caching", "torch-es", "native"] {
+    // (torch/cuda/memory.py).
+    for backend in ["expandable", "caching", "torch-es", "native"] {
         if !setup(backend, "") {
             continue;
         }

@@ -2,12 +2,49 @@
 //!
 //! # Contexts
 //!
-//! A [`CudaDevice`] retains the device's *primary* context (the one the CUDA
-//! runtime, and so PyTorch, uses) when it is opened and releases it when it is
-//! dropped. Driver calls act on the calling thread's *current* context, and
-//! threads differ: every method first makes the primary context current on the
-//! calling thread if it is not (`cuCtxGetCurrent`, then `cuCtxSetCurrent` only
-//! when needed), so a device may be used from any thread.
+//! A [`CudaDevice`] works in the device's *primary* context (the one the CUDA
+//! runtime, and so PyTorch, uses). It retains that context lazily, on the
+//! first call that needs a context, and releases it when dropped: opening a
+//! device (and queries such as [`CudaDevice::primary_context_active`]) create
+//! no context, so a device PyTorch has not used stays without one
+//! (`cuDevicePrimaryCtxRetain` creates the primary context if it is not
+//! active; `cuDevicePrimaryCtxGetState` only asks — CUDA Driver API, "Primary
+//! Context Management").
+//!
+//! Driver calls act on the calling thread's *current* context: the top of a
+//! per-thread context stack (CUDA Driver API, "Context Management":
+//! `cuCtxPushCurrent` pushes, `cuCtxPopCurrent` pops and makes the context
+//! below current again, `cuCtxSetCurrent` replaces the top). Every method
+//! wraps its driver calls in a [`ContextScope`]: when the primary context is
+//! already current (the usual case, one `cuCtxGetCurrent`) nothing changes;
+//! otherwise it is pushed for the call and popped afterwards, so the caller's
+//! current context — PyTorch's current device, or a context another library
+//! pushed — is exactly as it was.
+//!
+//! # Peers and handle types
+//!
+//! [`CudaOptions::peers`] chooses the devices granted read-write access to
+//! every mapping, in the same `cuMemSetAccess` call as this device (one
+//! `CUmemAccessDesc` each): PyTorch's expandable segments do the same for each
+//! peer (`ExpandableSegment::addPeer` / `setAccess` in
+//! `c10/cuda/CUDACachingAllocator.cpp`), because `cudaDeviceEnablePeerAccess`
+//! does not cover `cuMemCreate` memory. [`CudaOptions::ipc`] requests
+//! `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`; by default no handle type is
+//! requested (`CU_MEM_HANDLE_TYPE_NONE`) and exporting fails with a clear error.
+//!
+//! # Special streams
+//!
+//! `CU_STREAM_LEGACY` (0x1) is the legacy default stream, the same stream as
+//! null; `CU_STREAM_PER_THREAD` (0x2) names a *different* stream on every
+//! thread (cuda.h; CUDA Driver API, "Stream synchronization behavior").
+//! [`stream_key`] turns the raw value a caller passes into a [`Stream`] that
+//! an allocator can key on: 0x1 becomes [`Stream::DEFAULT`], 0x2 a value
+//! unique to the calling thread. Used from its own thread, such a key is
+//! `CU_STREAM_PER_THREAD`; from another thread the driver cannot name that
+//! stream, so an event is recorded on the legacy default stream instead (it
+//! completes only after all earlier work of every blocking stream, the
+//! per-thread ones included) and a synchronize synchronizes the context:
+//! conservative, never too early.
 //!
 //! # Errors
 //!
@@ -37,7 +74,7 @@
 //! default stream, as PyTorch's are) and events with `CU_EVENT_DISABLE_TIMING`
 //! (the cheap kind PyTorch's allocator records). [`Stream::DEFAULT`] is the
 //! legacy default stream; other [`Stream`] and [`Event`] values are the raw
-//! `CUstream` / `CUevent` pointers.
+//! `CUstream` / `CUevent` pointers, or [`stream_key`]'s per-thread keys.
 
 use crate::{
     Call, Device, DeviceCaps, DeviceError, DeviceResult, Event, MemInfo, PhysHandle, Rule, Stream,
@@ -45,15 +82,19 @@ use crate::{
 use parking_lot::{Mutex, RwLock};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
-use std::sync::Arc;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use vmm_sys::{
     result_name, CUcontext, CUdevice, CUevent, CUevent_st, CUmemAccessDesc,
     CUmemAllocationHandleType, CUmemAllocationProp, CUstream, CUstream_st, CuError, Driver,
-    LoadError, CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_NO_DEVICE,
-    CUDA_ERROR_OUT_OF_MEMORY, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+    LoadError, CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE,
+    CUDA_ERROR_NO_DEVICE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+    CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
     CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED, CU_EVENT_DISABLE_TIMING,
     CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_HANDLE_TYPE_NONE,
-    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_STREAM_NON_BLOCKING,
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_STREAM_CAPTURE_STATUS_NONE, CU_STREAM_LEGACY,
+    CU_STREAM_NON_BLOCKING, CU_STREAM_PER_THREAD,
 };
 
 // ---------------------------------------------------------------------------
@@ -135,8 +176,63 @@ fn driver_error(
     }
 }
 
-fn stream_ptr(s: Stream) -> CUstream {
-    std::ptr::with_exposed_provenance_mut::<CUstream_st>(s.0 as usize)
+fn raw_stream(value: usize) -> CUstream {
+    std::ptr::with_exposed_provenance_mut::<CUstream_st>(value)
+}
+
+/// Marks [`stream_key`]'s per-thread keys: no user-space pointer has these
+/// bits set (x86-64 and AArch64 user addresses stay below 2^57).
+const PER_THREAD_TAG: u64 = 0xF000_0000_0000_0000;
+
+static NEXT_THREAD_TOKEN: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// This thread's token in per-thread stream keys (unique in the process).
+    static THREAD_TOKEN: u64 = NEXT_THREAD_TOKEN.fetch_add(1, Ordering::Relaxed);
+}
+
+fn thread_token() -> u64 {
+    THREAD_TOKEN.with(|t| *t)
+}
+
+/// The [`Stream`] an allocator should key a raw `CUstream` value on:
+/// `CU_STREAM_LEGACY` (0x1) is [`Stream::DEFAULT`] (the same legacy default
+/// stream as null), `CU_STREAM_PER_THREAD` (0x2) a key unique to the calling
+/// thread (its per-thread default stream), anything else the value itself.
+/// [`CudaDevice`] accepts these keys from any thread (see the module docs).
+pub fn stream_key(raw: u64) -> Stream {
+    match raw as usize {
+        CU_STREAM_LEGACY => Stream::DEFAULT,
+        CU_STREAM_PER_THREAD => Stream(PER_THREAD_TAG | (thread_token() << 4) | 0x2),
+        _ => Stream(raw),
+    }
+}
+
+/// Whether `s` is a [`stream_key`] per-thread key (of any thread).
+pub fn is_per_thread_key(s: Stream) -> bool {
+    s.0 & PER_THREAD_TAG == PER_THREAD_TAG && s.0 & 0xf == 0x2
+}
+
+/// What a [`Stream`] means to the driver, from the calling thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StreamRef {
+    /// A `CUstream` value to pass as is (null, `CU_STREAM_LEGACY`,
+    /// `CU_STREAM_PER_THREAD` of this thread, or a real stream).
+    Raw(CUstream),
+    /// Another thread's per-thread default stream, which this thread cannot name.
+    OtherThread,
+}
+
+fn stream_ref(s: Stream) -> StreamRef {
+    if is_per_thread_key(s) {
+        if (s.0 & !PER_THREAD_TAG) >> 4 == thread_token() {
+            StreamRef::Raw(raw_stream(CU_STREAM_PER_THREAD))
+        } else {
+            StreamRef::OtherThread
+        }
+    } else {
+        StreamRef::Raw(raw_stream(s.0 as usize))
+    }
 }
 
 fn event_ptr(e: Event) -> CUevent {
@@ -164,7 +260,7 @@ unsafe impl Sync for PrimaryContext {}
 impl Drop for PrimaryContext {
     fn drop(&mut self) {
         // SAFETY: this value owns one retain of the device's primary context
-        // (taken in `CudaDevice::open_with`) and releases it once, here.
+        // (taken in `CudaDevice::primary`) and releases it once, here.
         match unsafe { self.driver.device_primary_ctx_release(self.dev) } {
             Ok(()) => {}
             // The driver is shutting down at process exit: nothing to release.
@@ -174,6 +270,67 @@ impl Drop for PrimaryContext {
                 self.dev,
                 describe(&self.driver, e)
             ),
+        }
+    }
+}
+
+/// Which other devices get read-write access to a device's memory
+/// (`VMMALLOC_CONF` key `peers:`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Peers {
+    /// Every other device with `cuDeviceCanAccessPeer(peer, this) = 1`.
+    #[default]
+    Auto,
+    /// None: only this device may access its memory.
+    None,
+    /// These ordinals (this device itself is skipped); each must exist and be
+    /// able to access this device (`cuDeviceCanAccessPeer`), else opening fails.
+    List(Vec<u32>),
+}
+
+/// How a [`CudaDevice`] is opened.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CudaOptions {
+    /// Peers granted access on every `set_access`.
+    pub peers: Peers,
+    /// Request `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` so handles can be
+    /// exported (`ipc:true`); off by default, as requesting a handle type can
+    /// slow allocation on older drivers.
+    pub ipc: bool,
+}
+
+/// While alive, the device's primary context is current on this thread;
+/// dropping it pops the context if it was pushed, so the thread's current
+/// context is again what it was (see the module docs). Not `Send`: the pop
+/// must happen on the thread that pushed.
+#[must_use = "the context is popped when the scope is dropped"]
+pub struct ContextScope<'a> {
+    driver: &'a Driver,
+    pushed: bool,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl ContextScope<'_> {
+    /// Whether entering pushed the primary context (false: it was current already).
+    pub fn pushed(&self) -> bool {
+        self.pushed
+    }
+}
+
+impl Drop for ContextScope<'_> {
+    fn drop(&mut self) {
+        if self.pushed {
+            // SAFETY: balances the cuCtxPushCurrent made by `CudaDevice::enter`
+            // on this thread (the scope is not Send); whatever the caller did
+            // in between ran on top of our push.
+            if let Err(e) = unsafe { self.driver.ctx_pop_current() } {
+                if e.code != CUDA_ERROR_DEINITIALIZED {
+                    eprintln!(
+                        "vmmalloc: restoring the caller's CUDA context: {}",
+                        describe(self.driver, e)
+                    );
+                }
+            }
         }
     }
 }
@@ -291,14 +448,75 @@ impl Ranges {
 // The device
 // ---------------------------------------------------------------------------
 
+/// The ordinals to grant access to device `ordinal` (`dev`), per `peers`.
+/// `cuDeviceCanAccessPeer(peer, dev)` says whether contexts on `peer` can
+/// access `dev`'s memory; it needs no context.
+fn resolve_peers(
+    driver: &Driver,
+    dev: CUdevice,
+    ordinal: u32,
+    peers: &Peers,
+) -> DeviceResult<Vec<u32>> {
+    let fail = |e: CuError| DeviceError::Unavailable(format!("peers: {}", describe(driver, e)));
+    let count = u32::try_from(driver.device_get_count().map_err(fail)?).unwrap_or(0);
+    let can = |p: u32| -> DeviceResult<bool> {
+        let peer = driver.device_get(p as i32).map_err(fail)?;
+        driver.device_can_access_peer(peer, dev).map_err(fail)
+    };
+    match peers {
+        Peers::None => Ok(Vec::new()),
+        Peers::Auto => {
+            let mut out = Vec::new();
+            for p in (0..count).filter(|&p| p != ordinal) {
+                if can(p)? {
+                    out.push(p);
+                }
+            }
+            Ok(out)
+        }
+        Peers::List(list) => {
+            let mut out = Vec::new();
+            for &p in list {
+                if p >= count {
+                    return Err(DeviceError::Unavailable(format!(
+                        "peers: device {p} does not exist ({count} CUDA device(s) visible)"
+                    )));
+                }
+                if p == ordinal || out.contains(&p) {
+                    continue;
+                }
+                if !can(p)? {
+                    return Err(DeviceError::Unavailable(format!(
+                        "peers: device {p} cannot access the memory of device {ordinal} \
+                         (cuDeviceCanAccessPeer({p}, {ordinal}) = 0); list only peer-capable \
+                         devices, or use peers:auto"
+                    )));
+                }
+                out.push(p);
+            }
+            Ok(out)
+        }
+    }
+}
+
 /// One CUDA GPU, by ordinal, through its primary context.
 pub struct CudaDevice {
     driver: Arc<Driver>,
     dev: CUdevice,
-    ctx: PrimaryContext,
+    /// The primary context, retained on first use (never for a device that
+    /// only answered queries).
+    ctx: OnceLock<PrimaryContext>,
+    /// Serializes the first retain.
+    ctx_init: Mutex<()>,
     caps: DeviceCaps,
     /// Shareable handle kinds requested for every `cuMemCreate`.
     handle_types: CUmemAllocationHandleType,
+    /// Whether export was asked for (`CudaOptions::ipc`).
+    ipc: bool,
+    /// Ordinals of the peers granted access (see [`Peers`]).
+    peers: Vec<u32>,
+    /// One read-write descriptor for this device, then one per peer.
+    access: Vec<CUmemAccessDesc>,
     /// Copies are checked against these; a copy holds the read lock.
     ranges: RwLock<Ranges>,
     handles: Mutex<Registry>,
@@ -320,9 +538,14 @@ impl fmt::Debug for CudaDevice {
 
 impl CudaDevice {
     /// Opens device `ordinal` with the process-wide driver ([`Driver::global`]:
-    /// `libcuda.so.1`, or `VMMALLOC_CUDA_LIBRARY`).
+    /// `libcuda.so.1`, or `VMMALLOC_CUDA_LIBRARY`) and default options.
     pub fn open(ordinal: u32) -> DeviceResult<CudaDevice> {
-        Self::open_with(global_driver()?, ordinal)
+        Self::open_with_options(global_driver()?, ordinal, &CudaOptions::default())
+    }
+
+    /// Opens device `ordinal` with the process-wide driver and `options`.
+    pub fn open_configured(ordinal: u32, options: &CudaOptions) -> DeviceResult<CudaDevice> {
+        Self::open_with_options(global_driver()?, ordinal, options)
     }
 
     /// Opens device `ordinal` with the driver library at `path`.
@@ -331,11 +554,44 @@ impl CudaDevice {
         Self::open_with(driver, ordinal)
     }
 
-    /// Opens device `ordinal` with a loaded driver: `cuInit`, `cuDeviceGet`,
-    /// checks VMM support, retains the primary context and queries the
-    /// allocation granularity (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`, for pinned
-    /// device memory exportable as POSIX file descriptors where supported).
+    /// Opens device `ordinal` with a loaded driver and default options.
     pub fn open_with(driver: Arc<Driver>, ordinal: u32) -> DeviceResult<CudaDevice> {
+        Self::open_with_options(driver, ordinal, &CudaOptions::default())
+    }
+
+    /// Opens device `ordinal` with a loaded driver: `cuInit`, `cuDeviceGet`,
+    /// checks VMM support, resolves the peers and queries the allocation
+    /// granularity (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`, with the handle type
+    /// `options.ipc` asks for). None of these needs a context, so none is
+    /// created, with one exception: a driver that refuses the granularity
+    /// query without a current context (`CUDA_ERROR_INVALID_CONTEXT`) gets the
+    /// primary context retained for it, as the first real use would.
+    pub fn open_with_options(
+        driver: Arc<Driver>,
+        ordinal: u32,
+        options: &CudaOptions,
+    ) -> DeviceResult<CudaDevice> {
+        Self::open_inner(driver, ordinal, options, true)
+    }
+
+    /// What [`CudaDevice::open_with`] would report for device `ordinal`,
+    /// guaranteed to create and retain no context (for `vmmalloc info`): a
+    /// driver that needs a context for the granularity query gives
+    /// `Unavailable` saying so.
+    pub fn probe(driver: Arc<Driver>, ordinal: u32) -> DeviceResult<DeviceCaps> {
+        let options = CudaOptions {
+            peers: Peers::None,
+            ipc: false,
+        };
+        Self::open_inner(driver, ordinal, &options, false).map(|d| d.caps)
+    }
+
+    fn open_inner(
+        driver: Arc<Driver>,
+        ordinal: u32,
+        options: &CudaOptions,
+        may_retain: bool,
+    ) -> DeviceResult<CudaDevice> {
         let unavailable = |e: CuError| DeviceError::Unavailable(describe(&driver, e));
         match driver.init(0) {
             Ok(()) => {}
@@ -381,49 +637,69 @@ impl CudaDevice {
             )
             .unwrap_or(0)
             != 0;
+        if options.ipc && !posix_fd {
+            return Err(DeviceError::Unavailable(format!(
+                "ipc:true, but CUDA device {ordinal} ({name}) cannot export POSIX file descriptor \
+                 handles (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 0)"
+            )));
+        }
+        let peers = resolve_peers(&driver, dev, ordinal, &options.peers)?;
         let total_memory = driver.device_total_mem(dev).map_err(unavailable)? as u64;
-        let ctx = PrimaryContext {
-            ctx: driver.device_primary_ctx_retain(dev).map_err(unavailable)?,
-            driver: Arc::clone(&driver),
-            dev,
-        };
-        // From here on, an early return drops `ctx`, which releases the retain.
-        // SAFETY: `ctx.ctx` was just retained and stays live while `ctx` lives.
-        unsafe { driver.ctx_set_current(ctx.ctx) }.map_err(unavailable)?;
-        let handle_types = if posix_fd {
+        let handle_types = if options.ipc {
             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         } else {
             CU_MEM_HANDLE_TYPE_NONE
         };
-        let prop = CUmemAllocationProp::pinned_on_device(dev, handle_types);
-        let granularity = driver
-            .mem_get_allocation_granularity(&prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
-            .map_err(unavailable)? as u64;
-        if granularity == 0 {
-            return Err(DeviceError::Unavailable(format!(
-                "CUDA device {ordinal} ({name}) reported an allocation granularity of 0"
-            )));
-        }
-        Ok(CudaDevice {
+        let mut access = vec![CUmemAccessDesc::read_write(dev)];
+        access.extend(
+            peers
+                .iter()
+                .map(|&p| CUmemAccessDesc::read_write(p as CUdevice)),
+        );
+        let mut device = CudaDevice {
             caps: DeviceCaps {
                 name,
                 ordinal,
-                granularity,
+                granularity: 0,
                 total_memory,
                 vmm_supported: true,
-                posix_fd_handles: posix_fd,
+                posix_fd_handles: options.ipc,
                 has_memory: true,
             },
-            driver,
+            driver: Arc::clone(&driver),
             dev,
-            ctx,
+            ctx: OnceLock::new(),
+            ctx_init: Mutex::new(()),
             handle_types,
+            ipc: options.ipc,
+            peers,
+            access,
             ranges: RwLock::new(Ranges::default()),
             handles: Mutex::new(Registry::default()),
             events: Mutex::new(Registry::default()),
             streams: Mutex::new(HashSet::new()),
             external_streams: std::sync::atomic::AtomicBool::new(false),
-        })
+        };
+        let prop = device.prop();
+        let granularity =
+            match driver.mem_get_allocation_granularity(&prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) {
+                Ok(g) => g,
+                Err(e) if e.code == CUDA_ERROR_INVALID_CONTEXT && may_retain => {
+                    let _ctx = device.enter(Call::Reserve)?;
+                    driver
+                        .mem_get_allocation_granularity(&prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+                        .map_err(unavailable)?
+                }
+                Err(e) => return Err(unavailable(e)),
+            } as u64;
+        if granularity == 0 {
+            return Err(DeviceError::Unavailable(format!(
+                "CUDA device {ordinal} ({}) reported an allocation granularity of 0",
+                device.caps.name
+            )));
+        }
+        device.caps.granularity = granularity;
+        Ok(device)
     }
 
     /// The driver this device calls.
@@ -436,28 +712,93 @@ impl CudaDevice {
         self.dev
     }
 
-    /// The retained primary context (for interop, e.g. to make it current in
-    /// code that calls the driver directly).
-    pub fn context(&self) -> CUcontext {
-        self.ctx.ctx
+    /// The primary context, retained now if this device has not retained it
+    /// yet (which creates it if no one else has).
+    pub fn context(&self) -> DeviceResult<CUcontext> {
+        self.primary(Call::DeviceSync)
     }
 
-    /// Makes the primary context current on the calling thread if it is not.
-    pub fn make_current(&self) -> DeviceResult<()> {
-        self.bind(Call::DeviceSync)
+    /// Whether this device holds a retain of its primary context (false
+    /// until the first call that needs a context).
+    pub fn has_retained_context(&self) -> bool {
+        self.ctx.get().is_some()
     }
 
-    fn bind(&self, call: Call) -> DeviceResult<()> {
+    /// Whether the device's primary context exists, whoever created it
+    /// (`cuDevicePrimaryCtxGetState`; creates nothing). PyTorch has used a
+    /// device exactly when this is true.
+    pub fn primary_context_active(&self) -> DeviceResult<bool> {
+        self.driver
+            .device_primary_ctx_get_state(self.dev)
+            .map(|(_, active)| active)
+            .map_err(|e| DeviceError::Unavailable(describe(&self.driver, e)))
+    }
+
+    /// The ordinals granted read-write access to this device's memory on
+    /// every `set_access` (see [`Peers`]).
+    pub fn peers(&self) -> &[u32] {
+        &self.peers
+    }
+
+    /// Makes the primary context current on the calling thread until the
+    /// returned scope is dropped, then restores the caller's context (see
+    /// the module docs). For code that calls the driver directly.
+    pub fn enter(&self, call: Call) -> DeviceResult<ContextScope<'_>> {
+        let ctx = self.primary(call)?;
         let current = self
             .driver
             .ctx_get_current()
             .map_err(|e| self.fail(call, e, 0, String::new))?;
-        if current != self.ctx.ctx {
-            // SAFETY: `self.ctx` holds a retain, so the context is live.
-            unsafe { self.driver.ctx_set_current(self.ctx.ctx) }
-                .map_err(|e| self.fail(call, e, 0, || format!("{:p}", self.ctx.ctx)))?;
+        if current == ctx {
+            return Ok(ContextScope {
+                driver: &self.driver,
+                pushed: false,
+                _not_send: PhantomData,
+            });
         }
-        Ok(())
+        // SAFETY: `ctx` is retained by `self.ctx`, so live; the scope pops it
+        // on this thread.
+        unsafe { self.driver.ctx_push_current(ctx) }
+            .map_err(|e| self.fail(call, e, 0, || format!("{ctx:p}")))?;
+        Ok(ContextScope {
+            driver: &self.driver,
+            pushed: true,
+            _not_send: PhantomData,
+        })
+    }
+
+    /// Whether the primary context certainly does not exist: this device
+    /// holds no retain and `cuDevicePrimaryCtxGetState` says inactive. Then
+    /// nothing can be queued or capturing on the device, and calls that only
+    /// wait or ask need not create a context (issue 11: none for a device
+    /// PyTorch has not used).
+    fn no_context_anywhere(&self) -> bool {
+        self.ctx.get().is_none()
+            && matches!(
+                self.driver.device_primary_ctx_get_state(self.dev),
+                Ok((_, false))
+            )
+    }
+
+    /// The retained primary context, retaining it on first use.
+    fn primary(&self, call: Call) -> DeviceResult<CUcontext> {
+        if let Some(c) = self.ctx.get() {
+            return Ok(c.ctx);
+        }
+        let _g = self.ctx_init.lock();
+        if let Some(c) = self.ctx.get() {
+            return Ok(c.ctx);
+        }
+        let ctx = self
+            .driver
+            .device_primary_ctx_retain(self.dev)
+            .map_err(|e| self.fail(call, e, 0, || format!("device {}", self.dev)))?;
+        let held = PrimaryContext {
+            driver: Arc::clone(&self.driver),
+            dev: self.dev,
+            ctx,
+        };
+        Ok(self.ctx.get_or_init(|| held).ctx)
     }
 
     /// Maps a failed call to a [`DeviceError`]; `args` describes the arguments.
@@ -516,6 +857,8 @@ impl CudaDevice {
 
     fn check_stream(&self, call: Call, stream: Stream) -> DeviceResult<()> {
         if stream == Stream::DEFAULT
+            || is_per_thread_key(stream)
+            || matches!(stream.0 as usize, CU_STREAM_LEGACY | CU_STREAM_PER_THREAD)
             || self
                 .external_streams
                 .load(std::sync::atomic::Ordering::Relaxed)
@@ -548,7 +891,7 @@ impl Device for CudaDevice {
     }
 
     fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
-        self.bind(Call::Reserve)?;
+        let _ctx = self.enter(Call::Reserve)?;
         let addr = self
             .driver
             .mem_address_reserve(size as usize, align as usize, 0, 0)
@@ -562,7 +905,7 @@ impl Device for CudaDevice {
     }
 
     fn free_reservation(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.bind(Call::AddressFree)?;
+        let _ctx = self.enter(Call::AddressFree)?;
         {
             // Claim the range first, so no other call frees it or copies into it.
             let mut ranges = self.ranges.write();
@@ -591,7 +934,7 @@ impl Device for CudaDevice {
     }
 
     fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
-        self.bind(Call::Create)?;
+        let _ctx = self.enter(Call::Create)?;
         let prop = self.prop();
         let handle = self
             .driver
@@ -602,7 +945,7 @@ impl Device for CudaDevice {
     }
 
     fn release(&self, handle: PhysHandle) -> DeviceResult<()> {
-        self.bind(Call::Release)?;
+        let _ctx = self.enter(Call::Release)?;
         let taken = self.handles.lock().take(handle.0).ok_or_else(|| {
             DeviceError::rule(
                 Call::Release,
@@ -624,7 +967,7 @@ impl Device for CudaDevice {
     }
 
     fn map(&self, addr: u64, size: u64, handle: PhysHandle) -> DeviceResult<()> {
-        self.bind(Call::Map)?;
+        let _ctx = self.enter(Call::Map)?;
         let _in_use = self.acquire_handle(Call::Map, handle)?;
         // SAFETY: the handle is live (registered, and `_in_use` keeps it from
         // being released during the call). Mapping touches only device memory;
@@ -640,7 +983,7 @@ impl Device for CudaDevice {
     }
 
     fn unmap(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.bind(Call::Unmap)?;
+        let _ctx = self.enter(Call::Unmap)?;
         // SAFETY: unmapping affects only device memory: copies through this
         // device are confined to its own ranges, and the driver rejects a range
         // that is not mapped. Waiting for queued work is the caller's contract
@@ -653,22 +996,33 @@ impl Device for CudaDevice {
     }
 
     fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.bind(Call::SetAccess)?;
-        let desc = [CUmemAccessDesc::read_write(self.dev)];
-        // SAFETY: granting this device access touches no host memory; the
-        // driver rejects a range that is not fully mapped.
-        unsafe { self.driver.mem_set_access(addr, size as usize, &desc) }.map_err(|e| {
+        let _ctx = self.enter(Call::SetAccess)?;
+        // This device and every peer in one call (PyTorch's expandable
+        // segments grant each peer with its own cuMemSetAccess:
+        // `ExpandableSegment::setAccess`, c10/cuda/CUDACachingAllocator.cpp).
+        // SAFETY: granting access touches no host memory; the driver rejects
+        // a range that is not fully mapped.
+        unsafe {
+            self.driver
+                .mem_set_access(addr, size as usize, &self.access)
+        }
+        .map_err(|e| {
             self.fail(Call::SetAccess, e, 0, || {
                 format!(
-                    "ptr {addr:#x}, size {size:#x}, read-write for device {}",
-                    self.dev
+                    "ptr {addr:#x}, size {size:#x}, read-write for device {}{}",
+                    self.dev,
+                    if self.peers.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" and peers {:?}", self.peers)
+                    }
                 )
             })
         })
     }
 
     fn mem_info(&self) -> DeviceResult<MemInfo> {
-        self.bind(Call::MemInfo)?;
+        let _ctx = self.enter(Call::MemInfo)?;
         let (free, total) = self
             .driver
             .mem_get_info()
@@ -680,7 +1034,7 @@ impl Device for CudaDevice {
     }
 
     fn alloc(&self, size: u64) -> DeviceResult<u64> {
-        self.bind(Call::Alloc)?;
+        let _ctx = self.enter(Call::Alloc)?;
         let ptr = self
             .driver
             .mem_alloc(size as usize)
@@ -690,7 +1044,7 @@ impl Device for CudaDevice {
     }
 
     fn free(&self, ptr: u64) -> DeviceResult<()> {
-        self.bind(Call::Free)?;
+        let _ctx = self.enter(Call::Free)?;
         let size = self.ranges.write().allocs.remove(&ptr).ok_or_else(|| {
             DeviceError::rule(Call::Free, Rule::UnknownPointer, format!("{ptr:#x}"))
         })?;
@@ -703,6 +1057,16 @@ impl Device for CudaDevice {
     }
 
     fn export_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
+        if !self.ipc {
+            return Err(DeviceError::Unsupported {
+                call: Call::Export,
+                what: format!(
+                    "{}: exporting needs ipc:true (VMMALLOC_CONF), which requests \
+                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR for every allocation",
+                    self.caps.name
+                ),
+            });
+        }
         if !self.caps.posix_fd_handles {
             return Err(DeviceError::Unsupported {
                 call: Call::Export,
@@ -712,7 +1076,7 @@ impl Device for CudaDevice {
                 ),
             });
         }
-        self.bind(Call::Export)?;
+        let _ctx = self.enter(Call::Export)?;
         let _in_use = self.acquire_handle(Call::Export, handle)?;
         // SAFETY: the handle is live (registered and held by `_in_use`) and was
         // created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR requested
@@ -725,6 +1089,15 @@ impl Device for CudaDevice {
     }
 
     fn import_fd(&self, fd: i32) -> DeviceResult<PhysHandle> {
+        if !self.ipc {
+            return Err(DeviceError::Unsupported {
+                call: Call::Import,
+                what: format!(
+                    "{}: importing needs ipc:true (VMMALLOC_CONF)",
+                    self.caps.name
+                ),
+            });
+        }
         if !self.caps.posix_fd_handles {
             return Err(DeviceError::Unsupported {
                 call: Call::Import,
@@ -734,7 +1107,7 @@ impl Device for CudaDevice {
                 ),
             });
         }
-        self.bind(Call::Import)?;
+        let _ctx = self.enter(Call::Import)?;
         // SAFETY: the driver only inspects the descriptor (it neither closes nor
         // writes it) and returns an error for one that is not an exported
         // allocation; the new handle is registered below and released once.
@@ -745,7 +1118,7 @@ impl Device for CudaDevice {
     }
 
     fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
-        self.bind(Call::CopyHtoD)?;
+        let _ctx = self.enter(Call::CopyHtoD)?;
         let ranges = self.ranges.read();
         if !ranges.contains(dst, src.len() as u64) {
             return Err(Self::outside(Call::CopyHtoD, dst, src.len()));
@@ -762,7 +1135,7 @@ impl Device for CudaDevice {
     }
 
     fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
-        self.bind(Call::CopyDtoH)?;
+        let _ctx = self.enter(Call::CopyDtoH)?;
         let ranges = self.ranges.read();
         if !ranges.contains(src, dst.len() as u64) {
             return Err(Self::outside(Call::CopyDtoH, src, dst.len()));
@@ -780,7 +1153,7 @@ impl Device for CudaDevice {
     }
 
     fn create_stream(&self) -> DeviceResult<Stream> {
-        self.bind(Call::StreamCreate)?;
+        let _ctx = self.enter(Call::StreamCreate)?;
         let s = self
             .driver
             .stream_create(CU_STREAM_NON_BLOCKING)
@@ -792,22 +1165,39 @@ impl Device for CudaDevice {
 
     fn synchronize_stream(&self, stream: Stream) -> DeviceResult<()> {
         self.check_stream(Call::StreamSync, stream)?;
-        self.bind(Call::StreamSync)?;
-        // SAFETY: the stream is the legacy default stream (null) or one this
-        // device created in its primary context; streams are never destroyed.
-        unsafe { self.driver.stream_synchronize(stream_ptr(stream)) }
-            .map_err(|e| self.fail(Call::StreamSync, e, 0, || format!("{stream}")))
+        if self.no_context_anywhere() {
+            return Ok(());
+        }
+        let _ctx = self.enter(Call::StreamSync)?;
+        match stream_ref(stream) {
+            // SAFETY: the stream is null, a special stream value, or one this
+            // device created (or the caller vouched for, see
+            // `accept_external_streams`) in its primary context; streams are
+            // never destroyed.
+            StreamRef::Raw(s) => unsafe { self.driver.stream_synchronize(s) }
+                .map_err(|e| self.fail(Call::StreamSync, e, 0, || format!("{stream}"))),
+            // Another thread's per-thread stream: synchronize the context
+            // (waits for it and more; never too early).
+            StreamRef::OtherThread => self.driver.ctx_synchronize().map_err(|e| {
+                self.fail(Call::StreamSync, e, 0, || {
+                    format!("{stream} (cuCtxSynchronize)")
+                })
+            }),
+        }
     }
 
     fn synchronize(&self) -> DeviceResult<()> {
-        self.bind(Call::DeviceSync)?;
+        if self.no_context_anywhere() {
+            return Ok(());
+        }
+        let _ctx = self.enter(Call::DeviceSync)?;
         self.driver
             .ctx_synchronize()
             .map_err(|e| self.fail(Call::DeviceSync, e, 0, String::new))
     }
 
     fn create_event(&self) -> DeviceResult<Event> {
-        self.bind(Call::EventCreate)?;
+        let _ctx = self.enter(Call::EventCreate)?;
         let e = self
             .driver
             .event_create(CU_EVENT_DISABLE_TIMING)
@@ -819,15 +1209,20 @@ impl Device for CudaDevice {
 
     fn record_event(&self, event: Event, stream: Stream) -> DeviceResult<()> {
         self.check_stream(Call::EventRecord, stream)?;
-        self.bind(Call::EventRecord)?;
+        let _ctx = self.enter(Call::EventRecord)?;
         let _in_use = self.acquire_event(Call::EventRecord, event)?;
+        // Another thread's per-thread stream cannot be named here: the legacy
+        // default stream waits for every blocking stream's earlier work (the
+        // per-thread ones are blocking), so an event recorded on it completes
+        // no earlier (CUDA Driver API, "Stream synchronization behavior").
+        let s = match stream_ref(stream) {
+            StreamRef::Raw(s) => s,
+            StreamRef::OtherThread => raw_stream(CU_STREAM_LEGACY),
+        };
         // SAFETY: the event is live (registered, held by `_in_use`) and the
-        // stream is null or one of ours, both in this device's primary context.
-        unsafe {
-            self.driver
-                .event_record(event_ptr(event), stream_ptr(stream))
-        }
-        .map_err(|e| {
+        // stream is null, a special stream value or one of ours (or vouched
+        // for), in this device's primary context.
+        unsafe { self.driver.event_record(event_ptr(event), s) }.map_err(|e| {
             self.fail(Call::EventRecord, e, 0, || {
                 format!("event {:#x}, {stream}", event.0)
             })
@@ -835,7 +1230,7 @@ impl Device for CudaDevice {
     }
 
     fn query_event(&self, event: Event) -> DeviceResult<bool> {
-        self.bind(Call::EventQuery)?;
+        let _ctx = self.enter(Call::EventQuery)?;
         let _in_use = self.acquire_event(Call::EventQuery, event)?;
         // SAFETY: the event is live (registered, held by `_in_use`).
         unsafe { self.driver.event_query(event_ptr(event)) }
@@ -843,7 +1238,7 @@ impl Device for CudaDevice {
     }
 
     fn synchronize_event(&self, event: Event) -> DeviceResult<()> {
-        self.bind(Call::EventSync)?;
+        let _ctx = self.enter(Call::EventSync)?;
         let _in_use = self.acquire_event(Call::EventSync, event)?;
         // SAFETY: the event is live (registered, held by `_in_use`).
         unsafe { self.driver.event_synchronize(event_ptr(event)) }
@@ -851,7 +1246,7 @@ impl Device for CudaDevice {
     }
 
     fn destroy_event(&self, event: Event) -> DeviceResult<()> {
-        self.bind(Call::EventDestroy)?;
+        let _ctx = self.enter(Call::EventDestroy)?;
         let taken = self.events.lock().take(event.0).ok_or_else(|| {
             DeviceError::rule(
                 Call::EventDestroy,
@@ -868,6 +1263,32 @@ impl Device for CudaDevice {
                 self.events.lock().restore(event.0, taken);
                 Err(self.fail(Call::EventDestroy, e, 0, || format!("event {:#x}", event.0)))
             }
+        }
+    }
+
+    fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
+        self.check_stream(Call::StreamSync, stream)?;
+        if self.no_context_anywhere() {
+            return Ok(false);
+        }
+        let _ctx = self.enter(Call::StreamSync)?;
+        let s = match stream_ref(stream) {
+            StreamRef::Raw(s) => s,
+            // Another thread's per-thread stream: ask about the legacy stream,
+            // which answers 906 while any blocking stream captures.
+            StreamRef::OtherThread => raw_stream(CU_STREAM_LEGACY),
+        };
+        // SAFETY: the stream is null, a special stream value or one of ours
+        // (or vouched for), in this device's primary context.
+        match unsafe { self.driver.stream_is_capturing(s) } {
+            Ok(status) => Ok(status != CU_STREAM_CAPTURE_STATUS_NONE),
+            // cuStreamIsCapturing on the legacy stream while a blocking stream
+            // of the context captures (CUDA Driver API): using the legacy
+            // stream now would join that capture, so treat it as capturing.
+            Err(e) if e.code == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
+            Err(e) => Err(self.fail(Call::StreamSync, e, 0, || {
+                format!("cuStreamIsCapturing, {stream}")
+            })),
         }
     }
 }
@@ -915,6 +1336,28 @@ mod tests {
             err.to_string(),
             "map: CUDA_ERROR_INVALID_VALUE (1): cuMemMap(ptr 0x200000, size 0x200000, offset 0, \
              handle 0x1): invalid argument"
+        );
+    }
+
+    #[test]
+    fn special_stream_values_get_their_own_keys() {
+        assert_eq!(stream_key(CU_STREAM_LEGACY as u64), Stream::DEFAULT);
+        assert_eq!(stream_key(0), Stream::DEFAULT);
+        assert_eq!(stream_key(0x7f00_1234_5670), Stream(0x7f00_1234_5670));
+        let mine = stream_key(CU_STREAM_PER_THREAD as u64);
+        assert!(is_per_thread_key(mine) && !is_per_thread_key(Stream(0x7f00_1234_5672)));
+        assert_eq!(
+            stream_ref(mine),
+            StreamRef::Raw(raw_stream(CU_STREAM_PER_THREAD))
+        );
+        let theirs = std::thread::spawn(|| stream_key(CU_STREAM_PER_THREAD as u64).0)
+            .join()
+            .unwrap();
+        assert_ne!(Stream(theirs), mine);
+        assert_eq!(stream_ref(Stream(theirs)), StreamRef::OtherThread);
+        assert_eq!(
+            stream_ref(Stream(0x7f00_1234_5670)),
+            StreamRef::Raw(raw_stream(0x7f00_1234_5670))
         );
     }
 

@@ -38,6 +38,16 @@ pub enum Rule {
     UnknownEvent,
     /// A file descriptor that does not name an exported handle.
     UnknownShareableHandle,
+    /// The call is not permitted while the stream (or, for a device-wide
+    /// call, some stream in a global-mode capture) is being captured into a
+    /// CUDA graph; the capture is invalidated.
+    CaptureUnsupported,
+    /// The capture was invalidated by an earlier forbidden call.
+    CaptureInvalidated,
+    /// Ending a capture that was not begun on this stream.
+    NotCapturing,
+    /// Querying or waiting on an event last recorded in a capturing stream.
+    CapturedEvent,
 }
 
 impl Rule {
@@ -48,6 +58,12 @@ impl Rule {
             Rule::NotAccessible | Rule::InUseByStream => 700,
             // CUDA_ERROR_INVALID_HANDLE.
             Rule::UnknownStream | Rule::UnknownEvent => 400,
+            // cuda.h: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, _INVALIDATED,
+            // _UNMATCHED and CUDA_ERROR_CAPTURED_EVENT.
+            Rule::CaptureUnsupported => 900,
+            Rule::CaptureInvalidated => 901,
+            Rule::NotCapturing => 903,
+            Rule::CapturedEvent => 907,
             // CUDA_ERROR_INVALID_VALUE for everything else.
             _ => 1,
         }
@@ -74,6 +90,14 @@ impl Rule {
             Rule::UnknownStream => "unknown stream",
             Rule::UnknownEvent => "unknown or destroyed event",
             Rule::UnknownShareableHandle => "file descriptor does not name an exported handle",
+            Rule::CaptureUnsupported => "operation not permitted when stream is capturing",
+            Rule::CaptureInvalidated => {
+                "the capture sequence has been invalidated due to a previous error"
+            }
+            Rule::NotCapturing => "capture was not initiated in this stream",
+            Rule::CapturedEvent => {
+                "operation not permitted on an event last recorded in a capturing stream"
+            }
         }
     }
 }

@@ -251,6 +251,20 @@ fn dup(fd: RawFd) -> io::Result<OwnedFd> {
 }
 
 impl HostDevice {
+    /// Test control: starts a CUDA-graph capture on `stream` in global mode
+    /// (PyTorch's default), as `cuStreamBeginCapture` would. While it lasts the
+    /// device refuses what the real driver refuses (see [`StreamModel`]).
+    pub fn begin_capture(&self, stream: Stream) -> DeviceResult<()> {
+        self.streams
+            .begin_capture(stream, crate::CaptureMode::Global)
+    }
+
+    /// Test control: ends the capture on `stream` (`cuStreamEndCapture`);
+    /// fails with `CaptureInvalidated` if a forbidden call was made during it.
+    pub fn end_capture(&self, stream: Stream) -> DeviceResult<()> {
+        self.streams.end_capture(stream)
+    }
+
     /// Opens a host device. Fails with [`DeviceError::Unavailable`] when the
     /// granularity is not a power of two at least the system page size.
     pub fn new(config: HostConfig) -> DeviceResult<Self> {
@@ -592,6 +606,8 @@ impl Device for HostDevice {
 
     fn alloc(&self, size: u64) -> DeviceResult<u64> {
         self.count(Call::Alloc);
+        // cuMemAlloc is "potentially unsafe" during a capture (cuStreamBeginCapture docs).
+        self.streams.check_unsafe_call(Call::Alloc)?;
         let mut st = self.state.lock();
         st.space.check_plain(size)?;
         let len = round_up(size, self.page_size);
@@ -623,6 +639,8 @@ impl Device for HostDevice {
 
     fn free(&self, ptr: u64) -> DeviceResult<()> {
         self.count(Call::Free);
+        // cuMemFree synchronizes: forbidden during a (global-mode) capture.
+        self.streams.check_unsafe_call(Call::Free)?;
         let mut st = self.state.lock();
         st.space.plain_size(ptr)?;
         let len = *st.plain.get(&ptr).ok_or_else(|| {
@@ -728,6 +746,8 @@ impl Device for HostDevice {
 
     fn synchronize(&self) -> DeviceResult<()> {
         self.count(Call::DeviceSync);
+        // cuCtxSynchronize is forbidden during a (global-mode) capture.
+        self.streams.check_unsafe_call(Call::DeviceSync)?;
         self.streams.complete_all();
         Ok(())
     }
@@ -755,6 +775,10 @@ impl Device for HostDevice {
     fn destroy_event(&self, event: Event) -> DeviceResult<()> {
         self.count(Call::EventDestroy);
         self.streams.destroy_event(event)
+    }
+
+    fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
+        self.streams.is_capturing(stream)
     }
 
     fn introspect(&self) -> Option<&dyn Introspect> {

@@ -41,7 +41,7 @@ pub mod sim;
 mod streams;
 
 pub use error::{DeviceError, Rule};
-pub use streams::StreamModel;
+pub use streams::{CaptureMode, StreamModel};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

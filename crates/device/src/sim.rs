@@ -81,6 +81,20 @@ pub struct SimDevice {
 }
 
 impl SimDevice {
+    /// Test control: starts a CUDA-graph capture on `stream` in global mode
+    /// (PyTorch's default), as `cuStreamBeginCapture` would. While it lasts the
+    /// device refuses what the real driver refuses (see [`StreamModel`]).
+    pub fn begin_capture(&self, stream: Stream) -> DeviceResult<()> {
+        self.streams
+            .begin_capture(stream, crate::CaptureMode::Global)
+    }
+
+    /// Test control: ends the capture on `stream` (`cuStreamEndCapture`);
+    /// fails with `CaptureInvalidated` if a forbidden call was made during it.
+    pub fn end_capture(&self, stream: Stream) -> DeviceResult<()> {
+        self.streams.end_capture(stream)
+    }
+
     /// A simulated device.
     pub fn new(config: SimConfig) -> Self {
         let mut dev = SimDevice {
@@ -275,6 +289,8 @@ impl Device for SimDevice {
 
     fn alloc(&self, size: u64) -> DeviceResult<u64> {
         self.charge(Call::Alloc, size, 1);
+        // cuMemAlloc is "potentially unsafe" during a capture (cuStreamBeginCapture docs).
+        self.streams.check_unsafe_call(Call::Alloc)?;
         let mut s = self.space.lock();
         s.check_plain(size)?;
         let addr = s.find_plain_va(size)?;
@@ -283,6 +299,11 @@ impl Device for SimDevice {
     }
 
     fn free(&self, ptr: u64) -> DeviceResult<()> {
+        // cuMemFree synchronizes: forbidden during a (global-mode) capture.
+        if let Err(e) = self.streams.check_unsafe_call(Call::Free) {
+            self.charge(Call::Free, 0, 1);
+            return Err(e);
+        }
         let mut s = self.space.lock();
         let size = s.plain_size(ptr);
         self.charge(Call::Free, *size.as_ref().unwrap_or(&0), 1);
@@ -346,6 +367,8 @@ impl Device for SimDevice {
 
     fn synchronize(&self) -> DeviceResult<()> {
         self.charge(Call::DeviceSync, 0, 0);
+        // cuCtxSynchronize is forbidden during a (global-mode) capture.
+        self.streams.check_unsafe_call(Call::DeviceSync)?;
         self.streams.complete_all();
         Ok(())
     }
@@ -373,6 +396,10 @@ impl Device for SimDevice {
     fn destroy_event(&self, event: Event) -> DeviceResult<()> {
         self.charge(Call::EventDestroy, 0, 0);
         self.streams.destroy_event(event)
+    }
+
+    fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
+        self.streams.is_capturing(stream)
     }
 
     fn introspect(&self) -> Option<&dyn Introspect> {

@@ -91,6 +91,7 @@ type CheckFn = unsafe extern "C" fn(c_int) -> u32;
 type SubmitFn = unsafe extern "C" fn(*mut c_void, u64, usize) -> u32;
 type CallCountFn = unsafe extern "C" fn(*const c_char, *mut u64) -> u32;
 type LastErrorFn = unsafe extern "C" fn(*mut c_char, usize) -> u32;
+type DepthFn = unsafe extern "C" fn(*mut c_int) -> u32;
 
 /// The loaded fake: a vmm-sys driver on it and its `fakeCuda*` hooks.
 struct Fake {
@@ -100,6 +101,7 @@ struct Fake {
     submit: SubmitFn,
     call_count: CallCountFn,
     last_error: LastErrorFn,
+    depth: DepthFn,
 }
 
 /// Resolves `name` in the already loaded library `handle`.
@@ -134,6 +136,7 @@ impl Fake {
                 submit: sym(handle, "fakeCudaSubmitWork"),
                 call_count: sym(handle, "fakeCudaCallCount"),
                 last_error: sym(handle, "fakeCudaLastError"),
+                depth: sym(handle, "fakeCudaContextDepth"),
                 driver,
             }
         }
@@ -142,6 +145,16 @@ impl Fake {
     /// Opens device `ordinal` through the `cuda` backend.
     fn open(&self, ordinal: u32) -> CudaDevice {
         CudaDevice::open_with(Arc::clone(&self.driver), ordinal)
+            .unwrap_or_else(|e| panic!("opening fake device {ordinal}: {e}"))
+    }
+
+    /// Opens device `ordinal` with `ipc:true` (exportable handles).
+    fn open_ipc(&self, ordinal: u32) -> CudaDevice {
+        let options = cuda::CudaOptions {
+            ipc: true,
+            ..Default::default()
+        };
+        CudaDevice::open_with_options(Arc::clone(&self.driver), ordinal, &options)
             .unwrap_or_else(|e| panic!("opening fake device {ordinal}: {e}"))
     }
 
@@ -160,8 +173,10 @@ impl Fake {
         assert_eq!(rc, 0, "fake device {ordinal}: {}", self.last_error());
     }
 
-    /// Queues work on `stream` that uses `[addr, addr+len)`, as a kernel would.
-    fn submit(&self, stream: Stream, addr: u64, len: u64) {
+    /// Queues work on `stream` of `dev` that uses `[addr, addr+len)`, as a
+    /// kernel would (in `dev`'s context, as a launch is).
+    fn submit(&self, dev: &CudaDevice, stream: Stream, addr: u64, len: u64) {
+        let _ctx = dev.enter(Call::EventRecord).unwrap();
         // SAFETY: the stream value came from the backend (a fake CUstream) or is null.
         let rc = unsafe {
             (self.submit)(
@@ -181,6 +196,15 @@ impl Fake {
         let rc = unsafe { (self.call_count)(c.as_ptr(), &mut n) };
         assert_eq!(rc, 0, "fakeCudaCallCount({entry})");
         n
+    }
+
+    /// The calling thread's context stack: (current context, depth).
+    fn context_stack(&self) -> (usize, i32) {
+        let mut d = 0;
+        // SAFETY: `d` is a writable int.
+        assert_eq!(unsafe { (self.depth)(&mut d) }, 0);
+        let cur = self.driver.ctx_get_current().unwrap().expose_provenance();
+        (cur, d)
     }
 
     /// Why the last failed call on this thread failed, as the fake says.
@@ -307,7 +331,10 @@ fake_test! {
     /// passes with a granularity other than 2 MiB.
     env [("FAKE_CUDA_CAPACITY_MB", "96"), ("FAKE_CUDA_GRANULARITY_KB", "64")]
     fn caps_follow_the_configuration(fake) {
-        let dev = fake.open(0);
+        let plain = fake.open(0);
+        assert!(!plain.caps().posix_fd_handles, "handle types are requested only with ipc:true");
+        drop(plain);
+        let dev = fake.open_ipc(0);
         let caps = dev.caps();
         assert_eq!(caps.granularity, 64 * 1024);
         assert_eq!(caps.total_memory, 96 * MIB);
@@ -526,7 +553,7 @@ fake_test! {
         dev.map(va, 2 * g, h).unwrap();
         dev.set_access(va, 2 * g).unwrap();
         let s = dev.create_stream().unwrap();
-        fake.submit(s, va + g, 4096);
+        fake.submit(&dev, s, va + g, 4096);
         let e = dev.create_event().unwrap();
         dev.record_event(e, s).unwrap();
         assert!(!dev.query_event(e).unwrap(), "event ready while work is queued");
@@ -534,14 +561,14 @@ fake_test! {
         dev.synchronize_stream(s).unwrap();
         assert!(dev.query_event(e).unwrap());
         // Again, waited for through the event this time.
-        fake.submit(s, va, 16);
+        fake.submit(&dev, s, va, 16);
         dev.record_event(e, s).unwrap();
         expect_driver(fake, dev.unmap(va, 2 * g), Rule::InUseByStream);
         dev.synchronize_event(e).unwrap();
         dev.unmap(va, 2 * g).unwrap();
         // And on the default stream, through a device-wide synchronize.
         dev.map(va, 2 * g, h).unwrap();
-        fake.submit(Stream::DEFAULT, va, 16);
+        fake.submit(&dev, Stream::DEFAULT, va, 16);
         expect_driver(fake, dev.unmap(va, 2 * g), Rule::InUseByStream);
         dev.synchronize().unwrap();
         dev.unmap(va, 2 * g).unwrap();
@@ -558,6 +585,7 @@ fake_test! {
         let p = dev.alloc(1000).unwrap();
         dev.free(p).unwrap();
         expect_rule(fake, dev.free(p), Rule::UnknownPointer);
+        let _ctx = dev.enter(Call::Free).unwrap();
         // SAFETY: the fake validates the pointer.
         expect_code(unsafe { fake.driver.mem_free(p) }, 1);
         assert!(fake.last_error().contains(Rule::UnknownPointer.describe()), "{}", fake.last_error());
@@ -591,7 +619,7 @@ fake_test! {
 
 fake_test! {
     fn rule_import_needs_an_exported_descriptor(fake) {
-        let dev = fake.open(0);
+        let dev = fake.open_ipc(0);
         let f = std::fs::File::open("/dev/null").unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
         expect_driver(fake, dev.import_fd(fd), Rule::UnknownShareableHandle);
@@ -638,12 +666,13 @@ fake_test! {
     env [("FAKE_CUDA_DEVICES", "2"), ("FAKE_CUDA_CAPACITY_MB", "512,256")]
     fn two_devices(fake) {
         assert_eq!(cuda::device_count().unwrap(), 2);
-        let d0 = fake.open(0);
-        let d1 = CudaDevice::open(1).unwrap(); // through VMMALLOC_CUDA_LIBRARY
+        let d0 = fake.open_ipc(0);
+        let ipc = cuda::CudaOptions { ipc: true, ..Default::default() };
+        let d1 = CudaDevice::open_configured(1, &ipc).unwrap(); // through VMMALLOC_CUDA_LIBRARY
         assert_eq!(d0.caps().total_memory, 512 * MIB);
         assert_eq!((d1.caps().total_memory, d1.caps().ordinal), (256 * MIB, 1));
         assert_eq!(d1.caps().name, "vmmalloc fake-cuda device 1");
-        assert_ne!(d0.context(), d1.context());
+        assert_ne!(d0.context().unwrap(), d1.context().unwrap());
         let g = d0.caps().granularity;
 
         // Interleaved on one thread: every call lands on its own device.
@@ -749,7 +778,7 @@ fake_test! {
     fn primary_context_is_shared_and_released_once(fake) {
         let a = fake.open(0);
         let b = fake.open(0);
-        assert_eq!(a.context(), b.context());
+        assert_eq!(a.context().unwrap(), b.context().unwrap());
         assert_eq!(fake.live(0).primary_refs, 2);
         let g = a.caps().granularity;
         let va = a.reserve(g, 0).unwrap();
@@ -1039,6 +1068,12 @@ fn vmmalloc_info_shows_the_fake_devices() {
         .env(vmm_sys::LIBRARY_ENV, &lib)
         .env("FAKE_CUDA_DEVICES", "2")
         .env("FAKE_CUDA_CAPACITY_MB", "2048,1024")
+        // Item 10: info creates no context. Any retain, push or set would
+        // fail here and show a device as unusable.
+        .env(
+            "FAKE_CUDA_FAIL",
+            "cuDevicePrimaryCtxRetain:1,cuCtxPushCurrent_v2:1,cuCtxSetCurrent:1",
+        )
         .output()
         .expect("run vmmalloc info");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -1049,11 +1084,14 @@ fn vmmalloc_info_shows_the_fake_devices() {
             "CUDA driver: CUDA 12.8 (12080) from {}, 2 device(s)",
             lib.display()
         ),
-        "  [0] vmmalloc fake-cuda device 0: 2 GiB memory, VMM supported, granularity 2 MiB, \
-         POSIX fd handles: yes"
+        "  [0] vmmalloc fake-cuda device 0: 2 GiB memory, VMM supported, granularity 2 MiB"
             .to_owned(),
-        "  [1] vmmalloc fake-cuda device 1: 1 GiB memory, VMM supported, granularity 2 MiB, \
-         POSIX fd handles: yes"
+        // No NVML on a machine with the fake: nothing to match.
+        "      PCI 0000:10:00.0, GPU-fa4ec0da-0000-4000-8000-000000000000, no NVML device matches"
+            .to_owned(),
+        "  [1] vmmalloc fake-cuda device 1: 1 GiB memory, VMM supported, granularity 2 MiB"
+            .to_owned(),
+        "      PCI 0000:11:00.0, GPU-fa4ec0da-0000-4000-8000-000000000001, no NVML device matches"
             .to_owned(),
         "backends available: cuda, host, sim".to_owned(),
     ];
@@ -1073,5 +1111,359 @@ fn the_fake_is_built_next_to_this_test() {
     assert!(lib.is_file(), "{}", lib.display());
     if std::env::var_os(FAKE_LIBRARY_ENV).is_none() {
         assert_eq!(lib, profile_dir().join("libcuda.so"));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Issue 11: contexts, peers, handle types, special streams, capture
+
+/// One call of every kind through `dev`, each followed by `after(kind)`.
+fn every_operation(dev: &CudaDevice, after: &mut dyn FnMut(&str)) {
+    let g = dev.caps().granularity;
+    let va = dev.reserve(2 * g, 0).unwrap();
+    after("reserve");
+    let h = dev.create(2 * g).unwrap();
+    after("create");
+    dev.map(va, 2 * g, h).unwrap();
+    after("map");
+    dev.set_access(va, 2 * g).unwrap();
+    after("set_access");
+    dev.copy_to_device(va, &pattern(4096, 3)).unwrap();
+    after("copy_to_device");
+    let mut b = vec![0u8; 4096];
+    dev.copy_from_device(va, &mut b).unwrap();
+    after("copy_from_device");
+    dev.mem_info().unwrap();
+    after("mem_info");
+    let s = dev.create_stream().unwrap();
+    after("create_stream");
+    let e = dev.create_event().unwrap();
+    after("create_event");
+    dev.record_event(e, s).unwrap();
+    after("record_event");
+    dev.query_event(e).unwrap();
+    after("query_event");
+    dev.synchronize_event(e).unwrap();
+    after("synchronize_event");
+    assert!(!dev.is_capturing(s).unwrap());
+    after("is_capturing");
+    dev.synchronize_stream(s).unwrap();
+    after("synchronize_stream");
+    dev.synchronize_stream(Stream::DEFAULT).unwrap();
+    after("synchronize_stream(default)");
+    dev.synchronize().unwrap();
+    after("synchronize");
+    dev.destroy_event(e).unwrap();
+    after("destroy_event");
+    dev.unmap(va, 2 * g).unwrap();
+    after("unmap");
+    dev.release(h).unwrap();
+    after("release");
+    dev.free_reservation(va, 2 * g).unwrap();
+    after("free_reservation");
+    let p = dev.alloc(4096).unwrap();
+    after("alloc");
+    dev.free(p).unwrap();
+    after("free");
+    // Failing calls restore the context too.
+    assert!(dev.free(p).is_err());
+    after("free (refused)");
+    assert!(dev.unmap(va, g).is_err());
+    after("unmap (refused by the driver)");
+}
+
+fake_test! {
+    /// Defect 1: after every operation the calling thread's context stack is
+    /// exactly as it was, whatever the caller had current: nothing, the
+    /// other device's primary context (PyTorch's current device), or a stack
+    /// of contexts another library pushed.
+    env [("FAKE_CUDA_DEVICES", "2")]
+    fn every_call_leaves_the_callers_context_as_found(fake) {
+        let d0 = fake.open(0);
+        let d1 = fake.open(1);
+        let c1 = d1.context().unwrap().expose_provenance();
+        let c0 = d0.context().unwrap().expose_provenance();
+        let stacks: [(&str, Vec<usize>); 4] = [
+            ("nothing current", vec![]),
+            ("device 1 current", vec![c1]),
+            ("device 0 current", vec![c0]),
+            ("device 0 then device 1 pushed", vec![c0, c1]),
+        ];
+        for (what, stack) in stacks {
+            for &c in &stack {
+                // SAFETY: primary contexts retained by d0 / d1.
+                unsafe { fake.driver.ctx_push_current(std::ptr::with_exposed_provenance_mut(c)) }
+                    .unwrap();
+            }
+            let before = fake.context_stack();
+            assert_eq!(before.1 as usize, stack.len());
+            every_operation(&d0, &mut |op| {
+                assert_eq!(fake.context_stack(), before, "{what}: after {op}");
+            });
+            for _ in &stack {
+                // SAFETY: pops what this test pushed.
+                unsafe { fake.driver.ctx_pop_current() }.unwrap();
+            }
+        }
+        // From a fresh thread, with nothing current.
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                every_operation(&d1, &mut |op| {
+                    assert_eq!(fake.context_stack(), (0, 0), "fresh thread: after {op}");
+                });
+            });
+        });
+        assert_clean(fake, 0);
+        assert_clean(fake, 1);
+    }
+}
+
+fake_test! {
+    /// Defect 1: opening a device creates no context; the first call that
+    /// needs one retains it, and queries never do.
+    env [("FAKE_CUDA_DEVICES", "2")]
+    fn opening_is_lazy_about_the_primary_context(fake) {
+        let d1 = fake.open(1);
+        assert_eq!(fake.live(1).primary_refs, 0);
+        assert!(!d1.primary_context_active().unwrap());
+        assert!(!d1.has_retained_context());
+        assert_eq!(d1.caps().granularity, 2 * MIB);
+        // Waiting on or asking about a device without a context creates none.
+        d1.synchronize().unwrap();
+        d1.synchronize_stream(Stream::DEFAULT).unwrap();
+        assert!(!d1.is_capturing(Stream::DEFAULT).unwrap());
+        assert_eq!(fake.live(1).primary_refs, 0);
+        assert!(!d1.primary_context_active().unwrap());
+        d1.mem_info().unwrap();
+        assert_eq!(fake.live(1).primary_refs, 1);
+        assert!(d1.primary_context_active().unwrap() && d1.has_retained_context());
+        drop(d1);
+        assert_eq!(fake.live(1).primary_refs, 0);
+        assert_eq!(fake.context_stack(), (0, 0));
+    }
+}
+
+/// `cuMemGetAccess` of device `peer` to `addr`.
+fn access_of(fake: &Fake, peer: i32, addr: u64) -> u64 {
+    let loc = vmm_sys::CUmemLocation {
+        type_: vmm_sys::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: peer,
+    };
+    fake.driver.mem_get_access(&loc, addr).unwrap()
+}
+
+/// Maps two granules on `dev` and grants access; returns (va, handle).
+fn mapped(dev: &CudaDevice) -> (u64, PhysHandle) {
+    let g = dev.caps().granularity;
+    let va = dev.reserve(2 * g, 0).unwrap();
+    let h = dev.create(2 * g).unwrap();
+    dev.map(va, 2 * g, h).unwrap();
+    dev.set_access(va, 2 * g).unwrap();
+    (va, h)
+}
+
+fn unmapped(dev: &CudaDevice, va: u64, h: PhysHandle) {
+    let g = dev.caps().granularity;
+    dev.unmap(va, 2 * g).unwrap();
+    dev.release(h).unwrap();
+    dev.free_reservation(va, 2 * g).unwrap();
+}
+
+fake_test! {
+    /// Defect 2: under peers:auto (the default) device 1 can read and write
+    /// device 0's memory; under peers:none it cannot; an unmap takes the
+    /// access away.
+    env [("FAKE_CUDA_DEVICES", "3"), ("FAKE_CUDA_PEERS", "0-1")]
+    fn peers_get_read_write_access(fake) {
+        use vmm_sys::{CU_MEM_ACCESS_FLAGS_PROT_NONE as NONE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE as RW};
+        let (rw, none) = (u64::from(RW), u64::from(NONE));
+        let d0 = fake.open(0);
+        assert_eq!(d0.peers(), &[1], "device 2 is not peer-capable");
+        let g = d0.caps().granularity;
+        let (va, h) = mapped(&d0);
+        let _ctx = d0.enter(Call::SetAccess).unwrap();
+        for addr in [va, va + g, va + 2 * g - 1] {
+            assert_eq!(access_of(fake, 0, addr), rw);
+            assert_eq!(access_of(fake, 1, addr), rw, "peer 1 at {addr:#x}");
+            assert_eq!(access_of(fake, 2, addr), none);
+        }
+        d0.unmap(va, 2 * g).unwrap();
+        d0.map(va, 2 * g, h).unwrap();
+        assert_eq!(access_of(fake, 1, va), none, "access survived an unmap");
+        d0.unmap(va, 2 * g).unwrap();
+        d0.release(h).unwrap();
+        d0.free_reservation(va, 2 * g).unwrap();
+        drop(_ctx);
+
+        let none_opts = cuda::CudaOptions { peers: cuda::Peers::None, ..Default::default() };
+        let d0n = CudaDevice::open_with_options(Arc::clone(&fake.driver), 0, &none_opts).unwrap();
+        assert!(d0n.peers().is_empty());
+        let (va, h) = mapped(&d0n);
+        {
+            let _ctx = d0n.enter(Call::SetAccess).unwrap();
+            assert_eq!(access_of(fake, 0, va), rw);
+            assert_eq!(access_of(fake, 1, va), none);
+        }
+        unmapped(&d0n, va, h);
+
+        // A list: device 1 is fine, device 2 cannot access, device 7 does not exist.
+        let list = |l: Vec<u32>| cuda::CudaOptions { peers: cuda::Peers::List(l), ..Default::default() };
+        let d = CudaDevice::open_with_options(Arc::clone(&fake.driver), 0, &list(vec![0, 1])).unwrap();
+        assert_eq!(d.peers(), &[1]);
+        for (l, want) in [(vec![2], "cannot access"), (vec![1, 7], "does not exist")] {
+            let e = CudaDevice::open_with_options(Arc::clone(&fake.driver), 0, &list(l)).unwrap_err();
+            let text = e.to_string();
+            assert!(text.starts_with("peers:") && text.contains(want), "{text}");
+        }
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    /// The fake refuses a peer that cannot access the owner, with the code
+    /// cuda.h lists for cuMemSetAccess.
+    env [("FAKE_CUDA_DEVICES", "2"), ("FAKE_CUDA_PEERS", "none")]
+    fn the_fake_refuses_peers_that_cannot_access(fake) {
+        let d0 = fake.open(0);
+        assert!(d0.peers().is_empty(), "peers:auto found no peer-capable device");
+        let g = d0.caps().granularity;
+        let va = d0.reserve(g, 0).unwrap();
+        let h = d0.create(g).unwrap();
+        d0.map(va, g, h).unwrap();
+        let _ctx = d0.enter(Call::SetAccess).unwrap();
+        let desc = [CUmemAccessDesc::read_write(0), CUmemAccessDesc::read_write(1)];
+        // SAFETY: a range of this test; the fake validates it.
+        expect_code(unsafe { fake.driver.mem_set_access(va, g as usize, &desc) }, 101);
+        assert!(fake.last_error().contains("cuDeviceCanAccessPeer"), "{}", fake.last_error());
+        d0.unmap(va, g).unwrap();
+        d0.release(h).unwrap();
+        d0.free_reservation(va, g).unwrap();
+    }
+}
+
+fake_test! {
+    /// Defect 6: no handle type unless ipc:true; exporting then fails with a
+    /// clear error naming the key.
+    fn handle_types_only_with_ipc(fake) {
+        let dev = fake.open(0);
+        let h = dev.create(dev.caps().granularity).unwrap();
+        let e = dev.export_fd(h).unwrap_err();
+        assert!(e.to_string().contains("ipc:true"), "{e}");
+        assert_eq!(e.cuda_code(), 801);
+        dev.release(h).unwrap();
+        let dev = fake.open_ipc(0);
+        let h = dev.create(dev.caps().granularity).unwrap();
+        let fd = dev.export_fd(h).unwrap();
+        // SAFETY: exported to us.
+        unsafe { libc::close(fd) };
+        dev.release(h).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    /// Capture through the `cuda` backend: `is_capturing` follows begin/end
+    /// capture, and what the driver forbids during a capture fails with its
+    /// code (900, 907) and invalidates the capture (901 at the end).
+    fn capture_state_and_forbidden_calls(fake) {
+        use vmm_sys::CU_STREAM_CAPTURE_MODE_GLOBAL as GLOBAL;
+        let dev = fake.open(0);
+        let s = dev.create_stream().unwrap();
+        let raw = std::ptr::with_exposed_provenance_mut(s.0 as usize);
+        let e = dev.create_event().unwrap();
+        assert!(!dev.is_capturing(s).unwrap());
+        let ctx = dev.enter(Call::StreamSync).unwrap();
+        // SAFETY: a stream of this device.
+        unsafe { fake.driver.stream_begin_capture(raw, GLOBAL) }.unwrap();
+        drop(ctx);
+        assert!(dev.is_capturing(s).unwrap());
+        // Non-blocking streams do not make the legacy stream part of the capture.
+        assert!(!dev.is_capturing(Stream::DEFAULT).unwrap());
+        dev.record_event(e, s).unwrap();
+        assert_eq!(dev.query_event(e).unwrap_err().cuda_code(), 907);
+        assert_eq!(dev.synchronize_event(e).unwrap_err().cuda_code(), 907);
+        assert_eq!(dev.synchronize_stream(s).unwrap_err().cuda_code(), 900);
+        assert_eq!(dev.synchronize().unwrap_err().cuda_code(), 900);
+        assert!(dev.is_capturing(s).unwrap(), "an invalidated capture is still a capture");
+        let ctx = dev.enter(Call::StreamSync).unwrap();
+        // SAFETY: as above.
+        expect_code(unsafe { fake.driver.stream_end_capture(raw) }, 901);
+        expect_code(unsafe { fake.driver.stream_end_capture(raw) }, 903);
+        // SAFETY: the legacy stream cannot be captured.
+        expect_code(unsafe { fake.driver.stream_begin_capture(std::ptr::null_mut(), GLOBAL) }, 900);
+        drop(ctx);
+        assert!(!dev.is_capturing(s).unwrap());
+        dev.synchronize().unwrap();
+        dev.record_event(e, s).unwrap();
+        assert!(dev.query_event(e).unwrap());
+        dev.destroy_event(e).unwrap();
+        assert_clean(fake, 0);
+    }
+}
+
+fake_test! {
+    /// Defect 9: CU_STREAM_LEGACY is the default stream; CU_STREAM_PER_THREAD
+    /// is a different stream on every thread, and its key works from any thread.
+    fn per_thread_and_legacy_streams(fake) {
+        use vmm_sys::{CU_STREAM_CAPTURE_MODE_RELAXED as RELAXED, CU_STREAM_PER_THREAD as PT};
+        let dev = fake.open(0);
+        dev.accept_external_streams(true);
+        assert_eq!(cuda::stream_key(0x1), Stream::DEFAULT);
+        let a = cuda::stream_key(PT as u64);
+        assert_eq!(a, cuda::stream_key(PT as u64), "stable on one thread");
+        assert!(cuda::is_per_thread_key(a));
+        let b = std::thread::scope(|sc| sc.spawn(|| cuda::stream_key(PT as u64)).join().unwrap());
+        assert_ne!(a, b, "one key for two threads' streams");
+        let (va, h) = mapped(&dev);
+        // Work queued on this thread's per-thread stream ...
+        fake.submit(&dev, Stream(PT as u64), va, 16);
+        let e = dev.create_event().unwrap();
+        dev.record_event(e, a).unwrap();
+        assert!(!dev.query_event(e).unwrap(), "the event ignored this thread's stream");
+        // ... is not on another thread's per-thread stream.
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let mine = cuda::stream_key(PT as u64);
+                let e2 = dev.create_event().unwrap();
+                dev.record_event(e2, mine).unwrap();
+                assert!(dev.query_event(e2).unwrap());
+                dev.destroy_event(e2).unwrap();
+                // The other thread's key: recorded (on the legacy stream) and
+                // synchronized (the whole context) without naming it.
+                let e3 = dev.create_event().unwrap();
+                dev.record_event(e3, a).unwrap();
+                assert!(
+                    !dev.query_event(e3).unwrap(),
+                    "an event for the other thread's stream ignored its queued work"
+                );
+                dev.synchronize_stream(a).unwrap();
+                assert!(dev.query_event(e3).unwrap());
+                dev.destroy_event(e3).unwrap();
+            });
+        });
+        assert!(dev.query_event(e).unwrap(), "synchronizing the key did not reach the stream");
+        // Capturing the per-thread stream: seen from this thread through the
+        // key, and from another one through the legacy stream (906 -> true).
+        {
+            let _ctx = dev.enter(Call::StreamSync).unwrap();
+            // SAFETY: this thread's per-thread stream.
+            unsafe { fake.driver.stream_begin_capture(std::ptr::with_exposed_provenance_mut(PT), RELAXED) }
+                .unwrap();
+        }
+        assert!(dev.is_capturing(a).unwrap());
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                assert!(dev.is_capturing(a).unwrap(), "another thread's capturing stream");
+                assert!(!dev.is_capturing(cuda::stream_key(PT as u64)).unwrap());
+            });
+        });
+        {
+            let _ctx = dev.enter(Call::StreamSync).unwrap();
+            // SAFETY: as above.
+            unsafe { fake.driver.stream_end_capture(std::ptr::with_exposed_provenance_mut(PT)) }.unwrap();
+        }
+        dev.destroy_event(e).unwrap();
+        unmapped(&dev, va, h);
+        assert_clean(fake, 0);
     }
 }

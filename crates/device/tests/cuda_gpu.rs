@@ -22,6 +22,20 @@ fn open() -> CudaDevice {
     }
 }
 
+/// Opened with `ipc:true` (exportable handles), `None` where the device
+/// cannot export POSIX file descriptors.
+fn open_ipc() -> Option<CudaDevice> {
+    let options = cuda::CudaOptions {
+        ipc: true,
+        ..Default::default()
+    };
+    match CudaDevice::open_configured(ordinal(), &options) {
+        Ok(d) => Some(d),
+        Err(e) if e.to_string().contains("ipc:true") => None,
+        Err(e) => panic!("cannot open CUDA device {}: {e}", ordinal()),
+    }
+}
+
 /// A byte pattern that differs per page and per offset.
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -197,11 +211,10 @@ fn streams_and_events() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn export_import_fd_shares_memory() {
-    let d = open();
-    if !d.caps().posix_fd_handles {
+    let Some(d) = open_ipc() else {
         eprintln!("skipped: device cannot export POSIX fds");
         return;
-    }
+    };
     let g = d.caps().granularity;
     let base = d.reserve(2 * g, 0).unwrap();
     let h = d.create(g).unwrap();
@@ -304,3 +317,48 @@ fn conformance_suite() {
 
 // More suites over `CudaDevice` (allocator policies, ...) go below, each
 // test `#[ignore]`d.
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn calls_leave_the_callers_context_and_see_captures() {
+    let d = open();
+    let drv = Arc::clone(d.driver());
+    // Nothing current: still nothing current after each call.
+    while !drv.ctx_get_current().unwrap().is_null() {
+        // SAFETY: null unsets (pops) the current context.
+        unsafe { drv.ctx_set_current(std::ptr::null_mut()) }.unwrap();
+    }
+    let g = d.caps().granularity;
+    let va = d.reserve(g, 0).unwrap();
+    assert!(drv.ctx_get_current().unwrap().is_null());
+    let h = d.create(g).unwrap();
+    d.map(va, g, h).unwrap();
+    d.set_access(va, g).unwrap();
+    d.mem_info().unwrap();
+    assert!(
+        drv.ctx_get_current().unwrap().is_null(),
+        "a call left a context current"
+    );
+    // A real capture seen by is_capturing; a stream sync then fails with 900.
+    let s = d.create_stream().unwrap();
+    let raw = std::ptr::with_exposed_provenance_mut(s.0 as usize);
+    {
+        let _ctx = d.enter(vmmalloc_device::Call::StreamSync).unwrap();
+        // SAFETY: a stream of this device.
+        unsafe { drv.stream_begin_capture(raw, vmm_sys::CU_STREAM_CAPTURE_MODE_RELAXED) }.unwrap();
+    }
+    assert!(d.is_capturing(s).unwrap());
+    assert_eq!(d.synchronize_stream(s).unwrap_err().cuda_code(), 900);
+    {
+        let _ctx = d.enter(vmmalloc_device::Call::StreamSync).unwrap();
+        // SAFETY: as above; the invalidated capture ends with 901.
+        let e = unsafe { drv.stream_end_capture(raw) }.unwrap_err();
+        assert_eq!(e.code, 901);
+    }
+    assert!(!d.is_capturing(s).unwrap());
+    assert!(drv.ctx_get_current().unwrap().is_null());
+    d.unmap(va, g).unwrap();
+    d.release(h).unwrap();
+    d.free_reservation(va, g).unwrap();
+    eprintln!("peers granted on every set_access: {:?}", d.peers());
+}

@@ -8,6 +8,7 @@
 //! | `FAKE_CUDA_FAIL`           | `entry:N[:code],...`: fail the Nth call (counted from 1) of each named entry point | none |
 //! | `FAKE_CUDA_FAIL_CODE`      | the code of injected failures without their own      | 2 for `cuMemCreate`, 999 otherwise |
 //! | `FAKE_CUDA_TRACE`          | `0` silent, `1` one stderr line per failed call, `2` per call | 0 |
+//! | `FAKE_CUDA_PEERS`          | which devices can access each other's memory (`cuDeviceCanAccessPeer`): `all`, `none`, or pairs `A-B` separated by `+` (symmetric, e.g. `0-1+2-3`) | all |
 //!
 //! A malformed value is an error naming the variable; the fake then refuses to
 //! initialize (`cuInit` returns `CUDA_ERROR_INVALID_VALUE` and says why on stderr).
@@ -56,6 +57,8 @@ pub struct Config {
     pub fail: Vec<FailRule>,
     /// Stderr tracing.
     pub trace: Trace,
+    /// Peer access: `None` = every pair; else the symmetric pairs listed.
+    pub peers: Option<Vec<(u32, u32)>>,
 }
 
 impl Default for Config {
@@ -67,6 +70,7 @@ impl Default for Config {
             granularity: 2048 * KIB,
             fail: Vec::new(),
             trace: Trace::Off,
+            peers: None,
         }
     }
 }
@@ -118,6 +122,9 @@ impl Config {
         if let Some(v) = get("FAKE_CUDA_FAIL") {
             c.fail = parse_fail(&v, default_code)?;
         }
+        if let Some(v) = get("FAKE_CUDA_PEERS") {
+            c.peers = parse_peers(&v)?;
+        }
         if let Some(v) = get("FAKE_CUDA_TRACE") {
             c.trace = match v.as_str() {
                 "0" => Trace::Off,
@@ -127,6 +134,18 @@ impl Config {
             };
         }
         Ok(c)
+    }
+
+    /// `cuDeviceCanAccessPeer(dev, peer)`: whether contexts on `dev` can
+    /// access `peer`'s memory (never a device itself).
+    pub fn can_access_peer(&self, dev: u32, peer: u32) -> bool {
+        dev != peer
+            && match &self.peers {
+                None => true,
+                Some(pairs) => pairs
+                    .iter()
+                    .any(|&(a, b)| (a, b) == (dev, peer) || (b, a) == (dev, peer)),
+            }
     }
 
     /// Physical memory of device `ordinal` in bytes.
@@ -142,6 +161,32 @@ impl Config {
             .find(|r| r.nth == nth && r.entry == entry)
             .map(|r| r.code)
     }
+}
+
+/// `all` | `none` | `A-B+C-D...`.
+fn parse_peers(v: &str) -> Result<Option<Vec<(u32, u32)>>, String> {
+    match v {
+        "all" => return Ok(None),
+        "none" => return Ok(Some(Vec::new())),
+        _ => {}
+    }
+    v.split('+')
+        .map(|pair| {
+            let (a, b) = pair.trim().split_once('-').ok_or_else(|| {
+                format!("FAKE_CUDA_PEERS={v}: `{pair}` is not a pair A-B (or use all / none)")
+            })?;
+            let a = parse_u64("FAKE_CUDA_PEERS", a.trim())?;
+            let b = parse_u64("FAKE_CUDA_PEERS", b.trim())?;
+            match (u32::try_from(a), u32::try_from(b)) {
+                (Ok(a), Ok(b)) if a < MAX_DEVICES && b < MAX_DEVICES => Ok((a, b)),
+                _ => Err(format!(
+                    "FAKE_CUDA_PEERS={v}: ordinals go up to {}",
+                    MAX_DEVICES - 1
+                )),
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 fn parse_u64(key: &str, v: &str) -> Result<u64, String> {
@@ -219,6 +264,20 @@ mod tests {
         assert_eq!(c.devices, 1);
         assert_eq!(c.capacity(0), 1 << 30);
         assert_eq!(c.granularity, 2 << 20);
+    }
+
+    #[test]
+    fn peers_are_all_none_or_symmetric_pairs() {
+        let c = cfg(&[]).unwrap();
+        assert!(c.can_access_peer(0, 1) && c.can_access_peer(1, 0) && !c.can_access_peer(1, 1));
+        let c = cfg(&[("FAKE_CUDA_PEERS", "none")]).unwrap();
+        assert!(!c.can_access_peer(0, 1));
+        let c = cfg(&[("FAKE_CUDA_PEERS", "0-1 + 2-3")]).unwrap();
+        assert!(c.can_access_peer(1, 0) && c.can_access_peer(2, 3) && !c.can_access_peer(0, 2));
+        for bad in ["0", "0-x", "0-64", "some"] {
+            let e = cfg(&[("FAKE_CUDA_PEERS", bad)]).unwrap_err();
+            assert!(e.contains("FAKE_CUDA_PEERS"), "{e}");
+        }
     }
 
     #[test]

@@ -146,3 +146,17 @@ pub unsafe extern "C" fn fakeCudaLastError(buf: *mut c_char, len: usize) -> CUre
     }));
     done.unwrap_or(CUDA_ERROR_UNKNOWN)
 }
+
+/// `CUresult fakeCudaContextDepth(int *depth)`: the depth of the calling
+/// thread's context stack (0: no context current).
+///
+/// # Safety
+/// `depth` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fakeCudaContextDepth(depth: *mut c_int) -> CUresult {
+    run("fakeCudaContextDepth", || {
+        let d = crate::state::context_depth() as c_int;
+        // SAFETY: null or writable (function contract).
+        unsafe { put(depth, d, "depth") }
+    })
+}

@@ -43,7 +43,7 @@ use vmmalloc_device::DeviceError;
 
 /// Every CUDA entry point the fake exports, in vmm-sys's order (a unit test
 /// checks that this is exactly `vmm_sys::SYMBOLS`). `FAKE_CUDA_FAIL` names them.
-pub const ENTRY_POINTS: [&str; 36] = [
+pub const ENTRY_POINTS: [&str; 46] = [
     "cuInit",
     "cuDriverGetVersion",
     "cuDeviceGet",
@@ -78,6 +78,16 @@ pub const ENTRY_POINTS: [&str; 36] = [
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuDevicePrimaryCtxGetState",
+    "cuDeviceCanAccessPeer",
+    "cuMemGetAccess",
+    "cuDeviceGetPCIBusId",
+    "cuDeviceGetUuid_v2",
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuStreamIsCapturing",
     "cuGetErrorName",
     "cuGetErrorString",
 ];

@@ -1,5 +1,5 @@
 //! The fake driver's state: devices (one [`HostDevice`] each), primary
-//! contexts, the calling thread's current context, and the tables that turn
+//! contexts, the calling thread's context stack, and the tables that turn
 //! the driver's process-wide values (allocation handles, streams, events,
 //! addresses) into a device and that device's own identifiers.
 //!
@@ -14,10 +14,11 @@
 use crate::config::Config;
 use crate::{Fail, Res};
 use parking_lot::Mutex;
-use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::CString;
 use std::sync::{Arc, OnceLock};
+use std::thread::ThreadId;
 use vmm_sys::{
     CUresult, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_HANDLE,
     CUDA_ERROR_NOT_INITIALIZED,
@@ -30,8 +31,10 @@ use vmmalloc_device::{Event, Introspect, PhysHandle, Rule, Stream};
 static FAKE: OnceLock<Fake> = OnceLock::new();
 
 thread_local! {
-    /// The calling thread's current context (0 = none).
-    static CURRENT: Cell<usize> = const { Cell::new(0) };
+    /// The calling thread's context stack; the top is the current context
+    /// (cuda.h, "Context Management": every CPU thread has a stack of current
+    /// contexts).
+    static STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The driver, or `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`.
@@ -53,14 +56,40 @@ pub fn init(config: &Config) -> Res<&'static Fake> {
     Ok(FAKE.get_or_init(|| made))
 }
 
-/// The calling thread's current context value (0 = none).
+/// The calling thread's current context value: the top of its stack (0 = none).
 pub fn current_context() -> usize {
-    CURRENT.with(Cell::get)
+    STACK.with(|s| s.borrow().last().copied().unwrap_or(0))
 }
 
-/// Sets the calling thread's current context value (0 = none).
+/// `cuCtxSetCurrent` semantics: replaces the top of the calling thread's
+/// stack with `ctx` (pushes it on an empty stack); null pops the top (a no-op
+/// on an empty stack).
 pub fn set_current_context(ctx: usize) {
-    CURRENT.with(|c| c.set(ctx));
+    STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        match (ctx, s.last_mut()) {
+            (0, _) => {
+                s.pop();
+            }
+            (c, Some(top)) => *top = c,
+            (c, None) => s.push(c),
+        }
+    });
+}
+
+/// `cuCtxPushCurrent`: pushes `ctx` (non-null) on the calling thread's stack.
+pub fn push_context(ctx: usize) {
+    STACK.with(|s| s.borrow_mut().push(ctx));
+}
+
+/// `cuCtxPopCurrent`: pops the calling thread's current context, if any.
+pub fn pop_context() -> Option<usize> {
+    STACK.with(|s| s.borrow_mut().pop())
+}
+
+/// Depth of the calling thread's context stack (`fakeCudaContextDepth`).
+pub fn context_depth() -> usize {
+    STACK.with(|s| s.borrow().len())
 }
 
 /// First value handed out for a stream (streams are spaced by 0x10).
@@ -96,6 +125,9 @@ struct Range {
     host: Arc<HostDevice>,
 }
 
+/// First value handed out for a captured graph (graphs are not modelled).
+const GRAPH_BASE: u64 = 0x6000_0000_0010;
+
 /// A stream or event and its device.
 #[derive(Debug, Clone)]
 pub struct Owned<T> {
@@ -119,11 +151,34 @@ struct Tables {
     streams: HashMap<u64, Owned<Stream>>,
     next_event: u64,
     events: HashMap<u64, Owned<Event>>,
+    /// Streams created without `CU_STREAM_NON_BLOCKING` (they synchronize
+    /// with the legacy default stream), by `CUstream` value.
+    blocking: HashSet<u64>,
+    /// Each thread's per-thread default stream on each device
+    /// (`CU_STREAM_PER_THREAD`), made on first use.
+    per_thread: HashMap<(ThreadId, usize), Owned<Stream>>,
+    /// Peer access per granule of mapped memory: address -> bit mask of the
+    /// devices (other than the owner) granted read-write by `cuMemSetAccess`.
+    peer_access: BTreeMap<u64, u64>,
+    next_graph: u64,
 }
 
 impl Tables {
     /// Drops every entry that belongs to `host` (its context was destroyed).
     fn purge(&mut self, host: &Arc<HostDevice>) {
+        for (start, r) in &self.reservations {
+            if Arc::ptr_eq(&r.host, host) {
+                let gone: Vec<u64> = self
+                    .peer_access
+                    .range(*start..start + r.len)
+                    .map(|(a, _)| *a)
+                    .collect();
+                for a in gone {
+                    self.peer_access.remove(&a);
+                }
+            }
+        }
+        self.per_thread.retain(|_, s| !Arc::ptr_eq(&s.host, host));
         self.handles.retain(|_, e| !Arc::ptr_eq(&e.host, host));
         self.reservations.retain(|_, r| !Arc::ptr_eq(&r.host, host));
         self.plain.retain(|_, r| !Arc::ptr_eq(&r.host, host));
@@ -224,6 +279,7 @@ impl Fake {
                 next_handle: HANDLE_BASE,
                 next_stream: STREAM_BASE,
                 next_event: EVENT_BASE,
+                next_graph: GRAPH_BASE,
                 ..Tables::default()
             }),
         })
@@ -464,13 +520,31 @@ impl Fake {
     /// `CU_STREAM_PER_THREAD` are the current context's default stream;
     /// anything else unknown is `CUDA_ERROR_INVALID_HANDLE`.
     pub fn stream(&self, value: usize) -> Res<Owned<Stream>> {
-        if value == 0 || value == CU_STREAM_LEGACY || value == CU_STREAM_PER_THREAD {
+        if value == 0 || value == CU_STREAM_LEGACY {
             let dev = self.current()?;
             return Ok(Owned {
                 dev,
                 host: self.host(dev),
                 inner: Stream::DEFAULT,
             });
+        }
+        if value == CU_STREAM_PER_THREAD {
+            // The calling thread's own default stream in the current context
+            // (cuda.h, "Stream synchronization behavior": per-thread default
+            // stream), a blocking stream distinct on every thread.
+            let dev = self.current()?;
+            let host = self.host(dev);
+            let key = (std::thread::current().id(), dev);
+            let mut t = self.tables.lock();
+            if let Some(s) = t.per_thread.get(&key) {
+                if Arc::ptr_eq(&s.host, &host) {
+                    return Ok(s.clone());
+                }
+            }
+            let inner = vmmalloc_device::Device::create_stream(&*host)?;
+            let s = Owned { dev, host, inner };
+            t.per_thread.insert(key, s.clone());
+            return Ok(s);
         }
         self.tables
             .lock()
@@ -480,6 +554,82 @@ impl Fake {
             .ok_or_else(|| {
                 invalid_handle(format!("{}: {value:#x}", Rule::UnknownStream.describe()))
             })
+    }
+
+    /// Marks the stream `value` as blocking (made without `CU_STREAM_NON_BLOCKING`).
+    pub fn set_blocking(&self, value: u64) {
+        self.tables.lock().blocking.insert(value);
+    }
+
+    /// Whether some blocking stream of `host` (a per-thread default stream
+    /// included) is capturing: the legacy stream then has an implicit
+    /// dependency on that capture (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`).
+    pub fn blocking_stream_capturing(&self, host: &Arc<HostDevice>) -> bool {
+        use vmmalloc_device::Introspect;
+        let t = self.tables.lock();
+        let capturing = |s: &Owned<Stream>| {
+            Arc::ptr_eq(&s.host, host) && host.streams().is_capturing(s.inner).unwrap_or(false)
+        };
+        t.blocking
+            .iter()
+            .filter_map(|v| t.streams.get(v))
+            .chain(t.per_thread.values())
+            .any(capturing)
+    }
+
+    /// The blocking streams of `host` (made without `CU_STREAM_NON_BLOCKING`,
+    /// and every thread's per-thread stream), as the device knows them.
+    pub fn blocking_streams_of(&self, host: &Arc<HostDevice>) -> Vec<Stream> {
+        let t = self.tables.lock();
+        t.blocking
+            .iter()
+            .filter_map(|v| t.streams.get(v))
+            .chain(t.per_thread.values())
+            .filter(|s| Arc::ptr_eq(&s.host, host))
+            .map(|s| s.inner)
+            .collect()
+    }
+
+    /// A new (unmodelled) graph value for `cuStreamEndCapture`.
+    pub fn new_graph(&self) -> u64 {
+        let mut t = self.tables.lock();
+        let g = t.next_graph;
+        t.next_graph += 0x10;
+        g
+    }
+
+    // -- Peer access ------------------------------------------------------------
+
+    /// Grants the devices in `mask` read-write access to `[addr, addr+len)`,
+    /// granule by granule.
+    pub fn grant_peers(&self, addr: u64, len: u64, mask: u64) {
+        let g = self.config.granularity;
+        let mut t = self.tables.lock();
+        let mut a = addr;
+        while a < addr.saturating_add(len) {
+            *t.peer_access.entry(a).or_insert(0) |= mask;
+            a += g;
+        }
+    }
+
+    /// Forgets peer access to `[addr, addr+len)` (an unmap).
+    pub fn revoke_peers(&self, addr: u64, len: u64) {
+        let mut t = self.tables.lock();
+        let gone: Vec<u64> = t
+            .peer_access
+            .range(addr..addr.saturating_add(len))
+            .map(|(a, _)| *a)
+            .collect();
+        for a in gone {
+            t.peer_access.remove(&a);
+        }
+    }
+
+    /// The peers granted access to the granule containing `addr`.
+    pub fn peers_of(&self, addr: u64) -> u64 {
+        let g = self.config.granularity;
+        let t = self.tables.lock();
+        t.peer_access.get(&(addr - addr % g)).copied().unwrap_or(0)
     }
 
     /// Registers an event of device `dev`; returns its `CUevent` value.
@@ -536,7 +686,7 @@ mod tests {
         let f = small();
         assert_eq!(f.device(2).unwrap_err().code, 101);
         assert_eq!(f.device(-1).unwrap_err().code, 101);
-        set_current_context(0);
+        while pop_context().is_some() {}
         assert_eq!(f.current().unwrap_err().code, 201);
         let c1 = f.retain(1).unwrap();
         assert_ne!(c1, f.retain(0).unwrap());
@@ -546,6 +696,25 @@ mod tests {
         assert_eq!(f.current().unwrap_err().code, 201);
         assert_eq!(f.release_primary(1).unwrap_err().code, 201);
         set_current_context(0);
+        assert_eq!(context_depth(), 0);
+    }
+
+    #[test]
+    fn the_context_stack_has_the_drivers_semantics() {
+        while pop_context().is_some() {}
+        set_current_context(0); // no-op on an empty stack
+        assert_eq!((current_context(), context_depth()), (0, 0));
+        set_current_context(7); // pushes on an empty stack
+        assert_eq!((current_context(), context_depth()), (7, 1));
+        push_context(9);
+        assert_eq!((current_context(), context_depth()), (9, 2));
+        set_current_context(8); // replaces the top
+        assert_eq!((current_context(), context_depth()), (8, 2));
+        assert_eq!(pop_context(), Some(8));
+        assert_eq!(current_context(), 7);
+        set_current_context(0); // pops
+        assert_eq!((current_context(), context_depth()), (0, 0));
+        assert_eq!(pop_context(), None);
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::state::{self, fake, set_current_context};
 use crate::{codes, config, put, run, Fail};
 use std::ffi::{c_char, c_int, c_uint};
 use vmm_sys::{
-    CUcontext, CUdevice, CUdevice_attribute, CUresult, CUDA_ERROR_INVALID_CONTEXT,
+    CUcontext, CUdevice, CUdevice_attribute, CUresult, CUuuid, CUDA_ERROR_INVALID_CONTEXT,
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE,
 };
 
@@ -244,8 +244,10 @@ pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
     })
 }
 
-/// `CUresult cuCtxSetCurrent(CUcontext ctx)`: null unsets; anything but a
-/// device's primary context is `CUDA_ERROR_INVALID_CONTEXT`.
+/// `CUresult cuCtxSetCurrent(CUcontext ctx)`: replaces the top of the
+/// calling thread's context stack with `ctx` (pushes it on an empty stack);
+/// null pops the top (cuda.h). Anything but a device's primary context is
+/// `CUDA_ERROR_INVALID_CONTEXT`.
 ///
 /// # Safety
 /// No pointer is dereferenced: the fake validates every argument itself.
@@ -265,8 +267,165 @@ pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
     })
 }
 
+/// `CUresult cuCtxPushCurrent_v2(CUcontext ctx)`: pushes `ctx` on the calling
+/// thread's context stack; it is current until popped (cuda.h). Null or
+/// anything but a primary context is `CUDA_ERROR_INVALID_CONTEXT`.
+///
+/// # Safety
+/// No pointer is dereferenced: the fake validates every argument itself.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: CUcontext) -> CUresult {
+    run("cuCtxPushCurrent_v2", || {
+        let f = fake()?;
+        let value = ctx.expose_provenance();
+        if f.device_of_context(value).is_none() {
+            return Err(Fail::new(
+                CUDA_ERROR_INVALID_CONTEXT,
+                format!("{value:#x} is not a context"),
+            ));
+        }
+        state::push_context(value);
+        Ok(())
+    })
+}
+
+/// `CUresult cuCtxPopCurrent_v2(CUcontext *pctx)`: pops the calling thread's
+/// current context and returns it through `pctx` (which may be null); the
+/// context below becomes current again. An empty stack is
+/// `CUDA_ERROR_INVALID_CONTEXT`.
+///
+/// # Safety
+/// As `cuda.h` requires: `pctx` is null or valid for what this call reads or writes through it.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
+    run("cuCtxPopCurrent_v2", || {
+        fake()?;
+        let popped = state::pop_context().ok_or_else(|| {
+            Fail::new(
+                CUDA_ERROR_INVALID_CONTEXT,
+                "the context stack of this thread is empty",
+            )
+        })?;
+        if !pctx.is_null() {
+            // SAFETY: non-null, so writable (cuda.h).
+            unsafe { put(pctx, std::ptr::with_exposed_provenance_mut(popped), "pctx") }?;
+        }
+        Ok(())
+    })
+}
+
+/// `CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags,
+/// int *active)`: flags 0; active while the primary context is retained.
+/// Creates nothing.
+///
+/// # Safety
+/// As `cuda.h` requires: `flags`, `active` are each null or valid for what this call writes through them.
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
+    dev: CUdevice,
+    flags: *mut c_uint,
+    active: *mut c_int,
+) -> CUresult {
+    run("cuDevicePrimaryCtxGetState", || {
+        let f = fake()?;
+        let refs = f.live(dev)?.primary_refs;
+        if flags.is_null() || active.is_null() {
+            return Err(Fail::invalid("flags or active is NULL"));
+        }
+        // SAFETY: both non-null and writable (cuda.h).
+        unsafe {
+            put(flags, 0, "flags")?;
+            put(active, c_int::from(refs > 0), "active")
+        }
+    })
+}
+
+/// `CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice
+/// peerDev)`: as `FAKE_CUDA_PEERS` says (default: every pair of distinct
+/// devices); 0 for a device and itself. Needs no context.
+///
+/// # Safety
+/// As `cuda.h` requires: `canAccessPeer` is null or valid for what this call writes through it.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceCanAccessPeer(
+    canAccessPeer: *mut c_int,
+    dev: CUdevice,
+    peerDev: CUdevice,
+) -> CUresult {
+    run("cuDeviceCanAccessPeer", || {
+        let f = fake()?;
+        f.device(dev)?;
+        f.device(peerDev)?;
+        let can = f.config.can_access_peer(dev as u32, peerDev as u32);
+        // SAFETY: the caller passes null or a writable int (cuda.h).
+        unsafe { put(canAccessPeer, c_int::from(can), "canAccessPeer") }
+    })
+}
+
+/// `CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)`:
+/// `"0000:XX:00.0"` with bus `0x10 + ordinal` (the `PCI_BUS_ID` attribute),
+/// truncated to `len` bytes with the NUL. Needs no context.
+///
+/// # Safety
+/// As `cuda.h` requires: `pciBusId` is null or writable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetPCIBusId(
+    pciBusId: *mut c_char,
+    len: c_int,
+    dev: CUdevice,
+) -> CUresult {
+    run("cuDeviceGetPCIBusId", || {
+        fake()?.device(dev)?;
+        if pciBusId.is_null() {
+            return Err(Fail::invalid("pciBusId is NULL"));
+        }
+        let cap = usize::try_from(len)
+            .ok()
+            .filter(|l| *l > 0)
+            .ok_or_else(|| Fail::invalid(format!("len {len} must be positive")))?;
+        let text = pci_bus_id(dev);
+        let n = text.len().min(cap - 1);
+        // SAFETY: writable for `len` = `cap` bytes (cuda.h); we write n + 1 <= cap
+        // bytes from our own string.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), pciBusId, n);
+            pciBusId.add(n).write(0);
+        }
+        Ok(())
+    })
+}
+
+/// The fake's PCI bus id of device `dev`.
+pub fn pci_bus_id(dev: CUdevice) -> String {
+    format!("0000:{:02X}:00.0", 0x10 + dev)
+}
+
+/// The fake's UUID of device `dev`: `fa4ec0da-0000-4000-8000-0000000000NN`.
+pub fn uuid(dev: CUdevice) -> [u8; 16] {
+    let mut b = [
+        0xfa, 0x4e, 0xc0, 0xda, 0, 0, 0x40, 0, 0x80, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    b[15] = dev as u8;
+    b
+}
+
+/// `CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)`: see [`uuid`].
+///
+/// # Safety
+/// As `cuda.h` requires: `uuid` is null or valid for what this call writes through it.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
+    run("cuDeviceGetUuid_v2", || {
+        fake()?.device(dev)?;
+        let bytes = self::uuid(dev).map(|b| b as c_char);
+        // SAFETY: the caller passes null or a writable CUuuid (cuda.h).
+        unsafe { put(uuid, CUuuid { bytes }, "uuid") }
+    })
+}
+
 /// `CUresult cuCtxSynchronize(void)`: completes all queued work of the
-/// current context's device.
+/// current context's device; `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (900)
+/// during a capture that forbids it (which is then invalidated).
 ///
 /// # Safety
 /// No pointer is dereferenced: the fake validates every argument itself.

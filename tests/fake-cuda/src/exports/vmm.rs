@@ -13,13 +13,14 @@ use crate::{get, put, run, Fail, Res};
 use std::ffi::{c_int, c_void};
 use vmm_sys::{
     CUdeviceptr, CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationHandleType,
-    CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult, CUDA_ERROR_NOT_SUPPORTED,
-    CU_MEM_ACCESS_FLAGS_PROT_NONE, CU_MEM_ACCESS_FLAGS_PROT_READ,
-    CU_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ALLOCATION_TYPE_PINNED,
-    CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-    CU_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_LOCATION_TYPE_DEVICE,
+    CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemLocation, CUresult,
+    CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_NOT_SUPPORTED, CU_MEM_ACCESS_FLAGS_PROT_NONE,
+    CU_MEM_ACCESS_FLAGS_PROT_READ, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED, CU_MEM_HANDLE_TYPE_NONE,
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_LOCATION_TYPE_DEVICE,
 };
-use vmmalloc_device::{Device, Rule};
+use vmmalloc_device::{Device, Introspect, Rule};
 
 /// `CU_MEM_HANDLE_TYPE_WIN32`.
 const CU_MEM_HANDLE_TYPE_WIN32: u32 = 0x2;
@@ -239,16 +240,24 @@ pub unsafe extern "C" fn cuMemMap(
 #[no_mangle]
 pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     run("cuMemUnmap", || {
-        let (_, host) = fake()?.judge(ptr);
-        Ok(host.unmap(ptr, size as u64)?)
+        let f = fake()?;
+        let (_, host) = f.judge(ptr);
+        host.unmap(ptr, size as u64)?;
+        // Access (peers' included) belongs to the mapping: gone with it.
+        f.revoke_peers(ptr, size as u64);
+        Ok(())
     })
 }
 
 /// `CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const
-/// CUmemAccessDesc *desc, size_t count)`: the range must be fully mapped; every
-/// descriptor must name the owning device (peer access is not modelled:
-/// `CUDA_ERROR_NOT_SUPPORTED`) with `CU_MEM_ACCESS_FLAGS_PROT_READWRITE` (read-only
-/// and revoking are not modelled either).
+/// CUmemAccessDesc *desc, size_t count)`: the range must be fully mapped;
+/// every descriptor names a device with `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`
+/// (read-only and revoking are not modelled: `CUDA_ERROR_NOT_SUPPORTED`).
+/// Descriptors for other devices than the owner grant peer access, which
+/// `cuDeviceCanAccessPeer(peer, owner)` must allow (else
+/// `CUDA_ERROR_INVALID_DEVICE`, a code cuda.h lists for this call); the owner
+/// itself must be among the descriptors (granting only peers is not
+/// modelled: `CUDA_ERROR_NOT_SUPPORTED`).
 ///
 /// # Safety
 /// As `cuda.h` requires: `desc` is null or valid for what this call reads or writes through it.
@@ -269,6 +278,8 @@ pub unsafe extern "C" fn cuMemSetAccess(
         // Peer checks only for a known range: for any other the model names the rule.
         let owner = f.owner_of(ptr);
         let (dev, host) = owner.clone().unwrap_or_else(|| f.judge(ptr));
+        let mut peers = 0u64;
+        let mut owner_named = false;
         for i in 0..count {
             // SAFETY: `desc` points to `count` readable descriptors (cuda.h);
             // `i < count` keeps the offset inside that array.
@@ -280,15 +291,6 @@ pub unsafe extern "C" fn cuMemSetAccess(
                 )));
             }
             f.device(d.location.id)?;
-            if owner.is_some() && d.location.id as usize != dev {
-                return Err(code(
-                    CUDA_ERROR_NOT_SUPPORTED,
-                    format!(
-                        "desc[{i}] grants device {} access to device {dev}'s memory: peer access is not modelled",
-                        d.location.id
-                    ),
-                ));
-            }
             match d.flags {
                 CU_MEM_ACCESS_FLAGS_PROT_READWRITE => {}
                 CU_MEM_ACCESS_FLAGS_PROT_NONE | CU_MEM_ACCESS_FLAGS_PROT_READ => {
@@ -306,8 +308,77 @@ pub unsafe extern "C" fn cuMemSetAccess(
                     )))
                 }
             }
+            let peer = d.location.id as usize;
+            if peer == dev {
+                owner_named = true;
+            } else if owner.is_some() {
+                if !f.config.can_access_peer(peer as u32, dev as u32) {
+                    return Err(code(
+                        CUDA_ERROR_INVALID_DEVICE,
+                        format!(
+                            "desc[{i}] grants device {peer} access to device {dev}'s memory, \
+                             but cuDeviceCanAccessPeer({peer}, {dev}) = 0 (FAKE_CUDA_PEERS)"
+                        ),
+                    ));
+                }
+                peers |= 1 << peer;
+            }
         }
-        Ok(host.set_access(ptr, size as u64)?)
+        if owner.is_some() && !owner_named {
+            return Err(code(
+                CUDA_ERROR_NOT_SUPPORTED,
+                format!("no descriptor names the owning device {dev}: granting only peers is not modelled"),
+            ));
+        }
+        host.set_access(ptr, size as u64)?;
+        if peers != 0 {
+            f.grant_peers(ptr, size as u64, peers);
+        }
+        Ok(())
+    })
+}
+
+/// `CUresult cuMemGetAccess(unsigned long long *flags, const CUmemLocation
+/// *location, CUdeviceptr ptr)`: `CU_MEM_ACCESS_FLAGS_PROT_READWRITE` when
+/// `location` may access the mapping at `ptr` (the owner after
+/// `cuMemSetAccess`, a peer after a descriptor for it), else
+/// `CU_MEM_ACCESS_FLAGS_PROT_NONE`. An address outside every reservation is
+/// `CUDA_ERROR_INVALID_VALUE`.
+///
+/// # Safety
+/// As `cuda.h` requires: `flags`, `location` are each null or valid for what this call reads or writes through them.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAccess(
+    flags: *mut u64,
+    location: *const CUmemLocation,
+    ptr: CUdeviceptr,
+) -> CUresult {
+    run("cuMemGetAccess", || {
+        let f = fake()?;
+        // SAFETY: null or readable (cuda.h).
+        let loc = unsafe { get(location, "location") }?;
+        if loc.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+            return Err(Fail::invalid(format!(
+                "location.type {} is not CU_MEM_LOCATION_TYPE_DEVICE",
+                loc.type_
+            )));
+        }
+        f.device(loc.id)?;
+        let (dev, host) = f
+            .owner_of(ptr)
+            .ok_or_else(|| Fail::invalid(format!("{ptr:#x} is not inside a reservation")))?;
+        let granted = if loc.id as usize == dev {
+            host.is_accessible(ptr, 1)
+        } else {
+            host.is_accessible(ptr, 1) && f.peers_of(ptr) & (1 << loc.id) != 0
+        };
+        let value = if granted {
+            CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        } else {
+            CU_MEM_ACCESS_FLAGS_PROT_NONE
+        };
+        // SAFETY: null or writable (cuda.h).
+        unsafe { put(flags, u64::from(value), "flags") }
     })
 }
 
