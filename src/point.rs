@@ -107,6 +107,9 @@ pub fn print_out(text: &str) -> Result<()> {
 /// `args.at`; `record_events` keeps the replay's events up to that point
 /// (`Point::result.events`).
 pub fn replay_at(args: &PointArgs, record_events: bool) -> Result<Vec<Point>> {
+    if args.replay.steady {
+        bail!("--steady is an option of `vmmalloc replay` (summary and snapshot look at one point of the first pass)");
+    }
     let cfg = args.replay.config()?;
     let policy = cfg.policy;
     let traces = load_inputs(std::slice::from_ref(&args.replay.input))?;

@@ -355,6 +355,8 @@ fn bad_input_is_a_clear_error() {
     assert!(err.contains("--out"), "{err}");
     let err = fails(&["snapshot", &f, "--out", "/no/such/dir/x.pickle"]);
     assert!(err.contains("cannot write /no/such/dir/x.pickle"), "{err}");
+    let err = fails(&["summary", &f, "--steady"]);
+    assert!(err.contains("--steady"), "{err}");
     let err = fails(&["snapshot", &f, "--at", "oom", "--out", "/tmp/never.pickle"]);
     assert!(err.contains("no out-of-memory"), "{err}");
 }
