@@ -26,9 +26,10 @@ LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
   echo
   echo "## Longer runs"
   echo
-  echo "The same workloads run longer (\`vmmalloc compare ${LONG[*]}\`). The cold start (creating"
-  echo "physical memory up to the peak) costs every page-mapping policy about the same; what differs is"
-  echo "the work after it. Full report: [results/long/report.md](results/long/report.md)."
+  echo "The same workloads run longer (\`vmmalloc compare ${LONG[*]}\`): the cold start (creating"
+  echo "physical memory up to the peak) is paid once, the work after it on every step; the steady"
+  echo "columns show what a further iteration of the whole trace costs. Full report:"
+  echo "[results/long/report.md](results/long/report.md)."
   echo
   echo '```'
   sed -n '/^trace /,/^```/p' docs/results/long/report.md | sed '/^```/d'

@@ -6,11 +6,13 @@
 #   2. Prints the driver version, device names, allocation granularity and VMM
 #      support (`vmmalloc info`).
 #   3. Runs every #[ignore]d GPU test suite (see "GPU test suites" below).
-#   4. Calibrates the cost model: each driver call's median latency over
-#      ITERATIONS calls (`vmmalloc calibrate`), written as JSON
-#      {"device", "driver_version", "costs_us": {reserve, create, map, ...}, ...}
-#      to $OUT (a file; or, if $OUT is a directory, $OUT/gpu-calibration.json),
-#      default ./gpu-calibration.json.
+#   4. Calibrates the cost model (`vmmalloc calibrate`): create / map / set
+#      access / unmap / release and cuMemAlloc / cuMemFree at 2-1024 MiB, set
+#      access / unmap over 1-256 handles, each point the median of ITERATIONS
+#      calls; fits fixed + per-MiB + per-handle per call kind and writes a cost
+#      file (`--cost-file` reads it) to $OUT (a file; or, if $OUT is a
+#      directory, $OUT/gpu-calibration.json), default ./gpu-calibration.json;
+#      then says which preset (a100 or linear) is closer to this GPU.
 #   5. Runs PyTorch under the plug-in (scripts/gpu-check-pytorch.sh).
 #
 # Environment:
@@ -136,6 +138,22 @@ run_step "expandable allocator on cuda" \
 
 section "calibrate (median of $iterations calls each) -> $out"
 run_step "calibrate" "$bin" calibrate --device "$device" --iterations "$iterations" --json "$out"
+# Which preset the measured GPU is closer to (mean |ln(predicted / measured)|
+# over every measured point; see docs/driver.md, "vmmalloc calibrate").
+if [[ -f $out ]] && command -v python3 >/dev/null 2>&1; then
+    python3 - "$out" <<'PY' || true
+import json, sys
+doc = json.load(open(sys.argv[1]))
+d = doc.get("preset_distance", {})
+print("closer preset: %s (distance %s; the fitted model: %s)" % (
+    doc.get("closer_preset"),
+    ", ".join("%s %.3f" % (k, v) for k, v in sorted(d.items())),
+    doc.get("fit_distance")))
+PY
+elif [[ -f $out ]]; then
+    grep -E '"(closer_preset|fit_distance)"' "$out" || true
+fi
+echo "replay with the measured model: $bin compare --cost-file $out"
 
 # ---------------------------------------------------------------------------
 # 5. The PyTorch plug-in (issue 6): PyTorch under libvmmalloc.so, a

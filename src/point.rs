@@ -103,8 +103,13 @@ pub fn print_out(text: &str) -> Result<()> {
     }
 }
 
-/// Replays `args.input` and returns each selected device's allocator at `args.at`.
-pub fn replay_at(args: &PointArgs) -> Result<Vec<Point>> {
+/// Replays `args.input` and returns each selected device's allocator at
+/// `args.at`; `record_events` keeps the replay's events up to that point
+/// (`Point::result.events`).
+pub fn replay_at(args: &PointArgs, record_events: bool) -> Result<Vec<Point>> {
+    if args.replay.steady {
+        bail!("--steady is an option of `vmmalloc replay` (summary and snapshot look at one point of the first pass)");
+    }
     let cfg = args.replay.config()?;
     let policy = cfg.policy;
     let traces = load_inputs(std::slice::from_ref(&args.replay.input))?;
@@ -128,6 +133,7 @@ pub fn replay_at(args: &PointArgs) -> Result<Vec<Point>> {
                 }
                 At::Oom => c.stop_at_oom = true,
             }
+            c.record_events = record_events;
             let Replayed {
                 result: r,
                 allocator,

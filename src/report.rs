@@ -214,9 +214,10 @@ fn head_to_head(md: &mut String, rows: &[TraceRow]) -> Result<()> {
     writeln!(md, "## expandable against torch-es at the tight capacity\n")?;
     writeln!(
         md,
-        "Driver time split into creating physical pages (`cuMemCreate`; every policy that maps pages must create \
-         about the peak once) and the rest (map, set access, unmap, release, reserve, syncs). A ratio is shown \
-         only where both fit.\n"
+        "Cold driver time split into creating physical memory (`cuMemCreate`: every policy that maps pages \
+         creates about the peak once, but the cost model charges mostly per handle, so the number of handles \
+         decides) and the rest (map, set access, unmap, release, reserve, syncs). ratio linear: the same cold \
+         calls priced by the `linear` preset. A ratio is shown only where both fit.\n"
     )?;
     writeln!(md, "| trace | expandable ms (create + rest) | torch-es ms (create + rest) | ratio total | ratio rest | ratio linear | steady ms expandable / torch-es |")?;
     writeln!(md, "|---|---:|---:|---:|---:|---:|---:|")?;

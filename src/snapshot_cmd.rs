@@ -1,7 +1,10 @@
 //! `vmmalloc snapshot`: replay an input with one policy and write the
 //! allocator's segments and blocks at the chosen point as a snapshot pickle in
 //! PyTorch's schema (`torch.cuda._memory_viz`, pytorch.org/memory_viz, and
-//! `vmmalloc replay` read it).
+//! `vmmalloc replay` read it), with the replay's events up to that point as
+//! `device_traces` (`alloc`, `free_requested`, `free_completed`, `oom`, and
+//! `segment_map`/`segment_unmap` or `segment_alloc`/`segment_free` from the
+//! allocator's device calls), so memory_viz shows each policy's timeline.
 
 use crate::compare::gib;
 use crate::point::{print_out, replay_at, PointArgs};
@@ -23,7 +26,7 @@ pub struct SnapshotArgs {
 
 /// Runs `vmmalloc snapshot`.
 pub fn run(args: SnapshotArgs) -> Result<()> {
-    let points = replay_at(&args.point)?;
+    let points = replay_at(&args.point, true)?;
     let snaps: Vec<_> = points
         .iter()
         .map(|p| {
@@ -35,9 +38,10 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
         .collect();
     let parts: Vec<DeviceDump<'_>> = snaps
         .iter()
-        .map(|snapshot| DeviceDump {
+        .zip(&points)
+        .map(|(snapshot, p)| DeviceDump {
             snapshot,
-            trace: None,
+            trace: Some(&p.result.events),
         })
         .collect();
     // Every point shares the policy, capacity and granularity.

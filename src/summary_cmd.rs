@@ -18,7 +18,7 @@ pub struct SummaryArgs {
 /// Runs `vmmalloc summary`.
 pub fn run(args: SummaryArgs) -> Result<()> {
     let mut out = String::new();
-    for (i, p) in replay_at(&args.point)?.iter().enumerate() {
+    for (i, p) in replay_at(&args.point, false)?.iter().enumerate() {
         if i > 0 {
             out.push('\n');
         }

@@ -219,18 +219,45 @@ fn snapshot_reads_back_with_the_live_bytes_of_its_point() {
         assert_eq!(t.devices.len(), 1);
         let d = &t.devices[0];
         assert_eq!(d.device(), 0);
-        assert!(d.events().is_empty());
-        // Every live allocation is an active block, read back as pre-trace.
-        let live = d.pre_trace_live_bytes();
+        assert!(d.warnings().is_empty(), "{at} {policy}: {:?}", d.warnings());
+        // The history (device_traces) reads back: every allocation of the
+        // replay up to the point is an event, so nothing is pre-trace, and
+        // the live bytes at the end of the history are the point's.
+        assert!(d.pre_trace().is_empty(), "{at} {policy}");
+        let live = d.final_live_bytes();
         if want > 0 {
             assert_eq!(live, want, "{at} {policy}");
+            assert_eq!(
+                d.peak_live_bytes(),
+                want,
+                "{at} {policy}: the peak is the point"
+            );
         }
         assert!(
             out.contains(&format!("({live} bytes) requested")),
             "{out} vs {live}"
         );
-        let n = d.pre_trace().len();
+        let ops = d.replay_ops();
+        let allocs = ops
+            .iter()
+            .filter(|o| matches!(o, vmmalloc_trace::model::Op::Alloc { .. }))
+            .count();
+        let n = allocs - (ops.len() - allocs);
         assert!(out.contains(&format!(": {n} live allocations")), "{out}");
+        let kinds: std::collections::BTreeSet<&str> =
+            d.events().iter().map(|e| e.kind.name()).collect();
+        let segment_kind = if policy == "caching" {
+            "segment_alloc"
+        } else {
+            "segment_map"
+        };
+        for k in ["alloc", "free", "free_requested", segment_kind] {
+            assert!(kinds.contains(k), "{at} {policy}: no {k} in {kinds:?}");
+        }
+        assert!(
+            d.events().windows(2).all(|w| w[0].time_us <= w[1].time_us),
+            "{at} {policy}: time_us goes forward"
+        );
         let active: u64 = d
             .segments_final()
             .iter()
@@ -257,8 +284,13 @@ fn snapshot_reads_back_with_the_live_bytes_of_its_point() {
     let trace = vmmalloc_trace::load_path(Path::new(&f)).unwrap();
     let end = vmmalloc_trace::pytorch::read_snapshot(&dir.join("end-caching.pickle")).unwrap();
     assert_eq!(
-        end.devices[0].pre_trace_live_bytes(),
+        end.devices[0].final_live_bytes(),
         trace.devices[0].final_live_bytes()
+    );
+    // The whole history replays to the same peak as the trace it came from.
+    assert_eq!(
+        end.devices[0].peak_live_bytes(),
+        trace.devices[0].peak_live_bytes()
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -323,6 +355,37 @@ fn bad_input_is_a_clear_error() {
     assert!(err.contains("--out"), "{err}");
     let err = fails(&["snapshot", &f, "--out", "/no/such/dir/x.pickle"]);
     assert!(err.contains("cannot write /no/such/dir/x.pickle"), "{err}");
+    let err = fails(&["summary", &f, "--steady"]);
+    assert!(err.contains("--steady"), "{err}");
     let err = fails(&["snapshot", &f, "--at", "oom", "--out", "/tmp/never.pickle"]);
     assert!(err.contains("no out-of-memory"), "{err}");
+}
+
+#[test]
+fn snapshot_history_records_the_out_of_memory() {
+    let f = fixture();
+    let dir = tmpdir("snapshot-oom");
+    let path = dir.join("oom.pickle");
+    ok(&[
+        "snapshot",
+        &f,
+        "--policy",
+        "caching",
+        "--capacity",
+        "12GiB",
+        "--at",
+        "oom",
+        "--out",
+        path.to_str().unwrap(),
+    ]);
+    let t = vmmalloc_trace::pytorch::read_snapshot(&path).unwrap();
+    let d = &t.devices[0];
+    let last = d.events().last().expect("events");
+    assert_eq!(
+        last.kind.name(),
+        "oom",
+        "the history stops at the out-of-memory"
+    );
+    assert!(last.size > 0);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -183,6 +183,16 @@ pub struct Harness<'a> {
     pub ooms: u64,
     /// Operations applied.
     pub steps: u64,
+    /// Check that a new allocation's whole block (`size`) is accessible, not
+    /// only its `requested` bytes (default true; `native` hands out exactly
+    /// the driver allocation, which may be shorter than its 512 B-rounded size).
+    pub check_whole_block: bool,
+    /// Compare the stats with PyTorch's semantics: `allocated_bytes` falls at
+    /// `free()`, while `requested_bytes` falls only once the block is really
+    /// freed (after the streams that used it), as in `CUDACachingAllocator.cpp`
+    /// `free()` / `free_block()`. Default false: `requested_bytes` is checked
+    /// against the live allocations (the expandable allocator's semantics).
+    pub pytorch_stats: bool,
 }
 
 impl<'a> Harness<'a> {
@@ -210,6 +220,8 @@ impl<'a> Harness<'a> {
             tolerate_device_errors: false,
             ooms: 0,
             steps: 0,
+            check_whole_block: true,
+            pytorch_stats: false,
         })
     }
 
@@ -234,8 +246,13 @@ impl<'a> Harness<'a> {
                 return Err(format!("new allocation {a:?} overlaps live {:?}", l.alloc));
             }
         }
+        let len = if self.check_whole_block {
+            a.size
+        } else {
+            a.requested
+        };
         if let Some(m) = self.dev.introspect() {
-            if !m.is_accessible(a.ptr, a.size) {
+            if !m.is_accessible(a.ptr, len) {
                 return Err(format!("new allocation {a:?} is not accessible"));
             }
         }
@@ -374,6 +391,20 @@ impl<'a> Harness<'a> {
             end = p + s;
         }
         let st = self.alloc.stats();
+        if self.pytorch_stats {
+            let want: u64 = self.live.iter().map(|l| l.alloc.size).sum();
+            if st.allocated_bytes.all().current != want as i64
+                || st.allocation.all().current != self.live.len() as i64
+            {
+                return Err(format!(
+                    "stats count {} allocations / {} allocated bytes, the shadow {} / {want}",
+                    st.allocation.all().current,
+                    st.allocated_bytes.all().current,
+                    self.live.len()
+                ));
+            }
+            return Ok(());
+        }
         let want: u64 = self.live.iter().map(|l| l.alloc.requested).sum();
         if st.requested_bytes.all().current != want as i64
             || st.allocation.all().current != self.live.len() as i64

@@ -26,6 +26,14 @@ pub trait CallHook: Send + Sync {
     fn after(&self, call: Call, bytes: u64, result: Result<(), &DeviceError>) {
         let _ = (call, bytes, result);
     }
+    /// Runs after a call that acted on an address range succeeded, with that
+    /// range: `reserve` (the returned address), `free_reservation`, `map`,
+    /// `unmap`, `set_access`, `alloc` (the returned pointer and its size) and
+    /// `free` (the pointer; size 0, the caller knows it). Lets a hook follow
+    /// the address space, e.g. to report segment map / unmap events.
+    fn on_range(&self, call: Call, addr: u64, size: u64) {
+        let _ = (call, addr, size);
+    }
 }
 
 /// A device with a hook around every call.
@@ -59,6 +67,20 @@ impl<D: Device, H: CallHook> Hooked<D, H> {
         self.hook.after(call, bytes, r.as_ref().map(|_| ()));
         r
     }
+
+    /// [`Hooked::run`] for a call on `[addr, addr+size)`: tells the hook the
+    /// range when it succeeded.
+    fn run_range(
+        &self,
+        call: Call,
+        addr: u64,
+        size: u64,
+        f: impl FnOnce(&D) -> DeviceResult<()>,
+    ) -> DeviceResult<()> {
+        self.run(call, size, f)?;
+        self.hook.on_range(call, addr, size);
+        Ok(())
+    }
 }
 
 impl<D: Device, H: CallHook> Device for Hooked<D, H> {
@@ -66,10 +88,14 @@ impl<D: Device, H: CallHook> Device for Hooked<D, H> {
         self.inner.caps()
     }
     fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
-        self.run(Call::Reserve, size, |d| d.reserve(size, align))
+        let addr = self.run(Call::Reserve, size, |d| d.reserve(size, align))?;
+        self.hook.on_range(Call::Reserve, addr, size);
+        Ok(addr)
     }
     fn free_reservation(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.run(Call::AddressFree, size, |d| d.free_reservation(addr, size))
+        self.run_range(Call::AddressFree, addr, size, |d| {
+            d.free_reservation(addr, size)
+        })
     }
     fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
         self.run(Call::Create, size, |d| d.create(size))
@@ -78,22 +104,24 @@ impl<D: Device, H: CallHook> Device for Hooked<D, H> {
         self.run(Call::Release, 0, |d| d.release(handle))
     }
     fn map(&self, addr: u64, size: u64, handle: PhysHandle) -> DeviceResult<()> {
-        self.run(Call::Map, size, |d| d.map(addr, size, handle))
+        self.run_range(Call::Map, addr, size, |d| d.map(addr, size, handle))
     }
     fn unmap(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.run(Call::Unmap, size, |d| d.unmap(addr, size))
+        self.run_range(Call::Unmap, addr, size, |d| d.unmap(addr, size))
     }
     fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.run(Call::SetAccess, size, |d| d.set_access(addr, size))
+        self.run_range(Call::SetAccess, addr, size, |d| d.set_access(addr, size))
     }
     fn mem_info(&self) -> DeviceResult<MemInfo> {
         self.run(Call::MemInfo, 0, |d| d.mem_info())
     }
     fn alloc(&self, size: u64) -> DeviceResult<u64> {
-        self.run(Call::Alloc, size, |d| d.alloc(size))
+        let ptr = self.run(Call::Alloc, size, |d| d.alloc(size))?;
+        self.hook.on_range(Call::Alloc, ptr, size);
+        Ok(ptr)
     }
     fn free(&self, ptr: u64) -> DeviceResult<()> {
-        self.run(Call::Free, 0, |d| d.free(ptr))
+        self.run_range(Call::Free, ptr, 0, |d| d.free(ptr))
     }
     fn export_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
         self.run(Call::Export, 0, |d| d.export_fd(handle))
@@ -600,6 +628,44 @@ mod tests {
     use super::*;
     use crate::sim::SimDevice;
     use crate::{GIB, MIB};
+
+    #[derive(Default)]
+    struct Ranges(parking_lot::Mutex<Vec<(Call, u64, u64)>>);
+    impl CallHook for Ranges {
+        fn on_range(&self, call: Call, addr: u64, size: u64) {
+            self.0.lock().push((call, addr, size));
+        }
+    }
+
+    #[test]
+    fn on_range_reports_each_successful_range_call() {
+        let dev = Hooked::new(SimDevice::with_capacity(GIB), Ranges::default());
+        let va = dev.reserve(64 * MIB, 0).unwrap();
+        let h = dev.create(2 * MIB).unwrap();
+        dev.map(va, 2 * MIB, h).unwrap();
+        dev.set_access(va, 2 * MIB).unwrap();
+        assert!(
+            dev.unmap(va + 2 * MIB, 2 * MIB).is_err(),
+            "nothing mapped there"
+        );
+        dev.unmap(va, 2 * MIB).unwrap();
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 64 * MIB).unwrap();
+        let p = dev.alloc(3 * MIB).unwrap();
+        dev.free(p).unwrap();
+        assert_eq!(
+            *dev.hook().0.lock(),
+            [
+                (Call::Reserve, va, 64 * MIB),
+                (Call::Map, va, 2 * MIB),
+                (Call::SetAccess, va, 2 * MIB),
+                (Call::Unmap, va, 2 * MIB),
+                (Call::AddressFree, va, 64 * MIB),
+                (Call::Alloc, p, 3 * MIB),
+                (Call::Free, p, 0),
+            ]
+        );
+    }
 
     #[test]
     fn nth_call_fails_exactly_once_at_the_right_call() {

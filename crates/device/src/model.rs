@@ -562,13 +562,20 @@ impl AddressSpace {
     /// Records an unmap (after [`AddressSpace::check_unmap`]). Returns the bytes of
     /// physical memory that went back to the device (released handles).
     pub fn unmap(&mut self, addr: u64, size: u64) -> DeviceResult<u64> {
+        self.unmap_counted(addr, size).map(|(bytes, _)| bytes)
+    }
+
+    /// [`AddressSpace::unmap`], also returning how many mappings (handles) it removed.
+    pub fn unmap_counted(&mut self, addr: u64, size: u64) -> DeviceResult<(u64, u64)> {
         self.check_unmap(addr, size)?;
         let before = self.physical_used;
+        let mut removed = 0;
         while let Some((&s, _)) = self.mappings.range(addr..addr + size).next() {
             let m = self.mappings.remove(&s).expect("listed");
             self.drop_ref(m.alloc);
+            removed += 1;
         }
-        Ok(before - self.physical_used)
+        Ok((before - self.physical_used, removed))
     }
 
     /// Checks a set-access: aligned, fully mapped.

@@ -4,7 +4,7 @@
 //! [`AddressSpace`] enforces the driver's rules, a [`StreamModel`] tracks queued
 //! work, every call is counted per kind and charged from a [`CostModel`].
 
-use crate::cost::CostModel;
+use crate::cost::{CallCost, CostModel};
 use crate::model::{AddressSpace, LiveCounts};
 use crate::{
     Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, Introspect, MemInfo,
@@ -49,6 +49,32 @@ impl SimConfig {
     }
 }
 
+/// What one call kind costs on a [`SimDevice`], resolved once.
+#[derive(Debug, Clone, Copy, Default)]
+struct Price {
+    cost: CallCost,
+    /// Nanoseconds when `cost` is flat.
+    flat_ns: Option<u64>,
+    second: Option<CallCost>,
+    second_flat_ns: Option<u64>,
+}
+
+impl Price {
+    fn of(cost: &CostModel, second: Option<&CostModel>, call: Call) -> Price {
+        let flat = |c: &CallCost| {
+            (c.per_mib_us == 0.0 && c.per_handle_us == 0.0).then(|| SimDevice::ns(c.fixed_us))
+        };
+        let c = *cost.of_call(call);
+        let s = second.map(|m| *m.of_call(call));
+        Price {
+            cost: c,
+            flat_ns: flat(&c),
+            second: s,
+            second_flat_ns: s.as_ref().and_then(flat),
+        }
+    }
+}
+
 /// A simulated GPU.
 ///
 /// Every call is charged from the [`CostModel`] as `fixed + per_mib × MiB of
@@ -66,12 +92,13 @@ pub struct SimDevice {
     space: Mutex<AddressSpace>,
     streams: StreamModel,
     counts: [AtomicU64; Call::COUNT],
-    /// Modeled nanoseconds per call kind.
+    /// Modeled nanoseconds per call kind (the total is their sum).
     kind_ns: [AtomicU64; Call::COUNT],
-    /// Modeled time in nanoseconds.
-    modeled_ns: AtomicU64,
     /// Modeled time in nanoseconds under the second model.
     second_ns: AtomicU64,
+    /// Per call kind, its cost under the model and the second model, and
+    /// its nanoseconds when the cost is flat (no per-MiB or per-handle part).
+    prices: [Price; Call::COUNT],
     /// Whether an unmap or set-access needs the handles it covers counted
     /// (some model has a per-handle cost for it).
     count_handles: [bool; 2],
@@ -113,8 +140,8 @@ impl SimDevice {
             streams: StreamModel::new(),
             counts: std::array::from_fn(|_| AtomicU64::new(0)),
             kind_ns: std::array::from_fn(|_| AtomicU64::new(0)),
-            modeled_ns: AtomicU64::new(0),
             second_ns: AtomicU64::new(0),
+            prices: [Price::default(); Call::COUNT],
             count_handles: [false; 2],
             exported: Mutex::new(HashMap::new()),
             next_fd: AtomicU64::new(1 << 20),
@@ -136,6 +163,9 @@ impl SimDevice {
     }
 
     fn update_handle_counting(&mut self) {
+        for (i, p) in self.prices.iter_mut().enumerate() {
+            *p = Price::of(&self.cost, self.second.as_ref(), Call::ALL[i]);
+        }
         let models = std::iter::once(&self.cost).chain(self.second.as_ref());
         let mut flags = [false; 2];
         for m in models {
@@ -150,16 +180,21 @@ impl SimDevice {
     }
 
     /// Counts one call and charges it: `bytes` of the call, `handles` covered.
+    #[inline]
     fn charge(&self, call: Call, bytes: u64, handles: u64) {
         let i = call.index();
         self.counts[i].fetch_add(1, Ordering::Relaxed);
-        let ns = Self::ns(self.cost.call_us(call, bytes, handles));
+        let p = &self.prices[i];
+        let ns = p
+            .flat_ns
+            .unwrap_or_else(|| Self::ns(p.cost.of(bytes, handles)));
         if ns > 0 {
-            self.modeled_ns.fetch_add(ns, Ordering::Relaxed);
             self.kind_ns[i].fetch_add(ns, Ordering::Relaxed);
         }
-        if let Some(second) = &self.second {
-            let ns = Self::ns(second.call_us(call, bytes, handles));
+        if let Some(second) = &p.second {
+            let ns = p
+                .second_flat_ns
+                .unwrap_or_else(|| Self::ns(second.of(bytes, handles)));
             if ns > 0 {
                 self.second_ns.fetch_add(ns, Ordering::Relaxed);
             }
@@ -177,7 +212,8 @@ impl SimDevice {
 
     /// Modeled driver time so far, in microseconds.
     pub fn modeled_us(&self) -> f64 {
-        self.modeled_ns.load(Ordering::Relaxed) as f64 / 1000.0
+        let ns: u64 = self.kind_ns.iter().map(|n| n.load(Ordering::Relaxed)).sum();
+        ns as f64 / 1000.0
     }
 
     /// Modeled time of the calls of one kind so far, in microseconds.
@@ -198,7 +234,6 @@ impl SimDevice {
         for n in self.counts.iter().chain(&self.kind_ns) {
             n.store(0, Ordering::Relaxed);
         }
-        self.modeled_ns.store(0, Ordering::Relaxed);
         self.second_ns.store(0, Ordering::Relaxed);
     }
 
@@ -250,21 +285,35 @@ impl Device for SimDevice {
 
     fn unmap(&self, addr: u64, size: u64) -> DeviceResult<()> {
         let mut s = self.space.lock();
-        let handles = if self.count_handles[0] {
-            s.mappings_covered(addr, size)
-        } else {
-            0
+        // A failed call is charged for the mappings it names (if some model
+        // charges per handle); a valid one for the mappings it removed.
+        let refuse = |s: &AddressSpace, e: DeviceError| {
+            let handles = if self.count_handles[0] {
+                s.mappings_covered(addr, size)
+            } else {
+                0
+            };
+            self.charge(Call::Unmap, size, handles);
+            Err(e)
         };
-        self.charge(Call::Unmap, size, handles);
-        s.check_unmap(addr, size)?;
+        if let Err(e) = s.check_unmap(addr, size) {
+            return refuse(&s, e);
+        }
         if let Some(stream) = self.streams.pending_use(addr, size) {
-            return Err(DeviceError::rule(
+            let e = DeviceError::rule(
                 Call::Unmap,
                 Rule::InUseByStream,
                 format!("[{addr:#x}, +{size:#x}) is used by queued work on {stream}"),
-            ));
+            );
+            return refuse(&s, e);
         }
-        s.unmap(addr, size).map(|_| ())
+        match s.unmap_counted(addr, size) {
+            Ok((_, handles)) => {
+                self.charge(Call::Unmap, size, handles);
+                Ok(())
+            }
+            Err(e) => refuse(&s, e),
+        }
     }
 
     fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()> {

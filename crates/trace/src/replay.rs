@@ -2,9 +2,13 @@
 //! and the capacity search built on it.
 
 use crate::model::Op;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+use vmmalloc_alloc::pickle_snapshot::TraceEntry;
 use vmmalloc_alloc::{build, Allocator, Policy, PolicyOptions};
+use vmmalloc_device::adaptors::{CallHook, Hooked};
 use vmmalloc_device::cost::CostModel;
 use vmmalloc_device::sim::{SimConfig, SimDevice};
 use vmmalloc_device::{round_up, Call, CallCounts, Device, Stream, MIB};
@@ -48,6 +52,9 @@ pub struct ReplayConfig {
     /// ([`crate::DeviceTrace::pre_trace`]'s length): kept across passes, and
     /// not replayed in the second.
     pub pre_trace_ops: usize,
+    /// Record the replay's events in PyTorch's `TraceEntry` shape
+    /// ([`ReplayResult::events`]), e.g. for a snapshot's `device_traces`.
+    pub record_events: bool,
 }
 
 impl ReplayConfig {
@@ -67,6 +74,7 @@ impl ReplayConfig {
             stop_after: None,
             steady: false,
             pre_trace_ops: 0,
+            record_events: false,
         }
     }
 }
@@ -138,6 +146,13 @@ pub struct ReplayResult {
     pub cpu_time: Duration,
     /// Memory over time (if asked for).
     pub timeline: Vec<Sample>,
+    /// The replay's events, if [`ReplayConfig::record_events`] asked for
+    /// them: `alloc`, `free_requested` + `free_completed`, `oom` from the
+    /// trace's ops, and `segment_map` / `segment_unmap` (VMM policies) or
+    /// `segment_alloc` / `segment_free` (`cuMemAlloc` policies) from the
+    /// device calls the allocator made. `time_us` is the replay clock: one
+    /// µs per op plus the modeled driver time so far.
+    pub events: Vec<TraceEntry>,
     /// An error that is not out-of-memory (a policy bug or a bad trace), if any.
     pub error: Option<String>,
 }
@@ -265,7 +280,19 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
         sim = sim.also_priced_by(second);
     }
     let sim = Arc::new(sim);
-    let device: Arc<dyn Device> = sim.clone();
+    let recorder = config.record_events.then(|| {
+        Arc::new(Recorder {
+            sim: sim.clone(),
+            events: Mutex::new(Vec::new()),
+            op: AtomicU64::new(0),
+            stream: AtomicU64::new(0),
+            plain: Mutex::new(std::collections::HashMap::new()),
+        })
+    });
+    let device: Arc<dyn Device> = match &recorder {
+        Some(r) => Arc::new(Hooked::new(sim.clone(), RecordingHook(r.clone()))),
+        None => sim.clone(),
+    };
     let mut result = ReplayResult {
         policy: config.policy,
         capacity: config.capacity,
@@ -290,6 +317,7 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
         teardown_driver_us: 0.0,
         cpu_time: Duration::ZERO,
         timeline: Vec::new(),
+        events: Vec::new(),
         error: None,
     };
     let alloc = match build(config.policy, device, &config.options) {
@@ -309,7 +337,10 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
         None => ops,
     };
     let start = Instant::now();
-    let mut state = OpState::default();
+    let mut state = OpState {
+        recorder: recorder.clone(),
+        ..OpState::default()
+    };
     run_ops(&*alloc, &sim, ops, 0, config, &mut result, &mut state);
     result.final_live = state.live;
     let stats = alloc.stats();
@@ -325,6 +356,9 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
     let full_pass = result.error.is_none() && result.ops == ops.len() && !ops.is_empty();
     if config.steady && config.stop_after.is_none() && full_pass {
         result.steady = Some(steady_pass(&*alloc, &sim, ops, config, &result, &mut state));
+    }
+    if let Some(r) = &recorder {
+        result.events = std::mem::take(&mut *lock(&r.events));
     }
     Replayed {
         result,
@@ -408,9 +442,75 @@ fn steady_pass(
     steady
 }
 
+/// Records a replay's events (see [`ReplayResult::events`]).
+struct Recorder {
+    sim: Arc<SimDevice>,
+    events: Mutex<Vec<TraceEntry>>,
+    /// Index of the op being replayed.
+    op: AtomicU64,
+    /// Its trace stream.
+    stream: AtomicU64,
+    /// `cuMemAlloc` pointer -> size, for `segment_free`.
+    plain: Mutex<std::collections::HashMap<u64, u64>>,
+}
+
+impl Recorder {
+    fn now_us(&self) -> i64 {
+        (self.op.load(Ordering::Relaxed) as f64 + self.sim.modeled_us()) as i64
+    }
+
+    fn push(&self, action: &'static str, addr: u64, size: u64, device_free: Option<u64>) {
+        let entry = TraceEntry {
+            action,
+            addr,
+            size,
+            stream: self.stream.load(Ordering::Relaxed),
+            time_us: self.now_us(),
+            device_free,
+        };
+        lock(&self.events).push(entry);
+    }
+
+    fn at_op(&self, op: usize, stream: u64) {
+        self.op.store(op as u64, Ordering::Relaxed);
+        self.stream.store(stream, Ordering::Relaxed);
+    }
+}
+
+/// Locks a mutex; a poisoned one (a panic elsewhere) is still usable here.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The hook that turns the allocator's device calls into segment events.
+struct RecordingHook(Arc<Recorder>);
+
+impl CallHook for RecordingHook {
+    fn on_range(&self, call: Call, addr: u64, size: u64) {
+        let r = &self.0;
+        match call {
+            Call::Map => r.push("segment_map", addr, size, None),
+            Call::Unmap => r.push("segment_unmap", addr, size, None),
+            Call::Alloc => {
+                lock(&r.plain).insert(addr, size);
+                r.push("segment_alloc", addr, size, None);
+            }
+            Call::Free => {
+                let size = lock(&r.plain).remove(&addr).unwrap_or(0);
+                r.push("segment_free", addr, size, None);
+            }
+            _ => {}
+        }
+    }
+}
+
 /// What the replay loop carries from op to op (and from pass to pass).
 #[derive(Default)]
 struct OpState {
+    /// Records events, if asked for.
+    recorder: Option<Arc<Recorder>>,
+    /// Dense id -> trace stream (kept only while recording).
+    id_streams: Vec<u64>,
     /// Dense id -> pointer (u64::MAX: not live / failed).
     ptrs: Vec<u64>,
     /// Dense id -> requested size.
@@ -436,12 +536,15 @@ fn run_ops(
     state: &mut OpState,
 ) {
     let OpState {
+        recorder,
+        id_streams,
         ptrs,
         sizes,
         streams,
         last_stream,
         live,
     } = state;
+    let recorder = recorder.as_deref();
     let sample_every = ops
         .len()
         .checked_div(config.timeline_samples)
@@ -479,8 +582,18 @@ fn run_ops(
                     }
                 };
                 *last_stream = Some((stream, s));
+                if let Some(r) = recorder {
+                    r.at_op(i, stream);
+                }
                 match alloc.malloc(size, s) {
                     Ok(a) => {
+                        if let Some(r) = recorder {
+                            r.push("alloc", a.ptr, size, None);
+                            if id_streams.len() <= id {
+                                id_streams.resize(id + 1, 0);
+                            }
+                            id_streams[id] = stream;
+                        }
                         ptrs[id] = a.ptr;
                         sizes[id] = size;
                         *live += size;
@@ -491,6 +604,10 @@ fn run_ops(
                         }
                     }
                     Err(e) if e.is_out_of_memory() => {
+                        if let Some(r) = recorder {
+                            let free = sim.mem_info().map_or(0, |m| m.free);
+                            r.push("oom", free, size, Some(free));
+                        }
                         result.ok = false;
                         result.ooms += 1;
                         if result.first_oom.is_none() {
@@ -514,11 +631,19 @@ fn run_ops(
                 let id = id as usize;
                 let ptr = ptrs.get(id).copied().unwrap_or(u64::MAX);
                 if ptr != u64::MAX {
+                    if let Some(r) = recorder {
+                        let stream = id_streams.get(id).copied().unwrap_or(0);
+                        r.at_op(i, stream);
+                        r.push("free_requested", ptr, sizes[id], None);
+                    }
                     if let Err(e) = alloc.free(ptr) {
                         result.ok = false;
                         result.error = Some(format!("op {i}: free({ptr:#x}) failed: {e}"));
                         result.ops = i + 1;
                         return;
+                    }
+                    if let Some(r) = recorder {
+                        r.push("free_completed", ptr, sizes[id], None);
                     }
                     ptrs[id] = u64::MAX;
                     *live -= sizes[id];
