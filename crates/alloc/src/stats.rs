@@ -129,6 +129,10 @@ pub struct Stats {
     pub handles_pooled: u64,
     /// Ours: targeted reclaims performed.
     pub reclaims: u64,
+    /// Ours: free chunks split (unmapped to be re-backed by exact chunks)
+    /// because a block would have covered them only in part while memory
+    /// was tight.
+    pub chunk_splits: u64,
     /// Ours: bytes unmapped by targeted reclaims.
     pub reclaimed_bytes: u64,
     /// Ours: stream (not device) synchronizations and event waits forced.
@@ -204,6 +208,7 @@ impl Stats {
         m.insert("vmmalloc.handles_mapped".into(), self.handles_mapped as i64);
         m.insert("vmmalloc.handles_pooled".into(), self.handles_pooled as i64);
         m.insert("vmmalloc.reclaims".into(), self.reclaims as i64);
+        m.insert("vmmalloc.chunk_splits".into(), self.chunk_splits as i64);
         m.insert(
             "vmmalloc.reclaimed_bytes".into(),
             self.reclaimed_bytes as i64,

@@ -280,7 +280,8 @@ impl<'a> Harness<'a> {
         match *op {
             Op::Malloc { size, stream } => {
                 let s = self.streams[stream % self.streams.len()];
-                let reclaims = self.alloc.stats().reclaims;
+                let moved = |st: crate::Stats| (st.reclaims, st.chunk_splits);
+                let before = moved(self.alloc.stats());
                 match self.alloc.malloc(size, s) {
                     Ok(a) => {
                         self.check_new(&a, size, s)?;
@@ -290,7 +291,7 @@ impl<'a> Harness<'a> {
                             pattern_fill(self.dev, id, a.ptr, a.requested)?;
                         }
                         self.live.push(Live { id, alloc: a });
-                        if self.alloc.stats().reclaims != reclaims {
+                        if moved(self.alloc.stats()) != before {
                             // Pages moved: every surviving block must still hold its bytes.
                             self.verify_all()?;
                         }

@@ -45,6 +45,18 @@ fn script() -> Vec<Op> {
         EmptyCache,
         m(3 * MIB, 1), // a new segment in a retired slice
         RecordStream { slot: 0, stream: 0 },
+        // Free everything, then a 40 MiB block (five 8 MiB chunks: an eighth
+        // of the device each), freed; a 4 MiB block carved from it while
+        // memory is tight splits the first chunk (wait, unmap, release,
+        // create, map, set_access).
+        Free { slot: 0 },
+        Free { slot: 0 },
+        Free { slot: 0 },
+        Free { slot: 0 },
+        Free { slot: 0 },
+        m(40 * MIB, 0),
+        Free { slot: 0 },
+        m(4 * MIB, 0),
     ]
 }
 
@@ -96,6 +108,21 @@ fn every_failed_call_is_survived_and_nothing_leaks() {
         .filter(|&(_, n)| n > 0)
         .collect();
     eprintln!("calls in the scripted workload: {kinds:?}");
+    let a_clean_run_stats = {
+        let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
+        let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+        let mut h = Harness::new(&a, &*dev, 3).unwrap();
+        for op in script() {
+            h.apply(&op).unwrap();
+        }
+        drop(h);
+        a.stats()
+    };
+    assert!(
+        a_clean_run_stats.chunk_splits > 0
+            && a_clean_run_stats.handles_mapped + a_clean_run_stats.handles_pooled > 0,
+        "the script must split a multi-page chunk: {a_clean_run_stats:?}"
+    );
     for must in [
         Call::Reserve,
         Call::AddressFree,

@@ -711,3 +711,73 @@ fn memory_fraction_zero_allows_nothing() {
     a.free(y.ptr).unwrap();
     a.validate().unwrap();
 }
+
+/// Chunks, loose memory: a 256 MiB block is one chunk (one create, one map,
+/// one set_access). Freed, then carved by a 16 MiB block while most of the
+/// device is free, the chunk is reused as it is: no call at all (pinning it
+/// costs memory nobody needs).
+#[test]
+fn a_free_chunk_is_reused_whole_while_memory_is_loose() {
+    let (dev, a) = setup(4 * GIB, ExpandableConfig::default());
+    let before = dev.counts();
+    let big = a.malloc(256 * MIB, Stream::DEFAULT).unwrap();
+    let c = since(&dev, &before);
+    assert_eq!(
+        (
+            c.get(Call::Create),
+            c.get(Call::Map),
+            c.get(Call::SetAccess)
+        ),
+        (1, 1, 1)
+    );
+    a.free(big.ptr).unwrap();
+    let before = dev.counts();
+    let small = a.malloc(16 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(since(&dev, &before).total(), 0);
+    assert_eq!(a.stats().chunk_splits, 0);
+    a.validate().unwrap();
+    a.free(small.ptr).unwrap();
+}
+
+/// Chunks, tight memory: a 1 GiB device holds 768 MiB of live blocks and one
+/// freed 128 MiB chunk (one handle). A 16 MiB block carved from that chunk
+/// would pin all of it, so the chunk is split: its stream is waited for, it
+/// is unmapped, released, and the block gets an exact 16 MiB chunk. A 200 MiB
+/// request then finds 200 MiB (of 240 free): impossible had the 128 MiB chunk
+/// stayed pinned with 112 MiB unreachable inside it.
+#[test]
+fn a_free_chunk_is_split_when_memory_is_tight() {
+    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let s = dev.create_stream().unwrap();
+    let live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
+    let big = a.malloc(128 * MIB, s).unwrap();
+    dev.streams().submit(s, big.ptr, big.size).unwrap();
+    a.free(big.ptr).unwrap();
+    let before = dev.counts();
+    let small = a.malloc(16 * MIB, s).unwrap();
+    let c = since(&dev, &before);
+    assert_eq!(a.stats().chunk_splits, 1);
+    assert_eq!(
+        c.get(Call::StreamSync),
+        1,
+        "the chunk's stream is waited for"
+    );
+    assert_eq!(
+        (c.get(Call::Unmap), c.get(Call::Create), c.get(Call::Map)),
+        (1, 1, 1)
+    );
+    assert_eq!(a.stats().pages_mapped * 2 * MIB, 6 * 128 * MIB + 16 * MIB);
+    a.validate().unwrap();
+    let other = dev.create_stream().unwrap();
+    let y = a
+        .malloc(200 * MIB, other)
+        .expect("the split left no free memory pinned");
+    a.validate().unwrap();
+    for p in [small.ptr, y.ptr]
+        .into_iter()
+        .chain(live.iter().map(|l| l.ptr))
+    {
+        a.free(p).unwrap();
+    }
+    a.validate().unwrap();
+}

@@ -276,8 +276,8 @@ impl Inner {
         }
         for (f, c) in partial {
             self.unmap_run(dev, seg, f, c.pages)?;
+            self.stats.chunk_splits += 1;
         }
-        self.stats.reclaims += 1;
         Ok(())
     }
 
