@@ -45,24 +45,44 @@ fn script() -> Vec<Op> {
         EmptyCache,
         m(3 * MIB, 1), // a new segment in a retired slice
         RecordStream { slot: 0, stream: 0 },
-        // Free everything, then a 40 MiB block (five 8 MiB chunks: an eighth
-        // of the device each), freed; a 4 MiB block carved from it while
-        // memory is tight splits the first chunk (wait, unmap, release,
-        // create, map, set_access).
-        Free { slot: 0 },
-        Free { slot: 0 },
-        Free { slot: 0 },
-        Free { slot: 0 },
-        Free { slot: 0 },
-        m(40 * MIB, 0),
-        Free { slot: 0 },
-        m(4 * MIB, 0),
     ]
 }
 
 /// Runs the script over a fault-injecting device; returns the calls seen
 /// per kind (drop included) or a description of the first broken invariant.
+/// A 28 MiB block stays live and a 24 MiB one (three 8 MiB chunks: an eighth
+/// of the 64 MiB device each) is freed; a 4 MiB block carved from it while
+/// memory is tight (28 MiB live, over 2/5 of the device) splits the first chunk:
+/// stream wait, unmap, release, create, map, set_access.
+fn split_script() -> Vec<Op> {
+    use Op::*;
+    vec![
+        Malloc {
+            size: 28 * MIB,
+            stream: 0,
+        },
+        Malloc {
+            size: 24 * MIB,
+            stream: 0,
+        },
+        Submit { slot: 1 },
+        Free { slot: 1 },
+        Malloc {
+            size: 4 * MIB,
+            stream: 0,
+        },
+        Malloc {
+            size: 30 * MIB,
+            stream: 1,
+        },
+    ]
+}
+
 fn run(plan: FaultPlan, cfg: ExpandableConfig) -> Result<Dev, String> {
+    run_script(plan, cfg, &script())
+}
+
+fn run_script(plan: FaultPlan, cfg: ExpandableConfig, ops: &[Op]) -> Result<Dev, String> {
     let dev = Arc::new(FaultInjecting::with_plan(
         Arc::new(SimDevice::with_capacity(64 * MIB)),
         FaultPlan::None,
@@ -72,7 +92,7 @@ fn run(plan: FaultPlan, cfg: ExpandableConfig) -> Result<Dev, String> {
         let mut h = Harness::new(&a, &*dev, 3)?;
         h.tolerate_device_errors = true;
         dev.hook().set_plan(plan);
-        for (i, op) in script().iter().enumerate() {
+        for (i, op) in ops.iter().enumerate() {
             let out = h.apply(op).map_err(|e| format!("step {i} {op:?}: {e}"))?;
             h.check()
                 .map_err(|e| format!("after step {i} {op:?} ({out:?}): {e}"))?;
@@ -108,21 +128,6 @@ fn every_failed_call_is_survived_and_nothing_leaks() {
         .filter(|&(_, n)| n > 0)
         .collect();
     eprintln!("calls in the scripted workload: {kinds:?}");
-    let a_clean_run_stats = {
-        let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
-        let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
-        let mut h = Harness::new(&a, &*dev, 3).unwrap();
-        for op in script() {
-            h.apply(&op).unwrap();
-        }
-        drop(h);
-        a.stats()
-    };
-    assert!(
-        a_clean_run_stats.chunk_splits > 0
-            && a_clean_run_stats.handles_mapped + a_clean_run_stats.handles_pooled > 0,
-        "the script must split a multi-page chunk: {a_clean_run_stats:?}"
-    );
     for must in [
         Call::Reserve,
         Call::AddressFree,
@@ -337,4 +342,41 @@ fn a_failed_event_record_falls_back_to_a_stream_wait() {
     dev.hook().set_plan(FaultPlan::None);
     a.free(y.ptr).unwrap();
     a.validate().unwrap();
+}
+
+/// The fault sweep over the chunk-split path: every call of `split_script`
+/// fails once (driver error, then out-of-memory); the run survives with a
+/// valid state and nothing leaks.
+#[test]
+fn every_failed_call_of_a_chunk_split_is_survived() {
+    let stats = {
+        let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
+        let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+        let mut h = Harness::new(&a, &*dev, 3).unwrap();
+        for op in split_script() {
+            h.apply(&op).unwrap();
+            h.check().unwrap();
+        }
+        drop(h);
+        a.stats()
+    };
+    assert_eq!(stats.chunk_splits, 1, "{stats:?}");
+    let clean = run_script(
+        FaultPlan::None,
+        ExpandableConfig::default(),
+        &split_script(),
+    )
+    .expect("clean run");
+    let mut runs = 0;
+    for &call in Call::ALL.iter().filter(|c| **c != Call::StreamCreate) {
+        for n in 1..=clean.hook().seen(call) {
+            for kind in [FaultKind::Driver(999), FaultKind::OutOfMemory] {
+                let plan = FaultPlan::Nth { call, n, kind };
+                run_script(plan, ExpandableConfig::default(), &split_script())
+                    .unwrap_or_else(|e| panic!("{call} #{n} failing with {kind:?}: {e}"));
+                runs += 1;
+            }
+        }
+    }
+    assert!(runs > 20, "{runs}");
 }

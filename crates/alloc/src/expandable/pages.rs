@@ -19,8 +19,8 @@
 //! A chunk sized to the block that first needed it is wholly used by it, and
 //! wholly free once it is freed. The danger is a later, smaller block carved
 //! out of such a free chunk: it *pins* the whole chunk, and the rest of it is
-//! free memory nothing else can have. So when memory is tight (less than half
-//! of the limit is neither mapped nor pooled) such a chunk is **split**:
+//! free memory nothing else can have. So when memory is tight (live bytes above
+//! 2/5 of the limit) such a chunk is **split**:
 //! unmapped (after waiting for its stream) and the block gets exact chunks of
 //! its own, from the pool or new ones. With room to spare, pinning is harmless
 //! and costs no call, so the chunk is reused as it is. Mapping pages *ahead*
@@ -39,11 +39,17 @@ use super::Inner;
 use crate::AllocError;
 use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
 
-/// Memory is tight when less than 1/`TIGHT_DIV` of the limit is neither
-/// mapped nor pooled; then free chunks are split rather than pinned (see
-/// [`Inner::split_free_chunks`]). Measured against 1/4 and 1/8 in
-/// docs/results.md ("Chunks"): only 1/2 kept the fragmenting traces within 1 %.
-const TIGHT_DIV: u64 = 2;
+/// Memory is tight when live (active) bytes exceed `TIGHT_NUM / TIGHT_DEN`
+/// of the limit; then free chunks are split rather than pinned (see
+/// [`Inner::split_free_chunks`]). Live bytes, not mapped ones: the live curve
+/// is the same in every iteration of a loop, so every iteration makes the same
+/// decisions and the chunks one iteration leaves fit the next. 2/5 was chosen
+/// by the measurements in docs/expandable.md ("Chunks: the trade-off"): the
+/// fragmenting traces need splitting to start well before the peak.
+const TIGHT_NUM: u64 = 2;
+/// See [`TIGHT_NUM`].
+const TIGHT_DEN: u64 = 5;
+
 /// Plans tried for one request before it counts as out of memory (each after
 /// a reclaim or a driver out-of-memory).
 const MAX_ATTEMPTS: u32 = 4;
@@ -234,14 +240,12 @@ impl Inner {
         self.acquire_and_map(dev, seg, &runs, Some((seg, p0, p1)))
     }
 
-    /// Whether memory is tight: less than 1/[`TIGHT_DIV`] of the limit is
-    /// neither mapped nor pooled.
+    /// Whether memory is tight: live bytes exceed [`TIGHT_NUM`]/[`TIGHT_DEN`]
+    /// of the limit.
     pub(super) fn tight(&self) -> bool {
-        let held = self.mapped_pages() + self.pool.pages();
-        self.limit_pages
-            .saturating_sub(held)
-            .saturating_mul(TIGHT_DIV)
-            < self.limit_pages
+        let live = self.counters.active_bytes.current().max(0) as u64;
+        live.saturating_mul(TIGHT_DEN)
+            > (self.limit_pages * self.layout.page).saturating_mul(TIGHT_NUM)
     }
 
     /// When memory is tight, unmaps the wholly free chunks (inside the free
