@@ -19,6 +19,13 @@ if [[ -n $ABLATION ]]; then
   ./target/release/vmmalloc compare --policies "$ABLATION" --out docs/results/ablation \
     --json docs/results/ablation/results.json "$@"
 fi
+# Second ablation: when free chunks are split instead of pinned
+# (split_threshold: live bytes as a fraction of the limit; 1 = never, 0 = always).
+SPLITS=${SPLITS-expandable:split_threshold=0,expandable:split_threshold=0.2,expandable,expandable:split_threshold=0.6,expandable:split_threshold=1}
+if [[ -n $SPLITS ]]; then
+  ./target/release/vmmalloc compare --policies "$SPLITS" --out docs/results/splits \
+    --json docs/results/splits/results.json "$@"
+fi
 LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
 ./target/release/vmmalloc compare "${LONG[@]}" --out docs/results/long --json docs/results/long/results.json
 {
@@ -44,6 +51,17 @@ LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
     echo "[results/ablation/report.md](results/ablation/report.md)."
     echo
     sed -n '/^## Ablation: expandable options/,/^## Traces/p' docs/results/ablation/report.md | sed '1,2d;/^## Traces/d;/^!\[/d'
+  fi
+  if [[ -n $SPLITS ]]; then
+    echo
+    echo "## Ablation: when free chunks are split"
+    echo
+    echo "\`vmmalloc compare --policies $SPLITS\` on the built-in set: the expandable policy's"
+    echo "\`split_threshold\` (live bytes, as a fraction of the limit, above which a free chunk that a"
+    echo "new block covers only in part is split instead of pinned; 1 = never, 0 = always; the default"
+    echo "is 0.4). Full report: [results/splits/report.md](results/splits/report.md)."
+    echo
+    sed -n '/^## Ablation: expandable options/,/^## Traces/p' docs/results/splits/report.md | sed '1,2d;/^## Traces/d;/^!\[/d'
   fi
   echo
   echo "Command: \`scripts/compare.sh\` ($(./target/release/vmmalloc --version), $(date -u +%Y-%m-%d), $(nproc) cores)."

@@ -105,7 +105,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// (the text as written, trimmed) names its row in reports.
 ///
 /// Options by policy (an unknown option is an error naming it):
-/// - `expandable`: `max_chunk`, `page_size`, `arena_size`, `release_threshold`
+/// - `expandable`: `max_chunk`, `split_threshold`, `page_size`, `arena_size`, `release_threshold`
 ///   (sizes: bytes or e.g. `20MiB`), `memory_fraction` (in (0, 1]).
 /// - `caching`, `torch-es`: the `PYTORCH_CUDA_ALLOC_CONF` keys
 ///   [`crate::caching::CachingConfig::parse`] accepts, e.g. `max_split_size_mb=128`,
@@ -158,20 +158,30 @@ impl PolicySpec {
                     parse_size(value).map_err(bad)?
                 }
             }
+            (Policy::Expandable, "split_threshold") => {
+                let f: f64 = value
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(format!("`{value}` is not a number")))?;
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(bad(format!("must be in [0, 1], got {f}")));
+                }
+                o.expandable.split_threshold = f;
+            }
             (Policy::Expandable, "memory_fraction") => {
                 let f: f64 = value
                     .trim()
                     .parse()
                     .map_err(|_| bad(format!("`{value}` is not a number")))?;
-                if !(f.is_finite() && f > 0.0 && f <= 1.0) {
-                    return Err(bad(format!("must be in (0, 1], got {f}")));
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(bad(format!("must be in [0, 1], got {f}")));
                 }
                 o.expandable.memory_fraction = f;
             }
             _ => {
                 let valid = match self.policy {
                     Policy::Expandable => {
-                        "max_chunk, page_size, arena_size, release_threshold, memory_fraction"
+                        "max_chunk, split_threshold, page_size, arena_size, release_threshold, memory_fraction"
                     }
                     _ => "none",
                 };
@@ -294,6 +304,8 @@ mod tests {
             "expandable:max_chunk=20MiB,page_size=4MiB,memory_fraction=0.5"
         );
         assert_eq!(p.options.expandable.max_chunk, Some(20 * MIB));
+        let q: PolicySpec = "expandable:split_threshold=1".parse().unwrap();
+        assert_eq!(q.options.expandable.split_threshold, 1.0);
         assert_eq!(p.options.expandable.page_size, Some(4 * MIB));
         assert_eq!(p.options.expandable.memory_fraction, 0.5);
         let p: PolicySpec = "caching:max_split_size_mb=128,garbage_collection_threshold=0.6"
@@ -310,6 +322,8 @@ mod tests {
         for (spec, needle) in [
             ("expandable:max_chunks=20MiB", "max_chunks"),
             ("expandable:max_chunk=big", "max_chunk"),
+            ("expandable:split_threshold=2", "split_threshold"),
+            ("expandable:split_threshold=x", "split_threshold"),
             ("expandable:max_chunk", "max_chunk"),
             ("expandable:memory_fraction=2", "memory_fraction"),
             ("native:max_chunk=2MiB", "max_chunk"),

@@ -35,7 +35,7 @@ pub struct KeyDoc {
 }
 
 /// Every key `VMMALLOC_CONF` accepts, in documentation order.
-pub const KEYS: [KeyDoc; 17] = [
+pub const KEYS: [KeyDoc; 19] = [
     KeyDoc {
         name: "backend",
         default: "expandable",
@@ -58,6 +58,17 @@ pub const KEYS: [KeyDoc; 17] = [
         default: "4 × device memory",
         meaning: "expandable: virtual address space reserved per arena (more arenas are reserved when one runs \
                   out), in GiB",
+    },
+    KeyDoc {
+        name: "max_chunk_mb",
+        default: "adaptive: 1 GiB, at most 1/8 of device memory",
+        meaning: "expandable: largest physical chunk (one cuMemCreate handle) in MiB; a multiple of the page size",
+    },
+    KeyDoc {
+        name: "split_threshold",
+        default: "0.4",
+        meaning: "expandable: live bytes, as a fraction of the limit in [0, 1], above which a free chunk a new \
+                  block covers only in part is split instead of pinned (1: never, 0: always)",
     },
     KeyDoc {
         name: "release_threshold_mb",
@@ -247,6 +258,10 @@ pub struct Config {
     pub page_size: Option<u64>,
     /// `arena_gb`: expandable arena size in bytes (`None`: the policy's default).
     pub arena_size: Option<u64>,
+    /// `max_chunk_mb`: expandable largest chunk in bytes (`None`: adaptive).
+    pub max_chunk: Option<u64>,
+    /// `split_threshold`: expandable split threshold (`None`: the default).
+    pub split_threshold: Option<f64>,
     /// `release_threshold_mb`: expandable pool release threshold in bytes (`None`: unlimited).
     pub release_threshold: Option<u64>,
     /// `capacity_gb`: host/sim device memory in bytes (`None`: 4 GiB host, 80 GiB sim).
@@ -283,6 +298,8 @@ impl Default for Config {
             backend: Policy::Expandable,
             device: DeviceKind::Cuda,
             page_size: None,
+            max_chunk: None,
+            split_threshold: None,
             arena_size: None,
             release_threshold: None,
             capacity: None,
@@ -367,6 +384,15 @@ impl Config {
             }
             "page_size_mb" => self.page_size = Some(positive_int(key, v)? * MIB),
             "arena_gb" => self.arena_size = Some(positive_int(key, v)? * GIB),
+            "max_chunk_mb" => self.max_chunk = Some(positive_int(key, v)? * MIB),
+            "split_threshold" => {
+                self.split_threshold = Some(
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|x| (0.0..=1.0).contains(x))
+                        .ok_or_else(|| ConfigError::bad_value(key, v, "a number in [0, 1]"))?,
+                )
+            }
             "release_threshold_mb" => self.release_threshold = Some(int(key, v)? * MIB),
             "capacity_gb" => {
                 let gb = positive_float(key, v)?;
@@ -551,6 +577,8 @@ impl Config {
                 page_size: self.page_size,
                 arena_size: self.arena_size,
                 release_threshold: self.release_threshold.unwrap_or(defaults.release_threshold),
+                max_chunk: self.max_chunk,
+                split_threshold: self.split_threshold.unwrap_or(defaults.split_threshold),
                 ..defaults
             },
             caching,
@@ -566,6 +594,12 @@ impl Config {
             ("device", self.device.name().to_string()),
             ("page_size_mb", opt(self.page_size, MIB)),
             ("arena_gb", opt(self.arena_size, GIB)),
+            ("max_chunk_mb", opt(self.max_chunk, MIB)),
+            (
+                "split_threshold",
+                self.split_threshold
+                    .map_or("default".to_string(), |t| t.to_string()),
+            ),
             ("release_threshold_mb", opt(self.release_threshold, MIB)),
             (
                 "capacity_gb",
@@ -773,10 +807,13 @@ mod tests {
     fn options_reach_the_policies() {
         let c = Config::parse(
             "page_size_mb:4,arena_gb:16,release_threshold_mb:256,max_split_size_mb:64,\
-             roundup_power2_divisions:4,garbage_collection_threshold:0.5",
+             roundup_power2_divisions:4,garbage_collection_threshold:0.5,max_chunk_mb:64,\
+             split_threshold:0.25",
         )
         .unwrap();
         let o = c.policy_options().unwrap();
+        assert_eq!(o.expandable.max_chunk, Some(64 * MIB));
+        assert_eq!(o.expandable.split_threshold, 0.25);
         assert_eq!(o.expandable.page_size, Some(4 * MIB));
         assert_eq!(o.expandable.arena_size, Some(16 * GIB));
         assert_eq!(o.expandable.release_threshold, 256 * MIB);
@@ -863,6 +900,9 @@ mod tests {
             ("page_size_mb:0", "page_size_mb", "positive integer"),
             ("page_size_mb:-2", "page_size_mb", "positive integer"),
             ("arena_gb:1.5", "arena_gb", "positive integer"),
+            ("max_chunk_mb:0", "max_chunk_mb", "positive integer"),
+            ("split_threshold:1.5", "split_threshold", "[0, 1]"),
+            ("split_threshold:x", "split_threshold", "[0, 1]"),
             (
                 "release_threshold_mb:x",
                 "release_threshold_mb",

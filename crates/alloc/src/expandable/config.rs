@@ -35,7 +35,17 @@ pub struct ExpandableConfig {
     /// not per byte (see docs/expandable.md, "Chunks"), so larger chunks mean
     /// fewer, cheaper calls; `page_size` here gives one handle per page.
     pub max_chunk: Option<u64>,
+    /// Live bytes, as a fraction of the memory limit, above which a free
+    /// chunk that a new block would cover only in part is split (unmapped and
+    /// re-backed by exact chunks) instead of pinned; in [0, 1]. Default
+    /// [`DEFAULT_SPLIT_THRESHOLD`]. 1 never splits (fewest driver calls, but
+    /// free memory pinned inside chunks can cause avoidable out-of-memory); 0
+    /// always splits. See docs/expandable.md, "Chunks: the trade-off".
+    pub split_threshold: f64,
 }
+
+/// The default [`ExpandableConfig::split_threshold`]: 2/5 of the limit.
+pub const DEFAULT_SPLIT_THRESHOLD: f64 = 0.4;
 
 /// The largest chunk when [`ExpandableConfig::max_chunk`] is `None`: 1 GiB.
 /// Past a few hundred MiB the per-byte part of `cuMemCreate` dominates
@@ -51,6 +61,7 @@ impl Default for ExpandableConfig {
             release_threshold: u64::MAX,
             memory_fraction: 1.0,
             max_chunk: None,
+            split_threshold: DEFAULT_SPLIT_THRESHOLD,
         }
     }
 }
@@ -80,6 +91,12 @@ impl Layout {
             Some(s) => offset >> s,
             None => offset / self.page,
         }
+    }
+
+    /// Live bytes above which free chunks are split, for a memory fraction
+    /// and a split threshold.
+    pub fn split_above(&self, fraction: f64, threshold: f64) -> u64 {
+        (self.limit_pages(fraction) as f64 * self.page as f64 * threshold) as u64
     }
 
     /// The most pages a memory fraction allows.
@@ -144,6 +161,12 @@ impl ExpandableConfig {
             )));
         }
         check_fraction(self.memory_fraction)?;
+        if !(0.0..=1.0).contains(&self.split_threshold) {
+            return Err(AllocError::InvalidOption(format!(
+                "split_threshold must be in [0, 1], got {}",
+                self.split_threshold
+            )));
+        }
         let max_chunk_pages = match self.max_chunk {
             Some(m) if m == 0 || !m.is_multiple_of(page) || m > caps.total_memory => {
                 return Err(AllocError::InvalidOption(format!(
@@ -237,6 +260,13 @@ mod tests {
                 ..Default::default()
             },
             "max_chunk",
+        );
+        bad(
+            ExpandableConfig {
+                split_threshold: 1.5,
+                ..Default::default()
+            },
+            "split_threshold",
         );
         bad(
             ExpandableConfig {

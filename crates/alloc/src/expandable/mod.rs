@@ -56,7 +56,7 @@ mod teardown;
 mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
-pub use config::ExpandableConfig;
+pub use config::{ExpandableConfig, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_THRESHOLD};
 
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
 use arena::Arenas;
@@ -78,6 +78,10 @@ pub(crate) struct Inner {
     limit_pages: u64,
     /// Pooled bytes kept before releasing handles.
     release_threshold: u64,
+    /// Live bytes above which partly covered free chunks are split.
+    split_above: u64,
+    /// `split_threshold` (kept to recompute `split_above` when the fraction changes).
+    split_threshold: f64,
     /// All blocks.
     slab: Slab,
     /// Allocated blocks by address.
@@ -164,6 +168,8 @@ impl<D: Device> ExpandableAllocator<D> {
                 fraction: config.memory_fraction,
                 limit_pages: layout.limit_pages(config.memory_fraction),
                 release_threshold: config.release_threshold,
+                split_above: layout.split_above(config.memory_fraction, config.split_threshold),
+                split_threshold: config.split_threshold,
                 slab: Slab::default(),
                 live: LiveMap::default(),
                 streams: Vec::new(),

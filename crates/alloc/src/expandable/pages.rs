@@ -39,17 +39,6 @@ use super::Inner;
 use crate::AllocError;
 use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
 
-/// Memory is tight when live (active) bytes exceed `TIGHT_NUM / TIGHT_DEN`
-/// of the limit; then free chunks are split rather than pinned (see
-/// [`Inner::split_free_chunks`]). Live bytes, not mapped ones: the live curve
-/// is the same in every iteration of a loop, so every iteration makes the same
-/// decisions and the chunks one iteration leaves fit the next. 2/5 was chosen
-/// by the measurements in docs/expandable.md ("Chunks: the trade-off"): the
-/// fragmenting traces need splitting to start well before the peak.
-const TIGHT_NUM: u64 = 2;
-/// See [`TIGHT_NUM`].
-const TIGHT_DEN: u64 = 5;
-
 /// Plans tried for one request before it counts as out of memory (each after
 /// a reclaim or a driver out-of-memory).
 const MAX_ATTEMPTS: u32 = 4;
@@ -240,12 +229,12 @@ impl Inner {
         self.acquire_and_map(dev, seg, &runs, Some((seg, p0, p1)))
     }
 
-    /// Whether memory is tight: live bytes exceed [`TIGHT_NUM`]/[`TIGHT_DEN`]
-    /// of the limit.
+    /// Whether memory is tight: live bytes exceed `split_threshold` of the
+    /// limit (default 2/5). Live bytes, not mapped ones: the live curve is the
+    /// same in every iteration of a loop, so every iteration makes the same
+    /// decisions and the chunks one iteration leaves fit the next.
     pub(super) fn tight(&self) -> bool {
-        let live = self.counters.active_bytes.current().max(0) as u64;
-        live.saturating_mul(TIGHT_DEN)
-            > (self.limit_pages * self.layout.page).saturating_mul(TIGHT_NUM)
+        self.counters.active_bytes.current().max(0) as u64 > self.split_above
     }
 
     /// When memory is tight, unmaps the wholly free chunks (inside the free

@@ -71,6 +71,7 @@ impl Inner {
         check_fraction(fraction)?;
         self.fraction = fraction;
         self.limit_pages = self.layout.limit_pages(fraction);
+        self.split_above = self.layout.split_above(fraction, self.split_threshold);
         while self.mapped_pages() + self.pool.pages() > self.limit_pages {
             if self.release_largest(dev)? == 0 {
                 break;
