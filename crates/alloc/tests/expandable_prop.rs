@@ -94,6 +94,7 @@ proptest! {
             release_threshold: 16 * MIB,
             memory_fraction: 0.75,
             max_chunk: Some(64 * MIB),
+            split_threshold: 0.0,
         };
         run(Arc::new(SimDevice::with_capacity(2 * GIB)), cfg, &ops)?;
     }
