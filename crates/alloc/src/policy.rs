@@ -70,6 +70,19 @@ pub struct PolicyOptions {
     pub caching: crate::caching::CachingConfig,
 }
 
+/// Parses a number in [0, 1] (a memory fraction, a split threshold).
+fn parse_unit_fraction(value: &str) -> Result<f64, String> {
+    let f: f64 = value
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{value}` is not a number"))?;
+    if (0.0..=1.0).contains(&f) {
+        Ok(f)
+    } else {
+        Err(format!("must be in [0, 1], got {f}"))
+    }
+}
+
 /// Parses a size: bytes, or a number with a unit (`K`/`KiB`, `M`/`MiB`,
 /// `G`/`GiB`, `T`/`TiB`, case-insensitive; decimals allowed), e.g. `20MiB`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -159,24 +172,10 @@ impl PolicySpec {
                 }
             }
             (Policy::Expandable, "split_threshold") => {
-                let f: f64 = value
-                    .trim()
-                    .parse()
-                    .map_err(|_| bad(format!("`{value}` is not a number")))?;
-                if !(0.0..=1.0).contains(&f) {
-                    return Err(bad(format!("must be in [0, 1], got {f}")));
-                }
-                o.expandable.split_threshold = f;
+                o.expandable.split_threshold = parse_unit_fraction(value).map_err(bad)?
             }
             (Policy::Expandable, "memory_fraction") => {
-                let f: f64 = value
-                    .trim()
-                    .parse()
-                    .map_err(|_| bad(format!("`{value}` is not a number")))?;
-                if !(0.0..=1.0).contains(&f) {
-                    return Err(bad(format!("must be in [0, 1], got {f}")));
-                }
-                o.expandable.memory_fraction = f;
+                o.expandable.memory_fraction = parse_unit_fraction(value).map_err(bad)?
             }
             _ => {
                 let valid = match self.policy {
