@@ -38,26 +38,29 @@ fn tmpdir(name: &str) -> PathBuf {
     d
 }
 
-#[test]
-fn compare_json_matches_the_schema() {
-    let dir = tmpdir("json");
-    let trace = small_trace(&dir);
-    let out = bin()
-        .args([
-            "compare",
-            trace.to_str().unwrap(),
-            "--policies",
-            "expandable,caching,torch-es,native",
-            "--json",
-            "-",
-        ])
-        .output()
-        .unwrap();
+/// Runs the CLI with `args`; asserts that it succeeded.
+fn run_ok(args: &[&str]) -> std::process::Output {
+    let out = bin().args(args).output().unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    out
+}
+
+#[test]
+fn compare_json_matches_the_schema() {
+    let dir = tmpdir("json");
+    let trace = small_trace(&dir);
+    let out = run_ok(&[
+        "compare",
+        trace.to_str().unwrap(),
+        "--policies",
+        "expandable,caching,torch-es,native",
+        "--json",
+        "-",
+    ]);
     let v: Value =
         serde_json::from_slice(&out.stdout).expect("stdout is exactly the JSON document");
     assert_eq!(v["version"], 1);
@@ -174,24 +177,16 @@ fn compare_writes_report_and_plots() {
     let dir = tmpdir("report");
     let trace = small_trace(&dir);
     let out_dir = dir.join("out");
-    let out = bin()
-        .args([
-            "compare",
-            trace.to_str().unwrap(),
-            "--policies",
-            "native,expandable",
-            "--out",
-            out_dir.to_str().unwrap(),
-            "--json",
-            out_dir.join("results.json").to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = run_ok(&[
+        "compare",
+        trace.to_str().unwrap(),
+        "--policies",
+        "native,expandable",
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--json",
+        out_dir.join("results.json").to_str().unwrap(),
+    ]);
     // The JSON goes into the report's directory, created on the way.
     let json: Value =
         serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap())
@@ -401,24 +396,16 @@ fn policy_options_label_rows_and_feed_the_ablation() {
     let dir = tmpdir("ablation");
     let trace = small_trace(&dir);
     let out_dir = dir.join("out");
-    let out = bin()
-        .args([
-            "compare",
-            trace.to_str().unwrap(),
-            "--policies",
-            "expandable,expandable:max_chunk=20MiB,page_size=4MiB,caching:max_split_size_mb=64",
-            "--json",
-            "-",
-            "--out",
-            out_dir.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = run_ok(&[
+        "compare",
+        trace.to_str().unwrap(),
+        "--policies",
+        "expandable,expandable:max_chunk=20MiB,page_size=4MiB,caching:max_split_size_mb=64",
+        "--json",
+        "-",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let pols = v["traces"][0]["policies"].as_object().unwrap();
     let mut names: Vec<&String> = pols.keys().collect();
@@ -464,21 +451,13 @@ fn policy_options_label_rows_and_feed_the_ablation() {
 fn replay_steady_prints_the_second_pass() {
     let dir = tmpdir("steady");
     let trace = small_trace(&dir);
-    let out = bin()
-        .args([
-            "replay",
-            trace.to_str().unwrap(),
-            "--policy",
-            "expandable:max_chunk=20MiB",
-            "--steady",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = run_ok(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--policy",
+        "expandable:max_chunk=20MiB",
+        "--steady",
+    ]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("steady state (2nd pass): ok") && text.contains("0 memory calls"),
