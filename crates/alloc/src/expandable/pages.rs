@@ -252,15 +252,22 @@ impl Inner {
         room: (u64, u64),
         freed_at: u64,
     ) -> Result<(), DeviceError> {
-        let partial: Vec<(u64, Chunk)> = self
-            .seg(seg)
-            .chunks_overlapping(p0, p1 + 1)
-            .into_iter()
-            .filter(|&(f, c)| {
-                (f < p0 || f + c.pages > p1 + 1) && f >= room.0 && f + c.pages <= room.1
-            })
-            .collect();
-        if partial.is_empty() || !self.tight() {
+        if !self.tight() {
+            return Ok(());
+        }
+        // Only the chunks holding the first and the last page can reach past
+        // the request; those strictly inside are covered whole.
+        let s = self.seg(seg);
+        let mut partial: Vec<(u64, Chunk)> = Vec::new();
+        for c in [s.chunk_at(p0), s.chunk_at(p1)].into_iter().flatten() {
+            let (f, ch) = c;
+            let reaches_out = f < p0 || f + ch.pages > p1 + 1;
+            let wholly_free = f >= room.0 && f + ch.pages <= room.1;
+            if reaches_out && wholly_free && !partial.iter().any(|&(g, _)| g == f) {
+                partial.push(c);
+            }
+        }
+        if partial.is_empty() {
             return Ok(());
         }
         let owner = self.seg(seg).owner;
