@@ -51,7 +51,7 @@ pub const KEYS: [KeyDoc; 19] = [
     KeyDoc {
         name: "page_size_mb",
         default: "the device granularity (2 MiB)",
-        meaning: "expandable: size of the physical pages mapped into segments, in MiB",
+        meaning: "expandable: page size (the unit of address arithmetic and the smallest physical chunk), in MiB",
     },
     KeyDoc {
         name: "arena_gb",
@@ -73,7 +73,7 @@ pub const KEYS: [KeyDoc; 19] = [
     KeyDoc {
         name: "release_threshold_mb",
         default: "unlimited (pooled pages are kept until empty_cache)",
-        meaning: "expandable: MiB of unmapped pages kept in the pool; pages above it are released to the driver",
+        meaning: "expandable: MiB of unmapped chunks kept in the pool; chunks above it are released to the driver",
     },
     KeyDoc {
         name: "capacity_gb",
