@@ -1,5 +1,6 @@
-//! `expandable`: ours — one address arena per device, a physical page pool,
-//! and targeted page reclaim instead of PyTorch's global flush.
+//! `expandable`: ours — one address arena per device, physical chunks sized
+//! to the work, a chunk pool, and targeted reclaim instead of PyTorch's
+//! global flush.
 //!
 //! # Shape
 //!
@@ -9,16 +10,21 @@
 //!   the allocator never fails for lack of address space while pages are free.
 //! - One **segment** per (stream, pool) ([`segment`]), each owning a slice.
 //!   Pools: small (requests ≤ 1 MiB) and large. A segment grows by mapping
-//!   pages where its blocks need them; its page occupancy is a bit vector.
+//!   physical **chunks** (one `cuMemCreate` handle of one or more pages, up to
+//!   `max_chunk`) where its blocks need them ([`pages`]); its page occupancy
+//!   is a bit vector beside a chunk table.
 //! - **Blocks** ([`blocks`]) split and merge at 512 B inside a segment; best fit
 //!   by `(size, addr)` among the free blocks of the request's (stream, pool).
-//! - A physical **page pool** ([`pages`]): pages unmapped from free space keep
-//!   their handle and are mapped again without `release`/`create`; handles go
-//!   back to the driver above `release_threshold` or on `empty_cache`.
+//! - A **chunk pool** ([`pool`]): chunks unmapped from free space keep their
+//!   handle and are mapped again without `release`/`create`; handles go back
+//!   to the driver above `release_threshold` or on `empty_cache`.
 //! - **Targeted reclaim** ([`reclaim`]): when `create` fails with out-of-memory
-//!   (or the memory-fraction limit is reached) only as many whole free pages as
-//!   the request lacks are unmapped, least recently freed first, after waiting
-//!   for the streams that last used them — never a device-wide sync.
+//!   (or the memory-fraction limit is reached) only as many whole free chunks
+//!   as the request lacks are unmapped, least recently freed first, after
+//!   waiting for the streams that last used them — never a device-wide sync.
+//! - **Splits** ([`pages`]): once live bytes pass `split_threshold` of the
+//!   limit, a free chunk a new block would cover only in part is unmapped and
+//!   re-backed by exact chunks, so no free memory stays pinned.
 //! - **Stream safety** ([`events`]): a freed block is reused at once on its own
 //!   stream; blocks used on other streams (`record_stream`) wait for events.
 //!
@@ -34,9 +40,9 @@
 //! A cache hit costs one lock, one free-index ([`free_index`]) lookup +
 //! removal (+ insertion of the split remainder), one hash-map insertion, and
 //! no device call. `free` is one hash-map removal, at most two neighbour
-//! merges and one free-index insertion. Mapping new pages costs one
-//! `cuMemMap` per page and one `set_access` per run; the stats are updated
-//! once per run.
+//! merges and one free-index insertion. Mapping new memory costs one
+//! `cuMemCreate` and one `cuMemMap` per chunk and one `set_access` per run;
+//! the stats are updated once per run.
 
 mod alloc;
 mod arena;
