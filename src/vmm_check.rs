@@ -66,7 +66,8 @@ fn step<T, E: std::fmt::Display>(name: &str, r: Result<T, E>) -> Result<T, Strin
     }
 }
 
-/// Runs `vmmalloc vmm-check`. Exit status 0 when the whole sequence worked.
+/// Runs `vmmalloc vmm-check`. Exit status 0 when the whole sequence worked,
+/// 1 (after the verdict line, printed last) when it did not.
 pub fn run(args: VmmCheckArgs) -> Result<()> {
     if args.pages == 0 {
         bail!("--pages must be at least 1");
@@ -80,7 +81,8 @@ pub fn run(args: VmmCheckArgs) -> Result<()> {
         Ok(d) => d,
         Err(why) => {
             println!("VMM API: NOT usable here: {why}");
-            bail!("VMM API not usable on device {dev}");
+            // The verdict is the last line printed (scripts/gpu-check.sh quotes it).
+            std::process::exit(1);
         }
     };
     let mut undo = Undo::default();
@@ -101,7 +103,7 @@ pub fn run(args: VmmCheckArgs) -> Result<()> {
                 "VMM API: NOT supported on device {dev} ({}): {why}",
                 caps.name
             );
-            bail!("VMM API not supported on device {dev}");
+            std::process::exit(1);
         }
     }
 }
