@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2329  # the step functions run through `step` (bash -c)
 # gpu-check.sh — vmmalloc on a real NVIDIA GPU (A100 / H100 / H200), in one
 # call of at most ~8 minutes, with no Rust and no network on the GPU box
 # (issue 16).
@@ -58,7 +59,7 @@ while (($# > 0)); do
         --bundle) bundle=${2:?--bundle needs a folder}; shift 2 ;;
         --out) out_dir=${2:?--out needs a folder}; shift 2 ;;
         --dry-run) dry_run=1; shift ;;
-        -h | --help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d;s/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '3,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d;s/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -74,7 +75,9 @@ summary="$out_dir/gpu-check-summary.txt"
 calibration="$out_dir/gpu-calibration.json"
 : >"$summary"
 # Everything printed also goes to the log.
+exec 3>&1 4>&2
 exec > >(tee "$log") 2>&1
+tee_pid=$!
 
 started=$SECONDS
 budget="${BUDGET_S:-450}"
@@ -189,8 +192,8 @@ check_bundle() {
     if [[ $want != "$have" ]]; then
         problem "bundle: built for other check scripts (manifest scripts_sha256 ${want:0:12}, these scripts ${have:0:12}): rebuild it with scripts/gpu-bundle.sh"
     fi
-    local sha size path n=0
-    while read -r sha size path; do
+    local sha _size path n=0
+    while read -r sha _size path; do
         n=$((n + 1))
         if [[ ! -f $bundle/$path ]]; then
             problem "bundle: missing file $path (listed in the manifest)"
@@ -220,6 +223,7 @@ need() {
 # The driver
 # ---------------------------------------------------------------------------
 gpu_count=0
+info_json="$(mktemp)"
 driver_check() {
     if ((dry_run)); then
         echo "dry run: nvidia-smi not consulted"
@@ -232,29 +236,43 @@ driver_check() {
     fi
     [[ -x $bin ]] || { echo "missing from the bundle: bin/vmmalloc"; return 1; }
     "$bin" info || return 1
-    "$bin" info --json >"$out_dir/.info.json" 2>/dev/null || return 1
-    if ! grep -q '"vmm_supported": true' "$out_dir/.info.json"; then
-        echo "the CUDA driver reports no device with virtual memory management"
+    "$bin" info --json >"$info_json" 2>/dev/null || return 1
+    if ! grep -q '"vmm_supported": true' "$info_json"; then
+        echo "no CUDA device with virtual memory management; $("$bin" info 2>/dev/null | grep -m 1 '^CUDA driver' || echo 'CUDA driver: ?')"
         return 1
     fi
 }
+export info_json
 export -f driver_check
 if ((dry_run)) && [[ -z ${VMMALLOC_CUDA_LIBRARY:-} ]]; then
     echo "gpu-check: --dry-run needs VMMALLOC_CUDA_LIBRARY (the fake libcuda, docs/fake-cuda.md)"
     exit 2
 fi
 step driver 60 driver_check
-if [[ -f $out_dir/.info.json ]]; then
-    # Devices the CUDA driver lists (one "ordinal" key per device).
-    gpu_count="$(grep -c '"ordinal"' "$out_dir/.info.json" || true)"
-    rm -f "$out_dir/.info.json"
-fi
+# Devices the CUDA driver lists (one "ordinal" key per device).
+gpu_count="$(grep -c '"ordinal"' "$info_json" || true)"
+rm -f "$info_json"
 echo "CUDA devices: $gpu_count"
 
 # ---------------------------------------------------------------------------
 # Step 0: the VMM API on the GPU
 # ---------------------------------------------------------------------------
 need "$bin" vmm && step vmm 60 "$bin" vmm-check --device "$device"
+# No driver or no device at all ("NOT usable here"): the GPU steps below are
+# skipped with that reason. Without VMM support ("NOT supported") they still
+# run: what fails and what does not (plain cuMemAlloc) is worth the log.
+no_gpu=""
+if grep -q '^vmm: FAIL .*VMM API: NOT usable here' "$summary"; then
+    no_gpu="no usable CUDA driver or device (step vmm)"
+fi
+# gpu_step NAME TIMEOUT CMD...: step, or SKIP when there is no usable GPU.
+gpu_step() {
+    if [[ -n $no_gpu ]]; then
+        verdict "$1" SKIP "$no_gpu"
+    else
+        step "$@"
+    fi
+}
 
 # ---------------------------------------------------------------------------
 # The #[ignore]d GPU test suites, single-threaded so that memory figures are
@@ -263,13 +281,13 @@ need "$bin" vmm && step vmm 60 "$bin" vmm-check --device "$device"
 # ---------------------------------------------------------------------------
 device_suite=$bundle/tests/vmmalloc-device.cuda_gpu
 if need "$device_suite" conformance && need "$device_suite" suite:device; then
-    step conformance 120 "$device_suite" --ignored --exact conformance_suite --test-threads=1
-    step suite:device 120 "$device_suite" --ignored --skip conformance_suite --test-threads=1
+    gpu_step conformance 120 "$device_suite" --ignored --exact conformance_suite --test-threads=1
+    gpu_step suite:device 120 "$device_suite" --ignored --skip conformance_suite --test-threads=1
 fi
 while read -r suite; do
     [[ $suite == vmmalloc-device.cuda_gpu ]] && continue
     if need "$bundle/tests/$suite" "suite:$suite"; then
-        step "suite:$suite" 120 "$bundle/tests/$suite" --ignored --test-threads=1
+        gpu_step "suite:$suite" 120 "$bundle/tests/$suite" --ignored --test-threads=1
     fi
 done < <(sed -n 's/^file: [0-9a-f]* [0-9]* tests\/\(.*\)$/\1/p' "$manifest" 2>/dev/null)
 
@@ -284,7 +302,7 @@ calibrate() {
     echo "replay with the measured model: vmmalloc compare --cost-file $calibration"
 }
 export -f calibrate
-need "$bin" calibrate && step calibrate 150 calibrate
+need "$bin" calibrate && gpu_step calibrate 150 calibrate
 
 # ---------------------------------------------------------------------------
 # Python and PyTorch under the plug-in
@@ -334,4 +352,7 @@ fi
 
 section "summary ($((SECONDS - started)) s; $out_dir)"
 cat "$summary"
+# Let tee finish the log before exiting.
+exec 1>&3 2>&4
+wait "$tee_pid" 2>/dev/null || true
 exit "$failed"

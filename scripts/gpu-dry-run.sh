@@ -10,7 +10,8 @@
 #      (SKIP); the log, the summary and the calibration JSON written.
 #   3. Bad input, one clear line each while the other steps still run: a
 #      bundle built for other scripts, a file missing from the bundle, a
-#      driver that refuses cuMemMap (no VMM support), a PyTorch-less python.
+#      driver that refuses cuMemMap (no VMM support), no python, PyTorch
+#      without a GPU, a PyTorch without the pluggable-allocator hooks.
 #
 # Environment: CARGO_FLAGS (e.g. "--offline"), KEEP=1 keeps the temporary folder.
 set -euo pipefail
@@ -86,6 +87,14 @@ expect "$tmp/novmm" '^vmm: FAIL \(exit 1, [0-9]+ s: VMM API: NOT supported on de
 expect "$tmp/novmm" '^calibrate: (PASS|FAIL) '
 expect "$tmp/novmm" '^two-gpus: (PASS|FAIL) '
 
+# 3c'. No driver at all: step 0 says so, the GPU steps SKIP with that reason.
+check nodriver gpu-bundle VMMALLOC_CUDA_LIBRARY=/nonexistent/libcuda.so.1
+((rc == 1)) || fail "nodriver: exit $rc, expected 1"
+expect "$tmp/nodriver" '^vmm: FAIL \(exit 1, [0-9]+ s: VMM API: NOT usable here: open device'
+expect "$tmp/nodriver" '^conformance: SKIP \(no usable CUDA driver or device \(step vmm\)\)$'
+expect "$tmp/nodriver" '^calibrate: SKIP \(no usable CUDA driver or device \(step vmm\)\)$'
+expect "$tmp/nodriver" '^python: PASS '
+
 # 3d. The python step without a python, and the PyTorch steps without PyTorch
 # on a GPU (this machine): SKIP with the reason (exit 3), not FAIL.
 check nopython gpu-bundle PYTHON="$tmp/no-such-python"
@@ -96,6 +105,23 @@ last="$(VMMALLOC_LIBRARY="$PWD/gpu-bundle/lib/libvmmalloc.so" PYTHONPATH="$PWD/g
 echo "--- gpu-check-pytorch.sh graph-replay here (exit $rc): $last"
 ((rc == 3)) || fail "gpu-check-pytorch.sh without a GPU: exit $rc, expected 3 (cannot run)"
 [[ $last == "gpu-check-pytorch: cannot run: "* ]] || fail "gpu-check-pytorch.sh without a GPU: last line '$last'"
+
+# 3e. A PyTorch without the pluggable-allocator hooks (a stand-in torch module
+# that has CUDA but no torch.cuda.memory.CUDAPluggableAllocator): one line, exit 3.
+mkdir -p "$tmp/oldtorch/torch/cuda"
+printf '__version__ = "0.0-stand-in"\nfrom . import version, cuda\n' >"$tmp/oldtorch/torch/__init__.py"
+printf 'cuda = "13.0"\n' >"$tmp/oldtorch/torch/version.py"
+printf 'def is_available():\n    return True\n' >"$tmp/oldtorch/torch/cuda/__init__.py"
+: >"$tmp/oldtorch/torch/cuda/memory.py"
+rc=0
+last="$(VMMALLOC_LIBRARY="$PWD/gpu-bundle/lib/libvmmalloc.so" PYTHONPATH="$tmp/oldtorch:$PWD/gpu-bundle/python" \
+    gpu-bundle/scripts/gpu-check-pytorch.sh fragmentation 2>&1 | tail -n 1)" || rc=$?
+echo "--- gpu-check-pytorch.sh with a PyTorch without the hooks (exit $rc): $last"
+((rc == 3)) || fail "gpu-check-pytorch.sh without the hooks: exit $rc, expected 3"
+[[ $last == "gpu-check-pytorch: cannot run: this PyTorch has no torch.cuda.memory.CUDAPluggableAllocator"* ]] ||
+    fail "gpu-check-pytorch.sh without the hooks: last line '$last'"
+# The log ends with the summary (tee finished before the script exited).
+tail -n 1 "$tmp/good/gpu-check.log" | grep -q '^two-gpus: PASS ' || fail "good: the log does not end with the summary"
 
 if ((errors > 0)); then
     echo "gpu-dry-run: $errors problem(s)" >&2
