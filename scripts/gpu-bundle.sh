@@ -13,7 +13,8 @@
 #                           --message-format=json`; run with `-- --ignored`)
 #   python/vmmalloc/        the Python package
 #   scripts/                gpu-check.sh, gpu-check-pytorch.sh, torch_*.py
-#   manifest.txt            format, versions, git commit, the scripts' hash
+#   manifest.txt            format, versions, git commit, the newest glibc
+#                           symbol version the executables need, the scripts' hash
 #                           (scripts_sha256, which gpu-check.sh compares), and
 #                           one "file SHA256 SIZE PATH" line per file
 #
@@ -138,8 +139,13 @@ scripts_sha="$(cd scripts && sha256sum gpu-check.sh gpu-check-pytorch.sh torch_*
 commit="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 dirty=no
 [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] && dirty=yes
+# The newest glibc symbol version the executables need: a GPU box with an
+# older glibc cannot run them (gpu-check.sh compares, one line).
+glibc="$( (cd "$dest" && for f in bin/* lib/* tests/*; do objdump -T "$f" 2>/dev/null; done) |
+    grep -o 'GLIBC_[0-9][0-9.]*' | sed 's/GLIBC_//' | sort -uV | tail -n 1)"
 {
     echo "format: vmmalloc-gpu-bundle/1"
+    echo "glibc_required: ${glibc:-unknown}"
     echo "scripts_sha256: $scripts_sha"
     echo "git_commit: $commit"
     echo "git_dirty: $dirty"

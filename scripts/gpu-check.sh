@@ -186,6 +186,16 @@ check_bundle() {
         problem "bundle: format '${format:-none}', this script reads vmmalloc-gpu-bundle/1"
     fi
     sed -n 's/^\(git_commit\|git_dirty\|vmmalloc\|rustc\|built_on\|built_at\): /  \1: /p' "$manifest"
+    # glibc: the executables need at least glibc_required (objdump -T at build time).
+    local need_glibc have_glibc
+    need_glibc="$(sed -n 's/^glibc_required: //p' "$manifest")"
+    have_glibc="$(getconf GNU_LIBC_VERSION 2>/dev/null | sed -n 's/^glibc //p')"
+    if [[ $need_glibc =~ ^[0-9.]+$ && -n $have_glibc ]] &&
+        [[ "$(printf '%s\n%s\n' "$need_glibc" "$have_glibc" | sort -V | head -n 1)" != "$need_glibc" ]]; then
+        problem "bundle: its executables need glibc $need_glibc, this box has $have_glibc: build the bundle on an older distribution"
+    else
+        echo "  glibc: needs ${need_glibc:-?}, here ${have_glibc:-?}"
+    fi
     local want have
     want="$(sed -n 's/^scripts_sha256: //p' "$manifest")"
     have="$(scripts_sha)"

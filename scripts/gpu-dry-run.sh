@@ -9,9 +9,10 @@
 #   2. gpu-check.sh --dry-run: every step PASS but the PyTorch-on-GPU ones
 #      (SKIP); the log, the summary and the calibration JSON written.
 #   3. Bad input, one clear line each while the other steps still run: a
-#      bundle built for other scripts, a file missing from the bundle, a
-#      driver that refuses cuMemMap (no VMM support), no python, PyTorch
-#      without a GPU, a PyTorch without the pluggable-allocator hooks.
+#      bundle built for other scripts or for a newer glibc, a file missing
+#      from the bundle, a driver that refuses cuMemMap (no VMM support), no
+#      driver, no python, PyTorch without a GPU, a PyTorch without the
+#      pluggable-allocator hooks.
 #
 # Environment: CARGO_FLAGS (e.g. "--offline"), KEEP=1 keeps the temporary folder.
 set -euo pipefail
@@ -68,6 +69,12 @@ check stale "$tmp/stale"
 expect "$tmp/stale" '^bundle: FAIL \(.*bundle: built for other check scripts \(manifest scripts_sha256 000000000000, these scripts [0-9a-f]{12}\): rebuild it with scripts/gpu-bundle.sh\)$'
 expect "$tmp/stale" '^vmm: PASS '
 expect "$tmp/stale" '^calibrate: PASS '
+
+# 3a'. Built against a newer glibc than this box has: one line.
+cp -r gpu-bundle "$tmp/glibc"
+sed -i 's/^glibc_required: .*/glibc_required: 9.99/' "$tmp/glibc/manifest.txt"
+check glibc "$tmp/glibc"
+expect "$tmp/glibc" '^bundle: FAIL \(.*bundle: its executables need glibc 9.99, this box has [0-9.]+: build the bundle on an older distribution\)$'
 
 # 3b. A file missing: named once, its steps skipped with the reason.
 cp -r gpu-bundle "$tmp/missing"
