@@ -3,7 +3,8 @@
 # call of at most ~8 minutes on an H100/H200. Called at the end of
 # scripts/gpu-check.sh; runs on its own too.
 #
-#   1. Builds target/release/libvmmalloc.so (cargo build --release -p vmmalloc-capi).
+#   1. Builds target/release/libvmmalloc.so (cargo build --release -p vmmalloc-capi),
+#      unless VMMALLOC_LIBRARY names one (a bundle's).
 #   2. scripts/torch_fragmentation.py under a memory limit (LIMIT_GB, default 8):
 #      PyTorch's default allocator and vmmalloc's caching replica must run out
 #      of memory from fragmentation; vmmalloc expandable, torch-es and native
@@ -16,29 +17,61 @@
 #      as torch.cuda.OutOfMemoryError with vmmalloc's text,
 #      torch.cuda.memory_allocated() matching vmmalloc's stats.
 #
+# usage: scripts/gpu-check-pytorch.sh [PART...]   (default: all of them)
+#   PART: fragmentation, train, or one check of torch_plugin_checks.py
+#   (peer-copy, graph-replay, oom-exception, memory-allocated); scripts/gpu-check.sh
+#   runs them as separate steps.
+#
+# Runs from a bundle (scripts/gpu-bundle.sh) when VMMALLOC_LIBRARY names its
+# libvmmalloc.so and PYTHONPATH its python/ (scripts/gpu-check.sh sets both);
+# otherwise builds target/release/libvmmalloc.so with cargo.
+#
 # Needs python3 with a CUDA build of PyTorch. Exit status: 0 when every check
-# passed, 1 otherwise (each check still runs), 1 with one clear line when
-# there is no GPU or no PyTorch with CUDA.
+# passed, 1 otherwise (each check still runs), 3 with one clear line (the
+# last) when it cannot run: no python, no PyTorch, no CUDA device, a PyTorch
+# without the pluggable-allocator hooks.
 #
 # Environment: LIMIT_GB (fragmentation limit, default 8), STEPS (training
-# steps, default 60), PYTHON (default python3), CARGO_FLAGS (e.g. "--offline").
+# steps, default 60), PYTHON (default python3), CARGO_FLAGS (e.g. "--offline"),
+# VMMALLOC_LIBRARY (a built libvmmalloc.so: no cargo build).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$here/.."
 
 PY="${PYTHON:-python3}"
 LIMIT_GB="${LIMIT_GB:-8}"
 STEPS="${STEPS:-60}"
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
+parts=("$@")
+((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated)
+for part in "${parts[@]}"; do
+    case $part in
+        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated) ;;
+        *) echo "gpu-check-pytorch: unknown part $part" >&2; exit 2 ;;
+    esac
+done
+wants() {
+    local p
+    for p in "${parts[@]}"; do [[ $p == "$1" ]] && return 0; done
+    return 1
+}
+
 skip() {
-    echo "gpu-check-pytorch: cannot run: $*" >&2
-    exit 1
+    # One line (the last printed): scripts/gpu-check.sh quotes it.
+    echo "gpu-check-pytorch: cannot run: $(tr '\n' ' ' <<<"$*" | sed 's/ *$//')"
+    exit 3
 }
 command -v "$PY" >/dev/null 2>&1 || skip "$PY is not installed"
 torch_info="$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())' 2>&1)" \
     || skip "PyTorch is not installed for $PY ($(tail -n 1 <<<"$torch_info"))"
+torch_info="$(tail -n 1 <<<"$torch_info")" # after any warnings
 [[ $torch_info == *True ]] || skip "PyTorch has no usable CUDA device (torch, cuda, available: $torch_info)"
 echo "PyTorch: $torch_info"
+# The hook CUDAPluggableAllocator needs (torch/cuda/memory.py,
+# change_current_allocator; PyTorch >= 2.0).
+"$PY" -c 'import torch.cuda.memory as m; m.CUDAPluggableAllocator; m.change_current_allocator' >/dev/null 2>&1 \
+    || skip "this PyTorch has no torch.cuda.memory.CUDAPluggableAllocator / change_current_allocator"
 
 failures=()
 step() {
@@ -54,9 +87,15 @@ step() {
     fi
 }
 
-step "build libvmmalloc.so" cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-capi
-export VMMALLOC_LIBRARY="$PWD/target/release/libvmmalloc.so"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+if [[ -n ${VMMALLOC_LIBRARY:-} ]]; then
+    [[ -f $VMMALLOC_LIBRARY ]] || skip "VMMALLOC_LIBRARY=$VMMALLOC_LIBRARY does not exist"
+    echo "plug-in: $VMMALLOC_LIBRARY"
+else
+    command -v cargo >/dev/null 2>&1 || skip "no VMMALLOC_LIBRARY and no cargo to build libvmmalloc.so"
+    step "build libvmmalloc.so" cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-capi
+    export VMMALLOC_LIBRARY="$PWD/target/release/libvmmalloc.so"
+    export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+fi
 results="$(mktemp)"
 trap 'rm -f "$results"' EXIT
 
@@ -76,27 +115,31 @@ run_py() {
     return "$rc"
 }
 
+if wants fragmentation; then
 echo "=== fragmentation under a ${LIMIT_GB} GiB limit"
 step "fragmentation: pytorch default (expect oom)" \
-    run_py pytorch "" scripts/torch_fragmentation.py --limit-gb "$LIMIT_GB" --expect oom
+    run_py pytorch "" "$here"/torch_fragmentation.py --limit-gb "$LIMIT_GB" --expect oom
 for spec in caching:oom expandable:ok torch-es:ok native:ok; do
     backend=${spec%%:*} expect=${spec##*:}
     step "fragmentation: vmmalloc $backend (expect $expect)" \
-        run_py "$backend" "backend:$backend" scripts/torch_fragmentation.py --limit-gb "$LIMIT_GB" --expect "$expect"
+        run_py "$backend" "backend:$backend" "$here"/torch_fragmentation.py --limit-gb "$LIMIT_GB" --expect "$expect"
 done
+fi
 
+if wants train; then
 echo "=== training with variable sequence lengths ($STEPS steps)"
-step "train_varlen: pytorch default" run_py pytorch "" scripts/torch_train_varlen.py --steps "$STEPS"
+step "train_varlen: pytorch default" run_py pytorch "" "$here"/torch_train_varlen.py --steps "$STEPS"
 for backend in expandable torch-es caching native; do
     step "train_varlen: vmmalloc $backend" \
-        run_py "$backend" "backend:$backend,on_oom:abort" scripts/torch_train_varlen.py --steps "$STEPS"
+        run_py "$backend" "backend:$backend,on_oom:abort" "$here"/torch_train_varlen.py --steps "$STEPS"
 done
+fi
 
 echo "=== PyTorch-process checks (issue 11)"
 # plugin_check NAME: exit 3 from the script is a skip (its reason printed), not a failure.
 plugin_check() {
     local out rc=0
-    out="$(VMMALLOC_CONF="backend:expandable" timeout 300 "$PY" -m vmmalloc scripts/torch_plugin_checks.py "$1" 2>&1)" \
+    out="$(VMMALLOC_CONF="backend:expandable" timeout 300 "$PY" -m vmmalloc "$here"/torch_plugin_checks.py "$1" 2>&1)" \
         || rc=$?
     printf '%s\n' "$out" | tail -n 8 | sed "s/^/    [$1] /"
     if ((rc == 3)); then
@@ -106,6 +149,7 @@ plugin_check() {
     return "$rc"
 }
 for check in peer-copy graph-replay oom-exception memory-allocated; do
+    wants "$check" || continue
     step "plugin: $check" plugin_check "$check"
 done
 

@@ -1,178 +1,368 @@
 #!/usr/bin/env bash
-# gpu-check.sh — vmmalloc on a real NVIDIA GPU (A100 / H100 / H200), in one call.
+# shellcheck disable=SC2329  # the step functions run through `step` (bash -c)
+# gpu-check.sh — vmmalloc on a real NVIDIA GPU (A100 / H100 / H200), in one
+# call of at most ~8 minutes, with no Rust and no network on the GPU box
+# (issue 16).
 #
-#   1. Fails clearly (exit 1, one line "no NVIDIA GPU/driver found: ...") where
-#      there is no nvidia-smi, no GPU, or no libcuda.
-#   2. Prints the driver version, device names, allocation granularity and VMM
-#      support (`vmmalloc info`).
-#   3. Runs every #[ignore]d GPU test suite (see "GPU test suites" below).
-#   4. Calibrates the cost model (`vmmalloc calibrate`): create / map / set
-#      access / unmap / release and cuMemAlloc / cuMemFree at 2-1024 MiB, set
-#      access / unmap over 1-256 handles, each point the median of ITERATIONS
-#      calls; fits fixed + per-MiB + per-handle per call kind and writes a cost
-#      file (`--cost-file` reads it) to $OUT (a file; or, if $OUT is a
-#      directory, $OUT/gpu-calibration.json), default ./gpu-calibration.json;
-#      then says which preset (a100 or linear) is closer to this GPU.
-#   5. Runs PyTorch under the plug-in (scripts/gpu-check-pytorch.sh).
+#   usage: scripts/gpu-check.sh [--bundle DIR] [--out DIR] [--dry-run]
+#
+# Runs from a prebuilt bundle (scripts/gpu-bundle.sh): --bundle DIR, else
+# gpu-bundle/ at the repository root, else the folder this script sits in when
+# that is a bundle's scripts/. Without a bundle, where cargo exists, it builds
+# one first (scripts/gpu-bundle.sh); with neither, it says so and stops.
+#
+# Steps (each with its own timeout, all within the time budget BUDGET_S; a
+# failing step never stops the others):
+#   bundle       the manifest: format, the scripts' hash (a bundle built for
+#                other scripts), every file present with its sha256
+#   driver       nvidia-smi, `vmmalloc info` (driver version, devices,
+#                granularity, VMM support)
+#   vmm          step 0: `vmmalloc vmm-check`, reserve → create → map → set
+#                access → write/read → unmap → release on the GPU: does this
+#                environment (driver, container, gVisor) support the VMM API?
+#   conformance  the device conformance suite through the cuda backend
+#   suite:NAME   every other bundled #[ignore] suite (-- --ignored)
+#   calibrate    `vmmalloc calibrate`: the cost model's size sweep, as JSON
+#   python       the Python package loads libvmmalloc.so (no GPU needed)
+#   fragmentation, train, graphs, plugin-checks
+#                PyTorch under the plug-in (scripts/gpu-check-pytorch.sh)
+#   two-gpus     vmm-check on device 1 and the peer-copy check, where there
+#                are two GPUs
+#
+# Writes into --out DIR, else $OUT (a folder), else ./gpu-check-out/:
+#   gpu-check.log            everything printed
+#   gpu-calibration.json     the calibration (`vmmalloc compare --cost-file`)
+#   gpu-check-summary.txt    one verdict line per step: NAME: PASS|FAIL|SKIP (why)
+#
+# --dry-run (CI, scripts/gpu-dry-run.sh): no nvidia-smi needed and the PyTorch
+# steps that need a GPU are skipped; VMMALLOC_CUDA_LIBRARY must name a driver
+# library (the fake libcuda, docs/fake-cuda.md).
 #
 # Environment:
-#   OUT                    where the calibration JSON goes (see above)
-#   ITERATIONS             timed calls per driver call kind (default 200, min 100)
+#   OUT                    output folder (see above)
+#   BUDGET_S               time budget of the whole check in seconds (default 450)
+#   ITERATIONS             calibrate: timed calls per point (default 200, min 100)
 #   VMMALLOC_TEST_DEVICE   GPU ordinal to test and calibrate (default 0)
 #   VMMALLOC_CUDA_LIBRARY  driver library to load instead of libcuda.so.1
-#   CARGO_FLAGS            extra cargo flags, e.g. "--offline"
-#   SKIP_PYTORCH=1         skip step 5 (see scripts/gpu-check-pytorch.sh for its settings)
+#   SKIP_PYTORCH=1         skip the PyTorch steps
+#   PYTHON                 python with PyTorch (default python3)
 #
-# Exit status: 0 when every step passed, 1 otherwise (each step still runs).
-set -euo pipefail
+# Exit status: 0 when no step failed (skips allowed), 1 otherwise.
+set -uo pipefail
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/.." && pwd)"
 
-no_gpu() {
-    echo "no NVIDIA GPU/driver found: $*" >&2
-    exit 1
-}
-
-# ---------------------------------------------------------------------------
-# 1. Is there a GPU and a driver?
-# ---------------------------------------------------------------------------
-
-command -v nvidia-smi >/dev/null 2>&1 || no_gpu "nvidia-smi is not installed"
-if ! gpus="$(nvidia-smi -L 2>&1)"; then
-    no_gpu "nvidia-smi -L failed: $(printf '%s' "$gpus" | head -n 1)"
+bundle="" out_dir="${OUT:-}" dry_run=0
+while (($# > 0)); do
+    case $1 in
+        --bundle) bundle=${2:?--bundle needs a folder}; shift 2 ;;
+        --out) out_dir=${2:?--out needs a folder}; shift 2 ;;
+        --dry-run) dry_run=1; shift ;;
+        -h | --help) sed -n '3,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d;s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+out_dir="${out_dir:-$PWD/gpu-check-out}"
+if [[ -e $out_dir && ! -d $out_dir ]]; then
+    echo "gpu-check: $out_dir is not a folder" >&2
+    exit 2
 fi
-grep -q '^GPU ' <<<"$gpus" || no_gpu "nvidia-smi lists no GPU"
-
-cuda_lib="${VMMALLOC_CUDA_LIBRARY:-libcuda.so.1}"
-find_lib() {
-    local name=$1 dir
-    if [[ $name == */* ]]; then
-        [[ -e $name ]]
-        return
-    fi
-    local ldconfig
-    ldconfig="$(command -v ldconfig || echo /sbin/ldconfig)"
-    if [[ -x $ldconfig ]] && "$ldconfig" -p 2>/dev/null | grep -qF "$name"; then
-        return 0
-    fi
-    local IFS=:
-    for dir in ${LD_LIBRARY_PATH:-} /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu \
-        /usr/lib64 /usr/lib /usr/local/nvidia/lib64 /usr/local/cuda/compat /usr/lib/wsl/lib; do
-        [[ -n $dir && -e $dir/$name ]] && return 0
-    done
-    return 1
-}
-find_lib "$cuda_lib" || no_gpu "$cuda_lib not found (ldconfig -p, LD_LIBRARY_PATH, standard paths)"
-
-command -v cargo >/dev/null 2>&1 || { echo "gpu-check: cargo is not installed" >&2; exit 1; }
-
-# ---------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------
+mkdir -p "$out_dir" || exit 2
+out_dir="$(cd "$out_dir" && pwd)"
+log="$out_dir/gpu-check.log"
+summary="$out_dir/gpu-check-summary.txt"
+calibration="$out_dir/gpu-calibration.json"
+: >"$summary"
+# Everything printed also goes to the log.
+exec 3>&1 4>&2
+exec > >(tee "$log") 2>&1
+tee_pid=$!
 
 started=$SECONDS
-failures=()
+budget="${BUDGET_S:-450}"
+device="${VMMALLOC_TEST_DEVICE:-0}"
+iterations="${ITERATIONS:-200}"
+PY="${PYTHON:-python3}"
+export VMMALLOC_TEST_DEVICE="$device"
+failed=0
+
 section() { printf '\n=== %s\n' "$*"; }
-# run_step NAME CMD...: runs CMD, records a failure without stopping.
-run_step() {
-    local name=$1
-    shift
-    echo "--- $name: $*"
-    local t0=$SECONDS
-    if "$@"; then
-        echo "--- $name: ok ($((SECONDS - t0)) s)"
+# verdict NAME PASS|FAIL|SKIP [WHY]: one line of the summary.
+verdict() {
+    local line="$1: $2${3:+ ($3)}"
+    echo ">>> $line"
+    echo "$line" >>"$summary"
+    [[ $2 == FAIL ]] && failed=1
+    return 0
+}
+left() { echo $((budget - (SECONDS - started))); }
+# step NAME TIMEOUT CMD...: runs CMD under min(TIMEOUT, time left); exit 3
+# from CMD is a skip (its last line the reason).
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local remaining
+    remaining=$(left)
+    if ((remaining < 5)); then
+        verdict "$name" SKIP "time budget of ${budget} s spent"
+        return 0
+    fi
+    ((limit > remaining)) && limit=$remaining
+    section "$name (timeout ${limit} s): $*"
+    local t0=$SECONDS rc=0 tmp
+    tmp="$(mktemp)"
+    # Functions run through an exported-function bash (`timeout` runs programs).
+    if [[ $(type -t "$1") == function ]]; then
+        timeout -k 10 "$limit" bash -c '"$@"' bash "$@" 2>&1 | tee "$tmp"
     else
-        local rc=$?
-        echo "--- $name: FAILED (exit $rc, $((SECONDS - t0)) s)"
-        failures+=("$name")
+        timeout -k 10 "$limit" "$@" 2>&1 | tee "$tmp"
+    fi
+    rc=${PIPESTATUS[0]}
+    local why
+    # Why: a Rust program's "Error: ..." line (a backtrace may follow it), else
+    # the last line printed.
+    why="$(grep -m 1 '^Error: ' "$tmp" || grep -v '^[[:space:]]*$' "$tmp" | tail -n 1)"
+    local cause
+    cause="$(grep -A1 -m 1 '^Caused by:' "$tmp" | sed -n '2s/^ *\(0: \)\{0,1\}//p')"
+    [[ $why == Error:* && -n $cause ]] && why="$why: $cause"
+    why="$(cut -c1-240 <<<"$why")"
+    rm -f "$tmp"
+    local took="$((SECONDS - t0)) s"
+    case $rc in
+        0) verdict "$name" PASS "$took" ;;
+        3) verdict "$name" SKIP "${why:-skipped}" ;;
+        124 | 137) verdict "$name" FAIL "timed out after ${limit} s" ;;
+        *) verdict "$name" FAIL "exit $rc, $took: ${why}" ;;
+    esac
+}
+
+# ---------------------------------------------------------------------------
+# The bundle
+# ---------------------------------------------------------------------------
+if [[ -z $bundle ]]; then
+    if [[ -f $repo/gpu-bundle/manifest.txt ]]; then
+        bundle=$repo/gpu-bundle
+    elif [[ -f $repo/manifest.txt && -d $repo/bin ]]; then
+        bundle=$repo # this script is the bundle's own copy
+    elif command -v cargo >/dev/null 2>&1 && [[ -x $repo/scripts/gpu-bundle.sh ]]; then
+        section "no bundle: building one with cargo (scripts/gpu-bundle.sh)"
+        if "$repo/scripts/gpu-bundle.sh" "$repo/gpu-bundle"; then
+            bundle=$repo/gpu-bundle
+        else
+            echo "gpu-check: building the bundle failed"
+            exit 1
+        fi
+    else
+        echo "gpu-check: no bundle (gpu-bundle/ at the repository root, or --bundle DIR) and no cargo to build one: run scripts/gpu-bundle.sh on a machine with Rust and carry gpu-bundle/ along"
+        exit 1
+    fi
+fi
+bundle="$(cd "$bundle" 2>/dev/null && pwd)" || { echo "gpu-check: bundle folder not found"; exit 1; }
+manifest=$bundle/manifest.txt
+bin=$bundle/bin/vmmalloc
+lib=$bundle/lib/libvmmalloc.so
+
+# The hash gpu-bundle.sh writes: over the check scripts this run uses.
+scripts_sha() {
+    (cd "$here" && sha256sum gpu-check.sh gpu-check-pytorch.sh torch_*.py 2>/dev/null |
+        LC_ALL=C sort -k2 | sha256sum | cut -d' ' -f1)
+}
+# check_bundle: one line per problem; exit 1 when there is any.
+check_bundle() {
+    local bad=0 first=""
+    problem() {
+        echo "$1"
+        [[ -z $first ]] && first=$1
+        bad=1
+    }
+    if [[ ! -f $manifest ]]; then
+        echo "bundle: $manifest is missing: not a bundle from scripts/gpu-bundle.sh"
+        return 1
+    fi
+    local format
+    format="$(sed -n 's/^format: //p' "$manifest")"
+    if [[ $format != vmmalloc-gpu-bundle/1 ]]; then
+        problem "bundle: format '${format:-none}', this script reads vmmalloc-gpu-bundle/1"
+    fi
+    sed -n 's/^\(git_commit\|git_dirty\|vmmalloc\|rustc\|built_on\|built_at\): /  \1: /p' "$manifest"
+    # glibc: the executables need at least glibc_required (objdump -T at build time).
+    local need_glibc have_glibc
+    need_glibc="$(sed -n 's/^glibc_required: //p' "$manifest")"
+    have_glibc="$(getconf GNU_LIBC_VERSION 2>/dev/null | sed -n 's/^glibc //p')"
+    if [[ $need_glibc =~ ^[0-9.]+$ && -n $have_glibc ]] &&
+        [[ "$(printf '%s\n%s\n' "$need_glibc" "$have_glibc" | sort -V | head -n 1)" != "$need_glibc" ]]; then
+        problem "bundle: its executables need glibc $need_glibc, this box has $have_glibc: build the bundle on an older distribution"
+    else
+        echo "  glibc: needs ${need_glibc:-?}, here ${have_glibc:-?}"
+    fi
+    local want have
+    want="$(sed -n 's/^scripts_sha256: //p' "$manifest")"
+    have="$(scripts_sha)"
+    if [[ $want != "$have" ]]; then
+        problem "bundle: built for other check scripts (manifest scripts_sha256 ${want:0:12}, these scripts ${have:0:12}): rebuild it with scripts/gpu-bundle.sh"
+    fi
+    local sha _size path n=0
+    while read -r sha _size path; do
+        n=$((n + 1))
+        if [[ ! -f $bundle/$path ]]; then
+            problem "bundle: missing file $path (listed in the manifest)"
+        elif [[ "$(sha256sum "$bundle/$path" | cut -d' ' -f1)" != "$sha" ]]; then
+            problem "bundle: $path differs from the manifest (sha256)"
+        fi
+    done < <(sed -n 's/^file: //p' "$manifest")
+    echo "bundle: $bundle, $n files checked"
+    if ((bad)); then
+        # The first problem again, last: the summary's verdict quotes it.
+        echo "$first"
+    fi
+    return "$bad"
+}
+export -f scripts_sha check_bundle
+export here bundle manifest bin lib out_dir dry_run device iterations calibration PY
+step bundle 60 check_bundle
+
+# need FILE WHAT: 0 when FILE is there, else a skip verdict for the step.
+need() {
+    [[ -e $1 ]] && return 0
+    verdict "$2" SKIP "missing from the bundle: ${1#"$bundle"/}"
+    return 1
+}
+
+# ---------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------
+gpu_count=0
+info_json="$(mktemp)"
+driver_check() {
+    if ((dry_run)); then
+        echo "dry run: nvidia-smi not consulted"
+    elif ! command -v nvidia-smi >/dev/null 2>&1; then
+        echo "nvidia-smi is not installed"
+        return 1
+    elif ! nvidia-smi -L || ! nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv; then
+        echo "nvidia-smi failed"
+        return 1
+    fi
+    [[ -x $bin ]] || { echo "missing from the bundle: bin/vmmalloc"; return 1; }
+    "$bin" info || return 1
+    "$bin" info --json >"$info_json" 2>/dev/null || return 1
+    if ! grep -q '"vmm_supported": true' "$info_json"; then
+        echo "no CUDA device with virtual memory management; $("$bin" info 2>/dev/null | grep -m 1 '^CUDA driver' || echo 'CUDA driver: ?')"
+        return 1
+    fi
+}
+export info_json
+export -f driver_check
+if ((dry_run)) && [[ -z ${VMMALLOC_CUDA_LIBRARY:-} ]]; then
+    echo "gpu-check: --dry-run needs VMMALLOC_CUDA_LIBRARY (the fake libcuda, docs/fake-cuda.md)"
+    exit 2
+fi
+step driver 60 driver_check
+# Devices the CUDA driver lists (one "ordinal" key per device).
+gpu_count="$(grep -c '"ordinal"' "$info_json" || true)"
+rm -f "$info_json"
+echo "CUDA devices: $gpu_count"
+
+# ---------------------------------------------------------------------------
+# Step 0: the VMM API on the GPU
+# ---------------------------------------------------------------------------
+need "$bin" vmm && step vmm 60 "$bin" vmm-check --device "$device"
+# No driver or no device at all ("NOT usable here"): the GPU steps below are
+# skipped with that reason. Without VMM support ("NOT supported") they still
+# run: what fails and what does not (plain cuMemAlloc) is worth the log.
+no_gpu=""
+if grep -q '^vmm: FAIL .*VMM API: NOT usable here' "$summary"; then
+    no_gpu="no usable CUDA driver or device (step vmm)"
+fi
+# gpu_step NAME TIMEOUT CMD...: step, or SKIP when there is no usable GPU.
+gpu_step() {
+    if [[ -n $no_gpu ]]; then
+        verdict "$1" SKIP "$no_gpu"
+    else
+        step "$@"
     fi
 }
 
-# shellcheck disable=SC2206  # CARGO_FLAGS is split on purpose
-cargo_flags=(${CARGO_FLAGS:-})
-target_dir="${CARGO_TARGET_DIR:-target}"
-bin="$target_dir/release/vmmalloc"
-device="${VMMALLOC_TEST_DEVICE:-0}"
-iterations="${ITERATIONS:-200}"
-out="${OUT:-gpu-calibration.json}"
-if [[ -d $out ]]; then
-    out="$out/gpu-calibration.json"
+# ---------------------------------------------------------------------------
+# The #[ignore]d GPU test suites, single-threaded so that memory figures are
+# not disturbed by concurrent tests. The device suite's conformance test is
+# its own step.
+# ---------------------------------------------------------------------------
+device_suite=$bundle/tests/vmmalloc-device.cuda_gpu
+if need "$device_suite" conformance && need "$device_suite" suite:device; then
+    gpu_step conformance 120 "$device_suite" --ignored --exact conformance_suite --test-threads=1
+    gpu_step suite:device 120 "$device_suite" --ignored --skip conformance_suite --test-threads=1
+fi
+while read -r suite; do
+    [[ $suite == vmmalloc-device.cuda_gpu ]] && continue
+    if need "$bundle/tests/$suite" "suite:$suite"; then
+        gpu_step "suite:$suite" 120 "$bundle/tests/$suite" --ignored --test-threads=1
+    fi
+done < <(sed -n 's/^file: [0-9a-f]* [0-9]* tests\/\(.*\)$/\1/p' "$manifest" 2>/dev/null)
+
+# ---------------------------------------------------------------------------
+# Cost-model calibration: create / map / set access / unmap / release and
+# cuMemAlloc / cuMemFree at 2-1024 MiB, each point the median of ITERATIONS
+# calls; fits fixed + per-MiB + per-handle per call kind (docs/driver.md).
+# ---------------------------------------------------------------------------
+calibrate() {
+    "$bin" calibrate --device "$device" --iterations "$iterations" --json "$calibration" || return
+    grep -E '"(closer_preset|fit_distance)"' "$calibration" || true
+    echo "replay with the measured model: vmmalloc compare --cost-file $calibration"
+}
+export -f calibrate
+need "$bin" calibrate && gpu_step calibrate 150 calibrate
+
+# ---------------------------------------------------------------------------
+# Python and PyTorch under the plug-in
+# ---------------------------------------------------------------------------
+export VMMALLOC_LIBRARY="$lib"
+export PYTHONPATH="$bundle/python${PYTHONPATH:+:$PYTHONPATH}"
+python_check() {
+    command -v "$PY" >/dev/null 2>&1 || { echo "$PY is not installed"; return 3; }
+    "$PY" -c 'import vmmalloc, sys; p = vmmalloc.library_path(); print("vmmalloc package", vmmalloc.__file__, "library", p); sys.exit(0 if p else 1)'
+}
+export -f python_check
+if need "$lib" python && need "$bundle/python/vmmalloc/__init__.py" python; then
+    step python 30 python_check
 fi
 
-section "GPUs (nvidia-smi)"
-echo "$gpus"
-nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv || true
-
-section "build"
-cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} --bin vmmalloc
-
-# ---------------------------------------------------------------------------
-# 2. Driver version, devices, granularity, VMM support
-# ---------------------------------------------------------------------------
-
-section "vmmalloc info"
-"$bin" info
-info_json="$("$bin" info --json)"
-if ! grep -q '"vmm_supported": true' <<<"$info_json"; then
-    no_gpu "the CUDA driver reports no device with virtual memory management: $("$bin" info | grep '^CUDA driver' || true)"
-fi
-
-# ---------------------------------------------------------------------------
-# 3. GPU test suites (each test #[ignore]d so that `cargo test` skips it
-#    where there is no GPU). One run_step per suite, single-threaded so that
-#    memory figures are not disturbed by concurrent tests.
-# ---------------------------------------------------------------------------
-
-section "GPU test suites"
-export VMMALLOC_TEST_DEVICE="$device"
-run_step "device (cuda backend)" \
-    cargo test --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-device -- --ignored --test-threads=1
-# ---- more GPU suites: add one run_step per suite here ---------------------
-run_step "expandable allocator on cuda" \
-    cargo test --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-alloc --test expandable_cuda -- --ignored --test-threads=1
-# ---- end of GPU suites -----------------------------------------------------
-
-# ---------------------------------------------------------------------------
-# 4. Cost-model calibration
-# ---------------------------------------------------------------------------
-
-section "calibrate (median of $iterations calls each) -> $out"
-run_step "calibrate" "$bin" calibrate --device "$device" --iterations "$iterations" --json "$out"
-# Which preset the measured GPU is closer to (mean |ln(predicted / measured)|
-# over every measured point; see docs/driver.md, "vmmalloc calibrate").
-if [[ -f $out ]] && command -v python3 >/dev/null 2>&1; then
-    python3 - "$out" <<'PY' || true
-import json, sys
-doc = json.load(open(sys.argv[1]))
-d = doc.get("preset_distance", {})
-print("closer preset: %s (distance %s; the fitted model: %s)" % (
-    doc.get("closer_preset"),
-    ", ".join("%s %.3f" % (k, v) for k, v in sorted(d.items())),
-    doc.get("fit_distance")))
-PY
-elif [[ -f $out ]]; then
-    grep -E '"(closer_preset|fit_distance)"' "$out" || true
-fi
-echo "replay with the measured model: $bin compare --cost-file $out"
-
-# ---------------------------------------------------------------------------
-# 5. The PyTorch plug-in (issue 6): PyTorch under libvmmalloc.so, a
-#    fragmentation check and a variable-length training loop per backend
-#    (up to ~8 minutes; needs python3 with a CUDA build of PyTorch).
-#    Last, so that a slow run never costs the calibration. SKIP_PYTORCH=1 skips it.
-# ---------------------------------------------------------------------------
-
+pytorch_steps=(fragmentation train graphs plugin-checks)
+pt=$here/gpu-check-pytorch.sh
 if [[ ${SKIP_PYTORCH:-0} == 1 ]]; then
-    section "PyTorch plug-in: skipped (SKIP_PYTORCH=1)"
+    for s in "${pytorch_steps[@]}"; do verdict "$s" SKIP "SKIP_PYTORCH=1"; done
+elif ((dry_run)); then
+    for s in "${pytorch_steps[@]}"; do verdict "$s" SKIP "dry run: needs PyTorch on a GPU"; done
 else
-    section "PyTorch plug-in (scripts/gpu-check-pytorch.sh)"
-    run_step "PyTorch plug-in" scripts/gpu-check-pytorch.sh
+    step fragmentation 200 "$pt" fragmentation
+    step train 150 "$pt" train
+    step graphs 90 "$pt" graph-replay
+    step plugin-checks 90 "$pt" oom-exception memory-allocated
 fi
 
-section "summary ($((SECONDS - started)) s)"
-if ((${#failures[@]} > 0)); then
-    echo "FAILED: ${failures[*]}"
-    exit 1
+# ---------------------------------------------------------------------------
+# Two GPUs
+# ---------------------------------------------------------------------------
+two_gpus() {
+    "$bin" vmm-check --device 1 || return 1
+    if ((dry_run)) || [[ ${SKIP_PYTORCH:-0} == 1 ]]; then
+        echo "peer copy under PyTorch not run (needs PyTorch on GPUs)"
+    else
+        "$pt" peer-copy
+    fi
+}
+export pt
+export -f two_gpus
+if ((gpu_count < 2)); then
+    verdict two-gpus SKIP "$gpu_count CUDA device(s)"
+elif need "$bin" two-gpus; then
+    step two-gpus 90 two_gpus
 fi
-echo "all GPU checks passed; calibration in $out"
 
+section "summary ($((SECONDS - started)) s; $out_dir)"
+cat "$summary"
+# Let tee finish the log before exiting.
+exec 1>&3 2>&4
+wait "$tee_pid" 2>/dev/null || true
+exit "$failed"

@@ -10,6 +10,7 @@ mod replay_cmd;
 mod report;
 mod snapshot_cmd;
 mod summary_cmd;
+mod vmm_check;
 mod workloads_cmd;
 
 use anyhow::Result;
@@ -41,6 +42,8 @@ enum Command {
     Workloads,
     /// Measure each CUDA driver call's latency on a real GPU and write cost-model JSON.
     Calibrate(calibrate::CalibrateArgs),
+    /// Reserve, create, map, set access, write/read, unmap, release on one GPU: does this environment support the VMM API?
+    VmmCheck(vmm_check::VmmCheckArgs),
 }
 
 fn main() -> Result<()> {
@@ -54,5 +57,6 @@ fn main() -> Result<()> {
         Command::Bench(args) => bench_cmd::run(args),
         Command::Workloads => workloads_cmd::run(),
         Command::Calibrate(args) => calibrate::run(args),
+        Command::VmmCheck(args) => vmm_check::run(args),
     }
 }
