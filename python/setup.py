@@ -9,12 +9,14 @@ build from a checkout: ``pip install ./python`` or ``pip wheel ./python``
 
 import os
 import shutil
+from pathlib import Path
 
 from setuptools import setup
 from setuptools_rust import Binding, RustExtension
 from setuptools_rust.build import build_rust as _build_rust
 
 LIBRARY_NAME = "libvmmalloc.so"
+MANIFEST = "../crates/capi/Cargo.toml"
 NO_CARGO = ("vmmalloc: building libvmmalloc.so needs the Rust toolchain (cargo), which is not on PATH: "
             "install it with `curl https://sh.rustup.rs -sSf | sh` (https://rustup.rs) or your "
             "distribution's cargo package, then rerun pip")
@@ -29,6 +31,9 @@ class build_rust(_build_rust):
     def run(self):
         if shutil.which(os.environ.get("CARGO", "cargo")) is None:
             raise SystemExit(NO_CARGO)
+        if not (Path(__file__).resolve().parent / MANIFEST).is_file():
+            raise SystemExit(f"vmmalloc: {MANIFEST} not found: build from a checkout of the repository "
+                             f"(`pip install ./python` with pip >= 21.3, which builds in place)")
         super().run()
 
     def get_dylib_ext_path(self, ext, target_fname):
@@ -40,7 +45,7 @@ setup(
     rust_extensions=[
         RustExtension(
             "vmmalloc.libvmmalloc",
-            path="../crates/capi/Cargo.toml",
+            path=MANIFEST,
             binding=Binding.NoBinding,
             debug=False,
         )
