@@ -28,3 +28,18 @@ def test_build_without_cargo_says_what_to_install(tmp_path):
                      "install it with `curl https://sh.rustup.rs -sSf | sh` (https://rustup.rs) or your "
                      "distribution's cargo package, then rerun pip"], text
     assert not list((tmp_path / "wheels").glob("*.whl"))
+
+
+def test_package_and_cargo_workspace_share_one_version():
+    # pyproject.toml reads vmmalloc.__version__; the library returns the workspace
+    # version (CARGO_PKG_VERSION): enable() refuses a mismatch, so bump both together.
+    import re
+
+    import vmmalloc
+    from conftest import REPO
+
+    cargo = (REPO / "Cargo.toml").read_text()
+    workspace = re.search(r'^\[workspace\.package\]\nversion = "([^"]+)"', cargo, re.M)
+    assert workspace, "no [workspace.package] version in Cargo.toml"
+    assert workspace.group(1) == vmmalloc.__version__
+    assert 'version = { attr = "vmmalloc.__version__" }' in (PYTHON_DIR / "pyproject.toml").read_text()
