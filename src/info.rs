@@ -5,6 +5,12 @@
 //! Never fails for lack of a GPU: where NVML or the driver is missing it says
 //! so in one line each and still exits 0.
 //!
+//! `--pytorch` adds the Python package's self-check (`python -m vmmalloc
+//! --check`, python/vmmalloc/_check.py: PyTorch's version and integrations,
+//! the library, `VMMALLOC_CONF`, the GPUs, a verdict), run with
+//! `$VMMALLOC_PYTHON` or `python3`; where that Python or the package is
+//! missing it says so in one line.
+//!
 //! NVML numbers every GPU of the machine; CUDA numbers only those
 //! `CUDA_VISIBLE_DEVICES` lets through, in its own order. The two are matched
 //! by PCI bus id (`cuDeviceGetPCIBusId` / `nvmlDeviceGetPciInfo`), else by
@@ -27,7 +33,14 @@ pub struct InfoArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Also run the Python package's self-check (`python -m vmmalloc --check`)
+    /// with `$VMMALLOC_PYTHON` or `python3`: PyTorch, its integrations, a verdict.
+    #[arg(long)]
+    pub pytorch: bool,
 }
+
+/// The Python interpreter `--pytorch` runs, instead of `python3`.
+pub const PYTHON_ENV: &str = "VMMALLOC_PYTHON";
 
 /// Runs `vmmalloc info`.
 pub fn run(args: InfoArgs) -> Result<()> {
@@ -36,13 +49,24 @@ pub fn run(args: InfoArgs) -> Result<()> {
     let backends = backends(&cuda);
     let matches = cuda_to_nvml(&nvml, &cuda);
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let pytorch = args.pytorch.then(pytorch_check);
     if args.json {
-        let out = json!({
+        let mut out = json!({
             "nvml": nvml.to_json(),
             "cuda": cuda.to_json(&matches),
             "cuda_visible_devices": visible,
             "backends": backends,
         });
+        if let Some(p) = &pytorch {
+            out["pytorch"] = match p {
+                Ok((python, report)) => json!({
+                    "python": python,
+                    "report": report.lines().collect::<Vec<_>>(),
+                    "verdict": report.lines().last(),
+                }),
+                Err(e) => json!({ "error": e }),
+            };
+        }
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         print!("{}", nvml.to_text());
@@ -51,8 +75,53 @@ pub fn run(args: InfoArgs) -> Result<()> {
             println!("CUDA_VISIBLE_DEVICES={v}");
         }
         println!("backends available: {}", backends.join(", "));
+        match &pytorch {
+            Some(Ok((python, report))) => {
+                println!("PyTorch check ({python} -m vmmalloc --check):");
+                print!("{report}");
+            }
+            Some(Err(e)) => println!("PyTorch check: {e}"),
+            None => {}
+        }
     }
     Ok(())
+}
+
+/// Runs `python -m vmmalloc --check` and returns (the interpreter, its
+/// report), or one line saying why there is none (no such interpreter, no
+/// vmmalloc package for it). The report ends with its verdict line.
+fn pytorch_check() -> Result<(String, String), String> {
+    let python = std::env::var(PYTHON_ENV).unwrap_or_else(|_| "python3".to_owned());
+    let out = match std::process::Command::new(&python)
+        .args(["-m", "vmmalloc", "--check"])
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => return Err(format!("cannot run {python} ({e}); set {PYTHON_ENV}")),
+    };
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    if report
+        .lines()
+        .last()
+        .is_some_and(|l| l.starts_with("verdict: "))
+    {
+        return Ok((python, report));
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let why = stderr
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("no output");
+    let hint = if why.contains("No module named vmmalloc") {
+        " (install the package: pip install ./python)"
+    } else {
+        ""
+    };
+    Err(format!(
+        "{python} -m vmmalloc --check gave no verdict ({}){hint}",
+        why.trim()
+    ))
 }
 
 /// The device backends usable on this machine.

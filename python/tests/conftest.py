@@ -1,5 +1,10 @@
 """Shared fixtures: the library under test (VMMALLOC_LIBRARY, set by run.sh)
-and a fresh, configured allocator state per test."""
+and a fresh, configured allocator state per test.
+
+With ``VMMALLOC_TEST_INSTALLED=1`` (``run.sh --installed``, as .ci/run does
+after ``pip install ./python`` into a fresh venv) the tests import the
+installed package and its own libvmmalloc.so instead of python/vmmalloc and
+target/debug, and fail if that is not what they got."""
 
 import ctypes
 import os
@@ -10,11 +15,20 @@ import pytest
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent
 REPO = PYTHON_DIR.parent
-if str(PYTHON_DIR) not in sys.path:
+INSTALLED = os.environ.get("VMMALLOC_TEST_INSTALLED") == "1"
+if not INSTALLED and str(PYTHON_DIR) not in sys.path:
     sys.path.insert(0, str(PYTHON_DIR))
 
 import vmmalloc  # noqa: E402
 from vmmalloc import _lib  # noqa: E402
+
+# The directory holding the package under test, for subprocesses' PYTHONPATH.
+PACKAGE_PARENT = Path(vmmalloc.__file__).resolve().parent.parent
+if INSTALLED:
+    if PACKAGE_PARENT == PYTHON_DIR:
+        raise RuntimeError(f"VMMALLOC_TEST_INSTALLED=1 but vmmalloc was imported from the checkout ({PYTHON_DIR})")
+    if os.environ.get("VMMALLOC_LIBRARY"):
+        raise RuntimeError("VMMALLOC_TEST_INSTALLED=1 tests the installed library: unset VMMALLOC_LIBRARY")
 
 BACKENDS = ["expandable", "caching", "torch-es", "native"]
 MIB = 1 << 20
@@ -22,7 +36,7 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="session")
 def lib():
-    if not os.environ.get("VMMALLOC_LIBRARY"):
+    if not INSTALLED and not os.environ.get("VMMALLOC_LIBRARY"):
         debug = REPO / "target" / "debug" / "libvmmalloc.so"
         if debug.is_file():
             os.environ["VMMALLOC_LIBRARY"] = str(debug)

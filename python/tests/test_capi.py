@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import vmmalloc
-from conftest import MIB, REPO
+from conftest import INSTALLED, MIB, PACKAGE_PARENT, REPO
 
 HOST = "device:host,capacity_gb:1,log:off"
 
@@ -28,7 +28,13 @@ def test_find_library_honours_env_and_never_falls_back(monkeypatch, tmp_path):
         vmmalloc.find_library()
     monkeypatch.delenv("VMMALLOC_LIBRARY")
     tried = [str(p) for _, p in vmmalloc._lib.candidates()]
-    assert tried[-1] == str(REPO / "target" / "release" / "libvmmalloc.so")
+    inside = Path(vmmalloc.__file__).resolve().parent / "libvmmalloc.so"
+    assert tried[0] == str(inside)  # the library pip installs comes first
+    if INSTALLED:
+        assert Path(vmmalloc.find_library()) == inside
+        assert tried == [str(inside)]
+    else:
+        assert tried[-1] == str(REPO / "target" / "release" / "libvmmalloc.so")
 
 
 def test_alloc_write_free_and_stats(lib, backend, fresh):
@@ -141,7 +147,7 @@ def test_bad_env_config_fails_first_malloc(lib, tmp_path):
         "assert lib.vmmalloc_try_malloc(64, 0, None, ctypes.byref(out)) == 2 and not out.value\n"
         "print(vmmalloc.last_error())\n"
     )
-    env = dict(os.environ, VMMALLOC_CONF="device:host,backend:fast", PYTHONPATH=str(REPO / "python"))
+    env = dict(os.environ, VMMALLOC_CONF="device:host,backend:fast", PYTHONPATH=str(PACKAGE_PARENT))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "bad value `fast` for key `backend`; valid: expandable | caching | torch-es | native" in out.stdout
@@ -239,7 +245,10 @@ def cli():
     env = os.environ.get("VMMALLOC_CLI")
     if env:
         return env
-    lib_dir = Path(os.environ.get("VMMALLOC_LIBRARY", REPO / "target" / "debug" / "x")).parent
+    if INSTALLED:
+        lib_dir = REPO / "target" / "debug"
+    else:
+        lib_dir = Path(os.environ.get("VMMALLOC_LIBRARY", REPO / "target" / "debug" / "x")).parent
     p = lib_dir / "vmmalloc"
     return str(p) if p.is_file() else None
 

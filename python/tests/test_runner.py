@@ -12,7 +12,7 @@ import pytest
 
 import vmmalloc
 from vmmalloc import __main__ as runner
-from conftest import REPO
+from conftest import PACKAGE_PARENT
 
 FAKE_TORCH = textwrap.dedent('''
     """A stand-in for the parts of torch that vmmalloc.enable() touches."""
@@ -85,7 +85,7 @@ def fake_torch(tmp_path):
 def run_py(args, fake, tmp_path, **env_extra):
     log = tmp_path / "torch.log"
     env = dict(os.environ)
-    env.update(PYTHONPATH=os.pathsep.join([str(fake), str(REPO / "python")]), FAKE_TORCH_LOG=str(log))
+    env.update(PYTHONPATH=os.pathsep.join([str(fake), str(PACKAGE_PARENT)]), FAKE_TORCH_LOG=str(log))
     env.update(env_extra)
     out = subprocess.run([sys.executable] + args, env=env, capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
@@ -174,7 +174,7 @@ def test_runner_without_torch_says_so(lib, tmp_path):
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('No module named torch (hidden by the test)')\n")
     (tmp_path / "s.py").write_text("print('RAN')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hidden.parent), str(REPO / "python")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hidden.parent), str(PACKAGE_PARENT)]))
     out = subprocess.run([sys.executable, "-m", "vmmalloc", "s.py"], env=env, capture_output=True, text=True,
                          cwd=tmp_path, timeout=60)
     assert out.returncode == 2
@@ -184,8 +184,9 @@ def test_runner_without_torch_says_so(lib, tmp_path):
 
 def test_runner_argument_parsing():
     assert runner.parse(["--conf", "a:b", "x.py", "--conf", "y"]) == (
-        {"conf": "a:b", "summary": False, "snapshot": None, "version": False, "help": False},
+        {"conf": "a:b", "summary": False, "snapshot": None, "version": False, "help": False, "check": False},
         "script", "x.py", ["--conf", "y"])
+    assert runner.parse(["--check"])[0]["check"] is True
     opts, kind, target, args = runner.parse(["--summary", "--snapshot=s.pickle", "-m", "pkg.mod", "-v"])
     assert (opts["summary"], opts["snapshot"], kind, target, args) == (True, "s.pickle", "module", "pkg.mod", ["-v"])
     for bad in ([], ["--conf"], ["--bogus", "x.py"], ["-m"]):
@@ -194,7 +195,7 @@ def test_runner_argument_parsing():
 
 
 def test_runner_version_and_help(lib, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT))
     out = subprocess.run([sys.executable, "-m", "vmmalloc", "--version"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "0.1.0", out.stderr

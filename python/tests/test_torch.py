@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import PACKAGE_PARENT
 
 try:
     import torch  # noqa: F401
@@ -26,11 +26,12 @@ if not HAVE_TORCH:
         raise RuntimeError(f"VMMALLOC_REQUIRE_TORCH=1 but {WHY}")
     pytest.skip(WHY, allow_module_level=True)
 
+import vmmalloc  # noqa: E402
 from vmmalloc import _companion  # noqa: E402
 
 
 def run(code, tmp_path, **env_extra):
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), VMMALLOC_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT), VMMALLOC_CACHE=str(tmp_path / "cache"))
     env.update(env_extra)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=tmp_path)
@@ -79,6 +80,23 @@ def test_enable_patches_the_real_torch(lib, tmp_path):
     ''', tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PATCHED OK" in out.stdout
+
+
+def test_enable_refuses_a_library_of_another_version(lib, tmp_path):
+    # The real library (0.1.0) under a package that says it is another version.
+    out = run('''
+        import torch, vmmalloc
+        assert vmmalloc.version() == vmmalloc.__version__
+        vmmalloc.__version__ = "0.0.9"
+        try:
+            vmmalloc.enable("device:host,capacity_gb:1,log:off")
+        except vmmalloc.VmmallocError as e:
+            print("REFUSED", e)
+        assert not vmmalloc.is_enabled()
+    ''', tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr
+    assert f"libvmmalloc {vmmalloc.version()}" in out.stdout and "package is 0.0.9" in out.stdout, out.stdout
 
 
 def test_without_companion_oom_is_a_runtime_error_said_once(lib, tmp_path):
@@ -132,7 +150,7 @@ def test_companion_throws_c10_out_of_memory_error(lib, tmp_path):
     cmd = _companion.compile_command(torch, src, exe, shared=False) + ["-ldl"]
     built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr
-    out = subprocess.run([str(exe), os.environ["VMMALLOC_LIBRARY"], str(companion)], capture_output=True,
+    out = subprocess.run([str(exe), vmmalloc.library_path(), str(companion)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "CAUGHT CUDA out of memory. vmmalloc: " in out.stdout

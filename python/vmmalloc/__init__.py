@@ -35,10 +35,12 @@ from ._lib import (
     validate,
     version,
 )
+from ._check import check
 from . import _lib
 
 __all__ = [
     "VmmallocError",
+    "check",
     "check_config",
     "configure",
     "dump_snapshot",
@@ -113,6 +115,7 @@ def enable(conf=None):
             "with `python -m vmmalloc script.py`")
     path = library_path()
     load(path)
+    _lib.check_version(__version__)
     if conf is not None:
         configure(conf)
     check_config()

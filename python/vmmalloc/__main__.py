@@ -8,6 +8,9 @@ Options (before the script):
   --conf CONF        configuration, replacing $VMMALLOC_CONF
   --summary          print vmmalloc's memory summary of device 0 to stderr at exit
   --snapshot PATH    write a snapshot pickle (PyTorch's schema) to PATH at exit
+  --check            say whether this machine and this PyTorch can use vmmalloc
+                     (driver, GPUs, PyTorch integrations, VMMALLOC_CONF) and
+                     exit: 0 usable (perhaps with limits), 1 not usable
   --version          print the library version and exit
   -h, --help         this help
 """
@@ -25,7 +28,8 @@ def _usage(code):
 
 def parse(argv):
     """Splits argv into (options dict, target kind, target, script args)."""
-    opts = {"conf": None, "summary": False, "snapshot": None, "version": False, "help": False}
+    opts = {"conf": None, "summary": False, "snapshot": None, "version": False, "help": False,
+            "check": False}
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -34,6 +38,9 @@ def parse(argv):
             return opts, None, None, []
         if a == "--version":
             opts["version"] = True
+            return opts, None, None, []
+        if a == "--check":
+            opts["check"] = True
             return opts, None, None, []
         if a == "--summary":
             opts["summary"] = True
@@ -69,6 +76,10 @@ def main(argv=None):
         return _usage(2)
     if opts["help"]:
         return _usage(0)
+    if opts["check"]:
+        report = vmmalloc.check()
+        sys.stdout.write(str(report))
+        return 1 if report.verdict == "not usable" else 0
     if opts["version"]:
         try:
             print(vmmalloc.version())

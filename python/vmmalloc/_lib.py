@@ -3,7 +3,8 @@
 The library is looked up, in order:
 
 1. ``$VMMALLOC_LIBRARY`` (a path to the .so; an error if it does not exist);
-2. ``libvmmalloc.so`` next to this package;
+2. ``libvmmalloc.so`` inside this package (where ``pip install ./python``
+   puts the library it builds, see python/setup.py);
 3. ``<repo>/target/release/libvmmalloc.so`` when the package runs from a
    checkout of the repository (``python/vmmalloc`` inside it).
 """
@@ -51,7 +52,8 @@ def find_library():
     lines = "\n".join(f"  {what}: {p}" for what, p in tried)
     raise FileNotFoundError(
         f"{LIBRARY_NAME} not found; tried:\n{lines}\n"
-        f"Build it with `cargo build --release -p vmmalloc-capi` or set ${LIBRARY_ENV}."
+        f"Install the package with `pip install ./python` (it builds the library), build it with "
+        f"`cargo build --release -p vmmalloc-capi`, or set ${LIBRARY_ENV}."
     )
 
 
@@ -178,6 +180,19 @@ def validate(device=0):
 def version():
     """The library's version string."""
     return load().vmmalloc_version().decode()
+
+
+def check_version(package_version):
+    """Raises VmmallocError, naming both versions, unless the loaded library
+    (``vmmalloc_version()``, the Cargo workspace version) is the version of
+    the Python package (``vmmalloc.__version__``): a library built from other
+    sources may export other functions or read its configuration differently."""
+    lib_version = version()
+    if lib_version != package_version:
+        raise VmmallocError(
+            f"{_path} is libvmmalloc {lib_version} but the vmmalloc Python package is {package_version}: "
+            f"reinstall with `pip install ./python` from one checkout, or point ${LIBRARY_ENV} at a "
+            f"libvmmalloc.so built from the same sources")
 
 
 def function_pointer(name):

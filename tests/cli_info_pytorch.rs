@@ -1,0 +1,64 @@
+//! `vmmalloc info --pytorch`: the Python package's self-check appended to the
+//! report, or one line saying why there is none; exit code 0 either way.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn info(python: &str, extra: &[&str]) -> Output {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    Command::new(env!("CARGO_BIN_EXE_vmmalloc"))
+        .arg("info")
+        .arg("--pytorch")
+        .args(extra)
+        .env("VMMALLOC_CUDA_LIBRARY", "/nonexistent/libcuda.so.1")
+        .env("VMMALLOC_PYTHON", python)
+        // The package from this checkout (its library may or may not be built:
+        // the check reports either, with a verdict).
+        .env("PYTHONPATH", repo.join("python"))
+        .env_remove("VMMALLOC_CONF")
+        .output()
+        .expect("run vmmalloc info --pytorch")
+}
+
+#[test]
+fn info_pytorch_without_python_says_so() {
+    let out = info("/nonexistent/python3", &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("PyTorch check:"))
+        .unwrap_or_else(|| panic!("no PyTorch check line:\n{stdout}"));
+    assert!(
+        line.starts_with("PyTorch check: cannot run /nonexistent/python3 (")
+            && line.ends_with("); set VMMALLOC_PYTHON"),
+        "{line}"
+    );
+}
+
+#[test]
+fn info_pytorch_appends_the_python_self_check() {
+    let out = info("python3", &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let at = stdout
+        .find("PyTorch check (python3 -m vmmalloc --check):\n")
+        .unwrap_or_else(|| panic!("no self-check:\n{stdout}\n{stderr}"));
+    let report = &stdout[at..];
+    assert!(report.contains("\nvmmalloc: Python package "), "{report}");
+    assert!(report.contains("\nCUDA driver: not found"), "{report}");
+    let verdict = report.lines().last().unwrap_or_default();
+    assert!(
+        verdict.starts_with("verdict: not usable: ") && verdict.contains("no CUDA driver"),
+        "{verdict}"
+    );
+
+    let out = info("python3", &["--json"]);
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["pytorch"]["python"], "python3");
+    assert!(v["pytorch"]["verdict"]
+        .as_str()
+        .is_some_and(|s| s.starts_with("verdict: not usable")));
+}
