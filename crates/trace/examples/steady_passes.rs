@@ -53,10 +53,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             },
             Op::Free { id } => Op::Free { id: id + offset },
         }));
-        let tight = round_up(
-            (dt.peak_live_bytes() as f64 * 1.05).ceil() as u64,
-            2 * MIB,
-        );
+        let tight = round_up((dt.peak_live_bytes() as f64 * 1.05).ceil() as u64, 2 * MIB);
         println!(
             "{} device {}: {} at {:.2} GiB (1.05 x peak live)",
             trace.name,
