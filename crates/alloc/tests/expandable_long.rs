@@ -74,7 +74,7 @@ fn sim_60k_ops_with_multi_size_chunks() {
             ..ExpandableConfig::default()
         },
     ];
-    let mut splits_or_reclaims = 0;
+    let (mut reclaims, mut splits) = (0, 0);
     for (i, cfg) in configs.into_iter().enumerate() {
         let (st, ooms) = run(
             Arc::new(SimDevice::with_capacity(2 * GIB)),
@@ -88,12 +88,11 @@ fn sim_60k_ops_with_multi_size_chunks() {
             "config {i}: {st:?}"
         );
         assert!(ooms > 0, "config {i}: the run must reach the limit");
-        splits_or_reclaims += st.reclaims;
+        reclaims += st.reclaims;
+        splits += st.chunk_splits;
     }
-    assert!(
-        splits_or_reclaims > 100,
-        "only {splits_or_reclaims} reclaims"
-    );
+    assert!(reclaims > 100, "only {reclaims} reclaims");
+    assert!(splits > 10, "only {splits} chunk splits");
 }
 
 /// 40,000 ops on a 96 MiB host device with real bytes: every live byte is
@@ -112,6 +111,9 @@ fn host_40k_ops_keep_every_byte() {
     {
         let dev = Arc::new(HostDevice::new(HostConfig::with_capacity(96 * MIB)).unwrap());
         let (st, ooms) = run(dev, cfg, 101 + i as u64, mix(20 * MIB), 20_000);
-        assert!(ooms > 0 && st.reclaims > 10, "config {i}: {st:?}");
+        assert!(
+            ooms > 0 && st.reclaims > 10 && st.chunk_splits > 0,
+            "config {i}: {st:?}"
+        );
     }
 }
