@@ -48,6 +48,72 @@ pub struct CompareArgs {
     /// Device granularity in MiB for the simulated device.
     #[arg(long, default_value_t = 2)]
     pub granularity_mb: u64,
+    /// Replay every trace on a device of this size (e.g. `24GiB`, `24GB`;
+    /// rounded up to the granularity) instead of the tight capacity: "does it
+    /// fit my card?". The `tight` columns and JSON then describe this device.
+    #[arg(
+        long,
+        value_name = "SIZE",
+        allow_hyphen_values = true,
+        conflicts_with = "tight_factor"
+    )]
+    pub capacity: Option<String>,
+    /// The tight capacity as a multiple of each trace's peak live bytes
+    /// (rounded up to the granularity).
+    #[arg(long, value_name = "F", default_value_t = DEFAULT_TIGHT_FACTOR)]
+    pub tight_factor: f64,
+    /// Exit with an error if any policy ran out of memory at the tight (or
+    /// `--capacity`) device, or any replay stopped early (for scripts and CI).
+    #[arg(long)]
+    pub fail_on_oom: bool,
+}
+
+/// The default tight capacity: 1.05 x peak live.
+pub const DEFAULT_TIGHT_FACTOR: f64 = 1.05;
+
+/// The device the `tight` replays run on.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TightCapacity {
+    /// This multiple of each trace's peak live bytes.
+    Factor(f64),
+    /// This many bytes for every trace (`--capacity`).
+    Fixed(u64),
+}
+
+impl Default for TightCapacity {
+    fn default() -> Self {
+        TightCapacity::Factor(DEFAULT_TIGHT_FACTOR)
+    }
+}
+
+impl TightCapacity {
+    /// The capacity for a trace of `peak_live` bytes, rounded up to `granularity`.
+    pub fn bytes(self, peak_live: u64, granularity: u64) -> u64 {
+        match self {
+            TightCapacity::Factor(f) => round_up((peak_live as f64 * f).ceil() as u64, granularity),
+            TightCapacity::Fixed(b) => round_up(b, granularity),
+        }
+    }
+
+    /// How reports describe it: `1.05 x peak live` or `24.00 GiB (--capacity)`.
+    pub fn describe(self, granularity: u64) -> String {
+        match self {
+            TightCapacity::Factor(f) => format!("{f} x peak live"),
+            TightCapacity::Fixed(b) => {
+                format!("{} GiB (--capacity)", gib(round_up(b, granularity)))
+            }
+        }
+    }
+
+    /// The JSON record of the rule.
+    pub fn to_json(self, granularity: u64) -> Value {
+        match self {
+            TightCapacity::Factor(f) => json!({"rule": "factor", "factor": f}),
+            TightCapacity::Fixed(b) => {
+                json!({"rule": "fixed", "asked_bytes": b, "bytes": round_up(b, granularity)})
+            }
+        }
+    }
 }
 
 /// One policy's figures on one trace.
@@ -83,6 +149,8 @@ pub struct TraceRow {
     pub peak_live: u64,
     /// Tight capacity used.
     pub tight_capacity: u64,
+    /// How the tight capacity was chosen (`1.05 x peak live`, `--capacity`).
+    pub tight_rule: String,
     /// Warnings from the reader.
     pub warnings: usize,
     /// Per policy.
@@ -133,7 +201,7 @@ impl PolicyRow {
             Some(st) => [
                 st.memory_calls().to_string(),
                 format!("{:.1}", st.modeled_driver_us / 1000.0),
-                st.syncs.to_string(),
+                syncs_cell(&st.driver_calls),
             ],
             None => ["-".into(), "-".into(), "-".into()],
         }
@@ -147,29 +215,45 @@ impl PolicyRow {
     }
 }
 
+/// Syncs as a compact table cell ([`CallCounts::syncs`], one definition
+/// everywhere): `0`, `65 dev` (device-wide: `cuCtxSynchronize`, each
+/// `cuMemFree`), `3 s/e` (stream/event waits), or `68 (3 s/e + 65 dev)` where
+/// both occur.
+pub fn syncs_cell(c: &CallCounts) -> String {
+    let (s, d) = (c.stream_syncs(), c.device_syncs());
+    match (s, d) {
+        (0, 0) => "0".into(),
+        (s, 0) => format!("{s} s/e"),
+        (0, d) => format!("{d} dev"),
+        (s, d) => format!("{} ({s} s/e + {d} dev)", s + d),
+    }
+}
+
+/// The legend of [`syncs_cell`], for table footnotes.
+pub const SYNCS_LEGEND: &str =
+    "syncs = stream/event waits (s/e: cuStreamSynchronize, cuEventSynchronize) + device-wide \
+     synchronizations (dev: cuCtxSynchronize and every cuMemFree, which synchronizes the device)";
+
 /// Capacity of the "unlimited" device: far above any trace's need.
 pub fn unlimited_capacity(peak_live: u64) -> u64 {
     round_up((peak_live * 8).max(80 * GIB), GIB)
 }
 
-/// Tight capacity: 1.05 × peak live, rounded up to the granularity.
-pub fn tight_capacity(peak_live: u64, granularity: u64) -> u64 {
-    round_up((peak_live as f64 * 1.05).ceil() as u64, granularity)
-}
-
 /// Measures one device trace against the policies: capacity search, then
-/// the tight and unlimited replays, each cold and steady, priced by the
-/// chosen model and by `linear`.
+/// the tight replays (on the device `tight` describes; `TightCapacity::default()`
+/// is 1.05 x peak live) and the unlimited ones, each cold and steady, priced
+/// by the chosen model and by `linear`.
 pub fn measure(
     name: &str,
     dt: &DeviceTrace,
     policies: &[PolicySpec],
     base: &ReplayConfig,
+    tight: TightCapacity,
     tick: &(dyn Fn() + Sync),
 ) -> TraceRow {
     let ops = dt.replay_ops();
     let peak_live = dt.peak_live_bytes();
-    let tight_cap = tight_capacity(peak_live, base.granularity);
+    let tight_cap = tight.bytes(peak_live, base.granularity);
     let unl = unlimited_capacity(peak_live);
     let rows: Mutex<Vec<PolicyRow>> = Mutex::new(Vec::new());
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -219,6 +303,7 @@ pub fn measure(
         pre_trace_live: dt.pre_trace_live_bytes(),
         peak_live,
         tight_capacity: tight_cap,
+        tight_rule: tight.describe(base.granularity),
         warnings: dt.warnings().len(),
         policies: policies_rows,
     }
@@ -244,6 +329,8 @@ fn steady_json(st: Option<&SteadyResult>) -> Value {
             "modeled_driver_us": st.modeled_driver_us,
             "modeled_driver_us_linear": st.modeled_driver_us_second,
             "syncs": st.syncs,
+            "stream_syncs": st.driver_calls.stream_syncs(),
+            "device_syncs": st.driver_calls.device_syncs(),
             "ooms": st.ooms,
         }),
         None => Value::Null,
@@ -269,6 +356,8 @@ pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
                             "ooms": p.tight.ooms,
                             "retries": p.tight.retries,
                             "syncs": p.tight.syncs,
+                            "stream_syncs": p.tight.driver_calls.stream_syncs(),
+                            "device_syncs": p.tight.driver_calls.device_syncs(),
                             "driver_calls": calls_json(&p.tight.driver_calls),
                             "modeled_driver_us": p.tight.modeled_driver_us,
                             "modeled_driver_us_linear": p.tight.modeled_driver_us_second,
@@ -291,6 +380,8 @@ pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
                 "allocs": t.allocs,
                 "pre_trace_live_bytes": t.pre_trace_live,
                 "peak_live_bytes": t.peak_live,
+                "tight_capacity_bytes": t.tight_capacity,
+                "reader_warnings": t.warnings,
                 "policies": Value::Object(pols),
             })
         })
@@ -336,7 +427,7 @@ pub fn table(rows: &[TraceRow]) -> String {
                 p.tight.memory_calls().to_string(),
                 format!("{:.1}", p.tight.modeled_driver_us / 1000.0),
                 p.cold_linear_cell(),
-                p.tight.syncs.to_string(),
+                syncs_cell(&p.tight.driver_calls),
                 steady_calls,
                 steady_ms,
                 steady_syncs,
@@ -375,6 +466,23 @@ pub fn table(rows: &[TraceRow]) -> String {
     out
 }
 
+/// The built-in snapshot's name: an input naming it (and no file of that
+/// name) loads [`BUILTIN_FIXTURE`].
+pub const BUILTIN_FIXTURE_NAME: &str = "cs336_lm_step";
+
+/// Resolves an input as written: [`BUILTIN_FIXTURE_NAME`] is the bundled
+/// snapshot unless a file of that name exists; anything else is unchanged.
+pub fn resolve_input(s: &str) -> String {
+    let t = s.trim();
+    if (t == BUILTIN_FIXTURE_NAME || t == "cs336_lm_step.pickle")
+        && !std::path::Path::new(t).exists()
+    {
+        BUILTIN_FIXTURE.to_string()
+    } else {
+        s.to_string()
+    }
+}
+
 /// Loads the inputs (or the built-in set).
 pub fn load_inputs(inputs: &[String]) -> Result<Vec<Trace>> {
     let specs: Vec<String> = if inputs.is_empty() {
@@ -382,15 +490,25 @@ pub fn load_inputs(inputs: &[String]) -> Result<Vec<Trace>> {
         v.extend(vmmalloc_trace::WORKLOADS.iter().map(|s| s.to_string()));
         v
     } else {
-        inputs.to_vec()
+        inputs.iter().map(|s| resolve_input(s)).collect()
     };
     specs
         .iter()
         .map(|s| {
-            let input: Input = s.parse().with_context(|| format!("input `{s}`"))?;
+            let input: Input = s.parse().with_context(|| {
+                format!("input `{s}` (the built-in snapshot is `{BUILTIN_FIXTURE_NAME}`)")
+            })?;
             input.load().with_context(|| format!("loading `{s}`"))
         })
         .collect()
+}
+
+/// Prints the reader's warnings about one device trace, each with its text,
+/// on standard error (`warning: TRACE device D: TEXT`).
+pub fn print_reader_warnings(trace: &str, dt: &DeviceTrace) {
+    for w in dt.warnings() {
+        eprintln!("warning: {trace} device {}: {w}", dt.device());
+    }
 }
 
 /// Parses a policy list (names only; see [`parse_policy_specs`] for options).
@@ -454,7 +572,22 @@ pub fn run(args: CompareArgs) -> Result<()> {
         args.cost_file.as_deref(),
         args.granularity_mb,
     )?;
+    let tight = match &args.capacity {
+        Some(c) => TightCapacity::Fixed(crate::replay_cmd::parse_size(c).context("--capacity")?),
+        None => {
+            let f = args.tight_factor;
+            if !(f.is_finite() && f >= 1.0) {
+                bail!("--tight-factor must be a number >= 1 (a multiple of peak live), got {f}");
+            }
+            TightCapacity::Factor(f)
+        }
+    };
     let traces = load_inputs(&args.inputs)?;
+    for t in &traces {
+        for dt in &t.devices {
+            print_reader_warnings(&t.name, dt);
+        }
+    }
     let total: u64 =
         traces.iter().map(|t| t.devices.len() as u64).sum::<u64>() * policies.len() as u64;
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
@@ -477,7 +610,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
     for t in &traces {
         for dt in &t.devices {
             bar.set_message(format!("{} (device {})", t.name, dt.device()));
-            rows.push(measure(&t.name, dt, &policies, &base, &tick));
+            rows.push(measure(&t.name, dt, &policies, &base, tight, &tick));
         }
     }
     bar.finish_and_clear();
@@ -486,13 +619,21 @@ pub fn run(args: CompareArgs) -> Result<()> {
         print!("{}", table(&rows));
         println!(
             "cost model: {}. overhead = min capacity / peak live; memory calls, modeled driver time and syncs at the tight capacity \
-             (1.05 x peak live): cold = first replay, steady = second replay after freeing what the first left live; \
-             cold ms linear = the cold calls priced by the linear preset; teardown excluded.",
-            base.cost_label
+             ({}, rounded up to the {} MiB granularity): cold = first replay, steady = second replay after freeing what the first left live; \
+             cold ms linear = the cold calls priced by the linear preset; teardown excluded; {SYNCS_LEGEND}.",
+            base.cost_label,
+            tight.describe(base.granularity),
+            base.granularity / MIB
         );
     }
     if let Some(j) = &args.json {
-        let text = serde_json::to_string_pretty(&to_json(&rows, &base.cost_label))?;
+        let mut doc = to_json(&rows, &base.cost_label);
+        if let Value::Object(m) = &mut doc {
+            for (k, v) in metadata_json(&args.inputs, &base, tight) {
+                m.insert(k, v);
+            }
+        }
+        let text = serde_json::to_string_pretty(&doc)?;
         if j == "-" {
             println!("{text}");
         } else {
@@ -511,13 +652,8 @@ pub fn run(args: CompareArgs) -> Result<()> {
             println!("report written to {}", dir.join("report.md").display());
         }
     }
+    let mut failures: Vec<String> = Vec::new();
     for t in &rows {
-        if t.warnings > 0 && !json_to_stdout {
-            eprintln!(
-                "note: {} device {}: {} reader warnings",
-                t.name, t.device, t.warnings
-            );
-        }
         for p in &t.policies {
             let steady_error = |r: &ReplayResult| r.steady.as_ref().and_then(|s| s.error.clone());
             if let Some(e) = p
@@ -529,8 +665,77 @@ pub fn run(args: CompareArgs) -> Result<()> {
                 .or(steady_error(&p.unlimited))
             {
                 eprintln!("error: {} on {}: {e}", p.label(), t.name);
+                failures.push(format!("{} on {} stopped early: {e}", p.label(), t.name));
+            }
+            let ooms = p.tight.ooms + p.tight.steady.as_ref().map_or(0, |st| st.ooms);
+            if args.fail_on_oom && ooms > 0 {
+                failures.push(format!(
+                    "{} on {} device {}: {ooms} out-of-memory errors at {} GiB (--fail-on-oom)",
+                    p.label(),
+                    t.name,
+                    t.device,
+                    gib(t.tight_capacity)
+                ));
             }
         }
     }
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
     Ok(())
+}
+
+/// The run's metadata for the JSON document: the tool and its version, the
+/// cost model (name and every value, µs), the granularity, how the tight
+/// capacity was chosen, and each input (a file with its size and FNV-1a 64
+/// hash, or a workload spec).
+pub fn metadata_json(
+    inputs: &[String],
+    base: &ReplayConfig,
+    tight: TightCapacity,
+) -> Map<String, Value> {
+    let specs: Vec<String> = if inputs.is_empty() {
+        let mut v = vec![BUILTIN_FIXTURE.to_string()];
+        v.extend(vmmalloc_trace::WORKLOADS.iter().map(|s| s.to_string()));
+        v
+    } else {
+        inputs.to_vec()
+    };
+    let inputs: Vec<Value> = specs
+        .iter()
+        .map(|s| {
+            let path = resolve_input(s);
+            match std::fs::read(&path) {
+                Ok(bytes) => json!({
+                    "input": s,
+                    "path": path,
+                    "bytes": bytes.len(),
+                    "fnv1a64": format!("{:016x}", fnv1a64(&bytes)),
+                }),
+                Err(_) => json!({"input": s, "workload": s}),
+            }
+        })
+        .collect();
+    let mut m = Map::new();
+    m.insert(
+        "tool".into(),
+        json!({"name": "vmmalloc", "version": env!("CARGO_PKG_VERSION")}),
+    );
+    m.insert("cost_model_us".into(), base.cost.to_json());
+    m.insert("granularity_bytes".into(), json!(base.granularity));
+    m.insert("tight_capacity".into(), tight.to_json(base.granularity));
+    m.insert("syncs_definition".into(), json!(SYNCS_LEGEND));
+    m.insert("inputs".into(), Value::Array(inputs));
+    m
+}
+
+/// FNV-1a, 64 bits: a dependency-free fingerprint of an input file (not a
+/// cryptographic hash; it tells two versions of a snapshot apart).
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }

@@ -2,7 +2,7 @@
 //! one policy on a simulated device and keep the allocator alive at a chosen
 //! point (the end, the peak of live bytes, or the first out-of-memory).
 
-use crate::compare::{gib, load_inputs};
+use crate::compare::{gib, load_inputs, print_reader_warnings};
 use crate::replay_cmd::ReplayArgs;
 use anyhow::{bail, Result};
 use std::sync::Arc;
@@ -93,6 +93,35 @@ impl Point {
     }
 }
 
+/// After the output is written: an error if a replay stopped early on an
+/// error that is not out-of-memory (stopping at `--at peak` / `--at oom` is
+/// not one) or, with `--fail-on-oom`, if any allocation up to the point ran
+/// out of memory.
+pub fn check_points(args: &PointArgs, points: &[Point]) -> Result<()> {
+    let mut failures = Vec::new();
+    for p in points {
+        let what = format!("{} device {}", p.trace, p.device);
+        if let Some(e) = &p.result.error {
+            failures.push(format!(
+                "{what}: the replay stopped after {} of {} ops: {e}",
+                p.result.ops, p.total_ops
+            ));
+        }
+        if args.replay.fail_on_oom && p.result.ooms > 0 {
+            failures.push(format!(
+                "{what}: {} out-of-memory errors with policy {} on a {} GiB device (--fail-on-oom)",
+                p.result.ooms,
+                p.config.policy,
+                gib(p.config.capacity)
+            ));
+        }
+    }
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
+    Ok(())
+}
+
 /// Writes `text` to stdout; a closed pipe (`| head`) ends the output quietly.
 pub fn print_out(text: &str) -> Result<()> {
     use std::io::Write;
@@ -111,11 +140,15 @@ pub fn replay_at(args: &PointArgs, record_events: bool) -> Result<Vec<Point>> {
         bail!("--steady is an option of `vmmalloc replay` (summary and snapshot look at one point of the first pass)");
     }
     let cfg = args.replay.config()?;
+    if let Some(note) = args.replay.capacity_note(&cfg) {
+        eprintln!("note: {note}");
+    }
     let policy = cfg.policy;
     let traces = load_inputs(std::slice::from_ref(&args.replay.input))?;
     let mut points = Vec::new();
     for t in &traces {
         for dt in t.devices.iter().filter(|d| args.replay.selects(d.device())) {
+            print_reader_warnings(&t.name, dt);
             let ops = dt.replay_ops();
             let what = format!("{} device {}", t.name, dt.device());
             let mut c = cfg.clone();

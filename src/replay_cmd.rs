@@ -1,6 +1,6 @@
 //! `vmmalloc replay`: replay one input against one policy and print its stats.
 
-use crate::compare::{base_config, gib, load_inputs};
+use crate::compare::{base_config, gib, load_inputs, print_reader_warnings};
 use anyhow::{bail, Result};
 use vmmalloc_alloc::PolicySpec;
 use vmmalloc_device::Call;
@@ -15,8 +15,10 @@ pub struct ReplayArgs {
     /// `expandable:max_chunk=20MiB`.
     #[arg(long, default_value = "expandable")]
     pub policy: String,
-    /// Simulated device capacity, e.g. `80GiB`, `14.5G`, `512MiB` or bytes.
-    #[arg(long, default_value = "80GiB")]
+    /// Simulated device capacity: bytes or a number with a unit, binary
+    /// (`80GiB`, `14.5Gi`, `512MiB`) or decimal (`12GB` = 12 x 10^9),
+    /// rounded up to a multiple of the granularity.
+    #[arg(long, default_value = "80GiB", allow_hyphen_values = true)]
     pub capacity: String,
     /// Only this device of the trace (default: all).
     #[arg(long)]
@@ -37,6 +39,10 @@ pub struct ReplayArgs {
     /// (`replay` only).
     #[arg(long)]
     pub steady: bool,
+    /// Exit with an error if any allocation ran out of memory (for scripts
+    /// and CI); without it only a replay that cannot finish fails.
+    #[arg(long)]
+    pub fail_on_oom: bool,
 }
 
 impl ReplayArgs {
@@ -55,48 +61,94 @@ impl ReplayArgs {
         Ok(cfg)
     }
 
+    /// A note saying how `--capacity` was rounded to the granularity, if it was.
+    pub fn capacity_note(&self, cfg: &ReplayConfig) -> Option<String> {
+        let asked = parse_size(&self.capacity).ok()?;
+        (asked != cfg.capacity).then(|| {
+            format!(
+                "--capacity {} ({asked} bytes) rounded up to {} ({} bytes), a multiple of the {} granularity",
+                self.capacity.trim(),
+                format_bytes(cfg.capacity),
+                cfg.capacity,
+                format_bytes(cfg.granularity)
+            )
+        })
+    }
+
     /// Whether `--device` selects trace device `device`.
     pub fn selects(&self, device: u32) -> bool {
         self.device.is_none_or(|x| x == device)
     }
 }
 
-/// Parses a size with an optional unit (B, K/KiB, M/MiB, G/GiB, T/TiB; decimal allowed).
+/// Parses a size: bytes or a number with a binary (`KiB`..`TiB`, `Ki`..`Ti`)
+/// or decimal (`kB`..`TB`) unit; see [`vmmalloc_alloc::parse_size`].
 pub fn parse_size(s: &str) -> Result<u64> {
     vmmalloc_alloc::parse_size(s).map_err(anyhow::Error::msg)
 }
 
+/// Formats bytes for a capacity line: whole GiB as `80 GiB`, else as PyTorch does.
+pub fn format_bytes(b: u64) -> String {
+    if b > 0 && b % vmmalloc_device::GIB == 0 {
+        format!("{} GiB", b / vmmalloc_device::GIB)
+    } else {
+        const UNITS: [&str; 4] = ["bytes", "KiB", "MiB", "GiB"];
+        let (mut v, mut u) = (b as f64, 0);
+        while v >= 1024.0 && u + 1 < UNITS.len() {
+            v /= 1024.0;
+            u += 1;
+        }
+        if u == 0 {
+            format!("{b} bytes")
+        } else {
+            format!("{v:.2} {}", UNITS[u])
+        }
+    }
+}
+
 /// Runs `vmmalloc replay`.
+///
+/// Exits with an error when a replay cannot finish (an error that is not
+/// out-of-memory stopped it), and with `--fail-on-oom` when any allocation
+/// ran out of memory; the figures are printed first either way.
 pub fn run(args: ReplayArgs) -> Result<()> {
     let cfg = args.config()?;
     let policy = cfg.policy;
     let traces = load_inputs(std::slice::from_ref(&args.input))?;
     let mut any = false;
+    let mut failures: Vec<String> = Vec::new();
     for t in &traces {
         for dt in t.devices.iter().filter(|d| args.selects(d.device())) {
             any = true;
+            print_reader_warnings(&t.name, dt);
             let mut cfg = cfg.clone();
             cfg.steady = args.steady;
             cfg.pre_trace_ops = dt.pre_trace().len();
-            let r = replay(dt.replay_ops(), &cfg);
+            let ops = dt.replay_ops();
+            let r = replay(ops, &cfg);
+            let what = format!("{} device {}", t.name, dt.device());
             println!(
-                "{} device {} — policy {} on a {} GiB simulated device",
-                t.name,
-                dt.device(),
+                "{what} — policy {} on a {} simulated device",
                 policy,
-                gib(cfg.capacity)
+                format_bytes(cfg.capacity)
             );
-            let rows: Vec<(&str, String)> = vec![
-                (
-                    "result",
-                    if r.ok {
-                        "ok".into()
-                    } else {
-                        format!("{} out-of-memory errors", r.ooms)
-                    },
+            if let Some(note) = args.capacity_note(&cfg) {
+                println!("  note: {note}");
+            }
+            let result = match (&r.error, r.ooms) {
+                (Some(_), _) => format!(
+                    "STOPPED after {} of {} ops ({} out-of-memory errors before the stop)",
+                    r.ops,
+                    ops.len(),
+                    r.ooms
                 ),
+                (None, 0) => "ok".into(),
+                (None, n) => format!("{n} out-of-memory errors (failed allocations skipped)"),
+            };
+            let rows: Vec<(&str, String)> = vec![
+                ("result", result),
                 ("events", dt.events().len().to_string()),
-                ("ops replayed", r.ops.to_string()),
+                ("ops replayed", format!("{} of {}", r.ops, ops.len())),
                 (
                     "peak live (trace)",
                     format!(
@@ -108,7 +160,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 ("peak live (replayed)", format!("{} GiB", gib(r.peak_live))),
                 ("peak reserved", format!("{} GiB", gib(r.peak_reserved))),
                 ("retries", r.retries.to_string()),
-                ("syncs", r.syncs.to_string()),
+                ("syncs", r.driver_calls.syncs_cell()),
                 (
                     "modeled driver time",
                     format!("{:.3} ms", r.modeled_driver_us / 1000.0),
@@ -145,7 +197,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             }
             if let Some(st) = &r.steady {
                 println!(
-                    "  steady state (2nd pass): {}, {} trace allocations freed before it, {} memory calls, {:.3} ms modeled, {} syncs",
+                    "  steady state (2nd pass): {}, {} trace allocations freed before it, {} memory calls, {:.3} ms modeled, syncs {}",
                     if st.ok {
                         "ok".to_string()
                     } else {
@@ -154,7 +206,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                     st.freed_between,
                     st.memory_calls(),
                     st.modeled_driver_us / 1000.0,
-                    st.syncs
+                    st.driver_calls.syncs_cell()
                 );
                 for c in Call::ALL {
                     let n = st.driver_calls.get(c);
@@ -164,6 +216,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 }
                 if let Some(e) = &st.error {
                     println!("  steady error: {e}");
+                    failures.push(format!("{what}: the steady pass stopped early: {e}"));
                 }
             }
             if let Some(m) = &r.oom_message {
@@ -174,11 +227,26 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             }
             if let Some(e) = &r.error {
                 println!("  error: {e}");
+                failures.push(format!(
+                    "{what}: the replay stopped after {} of {} ops: {e}",
+                    r.ops,
+                    ops.len()
+                ));
+            }
+            let ooms = r.ooms + r.steady.as_ref().map_or(0, |st| st.ooms);
+            if args.fail_on_oom && ooms > 0 {
+                failures.push(format!(
+                    "{what}: {ooms} out-of-memory errors with policy {policy} on a {} device (--fail-on-oom)",
+                    format_bytes(cfg.capacity)
+                ));
             }
         }
     }
     if !any {
         bail!("no device of the input matched");
+    }
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
     }
     Ok(())
 }
@@ -191,7 +259,12 @@ mod tests {
     #[test]
     fn sizes_parse_with_units() {
         assert_eq!(parse_size("80GiB").unwrap(), 80 * GIB);
-        assert_eq!(parse_size("1.5G").unwrap(), 3 * GIB / 2);
+        assert_eq!(parse_size("1.5Gi").unwrap(), 3 * GIB / 2);
+        assert_eq!(parse_size("12GB").unwrap(), 12_000_000_000);
+        assert!(parse_size("1.5G")
+            .unwrap_err()
+            .to_string()
+            .contains("ambiguous"));
         assert_eq!(parse_size("512MiB").unwrap(), 512 * MIB);
         assert_eq!(parse_size("4096").unwrap(), 4096);
         assert!(parse_size("12 parsecs").is_err());

@@ -51,10 +51,11 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
     let mut chart = ChartBuilder::on(&root)
         .caption(
             format!(
-                "{} (device {}): memory over time at {} GiB (1.05 x peak live)",
+                "{} (device {}): memory over time at {} GiB ({})",
                 t.name,
                 t.device,
-                gib(t.tight_capacity)
+                gib(t.tight_capacity),
+                t.tight_rule
             ),
             ("sans-serif", 16),
         )
@@ -366,12 +367,14 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
          - **min cap**: smallest device (bisection to the granularity) that replays the trace without out-of-memory.\n\
          - **overhead** = min cap / peak live (1.00 is perfect).\n\
          - **cold calls / cold ms / cold syncs**: memory calls (reserve, create, map, set access, unmap, release, alloc, free), \
-         modeled driver time and synchronizations when replaying at the tight capacity, 1.05 × peak live; \
+         modeled driver time and synchronizations when replaying at the tight capacity (1.05 × peak live unless \
+         `--tight-factor` or `--capacity` set it; each trace says which); {}; \
          **cold ms linear**: the same calls priced by the `linear` preset. \
          **steady**: the same figures for a second replay of the trace, after freeing what the first left live \
          (pre-trace allocations stay): what every later iteration of a training or serving loop pays. \
          The allocator's teardown when it is dropped at the end is not included (a process pays it once at exit; \
-         PyTorch's allocators leave it to the driver).\n"
+         PyTorch's allocators leave it to the driver).\n",
+        crate::compare::SYNCS_LEGEND
     )?;
     writeln!(md, "```\n{}```\n", table(rows))?;
     head_to_head(&mut md, rows)?;
@@ -384,13 +387,14 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
         writeln!(md, "### {} (device {})\n", t.name, t.device)?;
         writeln!(
             md,
-            "{} events, {} allocations, {} GiB live before the trace began, peak live {} GiB ({} bytes), tight capacity {} GiB.\n",
+            "{} events, {} allocations, {} GiB live before the trace began, peak live {} GiB ({} bytes), tight capacity {} GiB ({}).\n",
             t.events,
             t.allocs,
             gib(t.pre_trace_live),
             gib(t.peak_live),
             t.peak_live,
-            gib(t.tight_capacity)
+            gib(t.tight_capacity),
+            t.tight_rule
         )?;
         writeln!(md, "| policy | min cap GiB | overhead | tight ok | peak reserved (unlimited) GiB | cold calls | cold ms | cold ms linear | cold syncs | steady calls | steady ms | steady syncs | steady calls unlimited | CPU ms |")?;
         writeln!(
@@ -410,7 +414,7 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
                 p.tight.memory_calls(),
                 p.tight.modeled_driver_us / 1000.0,
                 p.cold_linear_cell(),
-                p.tight.syncs,
+                crate::compare::syncs_cell(&p.tight.driver_calls),
                 steady_calls,
                 steady_ms,
                 steady_syncs,

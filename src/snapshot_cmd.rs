@@ -83,5 +83,6 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
         "wrote {}: {}\n",
         args.out.display(),
         what.join("; ")
-    ))
+    ))?;
+    crate::point::check_points(&args.point, &points)
 }

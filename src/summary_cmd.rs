@@ -2,7 +2,7 @@
 //! `memory_summary()` table of the allocator at the end, at the peak of live
 //! bytes, or at the first out-of-memory.
 
-use crate::point::{print_out, replay_at, PointArgs};
+use crate::point::{check_points, print_out, replay_at, PointArgs};
 use anyhow::Result;
 use vmmalloc_alloc::summary::{summary, Context};
 use vmmalloc_device::Device;
@@ -18,7 +18,8 @@ pub struct SummaryArgs {
 /// Runs `vmmalloc summary`.
 pub fn run(args: SummaryArgs) -> Result<()> {
     let mut out = String::new();
-    for (i, p) in replay_at(&args.point, false)?.iter().enumerate() {
+    let points = replay_at(&args.point, false)?;
+    for (i, p) in points.iter().enumerate() {
         if i > 0 {
             out.push('\n');
         }
@@ -38,5 +39,6 @@ pub fn run(args: SummaryArgs) -> Result<()> {
         );
         out.push_str(&text);
     }
-    print_out(&out)
+    print_out(&out)?;
+    check_points(&args.point, &points)
 }

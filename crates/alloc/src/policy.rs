@@ -83,26 +83,51 @@ fn parse_unit_fraction(value: &str) -> Result<f64, String> {
     }
 }
 
-/// Parses a size: bytes, or a number with a unit (`K`/`KiB`, `M`/`MiB`,
-/// `G`/`GiB`, `T`/`TiB`, case-insensitive; decimals allowed), e.g. `20MiB`.
+/// Parses a size: bytes, or a number with a unit (decimals allowed, units
+/// case-insensitive), e.g. `20MiB`, `12GB`, `1.5Gi`.
+///
+/// Binary units are binary and decimal units decimal, as IEC 80000-13 and
+/// `numfmt --from=iec-i` / `--from=si` read them: `KiB`/`Ki` = 2^10,
+/// `MiB`/`Mi` = 2^20, `GiB`/`Gi` = 2^30, `TiB`/`Ti` = 2^40; `kB` = 10^3,
+/// `MB` = 10^6, `GB` = 10^9, `TB` = 10^12. A bare `K`, `M`, `G` or `T` is
+/// ambiguous (2^30 or 10^9?) and rejected with a hint, as are negative and
+/// zero sizes.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
+    if t.starts_with('-') {
+        return Err(format!(
+            "`{s}` is negative: a size must be positive (e.g. 80GiB, 512MiB, 1048576)"
+        ));
+    }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let v: f64 = num
         .parse()
-        .map_err(|_| format!("`{s}` is not a size (e.g. 80GiB, 512MiB, 1048576)"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        .map_err(|_| format!("`{s}` is not a size (e.g. 80GiB, 12GB, 512MiB, 1048576)"))?;
+    let unit = unit.trim();
+    let mult = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1u64,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        u => {
+        "kib" | "ki" => 1 << 10,
+        "mib" | "mi" => 1 << 20,
+        "gib" | "gi" => 1 << 30,
+        "tib" | "ti" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        u @ ("k" | "m" | "g" | "t") => {
+            let up = u.to_ascii_uppercase();
             return Err(format!(
-                "unknown size unit `{u}` in `{s}` (use B, KiB, MiB, GiB or TiB)"
+                "ambiguous size unit `{unit}` in `{s}`: write `{num}{up}iB` ({num} x 2^{}) or `{num}{up}B` ({num} x 10^{})",
+                match u { "k" => 10, "m" => 20, "g" => 30, _ => 40 },
+                match u { "k" => 3, "m" => 6, "g" => 9, _ => 12 },
+            ));
+        }
+        _ => {
+            return Err(format!(
+                "unknown size unit `{unit}` in `{s}` (binary: B, KiB, MiB, GiB, TiB or Ki, Mi, Gi, Ti; decimal: kB, MB, GB, TB)"
             ))
         }
     };
@@ -280,8 +305,26 @@ mod tests {
     #[test]
     fn sizes_parse_with_units() {
         assert_eq!(parse_size("20MiB"), Ok(20 * MIB));
-        assert_eq!(parse_size("2m"), Ok(2 * MIB));
+        assert_eq!(parse_size("2mib"), Ok(2 * MIB));
         assert_eq!(parse_size("1.5GiB"), Ok(1536 * MIB));
+        assert_eq!(parse_size("12Gi"), Ok(12 << 30));
+        assert_eq!(parse_size("1Ti"), Ok(1 << 40));
+        assert_eq!(parse_size("512 KiB"), Ok(512 << 10));
+        // Decimal units are decimal: 12 GB is 7 % less than 12 GiB.
+        assert_eq!(parse_size("12GB"), Ok(12_000_000_000));
+        assert_eq!(parse_size("1.5MB"), Ok(1_500_000));
+        assert_eq!(parse_size("2kB"), Ok(2_000));
+        assert_eq!(parse_size("1TB"), Ok(1_000_000_000_000));
+        // Bare letters are ambiguous: rejected with both spellings offered.
+        for s in ["12G", "2m", "1T", "4k"] {
+            let e = parse_size(s).unwrap_err();
+            assert!(
+                e.contains("ambiguous") && e.contains("iB") && e.contains("10^"),
+                "{e}"
+            );
+        }
+        assert!(parse_size("-5GiB").unwrap_err().contains("negative"));
+        assert!(parse_size("12 parsecs").unwrap_err().contains("GiB"));
         assert_eq!(parse_size("4096"), Ok(4096));
         assert!(parse_size("lots").unwrap_err().contains("lots"));
         assert!(parse_size("3 parsecs").unwrap_err().contains("parsecs"));

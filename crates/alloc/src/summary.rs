@@ -199,13 +199,25 @@ pub fn summary(stats: &Stats, ctx: &Context<'_>) -> String {
             bytes(stats.reclaimed_bytes)
         ),
     ));
+    // Syncs as every report counts them (`CallCounts::syncs`): stream/event
+    // waits and device-wide ones, each cuMemFree included. PyTorch's
+    // `num_sync_all_streams` counts something else (passes of
+    // `synchronize_and_free_events`), so it gets its own row.
+    let c = &stats.driver_calls;
     lines.push(row(
         "Syncs",
         format!(
             "{} stream/event, {} device-wide",
-            stats.num_stream_syncs, stats.num_sync_all_streams
+            c.stream_syncs(),
+            c.device_syncs()
         ),
     ));
+    if stats.num_sync_all_streams > 0 {
+        lines.push(row(
+            "Sync-all-streams",
+            format!("{} (num_sync_all_streams)", stats.num_sync_all_streams),
+        ));
+    }
     lines.push(row(
         "Device allocs / frees",
         format!("{} / {}", stats.num_device_alloc, stats.num_device_free),

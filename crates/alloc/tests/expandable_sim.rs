@@ -551,10 +551,15 @@ fn bad_options_and_inputs_are_errors_that_change_nothing() {
         a.malloc(0, Stream::DEFAULT),
         Err(AllocError::InvalidSize { .. })
     ));
-    assert!(matches!(
-        a.malloc(GIB + 1, Stream::DEFAULT),
-        Err(AllocError::InvalidSize { .. })
-    ));
+    // Beyond the device: an out-of-memory, counted and explained.
+    match a.malloc(GIB + 1, Stream::DEFAULT) {
+        Err(AllocError::OutOfMemory(r)) => {
+            assert_eq!(r.requested, GIB + 1);
+            assert!(r.hint.contains("request alone exceeds"), "{}", r.hint);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(a.stats().num_ooms, 1);
     let x = a.malloc(100, Stream::DEFAULT).unwrap();
     assert!(matches!(
         a.free(x.ptr + 512),

@@ -258,9 +258,26 @@ impl Call {
         Call::ALL.iter().copied().find(|c| c.name() == name)
     }
 
-    /// Whether the call is a synchronization (stream, device or event wait).
+    /// Whether the call is a synchronization: a stream or event wait
+    /// ([`Call::is_stream_sync`]) or a device-wide one
+    /// ([`Call::is_device_sync`]). The one definition every report counts.
     pub fn is_sync(self) -> bool {
-        matches!(self, Call::StreamSync | Call::DeviceSync | Call::EventSync)
+        self.is_stream_sync() || self.is_device_sync()
+    }
+
+    /// Whether the call waits for one stream or one event
+    /// (`cuStreamSynchronize`, `cuEventSynchronize`).
+    pub fn is_stream_sync(self) -> bool {
+        matches!(self, Call::StreamSync | Call::EventSync)
+    }
+
+    /// Whether the call waits for the whole device: `cuCtxSynchronize`, and
+    /// `cuMemFree`, which synchronizes the device implicitly (PyTorch's "CUDA
+    /// semantics" note: the caching allocator exists so that frees need no
+    /// device synchronization; the cost model prices it as unmap + release +
+    /// a device sync, docs/driver.md).
+    pub fn is_device_sync(self) -> bool {
+        matches!(self, Call::DeviceSync | Call::Free)
     }
 }
 
@@ -287,11 +304,38 @@ impl CallCounts {
     pub fn total(&self) -> u64 {
         self.0.iter().sum()
     }
-    /// Sum of synchronizations (stream, device, event).
+    /// Synchronizations of every kind ([`Call::is_sync`]): stream and event
+    /// waits plus device-wide ones (`cuCtxSynchronize`, `cuMemFree`).
     pub fn syncs(&self) -> u64 {
+        self.stream_syncs() + self.device_syncs()
+    }
+    /// Stream and event waits ([`Call::is_stream_sync`]).
+    pub fn stream_syncs(&self) -> u64 {
+        self.sum_of(Call::is_stream_sync)
+    }
+    /// Device-wide synchronizations ([`Call::is_device_sync`]), each
+    /// `cuMemFree` included.
+    pub fn device_syncs(&self) -> u64 {
+        self.sum_of(Call::is_device_sync)
+    }
+    /// The syncs as a table cell: the total, split as `S stream/event + D
+    /// device-wide` where both kinds occur.
+    pub fn syncs_cell(&self) -> String {
+        let (s, d) = (self.stream_syncs(), self.device_syncs());
+        if s > 0 && d > 0 {
+            format!("{} ({s} stream/event + {d} device-wide)", s + d)
+        } else if d > 0 {
+            format!("{d} device-wide")
+        } else if s > 0 {
+            format!("{s} stream/event")
+        } else {
+            "0".into()
+        }
+    }
+    fn sum_of(&self, pick: fn(Call) -> bool) -> u64 {
         Call::ALL
             .iter()
-            .filter(|c| c.is_sync())
+            .filter(|c| pick(**c))
             .map(|c| self.get(*c))
             .sum()
     }
@@ -500,3 +544,33 @@ macro_rules! impl_device_for_pointer {
 impl_device_for_pointer!(std::sync::Arc<D>);
 impl_device_for_pointer!(Box<D>);
 impl_device_for_pointer!(&D);
+
+#[cfg(test)]
+mod sync_tests {
+    use super::*;
+
+    #[test]
+    fn syncs_have_one_definition_split_in_two() {
+        let mut c = CallCounts::default();
+        assert_eq!((c.syncs(), c.syncs_cell().as_str()), (0, "0"));
+        c.add(Call::Free);
+        c.add(Call::Free);
+        c.add(Call::DeviceSync);
+        assert_eq!((c.stream_syncs(), c.device_syncs(), c.syncs()), (0, 3, 3));
+        assert_eq!(c.syncs_cell(), "3 device-wide");
+        c.add(Call::StreamSync);
+        c.add(Call::EventSync);
+        c.add(Call::EventQuery);
+        assert_eq!((c.stream_syncs(), c.device_syncs(), c.syncs()), (2, 3, 5));
+        assert_eq!(c.syncs_cell(), "5 (2 stream/event + 3 device-wide)");
+        for call in Call::ALL {
+            assert_eq!(
+                call.is_sync(),
+                call.is_stream_sync() || call.is_device_sync(),
+                "{call}"
+            );
+            assert!(!(call.is_stream_sync() && call.is_device_sync()), "{call}");
+        }
+        assert!(Call::Free.is_sync(), "cuMemFree synchronizes the device");
+    }
+}

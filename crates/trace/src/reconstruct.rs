@@ -34,6 +34,14 @@ pub(crate) struct RawDevice {
     pub segments: Vec<Segment>,
 }
 
+/// The warning for a snapshot whose device has segments but no events: what
+/// happened and the two lines of PyTorch that record the history.
+pub const NO_HISTORY_WARNING: &str = "no events were recorded: the snapshot holds the final segments but its `device_traces` are empty, \
+so this is not a trace and the replay sees only the allocations live at the end. \
+Record the history before the work, then dump: \
+`torch.cuda.memory._record_memory_history(max_entries=100000)` ... \
+`torch.cuda.memory._dump_snapshot(\"snapshot.pickle\")`";
+
 /// Resolves frees, reconstructs the pre-trace allocations, checks the trace
 /// against the final segments and builds the device trace.
 pub(crate) fn build_device(
@@ -46,6 +54,12 @@ pub(crate) fn build_device(
         segments,
     } = raw;
     let mut warnings = Vec::new();
+    if events.is_empty() {
+        // The commonest mistake: `_dump_snapshot` without
+        // `_record_memory_history` first (torch/cuda/memory.py) writes the
+        // segments but an empty `device_traces` list.
+        warnings.push(NO_HISTORY_WARNING.to_string());
+    }
 
     // Final state per address (the last block listed wins if a corrupt file repeats one).
     let mut final_blocks: HashMap<u64, (u64, u64, BlockState)> = HashMap::new();

@@ -120,7 +120,10 @@ pub struct ReplayResult {
     pub peak_reserved: u64,
     /// Allocator retries (`num_alloc_retries`).
     pub retries: u64,
-    /// Synchronizations forced (device, stream and event syncs at the device).
+    /// Synchronizations forced, as [`CallCounts::syncs`] defines them:
+    /// stream/event waits plus device-wide ones (`cuCtxSynchronize` and each
+    /// `cuMemFree`); split them with `driver_calls.stream_syncs()` /
+    /// `driver_calls.device_syncs()`.
     pub syncs: u64,
     /// Device calls per kind made while the trace ran. Teardown (the
     /// allocator giving everything back when it is dropped) is excluded:
@@ -176,7 +179,7 @@ pub struct SteadyResult {
     pub peak_live: u64,
     /// Allocator retries (`num_alloc_retries`) in the second pass.
     pub retries: u64,
-    /// Synchronizations in the second pass.
+    /// Synchronizations in the second pass ([`CallCounts::syncs`]).
     pub syncs: u64,
     /// Device calls per kind in the second pass.
     pub driver_calls: CallCounts,
@@ -603,7 +606,10 @@ fn run_ops(
                             result.peak_live_op = Some(i);
                         }
                     }
-                    Err(e) if e.is_out_of_memory() => {
+                    // A request beyond the device is an out-of-memory too
+                    // (PyTorch raises OutOfMemoryError for it), whatever
+                    // error the policy calls it: counted, and the replay goes on.
+                    Err(e) if e.is_out_of_memory() || beyond_device(&e, config.capacity) => {
                         if let Some(r) = recorder {
                             let free = sim.mem_info().map_or(0, |m| m.free);
                             r.push("oom", free, size, Some(free));
@@ -669,6 +675,11 @@ fn run_ops(
         }
     }
     result.ops = first_index + ops.len();
+}
+
+/// Whether `e` refuses a request larger than the whole device.
+fn beyond_device(e: &vmmalloc_alloc::AllocError, capacity: u64) -> bool {
+    matches!(e, vmmalloc_alloc::AllocError::InvalidSize { size, .. } if *size > capacity)
 }
 
 /// The result of a capacity search for one policy.
@@ -823,6 +834,28 @@ mod tests {
         let mut stop = cfg.clone();
         stop.stop_at_oom = true;
         assert_eq!(replay(&ops(), &stop).ops, 5);
+    }
+
+    #[test]
+    fn a_request_beyond_the_device_is_an_out_of_memory_for_every_policy() {
+        // The first request (3 MiB + 100 B) is larger than a 2 MiB device.
+        for policy in Policy::ALL {
+            let r = replay(&ops(), &ReplayConfig::new(policy, 2 * MIB));
+            assert!(r.error.is_none(), "{policy}: {:?}", r.error);
+            assert_eq!(r.ops, ops().len(), "{policy}: the replay goes on");
+            assert_eq!(r.ooms, 4, "{policy}: every request is counted");
+            assert_eq!(r.first_oom, Some(0), "{policy}");
+            let m = r.oom_message.unwrap();
+            assert!(m.contains("out of memory"), "{policy}: {m}");
+        }
+    }
+
+    #[test]
+    fn native_frees_are_device_wide_syncs() {
+        let r = replay(&ops(), &ReplayConfig::new(Policy::Native, 64 * MIB));
+        assert_eq!(r.driver_calls.device_syncs(), 4, "one per cuMemFree");
+        assert_eq!(r.syncs, r.driver_calls.syncs());
+        assert_eq!(r.syncs, 4);
     }
 
     #[test]

@@ -229,3 +229,45 @@ fn stream_values_are_opaque() {
     let t = parse_snapshot(&bytes, "x").unwrap();
     assert_eq!(t.devices[0].streams(), vec![u64::MAX]);
 }
+
+/// `_dump_snapshot` without `_record_memory_history`: segments, no events.
+/// Not a trace: a warning says so and shows the two lines that record one.
+#[test]
+fn a_snapshot_without_history_warns_with_the_fix() {
+    let block = dict(vec![
+        ("address", Value::I64(S as i64)),
+        ("size", Value::I64(2 * MIB as i64)),
+        ("requested_size", Value::I64(MIB as i64)),
+        ("state", s("active_allocated")),
+    ]);
+    let seg = dict(vec![
+        ("device", Value::I64(0)),
+        ("address", Value::I64(S as i64)),
+        ("total_size", Value::I64(2 * MIB as i64)),
+        ("stream", Value::I64(0)),
+        ("blocks", Value::List(vec![block])),
+    ]);
+    let v = dict(vec![
+        ("segments", Value::List(vec![seg])),
+        ("device_traces", Value::List(vec![Value::List(vec![])])),
+    ]);
+    let bytes = serde_pickle::value_to_vec(&v, SerOptions::new()).unwrap();
+    let t = parse_snapshot(&bytes, "nohistory").unwrap();
+    let d = &t.devices[0];
+    assert!(d.events().is_empty());
+    let w = d.warnings().join("\n");
+    assert!(w.contains("no events were recorded"), "{w}");
+    assert!(w.contains("_record_memory_history("), "{w}");
+    assert!(w.contains("_dump_snapshot("), "{w}");
+    // A snapshot with events has no such warning.
+    let with = parse_snapshot(
+        &serde_pickle::value_to_vec(
+            &snapshot(vec![event("alloc", 0x100, 1000)]),
+            SerOptions::new(),
+        )
+        .unwrap(),
+        "with",
+    )
+    .unwrap();
+    assert!(!with.devices[0].warnings().join("").contains("no events"));
+}

@@ -50,13 +50,13 @@ impl Inner {
             });
         }
         if size > self.layout.total {
-            return Err(AllocError::InvalidSize {
-                size,
-                reason: format!(
-                    "larger than the device memory ({} bytes)",
-                    self.layout.total
-                ),
-            });
+            // Beyond the whole device: an out-of-memory like any other, as
+            // PyTorch's allocator reports it (CUDACachingAllocator.cpp
+            // `malloc`: `TORCH_CHECK_WITH(OutOfMemoryError, ...)`), counted
+            // and explained ("The request alone exceeds the memory limit").
+            let page = self.layout.page;
+            let lacking = size.div_ceil(page).saturating_sub(self.limit_pages);
+            return Err(self.oom(dev, size, round_up(size, MIN_BLOCK), stream, lacking));
         }
         let rounded = round_up(size, MIN_BLOCK);
         if !self.events.pending.is_empty() {
