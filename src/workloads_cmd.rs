@@ -2,15 +2,25 @@
 
 use anyhow::Result;
 
-/// Prints each workload with its parameters.
+/// Prints each workload with its parameters and their defaults, then the
+/// built-in snapshot.
 pub fn run() -> Result<()> {
     for name in vmmalloc_trace::WORKLOADS {
         println!("{name}");
+        let defaults = vmmalloc_trace::workloads::workload_defaults(name).unwrap_or_default();
         for (key, doc) in vmmalloc_trace::workloads::workload_params(name).unwrap_or_default() {
-            println!("  {key:<22} {doc}");
+            match defaults.iter().find(|(k, _)| k == key) {
+                Some((_, d)) => println!("  {key:<22} {doc} (default {d})"),
+                None => println!("  {key:<22} {doc}"),
+            }
         }
         println!();
     }
+    println!(
+        "{}\n  the bundled PyTorch snapshot (tests/fixtures/cs336_lm_step.pickle): `vmmalloc replay {}`\n",
+        crate::compare::BUILTIN_FIXTURE_NAME,
+        crate::compare::BUILTIN_FIXTURE_NAME
+    );
     println!(
         "Override parameters on the command line: `vmmalloc compare train-varlen:seed=3,steps=20`."
     );

@@ -90,6 +90,17 @@ pub fn workload_params(name: &str) -> Option<&'static [(&'static str, &'static s
     }
 }
 
+/// The parameters of workload `name` with their default values, as the
+/// command line writes them (`None`: no such workload).
+pub fn workload_defaults(name: &str) -> Option<Vec<(&'static str, String)>> {
+    match name {
+        "train-varlen" => Some(TrainVarlenParams::defaults()),
+        "serve-kv" => Some(ServeKvParams::defaults()),
+        "frag-adversary" => Some(FragAdversaryParams::defaults()),
+        _ => None,
+    }
+}
+
 fn parse_overrides<'a>(workload: &str, s: &'a str) -> Result<Vec<(&'a str, &'a str)>> {
     let mut out = Vec::new();
     for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
@@ -174,6 +185,13 @@ macro_rules! define_params {
             pub const KEYS: &'static [(&'static str, &'static str)] = &[
                 $( (stringify!($field), concat!($($doc),+)), )+
             ];
+
+            /// Every parameter key with its default value, as the command
+            /// line writes it (e.g. `("seed", "0")`).
+            pub fn defaults() -> Vec<(&'static str, String)> {
+                let d = Self::default();
+                vec![ $( (stringify!($field), format!("{:?}", d.$field)), )+ ]
+            }
 
             /// Sets parameter `key` from its command-line text `value`.
             ///
@@ -382,6 +400,32 @@ mod tests {
                 assert!(!doc.trim().is_empty(), "{w}:{k} has no doc");
             }
         }
+    }
+
+    #[test]
+    fn every_key_has_a_default_that_parses_back() {
+        for w in WORKLOADS {
+            let keys = workload_params(w).unwrap();
+            let defaults = workload_defaults(w).unwrap();
+            assert_eq!(
+                keys.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+                defaults.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+                "{w}"
+            );
+            // Setting every default explicitly gives the default trace.
+            let spec = format!(
+                "{w}:{}",
+                defaults
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+            let explicit = workload_by_name(&spec).unwrap();
+            let plain = workload_by_name(w).unwrap();
+            assert_eq!(explicit.devices, plain.devices, "{spec}");
+        }
+        assert!(workload_defaults("nope").is_none());
     }
 
     #[test]
