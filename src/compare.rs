@@ -337,7 +337,9 @@ fn steady_json(st: Option<&SteadyResult>) -> Value {
     }
 }
 
-/// The JSON document (schema version 1); `cost_model` names the cost model
+/// The JSON document (schema version 2: `syncs` counts every `cuMemFree` as
+/// a device-wide sync, split into `stream_syncs` + `device_syncs`; see
+/// docs/guide.md); `cost_model` names the cost model
 /// (a preset or a file, see [`CostModel::select`]).
 pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
     let traces: Vec<Value> = rows
@@ -386,7 +388,7 @@ pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
             })
         })
         .collect();
-    json!({ "version": 1, "cost_model": cost_model, "traces": traces })
+    json!({ "version": 2, "cost_model": cost_model, "traces": traces })
 }
 
 /// Formats bytes as GiB with two decimals.

@@ -63,7 +63,7 @@ fn compare_json_matches_the_schema() {
     ]);
     let v: Value =
         serde_json::from_slice(&out.stdout).expect("stdout is exactly the JSON document");
-    assert_eq!(v["version"], 1);
+    assert_eq!(v["version"], 2, "version 2: syncs count every cuMemFree");
     assert_eq!(v["cost_model"], "a100");
     let traces = v["traces"].as_array().unwrap();
     assert_eq!(traces.len(), 1);
@@ -77,6 +77,8 @@ fn compare_json_matches_the_schema() {
         "pre_trace_live_bytes",
         "peak_live_bytes",
         "policies",
+        "reader_warnings",
+        "tight_capacity_bytes",
     ];
     expected.sort();
     let mut got = keys.clone();
@@ -101,6 +103,7 @@ fn compare_json_matches_the_schema() {
             tk,
             [
                 "capacity_bytes",
+                "device_syncs",
                 "driver_calls",
                 "modeled_driver_us",
                 "modeled_driver_us_linear",
@@ -108,6 +111,7 @@ fn compare_json_matches_the_schema() {
                 "ooms",
                 "retries",
                 "steady",
+                "stream_syncs",
                 "syncs"
             ],
             "{name}"
@@ -132,10 +136,12 @@ fn compare_json_matches_the_schema() {
             assert_eq!(
                 sk,
                 [
+                    "device_syncs",
                     "driver_calls",
                     "modeled_driver_us",
                     "modeled_driver_us_linear",
                     "ooms",
+                    "stream_syncs",
                     "syncs"
                 ],
                 "{name} {side}"
@@ -191,7 +197,7 @@ fn compare_writes_report_and_plots() {
     let json: Value =
         serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap())
             .unwrap();
-    assert_eq!(json["version"], 1);
+    assert_eq!(json["version"], 2);
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
         table.contains("overhead") && table.contains("native") && table.contains("small"),

@@ -58,6 +58,9 @@ FAKE_TORCH = textwrap.dedent('''
         def current_device():
             return 0
         @staticmethod
+        def is_available():
+            return not os.environ.get("FAKE_TORCH_NO_GPU")
+        @staticmethod
         def _get_device_index(device, optional=False):
             return int(device)
 ''')
@@ -201,3 +204,65 @@ def test_runner_version_and_help(lib, tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "0.1.0", out.stderr
     out = subprocess.run([sys.executable, "-m", "vmmalloc"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no script" in out.stderr
+
+
+# ---------------------------------------------------------------------------
+# Issue 15: the plug-in's messages
+# ---------------------------------------------------------------------------
+
+
+def test_config_errors_print_once_labelled_by_origin(lib, fake_torch, tmp_path):
+    (tmp_path / "never.py").write_text("print('RAN')\n")
+    out, calls = run_py(["-m", "vmmalloc", "--conf", "device:host,colour:blue", "never.py"], fake_torch, tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.count("unknown key `colour`") == 1, out.stderr
+    assert "--conf: unknown key `colour`" in out.stderr, out.stderr
+    assert "VMMALLOC_CONF" not in out.stderr, out.stderr
+    out, calls = run_py(["-m", "vmmalloc", "never.py"], fake_torch, tmp_path,
+                        VMMALLOC_CONF="device:host,colour:blue")
+    assert out.returncode == 2
+    assert out.stderr.count("unknown key `colour`") == 1, out.stderr
+    assert "VMMALLOC_CONF: unknown key `colour`" in out.stderr, out.stderr
+    assert "RAN" not in out.stdout and calls == []
+
+
+def test_a_missing_script_or_module_is_a_clear_error(lib, fake_torch, tmp_path):
+    for args, says in ((["nosuch.py"], "no such script: nosuch.py"),
+                       (["-m", "no_such_module_here"], "no module named 'no_such_module_here'")):
+        out, calls = run_py(["-m", "vmmalloc"] + args, fake_torch, tmp_path, VMMALLOC_CONF="device:host")
+        assert out.returncode == 2, out.stderr
+        assert says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+        assert calls == [], "nothing was enabled"
+
+
+def test_device_cuda_without_a_gpu_says_so(lib, fake_torch, tmp_path):
+    code = "import vmmalloc; vmmalloc.enable(); print('ENABLED', vmmalloc.is_enabled())"
+    env = {"VMMALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
+    out, _ = run_py(["-c", code], fake_torch, tmp_path, FAKE_TORCH_NO_GPU="1", **env)
+    assert out.returncode == 0, out.stderr
+    assert "ENABLED True" in out.stdout
+    assert "sees no CUDA GPU" in out.stderr and "torch.cuda.is_available() is False" in out.stderr, out.stderr
+    # With a GPU, or another device, nothing is said.
+    out, _ = run_py(["-c", code], fake_torch, tmp_path, **env)
+    assert out.returncode == 0 and "no CUDA GPU" not in out.stderr, out.stderr
+    out, _ = run_py(["-c", code.replace("enable()", "enable('device:host')")], fake_torch, tmp_path,
+                    FAKE_TORCH_NO_GPU="1", **env)
+    assert out.returncode == 0 and "no CUDA GPU" not in out.stderr, out.stderr
+
+
+def test_pytorch_cuda_alloc_conf_is_not_ignored_silently(lib, fake_torch, tmp_path):
+    from vmmalloc import _pytorch_conf_warning as warn
+    assert warn({}) is None and warn({"PYTORCH_CUDA_ALLOC_CONF": " "}) is None
+    w = warn({"PYTORCH_CUDA_ALLOC_CONF": "backend:caching"})
+    assert "is ignored" in w and w.endswith("VMMALLOC_CONF=backend:caching"), w
+    # PyTorch's `native` backend is its caching allocator, not vmmalloc's native.
+    assert warn({"PYTORCH_CUDA_ALLOC_CONF": "backend:native,max_split_size_mb:128"}).endswith(
+        "VMMALLOC_CONF=backend:caching,max_split_size_mb:128")
+    assert warn({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}).endswith(
+        "VMMALLOC_CONF=backend:caching,expandable_segments:True")
+    assert "To ask" not in warn({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    out, _ = run_py(["-c", "import vmmalloc; vmmalloc.enable('device:host')"], fake_torch, tmp_path,
+                    PYTORCH_CUDA_ALLOC_CONF="backend:caching")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='backend:caching' is ignored") == 1, out.stderr

@@ -16,6 +16,8 @@ functions (``memory_allocated``, ``memory_stats``, ``memory_summary``,
 companion) whose message starts with "CUDA out of memory.".
 """
 
+import os
+import re
 import warnings
 
 from . import _companion, _torch
@@ -77,6 +79,66 @@ def oom_exception():
     return _oom
 
 
+def _conf_value(text, key):
+    """The value of ``key`` in VMMALLOC_CONF-style text (``key:value,...``), or None."""
+    m = re.search(r"(?:^|,)\s*%s\s*:\s*([^,]*)" % re.escape(key), text or "")
+    return m.group(1).strip() if m else None
+
+
+def _no_gpu_warning(torch, conf):
+    """The warning for ``device:cuda`` (the default) on a machine where
+    PyTorch sees no CUDA GPU, or None."""
+    text = conf if conf is not None else os.environ.get("VMMALLOC_CONF", "")
+    device = _conf_value(text, "device") or "cuda"
+    available = getattr(getattr(torch, "cuda", None), "is_available", None)
+    if device != "cuda" or available is None or available():
+        return None
+    return ("vmmalloc: enabled with device:cuda, but PyTorch sees no CUDA GPU (torch.cuda.is_available() is "
+            "False), so no tensor will be allocated through vmmalloc. On a CPU machine use the simulator "
+            "(`vmmalloc replay` / `compare`) or the library with device:host (real CPU memory); on a GPU "
+            "machine check the driver with `python -m vmmalloc --check`.")
+
+
+# PyTorch's own `backend` values (c10/cuda/CUDAAllocatorConfig.cpp, parseAllocatorConfig).
+_PYTORCH_BACKENDS = {"native": "caching", "cudamallocasync": None}
+_VMMALLOC_BACKENDS = ("expandable", "caching", "torch-es", "native")
+
+
+def _pytorch_conf_warning(env=None):
+    """The warning for a set ``PYTORCH_CUDA_ALLOC_CONF``, which vmmalloc does
+    not read (it replaces the allocator that reads it), with the
+    ``VMMALLOC_CONF`` line that asks for the same thing where there is one;
+    None if it is unset."""
+    env = os.environ if env is None else env
+    text = env.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
+    if not text:
+        return None
+    items = []
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        key, _, value = item.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "backend":
+            if value in _VMMALLOC_BACKENDS and value != "native":
+                items.append(f"backend:{value}")
+            elif value.lower() in _PYTORCH_BACKENDS:
+                mapped = _PYTORCH_BACKENDS[value.lower()]
+                if mapped:
+                    items.append(f"backend:{mapped}")
+            continue
+        if key in ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold",
+                   "expandable_segments"):
+            items.append(f"{key}:{value}")
+    if any(i.startswith("expandable_segments:") and i.split(":", 1)[1].lower() == "true" for i in items) \
+            and not any(i.startswith("backend:") for i in items):
+        items.insert(0, "backend:caching")
+    hint = (f" To ask vmmalloc for the same, set VMMALLOC_CONF={','.join(items)}" if items else "")
+    return (f"vmmalloc: PYTORCH_CUDA_ALLOC_CONF={text!r} is ignored: vmmalloc replaces PyTorch's CUDA allocator, "
+            f"which reads it, and is configured by VMMALLOC_CONF (same key:value syntax; backend: "
+            f"{', '.join(_VMMALLOC_BACKENDS)}; PyTorch's backend:native is vmmalloc's backend:caching).{hint}")
+
+
 def is_enabled():
     """Whether enable() installed vmmalloc as PyTorch's CUDA allocator."""
     return _allocator is not None
@@ -131,6 +193,9 @@ def enable(conf=None):
             f"PyTorch refused the allocator ({e}); its CUDA allocator was already used: call "
             "vmmalloc.enable() before the first CUDA tensor") from e
     _allocator, _enabled_conf = pluggable, conf
+    for message in (_pytorch_conf_warning(), _no_gpu_warning(torch, conf)):
+        if message:
+            warnings.warn(message, stacklevel=2)
     _torch.patch_memory_functions(torch)
     _oom = _companion.install(torch)
     if _oom[0] != "torch.cuda.OutOfMemoryError":

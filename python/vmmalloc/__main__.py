@@ -64,6 +64,17 @@ def parse(argv):
     raise ValueError("no script or -m module given")
 
 
+def _labelled(message, conf):
+    """Labels a configuration error by its origin: ``--conf`` when the text
+    came from the command line (the library says ``vmmalloc_configure``),
+    ``VMMALLOC_CONF`` when it came from the environment."""
+    if conf is not None:
+        for prefix in ("vmmalloc_configure: ", "VMMALLOC_CONF: "):
+            if message.startswith(prefix):
+                return "--conf: " + message[len(prefix):]
+    return message
+
+
 def main(argv=None):
     """Entry point; returns an exit status (the script's own SystemExit propagates)."""
     import vmmalloc
@@ -87,10 +98,25 @@ def main(argv=None):
             sys.stderr.write(f"vmmalloc: python package {vmmalloc.__version__}; library: {e}\n")
             return 2
         return 0
+    # A missing target is a clear error before anything is enabled (not a
+    # runpy traceback).
+    if kind == "script" and not os.path.isfile(target):
+        sys.stderr.write(f"vmmalloc: no such script: {target}"
+                         f"{' (a directory)' if os.path.isdir(target) else ''}\n")
+        return 2
+    if kind == "module":
+        import importlib.util
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            sys.stderr.write(f"vmmalloc: no module named {target!r} (for -m {target})\n")
+            return 2
     try:
         vmmalloc.enable(opts["conf"])
     except (vmmalloc.VmmallocError, FileNotFoundError) as e:
-        sys.stderr.write(f"vmmalloc: cannot enable: {e}\n")
+        sys.stderr.write(f"vmmalloc: cannot enable: {_labelled(str(e), opts['conf'])}\n")
         return 2
     if opts["summary"]:
         atexit.register(lambda: sys.stderr.write(vmmalloc.memory_summary(0)))

@@ -724,7 +724,9 @@ pub extern "C" fn vmmalloc_validate(device: c_int) -> c_int {
 
 /// Sets the configuration (same syntax as `VMMALLOC_CONF`, which it replaces)
 /// before the first allocation. Returns 0, or -1 if it does not parse (the
-/// previous configuration stays) or allocators exist already.
+/// previous configuration stays) or allocators exist already; the error,
+/// labelled `vmmalloc_configure:`, is in [`vmmalloc_last_error`] and is not
+/// logged (the caller prints it, once).
 ///
 /// # Safety
 ///
@@ -751,8 +753,9 @@ pub unsafe extern "C" fn vmmalloc_configure(conf: *const c_char) -> c_int {
         match runtime::configure(&text) {
             Ok(()) => 0,
             Err(m) => {
-                let level = Config::parse(&text).map_or(LError, |c| c.log);
-                diag::fail(level, LError, &m);
+                // Returned, not logged: the caller has the code and
+                // vmmalloc_last_error(), and prints it once (issue 15).
+                diag::set_error(&m);
                 -1
             }
         }
@@ -764,7 +767,8 @@ pub unsafe extern "C" fn vmmalloc_configure(conf: *const c_char) -> c_int {
 #[no_mangle]
 pub extern "C" fn vmmalloc_check_config() -> c_int {
     entry("vmmalloc_check_config", -1, || {
-        match runtime::runtime().config() {
+        // Not logged: the caller asked, and reports the error itself.
+        match runtime::runtime().config_unlogged() {
             Ok(_) => 0,
             Err(m) => {
                 diag::set_error(&m);

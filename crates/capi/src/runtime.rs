@@ -237,7 +237,8 @@ pub fn runtime() -> Arc<Runtime> {
 /// Sets the configuration text used instead of `VMMALLOC_CONF`. Fails if it
 /// does not parse, or if an allocator exists already.
 pub fn configure(text: &str) -> Result<(), String> {
-    let parsed = Config::parse(text).map_err(|e| e.to_string())?;
+    // Labelled by its origin: this text, not the environment variable.
+    let parsed = Config::parse(text).map_err(|e| format!("vmmalloc_configure: {}", e.message))?;
     let mut g = write_global();
     if let Some(rt) = &g.runtime {
         if rt.active_devices().next().is_some() {
@@ -292,6 +293,12 @@ impl Runtime {
                 Err(m)
             }
         }
+    }
+
+    /// The configuration, or its error, without logging it: for callers
+    /// that report the error themselves ([`crate::vmmalloc_check_config`]).
+    pub fn config_unlogged(&self) -> Result<&Config, String> {
+        self.config.as_ref().map_err(|e| e.to_string())
     }
 
     /// Records PyTorch's device count (from the init hook).
