@@ -5,11 +5,11 @@ use crate::compare::parse_policies;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
-use vmmalloc_alloc::bench::{bench_pair, thread_scaling};
+use vmmalloc_alloc::bench::{bench_pair, thread_scaling, PAIR_SIZE};
 use vmmalloc_alloc::{build, Policy, PolicyOptions};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::SimDevice;
-use vmmalloc_device::{Device, Stream, GIB};
+use vmmalloc_device::{Call, Device, Stream, GIB};
 
 /// Arguments of `vmmalloc bench`.
 #[derive(clap::Args, Debug)]
@@ -27,7 +27,8 @@ pub struct BenchArgs {
     /// Write the results as JSON to FILE (`-` for standard output).
     #[arg(long, value_name = "FILE")]
     pub json: Option<String>,
-    /// Timed pairs per policy and round.
+    /// Timed pairs per policy and round (at least 10,000: fewer make the
+    /// p99 and the throughput timings meaningless).
     #[arg(long, default_value_t = 200_000)]
     pub iters: u64,
     /// Rounds; each round measures every policy once, in turn, and the median
@@ -70,11 +71,39 @@ fn measure(policy: Policy, kind: &str, iters: u64) -> Result<(f64, f64, f64, f64
     Ok((med, p99, scaling.one, scaling.two))
 }
 
+/// The fewest `--iters` accepted: 156 batches of 64 pairs for the p99, and
+/// throughput runs of ~1 ms or more per thread, well above thread start-up and
+/// clock noise.
+pub const MIN_ITERS: u64 = 10_000;
+
+/// What the `sim` device means for these figures: its calls cost no time.
+fn sim_note(policies: &[Policy]) -> Option<String> {
+    if !policies.contains(&Policy::Native) {
+        return None;
+    }
+    // What one pair would cost on a GPU by the default (a100) cost model.
+    let m = vmmalloc_device::cost::CostModel::default();
+    let pair_us = m.cost_us(Call::Alloc, PAIR_SIZE) + m.cost_us(Call::Free, PAIR_SIZE);
+    Some(format!(
+        "note: on `sim` a driver call costs no time, so these figures are the allocators' own CPU work: \
+         native (a cuMemAlloc + cuMemFree per pair) looks cheap here, but on a GPU each of its pairs costs \
+         about {pair_us:.0} us by the a100 cost model, while a cache hit of the others makes no driver call. \
+         Use `vmmalloc compare` for modeled driver cost, `--device host` for real (CPU) memory calls."
+    ))
+}
+
 /// Runs `vmmalloc bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
     let policies = parse_policies(&args.policies)?;
-    if args.rounds == 0 || args.iters == 0 {
-        bail!("--rounds and --iters must be positive");
+    if args.rounds == 0 {
+        bail!("--rounds must be positive");
+    }
+    if args.iters < MIN_ITERS {
+        bail!(
+            "--iters {} is too few: at least {MIN_ITERS} pairs per policy and round are needed for a \
+             p99 (batches of 64 pairs) and for throughput timings above thread start-up noise",
+            args.iters
+        );
     }
     device(&args.device)?;
     let mut figs: Vec<Figures> = vec![Figures::default(); policies.len()];
@@ -124,20 +153,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if let Some(first) = figs.first() {
             let base = median(&first.median);
             for (p, f) in policies.iter().zip(&figs).skip(1) {
+                let r = base / median(&f.median);
                 println!(
-                    "ratio {} / {}: {:.2}",
-                    policies[0],
-                    p,
-                    base / median(&f.median)
+                    "pair time {} / {}: {r:.2} ({}'s median pair takes {r:.2}x {}'s; below 1: {} is faster)",
+                    policies[0], p, policies[0], p, policies[0]
                 );
             }
         }
         println!(
-            "device {}, {} pairs of 1 MiB per policy and round, median of {} rounds",
+            "device {}, {} pairs of 1 MiB per policy and round, median of {} rounds; \
+             2t / 1t = pairs/s with 2 threads on 2 streams divided by pairs/s with 1 thread (2.00: perfect scaling)",
             args.device, args.iters, args.rounds
         );
+        if args.device == "sim" {
+            if let Some(note) = sim_note(&policies) {
+                println!("{note}");
+            }
+        }
     }
-    let doc = json!({"device": args.device, "policies": Value::Object(pols)});
+    let doc = json!({
+        "device": args.device,
+        "iters": args.iters,
+        "rounds": args.rounds,
+        "pair_bytes": PAIR_SIZE,
+        "policies": Value::Object(pols),
+    });
     if let Some(j) = &args.json {
         let text = serde_json::to_string_pretty(&doc)?;
         if j == "-" {

@@ -522,3 +522,48 @@ fn compare_json_records_tool_cost_model_granularity_and_inputs() {
     assert_eq!(inputs[0]["fnv1a64"].as_str().unwrap().len(), 16);
     assert_eq!(inputs[1]["workload"], "frag-adversary:seed=3");
 }
+
+// ---- 7. bench is hard to misread ----
+
+#[test]
+fn bench_refuses_too_few_iterations_and_says_what_it_measures() {
+    let e = fails(&["bench", "--iters", "1000"]);
+    assert!(
+        e.contains("--iters 1000 is too few") && e.contains("10000"),
+        "{e}"
+    );
+    let text = ok(&[
+        "bench",
+        "--iters",
+        "10000",
+        "--rounds",
+        "1",
+        "--policies",
+        "expandable,native",
+    ]);
+    assert!(
+        text.contains("pair time expandable / native:")
+            && text.contains("expandable's median pair takes"),
+        "each ratio says what it divides: {text}"
+    );
+    assert!(text.contains("2t / 1t = pairs/s with 2 threads"), "{text}");
+    assert!(
+        text.contains("on `sim` a driver call costs no time") && text.contains("native"),
+        "{text}"
+    );
+    let out = ok(&[
+        "bench",
+        "--iters",
+        "10000",
+        "--rounds",
+        "1",
+        "--policies",
+        "caching",
+        "--json",
+        "-",
+    ]);
+    let d: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(d["iters"], 10000);
+    assert_eq!(d["rounds"], 1);
+    assert!(d["policies"]["caching"]["pair_ns_median"].as_f64().unwrap() > 0.0);
+}
