@@ -89,7 +89,7 @@ pub fn parse_size(s: &str) -> Result<u64> {
 
 /// Formats bytes for a capacity line: whole GiB as `80 GiB`, else as PyTorch does.
 pub fn format_bytes(b: u64) -> String {
-    if b > 0 && b % vmmalloc_device::GIB == 0 {
+    if b > 0 && b.is_multiple_of(vmmalloc_device::GIB) {
         format!("{} GiB", b / vmmalloc_device::GIB)
     } else {
         const UNITS: [&str; 4] = ["bytes", "KiB", "MiB", "GiB"];
