@@ -159,6 +159,12 @@ def enable(conf=None):
     torch companion (built once per PyTorch version, see ``_companion``) so that
     out-of-memory raises ``torch.cuda.OutOfMemoryError``; without it, a
     ``RuntimeError`` (said once, as a warning).
+
+    It also warns when ``PYTORCH_CUDA_ALLOC_CONF`` is set (vmmalloc does not
+    read it; the warning gives the ``VMMALLOC_CONF`` line that asks for the
+    same) and when ``device:cuda`` is configured but PyTorch sees no GPU
+    (``torch.cuda.is_available()`` False: nothing will be allocated through
+    vmmalloc).
     """
     global _allocator, _enabled_conf, _oom
     try:

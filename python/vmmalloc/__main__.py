@@ -2,7 +2,9 @@
 
 Enables vmmalloc as PyTorch's CUDA allocator (configured by ``VMMALLOC_CONF``
 or ``--conf``), then runs the script (or module) as ``__main__`` with the
-remaining arguments, as ``python script.py args...`` would.
+remaining arguments, as ``python script.py args...`` would. A missing script
+or module is an error (exit 2) before anything is enabled; a configuration
+error is printed once, labelled ``--conf`` or ``VMMALLOC_CONF`` by its origin.
 
 Options (before the script):
   --conf CONF        configuration, replacing $VMMALLOC_CONF
