@@ -65,7 +65,7 @@ mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
 pub use config::{ExpandableConfig, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_THRESHOLD};
-pub use sleep::TagStats;
+pub use sleep::{tag_summary, TagStats};
 
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
 use arena::Arenas;

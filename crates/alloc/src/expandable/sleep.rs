@@ -470,3 +470,36 @@ impl Inner {
         out
     }
 }
+
+/// A table of `stats` for `memory_summary` and "why is memory low?": per
+/// tag, its state and bytes live, mapped, paused and backed up.
+pub fn tag_summary(stats: &[TagStats]) -> String {
+    use crate::summary::format_bytes as fb;
+    let mut out = String::from(
+        "Tags (sleep and wake: docs/expandable.md)\n  tag                  state    live          mapped        paused        host backup\n",
+    );
+    for t in stats {
+        let name = if t.tag.is_empty() {
+            "(default)"
+        } else {
+            &t.tag
+        };
+        out.push_str(&format!(
+            "  {:<20} {:<8} {:<13} {:<13} {:<13} {}\n",
+            name,
+            if t.paused { "paused" } else { "awake" },
+            fb(t.live_bytes),
+            fb(t.mapped_bytes),
+            fb(t.paused_bytes),
+            fb(t.backup_bytes)
+        ));
+    }
+    let paused: u64 = stats.iter().map(|t| t.paused_bytes).sum();
+    if paused > 0 {
+        out.push_str(&format!(
+            "  {} of live blocks are paused: their physical memory is back with the driver and their addresses stay reserved; device access to them is an error until vmmalloc_resume.\n",
+            fb(paused)
+        ));
+    }
+    out
+}

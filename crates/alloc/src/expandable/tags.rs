@@ -89,6 +89,11 @@ pub(crate) fn current_tag_id() -> u32 {
     CURRENT.with(|c| c.get())
 }
 
+/// Whether some thread ever set `tag` (`""` is always known).
+pub fn is_known_tag(tag: &str) -> bool {
+    lookup(tag, false).is_some()
+}
+
 /// The id of a known tag; `None` if no thread ever set it.
 pub(crate) fn tag_id(tag: &str) -> Option<u32> {
     lookup(tag, false)
