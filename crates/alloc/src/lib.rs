@@ -31,9 +31,7 @@ pub mod testing;
 pub mod torch_es;
 
 pub use error::{AllocError, AllocResult, OomReport, StreamUsage};
-pub use expandable::tags::{
-    is_known_tag, parse_tag_list, set_thread_tag, thread_tag, MAX_TAG_LEN,
-};
+pub use expandable::tags::{is_known_tag, parse_tag_list, set_thread_tag, thread_tag, MAX_TAG_LEN};
 pub use expandable::TagStats;
 pub use policy::{build, parse_size, split_policy_specs, Policy, PolicyOptions, PolicySpec};
 pub use snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};

@@ -273,27 +273,24 @@ fn pause_and_resume_are_thread_safe_against_other_tags() {
 }
 
 // ---------------------------------------------------------------------------
-// Fault injection
+// Fault injection (generic over the device: host here, cuda over the fake below)
 
-type FDev = FaultInjecting<Arc<HostDevice>>;
+type FDev = FaultInjecting<Arc<dyn Device>>;
 
 /// A scenario touching every call pause and resume make: an untagged block,
 /// tagged blocks (one used on a second stream, one freed to a pending event),
-/// pooled chunks. Returns the allocator and the tagged blocks (filled).
+/// an emptied cache. Returns the allocator and the live tagged blocks (filled).
 fn scenario(dev: &Arc<FDev>) -> (ExpandableAllocator<Arc<FDev>>, Vec<Allocation>) {
     let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
     let s1 = dev.create_stream().unwrap();
-    let keep = a.malloc(3 * MIB, Stream::DEFAULT).unwrap();
+    let _keep = a.malloc(3 * MIB, Stream::DEFAULT).unwrap();
     let gone = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
     a.free(gone.ptr).unwrap();
     a.empty_cache().unwrap();
-    let _ = keep;
     let w = tagged(&a, "fault-tag", &[6 * MIB, 5 * MIB + 512, 2000, 4 * MIB]);
     a.record_stream(w[1].ptr, s1).unwrap();
     a.record_stream(w[3].ptr, s1).unwrap();
-    set_thread_tag("fault-tag").unwrap();
     a.free(w[3].ptr).unwrap(); // pending on an event of s1
-    set_thread_tag("").unwrap();
     let w: Vec<Allocation> = w.into_iter().take(3).collect();
     for (i, b) in w.iter().enumerate() {
         pattern_fill(dev.inner().as_ref(), i as u64, b.ptr, b.size).unwrap();
@@ -308,22 +305,23 @@ fn check_patterns(dev: &Arc<FDev>, w: &[Allocation]) -> Result<(), String> {
     Ok(())
 }
 
-fn fdev() -> Arc<FDev> {
-    Arc::new(FaultInjecting::with_plan(host(64 * MIB), FaultPlan::None))
+fn host_dyn() -> Arc<dyn Device> {
+    host(64 * MIB)
 }
 
-fn assert_nothing_left(dev: &Arc<FDev>) {
-    let inner = dev.inner();
-    assert!(inner.live().is_empty(), "device holds {:?}", inner.live());
+/// On a model device, nothing may be left once the allocator is gone.
+fn host_gone(d: &Arc<dyn Device>) {
+    if let Some(m) = d.introspect() {
+        assert!(m.live().is_empty(), "device holds {:?}", m.live());
+    }
 }
 
-/// Calls of each kind made by a clean pause (with backup) and a clean resume.
-fn calls_in(phase: &str) -> Vec<(Call, u64)> {
-    let dev = fdev();
+/// Calls of each kind made by a clean pause (with backup) or a clean resume.
+fn calls_in(make: &dyn Fn() -> Arc<dyn Device>, phase: &str) -> Vec<(Call, u64)> {
+    let dev = Arc::new(FaultInjecting::with_plan(make(), FaultPlan::None));
     let (a, _w) = scenario(&dev);
     let seen =
         |d: &Arc<FDev>| -> Vec<u64> { Call::ALL.iter().map(|&c| d.hook().seen(c)).collect() };
-    let before = seen(&dev);
     if phase == "resume" {
         a.pause(&tags(&["fault-tag"]), true).unwrap();
     }
@@ -334,7 +332,6 @@ fn calls_in(phase: &str) -> Vec<(Call, u64)> {
         a.resume(&tags(&["fault-tag"])).unwrap();
     }
     let after = seen(&dev);
-    let _ = before;
     Call::ALL
         .iter()
         .enumerate()
@@ -346,10 +343,9 @@ fn calls_in(phase: &str) -> Vec<(Call, u64)> {
 /// Every driver call inside pause fails once (driver error, then out of
 /// memory): pause fails before changing anything (the data is intact and the
 /// tag awake) or leaves the tag paused and consistent; either way a clean
-/// resume restores every byte and nothing leaks.
-#[test]
-fn every_failed_call_in_pause_is_survived() {
-    let kinds = calls_in("pause");
+/// resume restores every byte and nothing leaks. Returns the runs made.
+fn pause_faults(make: &dyn Fn() -> Arc<dyn Device>, gone: &dyn Fn(&Arc<dyn Device>)) -> usize {
+    let kinds = calls_in(make, "pause");
     eprintln!("pause calls: {kinds:?}");
     assert!(kinds.iter().any(|k| k.0 == Call::Unmap));
     assert!(kinds.iter().any(|k| k.0 == Call::CopyDtoH));
@@ -357,8 +353,10 @@ fn every_failed_call_in_pause_is_survived() {
     for &(call, count) in &kinds {
         for n in 1..=count {
             for kind in [FaultKind::Driver(999), FaultKind::OutOfMemory] {
-                let dev = fdev();
+                let base_dev = make();
                 {
+                    let dev =
+                        Arc::new(FaultInjecting::with_plan(base_dev.clone(), FaultPlan::None));
                     let (a, w) = scenario(&dev);
                     let base = dev.hook().seen(call);
                     dev.hook().set_plan(FaultPlan::Nth {
@@ -380,20 +378,20 @@ fn every_failed_call_in_pause_is_survived() {
                     check_patterns(&dev, &w).unwrap_or_else(|e| panic!("{ctx}: {e}"));
                     runs += 1;
                 }
-                assert_nothing_left(&dev);
+                gone(&base_dev);
             }
         }
     }
-    eprintln!("{runs} faulty pauses survived");
+    runs
 }
 
 /// Every driver call inside resume fails once (driver error, then out of
 /// memory): resume fails and the tag is paused as before (validate holds,
-/// backups kept), or it succeeds by another route; a clean resume then
-/// restores every byte, and nothing leaks after drop.
-#[test]
-fn every_failed_call_in_resume_rolls_back() {
-    let kinds = calls_in("resume");
+/// backups kept, the memory given back again), or it succeeds by another
+/// route; a clean resume then restores every byte, and nothing leaks.
+/// Returns the resumes rolled back.
+fn resume_faults(make: &dyn Fn() -> Arc<dyn Device>, gone: &dyn Fn(&Arc<dyn Device>)) -> usize {
+    let kinds = calls_in(make, "resume");
     eprintln!("resume calls: {kinds:?}");
     assert!(kinds.iter().any(|k| k.0 == Call::Create));
     assert!(kinds.iter().any(|k| k.0 == Call::CopyHtoD));
@@ -401,8 +399,10 @@ fn every_failed_call_in_resume_rolls_back() {
     for &(call, count) in &kinds {
         for n in 1..=count {
             for kind in [FaultKind::Driver(999), FaultKind::OutOfMemory] {
-                let dev = fdev();
+                let base_dev = make();
                 {
+                    let dev =
+                        Arc::new(FaultInjecting::with_plan(base_dev.clone(), FaultPlan::None));
                     let (a, w) = scenario(&dev);
                     a.pause(&tags(&["fault-tag"]), true).unwrap();
                     let free_paused = dev.inner().mem_info().unwrap().free;
@@ -430,10 +430,108 @@ fn every_failed_call_in_resume_rolls_back() {
                     a.validate().unwrap_or_else(|e| panic!("{ctx}: {e}"));
                     check_patterns(&dev, &w).unwrap_or_else(|e| panic!("{ctx}: {e}"));
                 }
-                assert_nothing_left(&dev);
+                gone(&base_dev);
             }
         }
     }
     assert!(rolled_back > 0);
-    eprintln!("{rolled_back} faulty resumes rolled back");
+    rolled_back
+}
+
+#[test]
+fn every_failed_call_in_pause_is_survived_on_host() {
+    let runs = pause_faults(&host_dyn, &host_gone);
+    eprintln!("{runs} faulty pauses survived");
+}
+
+#[test]
+fn every_failed_call_in_resume_rolls_back_on_host() {
+    let n = resume_faults(&host_dyn, &host_gone);
+    eprintln!("{n} faulty resumes rolled back");
+}
+
+// ---------------------------------------------------------------------------
+// The `cuda` backend over the fake libcuda (real bytes behind every mapping)
+
+mod over_the_fake {
+    use super::*;
+    use vmmalloc_device::cuda::CudaDevice;
+    use vmmalloc_test_support::vmm_sys::Driver;
+    use vmmalloc_test_support::{fake_cuda_library, in_child, FakeCuda};
+
+    fn open_fake() -> Arc<dyn Device> {
+        let driver = Driver::load_from(fake_cuda_library()).expect("loading the fake libcuda");
+        Arc::new(CudaDevice::open_with(driver, 0).expect("fake device 0"))
+    }
+
+    fn all_gone(fake: &FakeCuda) {
+        fake.check(0);
+        let l = fake.live(0);
+        assert!(l.is_all_gone(), "the fake still holds {l:?}");
+    }
+
+    /// The worked example through vmm-sys and `CudaDevice`: pause with
+    /// backup gives ≥ 99 % of the tagged bytes back as `cuMemGetInfo` sees
+    /// it, another block reuses them, resume restores every byte in place.
+    #[test]
+    fn pause_and_resume_through_the_cuda_backend() {
+        in_child(
+            "over_the_fake::pause_and_resume_through_the_cuda_backend",
+            &[("FAKE_CUDA_CAPACITY_MB", "64")],
+            || {
+                let fake = FakeCuda::attach();
+                let dev = open_fake();
+                {
+                    let a =
+                        ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+                    let w = tagged(&a, "fake-weights", &[24 * MIB, 3 * MIB + 4096, 1000]);
+                    for (i, b) in w.iter().enumerate() {
+                        pattern_fill(&*dev, i as u64, b.ptr, b.size).unwrap();
+                    }
+                    let mapped = tag_of(&a, "fake-weights").mapped_bytes;
+                    let free0 = dev.mem_info().unwrap().free;
+                    a.pause(&tags(&["fake-weights"]), true).unwrap();
+                    let gained = dev.mem_info().unwrap().free - free0;
+                    assert!(
+                        gained as f64 >= 0.99 * mapped as f64,
+                        "{gained} of {mapped}"
+                    );
+                    a.validate().unwrap();
+                    let other = a.malloc(60 * MIB, Stream::DEFAULT).unwrap();
+                    pattern_fill(&*dev, 9, other.ptr, other.size).unwrap();
+                    assert!(a
+                        .resume(&tags(&["fake-weights"]))
+                        .unwrap_err()
+                        .is_out_of_memory());
+                    a.validate().unwrap();
+                    a.free(other.ptr).unwrap();
+                    a.resume(&tags(&["fake-weights"])).unwrap();
+                    a.validate().unwrap();
+                    for (i, b) in w.iter().enumerate() {
+                        pattern_check(&*dev, i as u64, b.ptr, b.size).unwrap();
+                    }
+                }
+                fake.assert_clean(0);
+                drop(dev);
+                all_gone(&fake);
+            },
+        );
+    }
+
+    /// Fault injection at every call of pause and resume, through the `cuda`
+    /// backend over the fake; the fake holds nothing after each run.
+    #[test]
+    fn every_failed_call_through_the_cuda_backend() {
+        in_child(
+            "over_the_fake::every_failed_call_through_the_cuda_backend",
+            &[("FAKE_CUDA_CAPACITY_MB", "64")],
+            || {
+                let fake = FakeCuda::attach();
+                let gone = |_: &Arc<dyn Device>| fake.assert_clean(0);
+                let runs = pause_faults(&open_fake, &gone);
+                let rolled = resume_faults(&open_fake, &gone);
+                eprintln!("fake: {runs} faulty pauses, {rolled} resumes rolled back");
+            },
+        );
+    }
 }

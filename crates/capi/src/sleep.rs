@@ -114,7 +114,9 @@ pub unsafe extern "C" fn vmmalloc_pause(tags: *const c_char, backup: c_int) -> i
 pub unsafe extern "C" fn vmmalloc_resume(tags: *const c_char) -> i64 {
     // SAFETY: the caller's contract.
     let list = unsafe { text(tags, "tags") };
-    run("vmmalloc_resume", list, |names, d| d.allocator.resume(names))
+    run("vmmalloc_resume", list, |names, d| {
+        d.allocator.resume(names)
+    })
 }
 
 /// Runs pause or resume on every active device.
@@ -184,7 +186,11 @@ pub extern "C" fn vmmalloc_tag_stats_json(device: c_int) -> *mut c_char {
         match r {
             Ok(j) => owned_c_string(&j),
             Err(m) => {
-                fail(&rt, LError, format!("vmmalloc_tag_stats_json({device}): {m}"));
+                fail(
+                    &rt,
+                    LError,
+                    format!("vmmalloc_tag_stats_json({device}): {m}"),
+                );
                 std::ptr::null_mut()
             }
         }
