@@ -455,6 +455,11 @@ pub fn run(args: CompareArgs) -> Result<()> {
         args.granularity_mb,
     )?;
     let traces = load_inputs(&args.inputs)?;
+    // Sleep and wake: rl-colocate's per-phase memory (src/sleep_table.rs).
+    let sleep_section = crate::sleep_table::section(
+        &traces.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
+        &policies,
+    )?;
     let total: u64 =
         traces.iter().map(|t| t.devices.len() as u64).sum::<u64>() * policies.len() as u64;
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
@@ -490,6 +495,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
              cold ms linear = the cold calls priced by the linear preset; teardown excluded.",
             base.cost_label
         );
+        print!("{sleep_section}");
     }
     if let Some(j) = &args.json {
         let text = serde_json::to_string_pretty(&to_json(&rows, &base.cost_label))?;
