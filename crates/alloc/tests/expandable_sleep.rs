@@ -535,3 +535,67 @@ mod over_the_fake {
         );
     }
 }
+
+// ---------------------------------------------------------------------------
+// Over a real GPU (scripts/gpu-check.sh runs `-- --ignored`; the dry run,
+// scripts/gpu-dry-run.sh, runs it against the fake libcuda)
+
+/// On a real driver (`CudaDevice::open`: libcuda.so.1 or
+/// `VMMALLOC_CUDA_LIBRARY`; ordinal `VMMALLOC_TEST_DEVICE`, default 0):
+/// pause with backup gives ≥ 95 % of the tagged bytes back as `cuMemGetInfo`
+/// sees them, another allocation can use them, resume restores every byte
+/// at the same addresses, and a resume that lacks memory rolls back.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pause_and_resume_on_gpu() {
+    use vmmalloc_device::cuda::CudaDevice;
+    let ordinal = std::env::var("VMMALLOC_TEST_DEVICE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let dev: Arc<dyn Device> = Arc::new(
+        CudaDevice::open(ordinal).unwrap_or_else(|e| panic!("CUDA device {ordinal}: {e}")),
+    );
+    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let w = tagged(
+        &a,
+        "gpu-weights",
+        &[192 * MIB, 40 * MIB + 4096, 1000, 24 * MIB],
+    );
+    for (i, b) in w.iter().enumerate() {
+        pattern_fill(&*dev, i as u64, b.ptr, b.size).unwrap();
+    }
+    let mapped = tag_of(&a, "gpu-weights").mapped_bytes;
+    let free0 = dev.mem_info().unwrap().free;
+    let released = a.pause(&tags(&["gpu-weights"]), true).unwrap();
+    let gained = dev.mem_info().unwrap().free.saturating_sub(free0);
+    eprintln!("tagged mapped {mapped}, released {released}, cuMemGetInfo free +{gained}");
+    assert!(
+        gained as f64 >= 0.95 * mapped as f64,
+        "{gained} of {mapped}"
+    );
+    a.validate().unwrap();
+    // The released memory is usable by another allocation.
+    let other = a.malloc(mapped / 2, Stream::DEFAULT).unwrap();
+    pattern_fill(&*dev, 77, other.ptr, other.size).unwrap();
+    a.resume(&tags(&["gpu-weights"])).unwrap();
+    a.validate().unwrap();
+    for (i, b) in w.iter().enumerate() {
+        pattern_check(&*dev, i as u64, b.ptr, b.size).unwrap();
+    }
+    pattern_check(&*dev, 77, other.ptr, other.size).unwrap();
+    // A memory fraction that leaves no room: resume fails and rolls back.
+    a.pause(&tags(&["gpu-weights"]), true).unwrap();
+    a.set_memory_fraction((other.size as f64 + 4.0 * MIB as f64) / dev.caps().total_memory as f64)
+        .unwrap();
+    let e = a.resume(&tags(&["gpu-weights"])).unwrap_err();
+    assert!(e.is_out_of_memory(), "{e}");
+    assert!(tag_of(&a, "gpu-weights").paused);
+    a.validate().unwrap();
+    a.set_memory_fraction(1.0).unwrap();
+    a.resume(&tags(&["gpu-weights"])).unwrap();
+    for (i, b) in w.iter().enumerate() {
+        pattern_check(&*dev, i as u64, b.ptr, b.size).unwrap();
+    }
+    a.validate().unwrap();
+}
