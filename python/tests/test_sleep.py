@@ -1,6 +1,6 @@
 """Sleep and wake through ctypes (issue 12): tags, pause, resume, stats, bad input."""
 
-import ctypes
+import pickle
 
 import pytest
 
@@ -21,7 +21,7 @@ def test_region_tags_and_restores(lib, fresh):
     assert vmmalloc.get_tag() == ""
 
 
-def test_pause_with_backup_keeps_bytes_at_the_same_address(lib, fresh):
+def test_pause_with_backup_keeps_bytes_at_the_same_address(lib, fresh, tmp_path):
     a = fresh(HOST)
     sizes = (8 * MIB, 3 * MIB + 5, 1000)
     with vmmalloc.region("py-weights"):
@@ -38,6 +38,13 @@ def test_pause_with_backup_keeps_bytes_at_the_same_address(lib, fresh):
     assert st["vmmalloc.paused_bytes"] >= 11 * MIB
     assert st["vmmalloc.backup_bytes"] == st["vmmalloc.paused_bytes"]
     assert "paused" in vmmalloc.memory_summary(0)
+    path = tmp_path / "paused.pickle"
+    vmmalloc.dump_snapshot(str(path))
+    with open(path, "rb") as fh:
+        snap = pickle.load(fh)
+    assert sorted(b["address"] for b in snap["vmmalloc_paused_blocks"]) == sorted(ptrs)
+    seg_blocks = [b["address"] for s in snap["segments"] for b in s["blocks"]]
+    assert not set(ptrs) & set(seg_blocks)  # no memory behind them: in no segment
     (t,) = [t for t in vmmalloc.tag_stats(0) if t["tag"] == "py-weights"]
     assert t["paused"] and t["mapped_bytes"] == 0
     # Allocating with a paused tag fails clearly.

@@ -2,7 +2,8 @@
 //! resume of one 1 GiB tagged block on the `host` device (real bytes),
 //! beside a plain memcpy of the same size, the physical limit of each (pause
 //! copies 1 GiB out, resume copies it back). Target (issue 12, not
-//! asserted): pause and resume throughput ≥ 0.5 × memcpy. Results:
+//! asserted): pause and resume throughput ≥ 0.5 × memcpy. `memcpy_fresh`
+//! is the same copy into freshly allocated memory. Results:
 //! docs/expandable.md, "Sleep and wake".
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -44,6 +45,15 @@ fn sleep(c: &mut Criterion) {
         })
     });
     drop(dst);
+    // The same copy into fresh memory (faulted in by the copy): what a
+    // backup or a resume into new pages pays at least.
+    g.bench_function("memcpy_fresh", |b| {
+        b.iter(|| {
+            let mut fresh = vec![0u8; SIZE as usize];
+            fresh.copy_from_slice(&data);
+            std::hint::black_box(&fresh);
+        })
+    });
     g.bench_function("pause_backup", |b| {
         b.iter_custom(|n| {
             let mut t = Duration::ZERO;

@@ -66,6 +66,17 @@ fn host_backup_survives_reuse_and_resumes_at_the_same_address() {
     for b in &w {
         assert!(!dev.is_accessible(b.ptr, 1), "paused memory still mapped");
     }
+    // The snapshot shows the paused blocks as such.
+    let paused: Vec<u64> = a
+        .snapshot()
+        .segments
+        .iter()
+        .flat_map(|s| s.blocks.iter())
+        .filter(|b| b.state == vmmalloc_alloc::BlockState::Paused)
+        .map(|b| b.address)
+        .collect();
+    assert_eq!(paused.len(), w.len());
+    assert!(w.iter().all(|b| paused.contains(&b.ptr)));
     // Another allocation takes (more than) the memory the tag gave back.
     let other = a.malloc(56 * MIB, Stream::DEFAULT).unwrap();
     pattern_fill(&*dev, 7, other.ptr, other.size).unwrap();
