@@ -373,7 +373,7 @@ fn pause_faults(make: &dyn Fn() -> Arc<dyn Device>, gone: &dyn Fn(&Arc<dyn Devic
                     dev.hook().set_plan(FaultPlan::Nth {
                         call,
                         n: base + n,
-                        kind: kind.clone(),
+                        kind,
                     });
                     let r = a.pause(&tags(&["fault-tag"]), true);
                     dev.hook().set_plan(FaultPlan::None);
@@ -421,7 +421,7 @@ fn resume_faults(make: &dyn Fn() -> Arc<dyn Device>, gone: &dyn Fn(&Arc<dyn Devi
                     dev.hook().set_plan(FaultPlan::Nth {
                         call,
                         n: base + n,
-                        kind: kind.clone(),
+                        kind,
                     });
                     let r = a.resume(&tags(&["fault-tag"]));
                     dev.hook().set_plan(FaultPlan::None);
