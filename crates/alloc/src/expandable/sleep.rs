@@ -251,6 +251,9 @@ impl Inner {
         backup: bool,
     ) -> AllocResult<u64> {
         let ids = self.resolve_tags(names, true)?;
+        if ids.is_empty() {
+            return Ok(0); // no tag to pause (no names, and no tagged memory)
+        }
         let segs = self.tag_segments(&ids);
         let mut extra: Vec<Stream> = Vec::new();
         for &s in &segs {
