@@ -16,10 +16,13 @@
 #      on a one-GPU box), a CUDA graph replayed 100 times, out-of-memory caught
 #      as torch.cuda.OutOfMemoryError with vmmalloc's text,
 #      torch.cuda.memory_allocated() matching vmmalloc's stats.
+#   5. scripts/torch_sleep_checks.py sleep (issue 12), under vmmalloc expandable:
+#      pause gives back >= 95 % of the tagged bytes (cuMemGetInfo), resume
+#      restores the data in place, a captured graph replays after resume.
 #
 # usage: scripts/gpu-check-pytorch.sh [PART...]   (default: all of them)
 #   PART: fragmentation, train, or one check of torch_plugin_checks.py
-#   (peer-copy, graph-replay, oom-exception, memory-allocated); scripts/gpu-check.sh
+#   (peer-copy, graph-replay, oom-exception, memory-allocated), or sleep; scripts/gpu-check.sh
 #   runs them as separate steps.
 #
 # Runs from a bundle (scripts/gpu-bundle.sh) when VMMALLOC_LIBRARY names its
@@ -44,10 +47,10 @@ STEPS="${STEPS:-60}"
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
 parts=("$@")
-((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated)
+((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated sleep)
 for part in "${parts[@]}"; do
     case $part in
-        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated) ;;
+        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated | sleep) ;;
         *) echo "gpu-check-pytorch: unknown part $part" >&2; exit 2 ;;
     esac
 done
@@ -152,6 +155,21 @@ for check in peer-copy graph-replay oom-exception memory-allocated; do
     wants "$check" || continue
     step "plugin: $check" plugin_check "$check"
 done
+if wants sleep; then
+    echo "=== sleep and wake (issue 12)"
+    sleep_check() {
+        local out rc=0
+        out="$(VMMALLOC_CONF="backend:expandable" timeout 300 "$PY" -m vmmalloc "$here"/torch_sleep_checks.py sleep 2>&1)" \
+            || rc=$?
+        printf '%s\n' "$out" | tail -n 8 | sed "s/^/    [sleep] /"
+        if ((rc == 3)); then
+            echo "    [sleep] skipped"
+            return 0
+        fi
+        return "$rc"
+    }
+    step "plugin: sleep" sleep_check
+fi
 
 echo "=== side by side"
 "$PY" - "$results" <<'EOF'

@@ -50,10 +50,10 @@ check() {
 # 2. The bundle as built: everything passes but PyTorch on a GPU.
 check good gpu-bundle
 ((rc == 0)) || fail "good: exit $rc"
-for s in bundle driver vmm conformance suite:device suite:vmmalloc-alloc.expandable_cuda calibrate python two-gpus; do
+for s in bundle driver vmm conformance suite:device suite:vmmalloc-alloc.expandable_cuda suite:vmmalloc-alloc.expandable_sleep calibrate python two-gpus; do
     expect "$tmp/good" "^$s: PASS "
 done
-for s in fragmentation train graphs plugin-checks; do
+for s in fragmentation train graphs plugin-checks sleep; do
     expect "$tmp/good" "^$s: SKIP \(dry run: needs PyTorch on a GPU\)$"
 done
 [[ -s $tmp/good/gpu-check.log ]] || fail "good: no log"

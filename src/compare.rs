@@ -590,6 +590,11 @@ pub fn run(args: CompareArgs) -> Result<()> {
             print_reader_warnings(&t.name, dt);
         }
     }
+    // Sleep and wake: rl-colocate's per-phase memory (src/sleep_table.rs).
+    let sleep_section = crate::sleep_table::section(
+        &traces.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
+        &policies,
+    )?;
     let total: u64 =
         traces.iter().map(|t| t.devices.len() as u64).sum::<u64>() * policies.len() as u64;
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
@@ -627,6 +632,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
             tight.describe(base.granularity),
             base.granularity / MIB
         );
+        print!("{sleep_section}");
     }
     if let Some(j) = &args.json {
         let mut doc = to_json(&rows, &base.cost_label);

@@ -8,6 +8,7 @@ mod info;
 mod point;
 mod replay_cmd;
 mod report;
+mod sleep_table;
 mod snapshot_cmd;
 mod summary_cmd;
 mod vmm_check;

@@ -38,6 +38,7 @@ from ._lib import (
     version,
 )
 from ._check import check
+from ._sleep import get_tag, pause, region, resume, set_tag, tag_stats
 from . import _lib
 
 __all__ = [
@@ -58,6 +59,13 @@ __all__ = [
     "reset_peak_memory_stats",
     "validate",
     "version",
+    # Sleep and wake (_sleep.py)
+    "get_tag",
+    "pause",
+    "region",
+    "resume",
+    "set_tag",
+    "tag_stats",
 ]
 
 __version__ = "0.1.0"

@@ -121,6 +121,10 @@ pub enum AllocError {
     /// A device call failed in a way that is not out-of-memory.
     #[error("device error: {0}")]
     Device(#[from] DeviceError),
+    /// Sleep and wake (tags, pause, resume): a bad tag, a tag in the wrong
+    /// state, a policy that cannot sleep, or a pause/resume that failed.
+    #[error("{0}")]
+    Sleep(String),
 }
 
 impl AllocError {

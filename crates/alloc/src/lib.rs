@@ -31,6 +31,8 @@ pub mod testing;
 pub mod torch_es;
 
 pub use error::{AllocError, AllocResult, OomReport, StreamUsage};
+pub use expandable::tags::{is_known_tag, parse_tag_list, set_thread_tag, thread_tag, MAX_TAG_LEN};
+pub use expandable::TagStats;
 pub use policy::{build, parse_size, split_policy_specs, Policy, PolicyOptions, PolicySpec};
 pub use snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 pub use stats::{Stat, StatType, Stats};
@@ -74,4 +76,33 @@ pub trait Allocator: Send + Sync {
     fn snapshot(&self) -> Snapshot;
     /// Checks every invariant; returns a description of the first broken one.
     fn validate(&self) -> Result<(), String>;
+
+    /// Sleep: gives the physical memory of the blocks tagged `tags` (none:
+    /// every non-default tag) back to the driver, keeping their addresses;
+    /// with `backup` their bytes are copied to host memory first. Returns the
+    /// bytes released. Only `expandable` can sleep; the others return
+    /// [`AllocError::Sleep`]. See docs/expandable.md, "Sleep and wake".
+    fn pause(&self, tags: &[String], backup: bool) -> AllocResult<u64> {
+        let _ = (tags, backup);
+        Err(AllocError::Sleep(format!(
+            "the {} policy cannot pause memory (only expandable can)",
+            self.name()
+        )))
+    }
+
+    /// Wake: maps physical memory again under the paused blocks of `tags`
+    /// (none: every paused tag) at the same addresses and restores their
+    /// backups; on failure the tags stay paused. Returns the bytes mapped.
+    fn resume(&self, tags: &[String]) -> AllocResult<u64> {
+        let _ = tags;
+        Err(AllocError::Sleep(format!(
+            "the {} policy cannot resume memory (only expandable can)",
+            self.name()
+        )))
+    }
+
+    /// Memory per tag (empty for policies without tags).
+    fn tag_stats(&self) -> Vec<TagStats> {
+        Vec::new()
+    }
 }

@@ -137,7 +137,9 @@ fn runs(snap: &Snapshot) -> Vec<Run<'_>> {
         }
         let mut start = None;
         for (i, b) in seg.blocks.iter().enumerate() {
-            match (b.state == BlockState::Unmapped, start) {
+            // Unmapped and paused blocks have no memory behind them.
+            let no_memory = matches!(b.state, BlockState::Unmapped | BlockState::Paused);
+            match (no_memory, start) {
                 (false, None) => start = Some(i),
                 (true, Some(s)) => {
                     out.push(Run {
@@ -176,7 +178,7 @@ fn segments(snap: &Snapshot, out: &mut Vec<Value>) -> Result<(), String> {
                     requested += b.requested_size;
                 }
                 BlockState::ActivePendingFree => active += b.size,
-                BlockState::Inactive | BlockState::Unmapped => {}
+                BlockState::Inactive | BlockState::Unmapped | BlockState::Paused => {}
             }
             blocks.push(dict(vec![
                 ("address", int(b.address)?),
@@ -267,12 +269,33 @@ pub fn snapshot_value(
     if traces.is_empty() {
         traces.push(Value::List(Vec::new()));
     }
-    Ok(dict(vec![
+    let mut items = vec![
         ("segments", Value::List(segs)),
         ("device_traces", Value::List(traces)),
         ("allocator_settings", settings(settings_items)),
         ("external_annotations", Value::List(Vec::new())),
-    ]))
+    ];
+    // Sleep and wake: live blocks of paused tags hold no memory, so they are
+    // in no segment; listed here (a key PyTorch's tools ignore), only when
+    // there are any.
+    let mut paused = Vec::new();
+    for d in devices {
+        for s in &d.snapshot.segments {
+            for b in s.blocks.iter().filter(|b| b.state == BlockState::Paused) {
+                paused.push(dict(vec![
+                    ("device", int(d.snapshot.device as u64)?),
+                    ("address", int(b.address)?),
+                    ("size", int(b.size)?),
+                    ("requested_size", int(b.requested_size)?),
+                    ("stream", int(s.stream.0)?),
+                ]));
+            }
+        }
+    }
+    if !paused.is_empty() {
+        items.push(("vmmalloc_paused_blocks", Value::List(paused)));
+    }
+    Ok(dict(items))
 }
 
 /// The snapshot pickled (protocol 3, as `serde_pickle` writes it).

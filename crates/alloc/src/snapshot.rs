@@ -15,6 +15,9 @@ pub enum BlockState {
     Inactive,
     /// Free address space without physical pages behind it (expandable segments).
     Unmapped,
+    /// Allocated to a live tensor whose tag is paused (sleep and wake): no
+    /// physical memory behind it until resume. Not a PyTorch state.
+    Paused,
 }
 
 impl BlockState {
@@ -25,6 +28,7 @@ impl BlockState {
             BlockState::ActivePendingFree => "active_pending_free",
             BlockState::Inactive => "inactive",
             BlockState::Unmapped => "unmapped",
+            BlockState::Paused => "paused",
         }
     }
 }

@@ -28,6 +28,12 @@
 //! int   vmmalloc_dump_snapshot(const char* path); // PyTorch's snapshot pickle; 0 = ok
 //! int   vmmalloc_reset_peak_stats(int device);
 //! int   vmmalloc_validate(int device);            // checks the allocator's invariants; 0 = ok
+//! // Sleep and wake (src/sleep.rs): tags, pause, resume.
+//! int     vmmalloc_set_tag(const char* tag);            // this thread's tag; "" = default
+//! char*   vmmalloc_get_tag(void);
+//! int64_t vmmalloc_pause(const char* tags, int backup); // bytes given back, or -1
+//! int64_t vmmalloc_resume(const char* tags);            // bytes mapped, or -1
+//! char*   vmmalloc_tag_stats_json(int device);
 //! // Configuration and errors.
 //! int   vmmalloc_configure(const char* conf);     // instead of VMMALLOC_CONF; before the first allocation
 //! int   vmmalloc_check_config(void);              // 0 if the configuration parses
@@ -69,6 +75,7 @@ mod fork;
 mod history;
 mod pools;
 mod runtime;
+pub mod sleep;
 
 pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
 pub use runtime::MAX_DEVICES;
@@ -571,6 +578,7 @@ pub extern "C" fn vmmalloc_memory_stats_json(device: c_int) -> *mut c_char {
                 m.insert("vmmalloc.graph_pool_reserved_bytes".into(), reserved.into());
                 let refused = rt.existing(ordinal).map_or(0, |d| d.pools.refused());
                 m.insert("vmmalloc.graph_pool_refused_calls".into(), refused.into());
+                sleep::add_stats(m, rt.existing(ordinal));
             }
             serde_json::to_string(&map).map_err(|e| e.to_string())
         }) {
@@ -599,7 +607,7 @@ pub extern "C" fn vmmalloc_memory_summary(device: c_int) -> *mut c_char {
             let (ordinal, stats) = stats_of(&rt, device)?;
             let d = rt.existing(ordinal);
             let policy = c.effective_policy();
-            Ok(vmmalloc_alloc::summary::summary(
+            let text = vmmalloc_alloc::summary::summary(
                 &stats,
                 &vmmalloc_alloc::summary::Context {
                     device: ordinal,
@@ -613,7 +621,8 @@ pub extern "C" fn vmmalloc_memory_summary(device: c_int) -> *mut c_char {
                         .and_then(|d| d.history.as_ref())
                         .map_or(0, |h| h.dropped()),
                 },
-            ))
+            );
+            Ok(text + &sleep::summary_rows(d))
         });
         match made {
             Ok(text) => owned_c_string(&text),

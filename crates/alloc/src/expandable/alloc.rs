@@ -9,13 +9,17 @@ use bitvec::vec::BitVec;
 use vmmalloc_device::{round_up, Device, Stream};
 
 impl Inner {
-    /// Index of `stream`'s entry, created on first use.
+    /// Index of the entry of (`stream`, tag `tag`), created on first use.
     #[inline]
-    pub(super) fn stream_index(&mut self, stream: Stream) -> u32 {
-        if let Some(i) = self.streams.iter().position(|e| e.stream == stream) {
+    pub(super) fn stream_index(&mut self, stream: Stream, tag: u32) -> u32 {
+        if let Some(i) = self
+            .streams
+            .iter()
+            .position(|e| e.stream == stream && e.tag == tag)
+        {
             return i as u32;
         }
-        self.streams.push(StreamEntry::new(stream));
+        self.streams.push(StreamEntry::tagged(stream, tag));
         (self.streams.len() - 1) as u32
     }
 
@@ -63,7 +67,12 @@ impl Inner {
             self.process_events(dev);
         }
         let kind = PoolKind::for_size(rounded);
-        let owner = self.stream_index(stream);
+        // Sleep and wake: each tag has stream entries (so segments) of its own.
+        let tag = super::tags::current_tag_id();
+        if self.sleep.is_paused(tag) {
+            return Err(self.paused_error(tag));
+        }
+        let owner = self.stream_index(stream, tag);
         let mut waited_for_events = false;
         loop {
             // Best fit among the free blocks inside segments, then a segment's
@@ -267,6 +276,8 @@ impl Inner {
                 }
             }
         }
+        // A paused block may be freed: its backup is dropped.
+        self.sleep.forget(ptr);
         let (size, requested, seg) = {
             let b = &self.slab[idx];
             (b.size, b.requested, b.seg)

@@ -57,12 +57,15 @@ mod pool;
 mod reclaim;
 mod report;
 mod segment;
+mod sleep;
 mod snapshot;
+pub mod tags;
 mod teardown;
 mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
 pub use config::{ExpandableConfig, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_THRESHOLD};
+pub use sleep::{tag_summary, TagStats};
 
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
 use arena::Arenas;
@@ -113,6 +116,8 @@ pub(crate) struct Inner {
     stats: Stats,
     /// The stat families (`allocation`, `allocated_bytes`, ...), kept compact.
     counters: Counters,
+    /// Paused tags and their backups ([`sleep`]).
+    sleep: sleep::SleepState,
 }
 
 impl Inner {
@@ -188,6 +193,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 tick: 0,
                 stats,
                 counters: Counters::default(),
+                sleep: sleep::SleepState::default(),
             }),
         })
     }
@@ -258,6 +264,18 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
 
     fn validate(&self) -> Result<(), String> {
         self.inner.lock().validate(&self.device)
+    }
+
+    fn pause(&self, tags: &[String], backup: bool) -> AllocResult<u64> {
+        self.inner.lock().pause(&self.device, tags, backup)
+    }
+
+    fn resume(&self, tags: &[String]) -> AllocResult<u64> {
+        self.inner.lock().resume(&self.device, tags)
+    }
+
+    fn tag_stats(&self) -> Vec<TagStats> {
+        self.inner.lock().tag_stats()
     }
 }
 

@@ -282,7 +282,7 @@ impl Inner {
     }
 
     /// Gives access to unready chunks overlapping pages `[p0, p1]` of `seg`.
-    fn fix_unready<D: Device + ?Sized>(
+    pub(super) fn fix_unready<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         seg: u32,

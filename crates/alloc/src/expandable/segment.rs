@@ -207,7 +207,9 @@ impl Segment {
             (0, 0)
         } else {
             (
-                (self.mapped_pages * page) as i64 - self.active_bytes as i64,
+                // Never negative: only a paused segment ([`super::sleep`])
+                // holds active bytes on unmapped pages.
+                ((self.mapped_pages * page) as i64 - self.active_bytes as i64).max(0),
                 i64::from(self.free_blocks),
             )
         }
@@ -219,6 +221,8 @@ impl Segment {
 pub(crate) struct StreamEntry {
     /// The stream.
     pub stream: Stream,
+    /// The tag of the blocks in this entry's segments (0 = the default tag).
+    pub tag: u32,
     /// Allocator tick of the last wait on this stream: blocks freed at or
     /// before it are safe to unmap without waiting again.
     pub synced_at: u64,
@@ -236,10 +240,17 @@ pub(crate) struct StreamPool {
 }
 
 impl StreamEntry {
-    /// A stream never used before.
+    /// A stream never used before, with the default tag.
+    #[allow(dead_code)]
     pub fn new(stream: Stream) -> Self {
+        Self::tagged(stream, 0)
+    }
+
+    /// A (stream, tag) pair never used before.
+    pub fn tagged(stream: Stream, tag: u32) -> Self {
         StreamEntry {
             stream,
+            tag,
             synced_at: 0,
             pools: [StreamPool::default(), StreamPool::default()],
         }

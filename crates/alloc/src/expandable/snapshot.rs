@@ -47,6 +47,7 @@ impl Inner {
     pub(super) fn snapshot(&self, ordinal: u32) -> Snapshot {
         let mut segments = Vec::new();
         for s in self.segments.iter().flatten() {
+            let paused = self.sleep.is_paused(self.streams[s.owner as usize].tag);
             let mut blocks = Vec::new();
             let (mut allocated, mut active, mut requested) = (0, 0, 0);
             let mut i = s.first;
@@ -58,7 +59,11 @@ impl Inner {
                         let state = if b.state == B::Allocated {
                             allocated += b.size;
                             requested += b.requested;
-                            BlockState::ActiveAllocated
+                            if paused {
+                                BlockState::Paused
+                            } else {
+                                BlockState::ActiveAllocated
+                            }
                         } else {
                             BlockState::ActivePendingFree
                         };

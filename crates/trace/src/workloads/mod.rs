@@ -8,7 +8,9 @@
 //!   sequence length per batch;
 //! - [`serve_kv`] (`serve-kv`): LLM serving with contiguous, re-allocated KV caches;
 //! - [`frag_adversary`] (`frag-adversary`): a size pattern that defeats
-//!   best-fit caching.
+//!   best-fit caching;
+//! - [`rl_colocate`] (`rl-colocate`): RL post-training, trainer and inference
+//!   engine on one GPU, with sleep and wake between phases.
 //!
 //! Sizes are realistic (peak live of a few to tens of GiB by default, for a
 //! simulated 80 GiB device) while event counts stay in the tens of thousands,
@@ -16,6 +18,7 @@
 //! plain allocation ids (1, 2, 3, …), never reused.
 
 pub mod frag_adversary;
+pub mod rl_colocate;
 pub mod serve_kv;
 pub mod train_varlen;
 
@@ -26,11 +29,12 @@ use crate::error::{ErrorKind, Result};
 use crate::model::{DeviceTrace, DeviceTraceParts, Event, EventKind, Trace};
 
 pub use frag_adversary::FragAdversaryParams;
+pub use rl_colocate::RlColocateParams;
 pub use serve_kv::ServeKvParams;
 pub use train_varlen::TrainVarlenParams;
 
 /// The workload names [`workload_by_name`] knows.
-pub const WORKLOADS: [&str; 3] = ["train-varlen", "serve-kv", "frag-adversary"];
+pub const WORKLOADS: [&str; 4] = ["train-varlen", "serve-kv", "frag-adversary", "rl-colocate"];
 
 /// Generates the workload `spec`: a name from [`WORKLOADS`], optionally
 /// followed by `:key=value,key=value` overrides of its parameters. The trace
@@ -67,6 +71,13 @@ pub fn workload_by_name(spec: &str) -> Result<Trace> {
             }
             frag_adversary::generate(&p)?
         }
+        "rl-colocate" => {
+            let mut p = RlColocateParams::default();
+            for (k, v) in &pairs {
+                p.set(k, v)?;
+            }
+            rl_colocate::generate(&p)?
+        }
         _ => {
             return Err(ErrorKind::UnknownWorkload {
                 name: name.to_string(),
@@ -86,6 +97,7 @@ pub fn workload_params(name: &str) -> Option<&'static [(&'static str, &'static s
         "train-varlen" => Some(TrainVarlenParams::KEYS),
         "serve-kv" => Some(ServeKvParams::KEYS),
         "frag-adversary" => Some(FragAdversaryParams::KEYS),
+        "rl-colocate" => Some(RlColocateParams::KEYS),
         _ => None,
     }
 }

@@ -1,0 +1,105 @@
+"""Sleep and wake: tag allocations, give their GPU memory back, get it back
+at the same addresses (docs/guide.md, "Sleep and wake").
+
+    with vmmalloc.region("kv_cache"):
+        cache = torch.empty(n, device="cuda")   # tagged "kv_cache"
+    freed = vmmalloc.pause("kv_cache")             # bytes given back to the driver
+    ...                                            # another model uses the memory
+    vmmalloc.resume("kv_cache")                    # same addresses, contents lost
+    vmmalloc.pause("weights", backup=True)         # contents copied to host memory
+    vmmalloc.resume("weights")                     # ... and copied back
+
+Tags are per thread. Only the ``expandable`` backend can sleep.
+"""
+
+import contextlib
+import ctypes
+import json
+
+from . import _lib
+
+_DECLARED = "_vmmalloc_sleep_declared"
+
+
+def _load():
+    lib = _lib.load()
+    if not getattr(lib, _DECLARED, False):
+        c = ctypes
+        for name, res, args in [
+            ("vmmalloc_set_tag", c.c_int, [c.c_char_p]),
+            ("vmmalloc_get_tag", c.c_void_p, []),
+            ("vmmalloc_pause", c.c_int64, [c.c_char_p, c.c_int]),
+            ("vmmalloc_resume", c.c_int64, [c.c_char_p]),
+            ("vmmalloc_tag_stats_json", c.c_void_p, [c.c_int]),
+        ]:
+            f = getattr(lib, name)
+            f.restype = res
+            f.argtypes = args
+        setattr(lib, _DECLARED, True)
+    return lib
+
+
+def _encode(tag):
+    if not isinstance(tag, str):
+        raise TypeError(f"a tag is a str, not {type(tag).__name__}")
+    try:
+        return tag.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _lib.VmmallocError(f"tag {tag!r} is not valid UTF-8: {e}") from None
+
+
+def set_tag(tag):
+    """Sets this thread's tag ("" = the default): its later allocations carry it.
+    Raises VmmallocError (tag unchanged) for a tag over 64 bytes or holding
+    ',' or a control character."""
+    _lib._check(_load().vmmalloc_set_tag(_encode(tag)), "vmmalloc_set_tag")
+
+
+def get_tag():
+    """This thread's tag ("" by default)."""
+    return _lib._take_string(_load().vmmalloc_get_tag(), "vmmalloc_get_tag")
+
+
+@contextlib.contextmanager
+def region(tag):
+    """``with vmmalloc.region("kv_cache"):`` tags the allocations this thread
+    makes inside the block; the previous tag is restored on exit."""
+    previous = get_tag()
+    set_tag(tag)
+    try:
+        yield tag
+    finally:
+        set_tag(previous)
+
+
+def _tag_list(tags):
+    return b",".join(_encode(t) for t in tags)
+
+
+def pause(*tags, backup=False):
+    """Gives the GPU memory of the blocks tagged ``tags`` (none: every
+    non-default tag) back to the driver, keeping their addresses; with
+    ``backup=True`` their contents are copied to host memory first. Returns
+    the bytes given back. Raises VmmallocError (unknown or already paused
+    tag, graph capture underway, driver failure)."""
+    n = _load().vmmalloc_pause(_tag_list(tags), 1 if backup else 0)
+    if n < 0:
+        raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_pause failed")
+    return n
+
+
+def resume(*tags):
+    """Maps GPU memory again under the paused blocks of ``tags`` (none: every
+    paused tag), at the same addresses, and restores backups. On failure (out
+    of memory included) the tags stay paused and VmmallocError is raised.
+    Returns the bytes mapped."""
+    n = _load().vmmalloc_resume(_tag_list(tags))
+    if n < 0:
+        raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_resume failed")
+    return n
+
+
+def tag_stats(device=0):
+    """Per-tag memory of a device: a list of dicts (tag, paused, blocks,
+    live_bytes, mapped_bytes, paused_bytes, backup_bytes)."""
+    return json.loads(_lib._take_string(_load().vmmalloc_tag_stats_json(device), "vmmalloc_tag_stats_json"))
