@@ -51,6 +51,7 @@ mod config;
 mod counters;
 mod events;
 mod free_index;
+mod growable;
 mod lock;
 mod pages;
 mod pool;
@@ -63,6 +64,7 @@ mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
 pub use config::{ExpandableConfig, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_THRESHOLD};
+pub use growable::GrowableInfo;
 
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
 use arena::Arenas;
@@ -113,6 +115,8 @@ pub(crate) struct Inner {
     stats: Stats,
     /// The stat families (`allocation`, `allocated_bytes`, ...), kept compact.
     counters: Counters,
+    /// Growable regions by address ([`growable`]).
+    growables: std::collections::BTreeMap<u64, growable::Growable>,
 }
 
 impl Inner {
@@ -188,6 +192,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 tick: 0,
                 stats,
                 counters: Counters::default(),
+                growables: Default::default(),
             }),
         })
     }
@@ -211,6 +216,34 @@ impl<D: Device> ExpandableAllocator<D> {
     /// Bytes of address space per segment.
     pub fn segment_slice(&self) -> u64 {
         self.inner.lock().layout.slice
+    }
+
+    /// Reserves a growable region of up to `max_bytes` for work on `stream`
+    /// and returns its address, which never changes; maps nothing
+    /// (docs/expandable.md, "Growable regions").
+    pub fn growable_create(&self, max_bytes: u64, stream: Stream) -> AllocResult<u64> {
+        self.inner
+            .lock()
+            .growable_create(&self.device, max_bytes, stream)
+    }
+
+    /// Makes growable region `ptr` `bytes` long, mapping or unmapping whole
+    /// chunks at its end (a shrink first waits for the region's stream). On
+    /// error the region keeps its old size.
+    pub fn growable_resize(&self, ptr: u64, bytes: u64) -> AllocResult<()> {
+        self.inner
+            .lock()
+            .growable_resize(&self.device, ptr, bytes)
+    }
+
+    /// Unmaps and unreserves growable region `ptr`.
+    pub fn growable_destroy(&self, ptr: u64) -> AllocResult<()> {
+        self.inner.lock().growable_destroy(&self.device, ptr)
+    }
+
+    /// Size, maximum and mapping of growable region `ptr`.
+    pub fn growable_info(&self, ptr: u64) -> AllocResult<GrowableInfo> {
+        self.inner.lock().growable_info(ptr)
     }
 }
 

@@ -55,10 +55,13 @@ pub(crate) enum Backing {
 /// One chunk of a plan: pages `[first, first + pages)` of the segment, backed
 /// by a pooled handle of that size or by a new one.
 #[derive(Debug, Clone, Copy)]
-struct Planned {
-    first: u64,
-    pages: u64,
-    pooled: bool,
+pub(super) struct Planned {
+    /// First page of the chunk (in the caller's page numbering).
+    pub first: u64,
+    /// Pages of the chunk.
+    pub pages: u64,
+    /// Whether a pooled handle backs it (else a new one).
+    pub pooled: bool,
 }
 
 impl Inner {
@@ -342,6 +345,21 @@ impl Inner {
         runs: &[(u64, u64)],
         exclude: Exclude,
     ) -> Result<(), Backing> {
+        let (plan, handles) = self.acquire(dev, runs, exclude)?;
+        self.map_chunks(dev, seg, &plan, handles)
+            .map_err(|e| Backing::Fail(e.into()))
+    }
+
+    /// Obtains handles for the unmapped `runs` (pool first, then new
+    /// handles within the limit, then a targeted reclaim that spares
+    /// `exclude`): the plan and one handle per planned chunk. Nothing is
+    /// mapped; on failure every handle obtained is pooled.
+    pub(super) fn acquire<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        runs: &[(u64, u64)],
+        exclude: Exclude,
+    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
         // The driver said out of memory: only released memory can be created again.
         let mut driver_full = false;
         for attempt in 0..MAX_ATTEMPTS {
@@ -433,9 +451,7 @@ impl Inner {
                 continue;
             }
             let handles: Vec<PhysHandle> = handles.into_iter().flatten().collect();
-            return self
-                .map_chunks(dev, seg, &plan, handles)
-                .map_err(|e| Backing::Fail(e.into()));
+            return Ok((plan, handles));
         }
         // Every attempt ended in an out-of-memory from the driver.
         self.trim_pool(dev);
@@ -446,7 +462,7 @@ impl Inner {
     }
 
     /// Puts the handles of a plan that were obtained back into the pool.
-    fn pool_back(&mut self, plan: &[Planned], handles: Vec<Option<PhysHandle>>) {
+    pub(super) fn pool_back(&mut self, plan: &[Planned], handles: Vec<Option<PhysHandle>>) {
         for (c, h) in plan.iter().zip(handles) {
             if let Some(h) = h {
                 self.pool.put(h, c.pages);

@@ -99,6 +99,7 @@ impl Inner {
                 }
             }
         }
+        self.teardown_growables(dev);
         for p in std::mem::take(&mut self.events.pending) {
             self.stats.driver_calls.add(Call::EventSync);
             if let Err(e) = twice(|| dev.synchronize_event(p.event)) {

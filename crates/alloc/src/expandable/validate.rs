@@ -306,6 +306,17 @@ impl Inner {
                 }
             }
         }
+        let g = self.validate_growables(dev, &mut handles)?;
+        mapped_total += g.pages;
+        chunks_total += g.chunks;
+        let large = super::blocks::PoolKind::Large as usize;
+        let gbytes = (g.pages * page) as i64;
+        rc.allocation[large] += g.regions as i64;
+        rc.active[large] += g.regions as i64;
+        rc.allocated_bytes[large] += gbytes;
+        rc.active_bytes[large] += gbytes;
+        rc.reserved_bytes[large] += gbytes;
+        rc.requested_bytes[large] += g.requested as i64;
         self.pool.check()?;
         for (h, _) in self.pool.iter() {
             if !handles.insert(h.0) {
@@ -358,7 +369,7 @@ impl Inner {
             m.check().map_err(|e| format!("device model: {e}"))?;
             let live = m.live();
             let ours = (
-                self.arenas.list.len(),
+                self.arenas.list.len() + g.regions as usize,
                 (chunks_total + self.pool.count()) as usize,
                 chunks_total as usize,
             );
