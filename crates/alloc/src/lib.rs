@@ -25,6 +25,8 @@ pub mod summary;
 pub mod bench;
 pub mod caching;
 pub mod expandable;
+pub mod growable;
+pub mod pressure;
 pub mod native;
 #[doc(hidden)]
 pub mod testing;
@@ -74,4 +76,9 @@ pub trait Allocator: Send + Sync {
     fn snapshot(&self) -> Snapshot;
     /// Checks every invariant; returns a description of the first broken one.
     fn validate(&self) -> Result<(), String>;
+    /// Growable regions ([`growable::Growable`]), if the policy offers them
+    /// (only `expandable` does); `None` by default.
+    fn as_growable(&self) -> Option<&dyn growable::Growable> {
+        None
+    }
 }

@@ -292,6 +292,10 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
     fn validate(&self) -> Result<(), String> {
         self.inner.lock().validate(&self.device)
     }
+
+    fn as_growable(&self) -> Option<&dyn crate::growable::Growable> {
+        Some(self)
+    }
 }
 
 impl<D: Device> Drop for ExpandableAllocator<D> {
