@@ -48,6 +48,18 @@ pub struct Pressure {
 }
 
 impl Pressure {
+    /// No callback (usable in a `static`).
+    pub const fn new() -> Self {
+        Pressure {
+            cb: RwLock::new(None),
+            counts: std::sync::Mutex::new(PressureCounts {
+                calls: 0,
+                retries: 0,
+                rescued: 0,
+            }),
+        }
+    }
+
     /// Sets (or with `None` clears) the callback.
     pub fn set(&self, cb: Option<Arc<PressureFn>>) {
         *self.cb.write().unwrap_or_else(|e| e.into_inner()) = cb;

@@ -34,6 +34,12 @@
 //! const char* vmmalloc_last_error(void);          // this thread's last error, or NULL; owned by the library
 //! const char* vmmalloc_version(void);
 //! void  vmmalloc_free_string(char* s);
+//! // Growable regions and the memory-pressure callback (growable.rs).
+//! void* vmmalloc_growable_create(int device, size_t max_bytes);
+//! int   vmmalloc_growable_resize(void* ptr, size_t bytes);      // 0 ok, 1 out of memory, 2 other
+//! int   vmmalloc_growable_destroy(void* ptr);
+//! int   vmmalloc_growable_info(void* ptr, size_t* size, size_t* max_bytes, size_t* mapped);
+//! int   vmmalloc_set_pressure_callback(size_t (*fn)(size_t size, int device));
 //! ```
 //!
 //! `int` results are 0 on success and -1 on failure.
@@ -66,11 +72,16 @@ mod devices;
 mod diag;
 mod dump;
 mod fork;
+mod growable;
 mod history;
 mod pools;
 mod runtime;
 
 pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
+pub use growable::{
+    vmmalloc_growable_create, vmmalloc_growable_destroy, vmmalloc_growable_info,
+    vmmalloc_growable_resize, vmmalloc_set_pressure_callback, PressureCallback,
+};
 pub use runtime::MAX_DEVICES;
 
 use config::LogLevel::{Error as LError, Info as LInfo};
@@ -208,7 +219,15 @@ fn try_malloc(
         } else if let Some(id) = pool {
             d.pools.malloc(id, size as u64, stream_key(addr(stream)))
         } else {
-            d.malloc(size as u64, stream_key(addr(stream)))
+            // On out-of-memory: the pressure callback (growable.rs), retried once.
+            let key = stream_key(addr(stream));
+            growable::PRESSURE
+                .retry(
+                    size as u64,
+                    device,
+                    || growable::capturing(d, key),
+                    || d.malloc(size as u64, key),
+                )
                 .map_err(|e| (e.is_out_of_memory(), e.to_string()))
         };
         match result {
