@@ -37,6 +37,7 @@ from ._lib import (
 )
 from ._check import check
 from . import _lib
+from ._growable import GrowableTensor, growable, on_memory_pressure
 
 __all__ = [
     "VmmallocError",
@@ -47,6 +48,9 @@ __all__ = [
     "empty_cache",
     "enable",
     "find_library",
+    "growable",
+    "GrowableTensor",
+    "on_memory_pressure",
     "is_enabled",
     "oom_exception",
     "last_error",
