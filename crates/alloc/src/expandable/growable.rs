@@ -213,7 +213,7 @@ impl Inner {
             let g = &self.growables[&ptr];
             (g.mapped_pages, g.stream)
         };
-        if pages > self.limit_pages {
+        if pages > self.limit_pages && !self.spill.enabled {
             let lack = pages - self.limit_pages;
             return Err(self.oom(dev, bytes, pages * page, stream, lack));
         }
@@ -261,6 +261,9 @@ impl Inner {
                     }
                     g.mapped_pages += pages;
                     g.accessible = g.mapped_pages;
+                    for (c, &h) in plan.iter().zip(&handles) {
+                        self.note_spill_mapping(h, c.pages, true);
+                    }
                     self.note_growable(pages as i64, plan.len() as i64, 0);
                     return Ok(());
                 }
@@ -271,14 +274,14 @@ impl Inner {
         // a chunk that cannot be unmapped stays in the region, mapped but
         // without access, above `accessible`.
         for (c, &h) in plan[done..].iter().zip(&handles[done..]) {
-            self.pool.put(h, c.pages);
+            self.give_back(h, c.pages);
         }
         let mut kept = Vec::new();
         if done > 0 {
             self.stats.driver_calls.add(Call::Unmap);
             if dev.unmap(ptr + first * page, pages * page).is_ok() {
                 for (c, &h) in plan[..done].iter().zip(&handles[..done]) {
-                    self.pool.put(h, c.pages);
+                    self.give_back(h, c.pages);
                 }
             } else {
                 // Chunk by chunk from the top, so that what stays mapped is
@@ -293,7 +296,7 @@ impl Inner {
                     if stuck {
                         kept.push((h, c.pages));
                     } else {
-                        self.pool.put(h, c.pages);
+                        self.give_back(h, c.pages);
                     }
                 }
                 kept.reverse();
@@ -302,6 +305,9 @@ impl Inner {
         if !kept.is_empty() {
             let n: u64 = kept.iter().map(|c| c.1).sum();
             let nh = kept.len() as i64;
+            for &(h, p) in &kept {
+                self.note_spill_mapping(h, p, true);
+            }
             let g = self.growables.get_mut(&ptr).expect("region exists");
             g.chunks.extend(kept);
             g.mapped_pages += n;
@@ -346,7 +352,8 @@ impl Inner {
         g.accessible = g.accessible.min(first);
         let n = gone.len() as i64;
         for (h, p) in gone {
-            self.pool.put(h, p);
+            self.note_spill_mapping(h, p, false);
+            self.give_back(h, p);
         }
         self.sync_pool_stats();
         self.note_growable(-(count as i64), -n, 0);
@@ -403,7 +410,8 @@ impl Inner {
                 }
             }
             for (h, p) in g.chunks {
-                self.pool.put(h, p);
+                self.note_spill_mapping(h, p, false);
+                self.give_back(h, p);
             }
             self.stats.driver_calls.add(Call::AddressFree);
             if let Err(e) = dev

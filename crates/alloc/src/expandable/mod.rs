@@ -59,6 +59,7 @@ mod reclaim;
 mod report;
 mod segment;
 mod snapshot;
+mod spill;
 mod teardown;
 mod validate;
 
@@ -117,6 +118,8 @@ pub(crate) struct Inner {
     counters: Counters,
     /// Growable regions by address ([`growable`]).
     growables: std::collections::BTreeMap<u64, growable::Growable>,
+    /// Host-located chunks (`spill:true`, [`spill`]).
+    spill: spill::SpillState,
 }
 
 impl Inner {
@@ -145,9 +148,10 @@ impl Inner {
         s
     }
 
-    /// Pages mapped in all segments.
+    /// Device pages mapped in all segments and regions (host-located,
+    /// spilled pages do not count: they are not device memory).
     fn mapped_pages(&self) -> u64 {
-        self.stats.pages_mapped
+        self.stats.pages_mapped - self.spill.spilled_pages
     }
 }
 
@@ -193,6 +197,10 @@ impl<D: Device> ExpandableAllocator<D> {
                 stats,
                 counters: Counters::default(),
                 growables: Default::default(),
+                spill: spill::SpillState {
+                    enabled: config.spill,
+                    ..Default::default()
+                },
             }),
         })
     }
@@ -239,6 +247,17 @@ impl<D: Device> ExpandableAllocator<D> {
     /// Unmaps and unreserves growable region `ptr`.
     pub fn growable_destroy(&self, ptr: u64) -> AllocResult<()> {
         self.inner.lock().growable_destroy(&self.device, ptr)
+    }
+
+    /// Spill's quiet point (docs/expandable.md, "Spill and pressure"):
+    /// releases host-located chunks in free space and moves those under
+    /// live blocks back to device memory while the limit has room (waiting
+    /// only for the owning streams). `empty_cache` runs it too.
+    pub fn migrate_spilled(&self) -> AllocResult<()> {
+        self.inner
+            .lock()
+            .migrate_spilled(&self.device)
+            .map_err(crate::AllocError::Device)
     }
 
     /// Size, maximum and mapping of growable region `ptr`.

@@ -317,6 +317,12 @@ impl Inner {
         rc.active_bytes[large] += gbytes;
         rc.reserved_bytes[large] += gbytes;
         rc.requested_bytes[large] += g.requested as i64;
+        self.validate_spill()?;
+        for h in &self.spill.host_free {
+            if !handles.insert(h.0) {
+                return Err(format!("host handle {:#x} to release is also mapped", h.0));
+            }
+        }
         self.pool.check()?;
         for (h, _) in self.pool.iter() {
             if !handles.insert(h.0) {
@@ -370,7 +376,7 @@ impl Inner {
             let live = m.live();
             let ours = (
                 self.arenas.list.len() + g.regions as usize,
-                (chunks_total + self.pool.count()) as usize,
+                (chunks_total + self.pool.count()) as usize + self.spill.host_free.len(),
                 chunks_total as usize,
             );
             if (live.reservations, live.handles, live.mappings) != ours {
