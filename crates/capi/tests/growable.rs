@@ -150,3 +150,48 @@ fn the_pressure_callback_rescues_allocations_and_growth() {
         vmmalloc_free(std::ptr::with_exposed_provenance_mut(p), 64 * MIB, 0, std::ptr::null_mut());
     }
 }
+
+fn stats(device: c_int) -> serde_json::Value {
+    let p = vmmalloc_memory_stats_json(device);
+    assert!(!p.is_null());
+    // SAFETY: an owned NUL-terminated string, freed once below.
+    let s = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+    // SAFETY: returned by vmmalloc_memory_stats_json, freed once.
+    unsafe { vmmalloc_free_string(p) };
+    serde_json::from_str(&s).unwrap()
+}
+
+#[test]
+fn spill_true_runs_past_device_memory_and_reports_it() {
+    let _g = serial();
+    for spill in [false, true] {
+        fresh(&format!(
+            "device:sim,capacity_gb:1,log:off,backend:expandable,on_oom:null,spill:{spill}"
+        ));
+        let mut got = Vec::new();
+        for _ in 0..19 {
+            match malloc(64 * MIB) {
+                Ok(p) => got.push(p),
+                Err(rc) => {
+                    assert_eq!(rc, 1);
+                    assert!(last_error().contains("out of memory"));
+                    break;
+                }
+            }
+        }
+        let st = stats(0);
+        if spill {
+            assert_eq!(got.len(), 19, "1.19 GiB on a 1 GiB device");
+            assert!(st["vmmalloc.spilled_bytes"].as_i64().unwrap() >= 192 * MIB as i64);
+        } else {
+            assert!(got.len() < 17);
+            assert_eq!(st["vmmalloc.spilled_bytes"], 0);
+        }
+        assert_eq!(vmmalloc_validate(0), 0);
+        for p in got {
+            vmmalloc_free(p, 64 * MIB, 0, std::ptr::null_mut());
+        }
+        vmmalloc_empty_cache();
+        assert_eq!(stats(0)["vmmalloc.spilled_bytes"], 0);
+    }
+}
