@@ -168,3 +168,36 @@ fn serve_kv_growable_grows_in_place_only_where_the_policy_can() {
     let cp = run(Policy::Caching, p.replay_ops());
     assert_eq!(cp.peak_live, c.peak_live);
 }
+
+/// Spill (docs/expandable.md, "Spill and pressure"): a trace that needs 1.2×
+/// the device memory replays on `sim` with `expandable:spill=1`, the spilled
+/// bytes reported; without spill it fails with the usual explanation.
+#[test]
+fn a_trace_needing_1_2x_the_device_completes_with_spill_only() {
+    use vmmalloc_alloc::{Policy, PolicySpec};
+    use vmmalloc_trace::replay::{replay_keeping, ReplayConfig};
+    let t = workload_by_name("train-varlen:steps=6").unwrap();
+    let d = &t.devices[0];
+    let capacity = (d.peak_live_bytes() as f64 / 1.2) as u64 / (2 << 20) * (2 << 20);
+    let run = |spec: &str| {
+        let spec: PolicySpec = spec.parse().unwrap();
+        let mut c = ReplayConfig::new(Policy::Expandable, capacity);
+        c.options = spec.options;
+        c.stop_at_oom = true;
+        replay_keeping(d.replay_ops(), &c)
+    };
+    let plain = run("expandable");
+    assert!(!plain.result.ok);
+    let msg = plain.result.oom_message.clone().unwrap();
+    assert!(msg.contains("lacking"), "{msg}");
+    let spilled = run("expandable:spill=1");
+    assert!(spilled.result.ok, "{:?}", spilled.result.oom_message);
+    let st = spilled.allocator.as_ref().unwrap().stats();
+    assert!(
+        st.spilled_bytes_peak as f64 >= 0.15 * d.peak_live_bytes() as f64,
+        "spilled at most {} of {}",
+        st.spilled_bytes_peak,
+        d.peak_live_bytes()
+    );
+    spilled.allocator.as_ref().unwrap().validate().unwrap();
+}
