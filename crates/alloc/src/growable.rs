@@ -36,4 +36,3 @@ impl<D: vmmalloc_device::Device> Growable for crate::expandable::ExpandableAlloc
         crate::expandable::ExpandableAllocator::growable_info(self, ptr)
     }
 }
-

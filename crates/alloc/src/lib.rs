@@ -26,8 +26,8 @@ pub mod bench;
 pub mod caching;
 pub mod expandable;
 pub mod growable;
-pub mod pressure;
 pub mod native;
+pub mod pressure;
 #[doc(hidden)]
 pub mod testing;
 pub mod torch_es;

@@ -122,7 +122,10 @@ impl Pressure {
         drop(c);
         let r = op();
         if r.is_ok() {
-            self.counts.lock().unwrap_or_else(|e| e.into_inner()).rescued += 1;
+            self.counts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .rescued += 1;
         }
         r
     }

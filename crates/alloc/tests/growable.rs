@@ -38,7 +38,10 @@ fn sim_grows_and_shrinks_in_place_with_one_chunk_per_step() {
     let info = a.growable_info(p).unwrap();
     assert_eq!((info.ptr, info.size, info.mapped), (p, GIB, GIB));
     assert_eq!(info.chunks, 512, "one chunk per 2 MiB step, no more");
-    assert_eq!(dev.introspect().unwrap().live().mappings, before.mappings + 512);
+    assert_eq!(
+        dev.introspect().unwrap().live().mappings,
+        before.mappings + 512
+    );
     let s = a.stats();
     assert_eq!(s.requested_bytes.0[0].current, GIB as i64);
     assert_eq!(s.reserved_bytes.0[0].current, GIB as i64);
@@ -181,7 +184,10 @@ fn faulty_run(plan: FaultPlan) -> Result<Arc<FaultInjecting<Arc<SimDevice>>>, St
             }
             let info = a.growable_info(p).map_err(|e| e.to_string())?;
             if info.size != size || info.mapped < size {
-                return Err(format!("step {i}: size {} mapped {}, want {size}", info.size, info.mapped));
+                return Err(format!(
+                    "step {i}: size {} mapped {}, want {size}",
+                    info.size, info.mapped
+                ));
             }
             a.validate().map_err(|e| format!("step {i}: {e}"))?;
         }
@@ -237,6 +243,10 @@ fn a_shrink_waits_for_the_regions_stream_and_a_grow_does_not() {
     assert_eq!(a.stats().num_stream_syncs, syncs, "growing is immediate");
     dev.streams().submit(s, p, 100 * MIB).unwrap();
     a.growable_resize(p, 10 * MIB).unwrap();
-    assert_eq!(a.stats().num_stream_syncs, syncs + 1, "shrinking waits once");
+    assert_eq!(
+        a.stats().num_stream_syncs,
+        syncs + 1,
+        "shrinking waits once"
+    );
     check(&a);
 }

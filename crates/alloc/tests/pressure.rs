@@ -34,14 +34,21 @@ fn the_callback_frees_and_the_allocation_is_retried_once() {
         // Free (through the same allocator: no lock is held) until enough.
         let mut freed = 0;
         while freed < size {
-            let Some(ptr) = c2.lock().unwrap().pop() else { break };
+            let Some(ptr) = c2.lock().unwrap().pop() else {
+                break;
+            };
             a2.free(ptr).unwrap();
             freed += 8 * MIB;
         }
         freed
     })));
     let x = p
-        .retry(40 * MIB, 3, || false, || a.malloc(40 * MIB, Stream::DEFAULT))
+        .retry(
+            40 * MIB,
+            3,
+            || false,
+            || a.malloc(40 * MIB, Stream::DEFAULT),
+        )
         .expect("rescued by the callback");
     assert_eq!(*seen.lock().unwrap(), vec![(40 * MIB, 3)]);
     let c = p.counts();
@@ -51,7 +58,12 @@ fn the_callback_frees_and_the_allocation_is_retried_once() {
     // Without a callback the same request fails with the usual report.
     let q = Pressure::default();
     let e = q
-        .retry(200 * MIB, 0, || false, || a.malloc(60 * MIB, Stream::DEFAULT))
+        .retry(
+            200 * MIB,
+            0,
+            || false,
+            || a.malloc(60 * MIB, Stream::DEFAULT),
+        )
         .map(|_| ())
         .unwrap_err();
     assert!(e.is_out_of_memory());
@@ -64,10 +76,15 @@ fn a_callback_that_frees_nothing_gets_no_retry() {
     let tries = AtomicU64::new(0);
     p.set(Some(Arc::new(|_, _| 0)));
     let e = p
-        .retry(40 * MIB, 0, || false, || {
-            tries.fetch_add(1, Ordering::Relaxed);
-            a.malloc(40 * MIB, Stream::DEFAULT)
-        })
+        .retry(
+            40 * MIB,
+            0,
+            || false,
+            || {
+                tries.fetch_add(1, Ordering::Relaxed);
+                a.malloc(40 * MIB, Stream::DEFAULT)
+            },
+        )
         .unwrap_err();
     assert!(e.is_out_of_memory(), "{e}");
     assert_eq!(tries.load(Ordering::Relaxed), 1);
@@ -85,18 +102,36 @@ fn never_recursive_and_never_during_capture() {
         c2.fetch_add(1, Ordering::Relaxed);
         // An allocation inside the callback that runs out of memory is not
         // handed to the callback again.
-        let inner = p2.retry(50 * MIB, 0, || false, || a2.malloc(50 * MIB, Stream::DEFAULT));
+        let inner = p2.retry(
+            50 * MIB,
+            0,
+            || false,
+            || a2.malloc(50 * MIB, Stream::DEFAULT),
+        );
         assert!(inner.is_err());
         0
     })));
     assert!(p
-        .retry(40 * MIB, 0, || false, || a.malloc(40 * MIB, Stream::DEFAULT))
+        .retry(
+            40 * MIB,
+            0,
+            || false,
+            || a.malloc(40 * MIB, Stream::DEFAULT)
+        )
         .is_err());
-    assert_eq!(calls.load(Ordering::Relaxed), 1, "called once, not recursively");
+    assert_eq!(
+        calls.load(Ordering::Relaxed),
+        1,
+        "called once, not recursively"
+    );
     assert!(p
         .retry(40 * MIB, 0, || true, || a.malloc(40 * MIB, Stream::DEFAULT))
         .is_err());
-    assert_eq!(calls.load(Ordering::Relaxed), 1, "not called during capture");
+    assert_eq!(
+        calls.load(Ordering::Relaxed),
+        1,
+        "not called during capture"
+    );
     // Errors other than out-of-memory are not the callback's business.
     assert!(p
         .retry(0, 0, || false, || a.malloc(0, Stream::DEFAULT))

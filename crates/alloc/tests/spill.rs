@@ -41,7 +41,10 @@ fn sim_completes_a_1_2x_workload_with_spill_and_fails_without() {
     let a = ExpandableAllocator::new(dev.clone(), cfg(false)).unwrap();
     let e = work(&a).unwrap_err();
     assert!(e.is_out_of_memory(), "{e}");
-    assert!(e.to_string().contains("lacking"), "the usual explanation: {e}");
+    assert!(
+        e.to_string().contains("lacking"),
+        "the usual explanation: {e}"
+    );
     drop(a);
 
     let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
@@ -97,7 +100,11 @@ fn the_host_limit_and_growable_regions() {
     a.growable_resize(g, 56 * MIB).unwrap();
     assert_eq!(a.stats().spilled_bytes, 0);
     a.growable_resize(g, 72 * MIB).unwrap();
-    assert_eq!(a.stats().spilled_bytes, 16 * MIB, "the growth went to the host");
+    assert_eq!(
+        a.stats().spilled_bytes,
+        16 * MIB,
+        "the growth went to the host"
+    );
     a.validate().unwrap();
     // Host memory is finite as well: the usual out-of-memory after it.
     let e = a.growable_resize(g, 100 * MIB).unwrap_err();

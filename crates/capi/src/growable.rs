@@ -14,9 +14,9 @@
 //! `backend:expandable` offers regions; the others answer with an error
 //! that says so. Failures set [`crate::vmmalloc_last_error`] and log one line.
 
+use crate::config::LogLevel::Error as LError;
 use crate::runtime::{self, DeviceState};
 use crate::{addr, entry, fail, VMMALLOC_E_FAIL, VMMALLOC_E_OOM, VMMALLOC_OK};
-use crate::config::LogLevel::Error as LError;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use vmmalloc_alloc::growable::Growable;
@@ -149,13 +149,21 @@ pub unsafe extern "C" fn vmmalloc_growable_info(
         match owner(&rt, p) {
             Some((_, g)) => g.growable_info(p).ok(),
             None => {
-                fail(&rt, LError, format!("vmmalloc_growable_info(ptr={ptr:p}): {}", not_a_region(p)));
+                fail(
+                    &rt,
+                    LError,
+                    format!("vmmalloc_growable_info(ptr={ptr:p}): {}", not_a_region(p)),
+                );
                 None
             }
         }
     });
     let Some(info) = info else { return -1 };
-    for (out, v) in [(size, info.size), (max_bytes, info.max_bytes), (mapped, info.mapped)] {
+    for (out, v) in [
+        (size, info.size),
+        (max_bytes, info.max_bytes),
+        (mapped, info.mapped),
+    ] {
         if !out.is_null() {
             // SAFETY: non-NULL, and valid for a write per the contract.
             unsafe { out.write(v as usize) };

@@ -84,7 +84,11 @@ fn policies_without_regions_say_so() {
     let _g = serial();
     fresh("device:host,capacity_gb:1,log:off,backend:caching");
     assert!(vmmalloc_growable_create(0, MIB).is_null());
-    assert!(last_error().contains("no growable regions"), "{}", last_error());
+    assert!(
+        last_error().contains("no growable regions"),
+        "{}",
+        last_error()
+    );
     fresh("device:host,capacity_gb:1,log:off,backend:expandable");
     assert!(vmmalloc_growable_create(0, 0).is_null());
     assert!(vmmalloc_growable_create(7, MIB).is_null(), "bad ordinal");
@@ -140,14 +144,24 @@ fn the_pressure_callback_rescues_allocations_and_growth() {
     assert_eq!(CALLS.load(Ordering::SeqCst), 2);
     // And a region's growth.
     let r = vmmalloc_growable_create(0, 512 * MIB);
-    assert_eq!(vmmalloc_growable_resize(r, 300 * MIB), 0, "{}", last_error());
+    assert_eq!(
+        vmmalloc_growable_resize(r, 300 * MIB),
+        0,
+        "{}",
+        last_error()
+    );
     assert_eq!(CALLS.load(Ordering::SeqCst), 3);
     assert_eq!(vmmalloc_validate(0), 0);
     assert_eq!(vmmalloc_set_pressure_callback(None), 0);
     assert_eq!(vmmalloc_growable_destroy(r), 0);
     vmmalloc_free(p, 200 * MIB, 0, std::ptr::null_mut());
     for p in HELD.lock().unwrap().drain(..) {
-        vmmalloc_free(std::ptr::with_exposed_provenance_mut(p), 64 * MIB, 0, std::ptr::null_mut());
+        vmmalloc_free(
+            std::ptr::with_exposed_provenance_mut(p),
+            64 * MIB,
+            0,
+            std::ptr::null_mut(),
+        );
     }
 }
 

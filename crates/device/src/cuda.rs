@@ -997,21 +997,24 @@ impl Device for CudaDevice {
         let node = self.host_numa_node()?;
         let mut prop = self.prop();
         prop.location = CUmemLocation::host_numa(node);
-        let handle = self.driver.mem_create(size as usize, &prop, 0).map_err(|e| {
-            if e.code == CUDA_ERROR_INVALID_VALUE || e.code == CUDA_ERROR_NOT_SUPPORTED {
-                DeviceError::Unsupported {
-                    call: Call::Create,
-                    what: format!(
+        let handle = self
+            .driver
+            .mem_create(size as usize, &prop, 0)
+            .map_err(|e| {
+                if e.code == CUDA_ERROR_INVALID_VALUE || e.code == CUDA_ERROR_NOT_SUPPORTED {
+                    DeviceError::Unsupported {
+                        call: Call::Create,
+                        what: format!(
                         "host-located memory on NUMA node {node} (cuMemCreate refused the host \
                          location: {e}; it needs CUDA 12.2+)"
                     ),
+                    }
+                } else {
+                    self.fail(Call::Create, e, size, || {
+                        format!("size {size:#x} on host NUMA node {node}")
+                    })
                 }
-            } else {
-                self.fail(Call::Create, e, size, || {
-                    format!("size {size:#x} on host NUMA node {node}")
-                })
-            }
-        })?;
+            })?;
         self.handles.lock().insert(handle);
         Ok(PhysHandle(handle))
     }

@@ -13,7 +13,11 @@ fn exercise<D: Device + Introspect>(d: &D) {
     let free0 = d.mem_info().unwrap().free;
     let base = d.reserve(8 * MIB, 2 * MIB).unwrap();
     let h = d.create_on_host(4 * MIB).unwrap();
-    assert_eq!(d.mem_info().unwrap().free, free0, "host chunks use no device memory");
+    assert_eq!(
+        d.mem_info().unwrap().free,
+        free0,
+        "host chunks use no device memory"
+    );
     assert_eq!(d.live().host_bytes, 4 * MIB);
     d.map(base, 4 * MIB, h).unwrap();
     d.set_access(base, 4 * MIB).unwrap();

@@ -97,7 +97,10 @@ impl Regions {
             }
         };
         if r.native {
-            alloc.as_growable().expect("native region").growable_resize(r.ptr, size)?;
+            alloc
+                .as_growable()
+                .expect("native region")
+                .growable_resize(r.ptr, size)?;
             *live = *live - r.size + size;
             peak(*live);
         } else {
@@ -127,7 +130,10 @@ impl Regions {
     pub fn free(&mut self, alloc: &dyn Allocator, id: u32) -> Result<u64, String> {
         let r = self.0.remove(&id).expect("caller checked");
         let e = if r.native {
-            alloc.as_growable().expect("native region").growable_destroy(r.ptr)
+            alloc
+                .as_growable()
+                .expect("native region")
+                .growable_destroy(r.ptr)
         } else if r.ptr != u64::MAX {
             alloc.free(r.ptr)
         } else {

@@ -137,10 +137,7 @@ fn serve_kv_growable_grows_in_place_only_where_the_policy_can() {
     let plain = workload_by_name(spec).unwrap();
     let grow = workload_by_name(&format!("{spec},growable=1")).unwrap();
     let (p, g) = (&plain.devices[0], &grow.devices[0]);
-    assert!(g
-        .events()
-        .iter()
-        .any(|e| e.kind == EventKind::Resize));
+    assert!(g.events().iter().any(|e| e.kind == EventKind::Resize));
     assert!(
         g.peak_live_bytes() < p.peak_live_bytes(),
         "no old+new copy at once: {} < {}",
@@ -160,7 +157,11 @@ fn serve_kv_growable_grows_in_place_only_where_the_policy_can() {
     assert_eq!(e.peak_live, g.peak_live_bytes());
     let c = run(Policy::Caching, g.replay_ops());
     assert!(c.region_copies > 0 && c.region_copied_bytes > 0);
-    assert_eq!(c.peak_live, p.peak_live_bytes(), "reallocation = the plain trace");
+    assert_eq!(
+        c.peak_live,
+        p.peak_live_bytes(),
+        "reallocation = the plain trace"
+    );
     // The text format carries the region events.
     let back = text::parse_text(&text::to_text(&grow), "x").unwrap();
     assert_eq!(back.devices[0].replay_ops(), g.replay_ops());

@@ -393,7 +393,10 @@ impl Inner {
         let page = self.layout.page;
         for (_, g) in std::mem::take(&mut self.growables) {
             let log = |what: &str, e: &DeviceError| {
-                eprintln!("vmmalloc: growable region {:#x}: {what} on drop failed: {e}", g.base)
+                eprintln!(
+                    "vmmalloc: growable region {:#x}: {what} on drop failed: {e}",
+                    g.base
+                )
             };
             if g.mapped_pages > 0 {
                 self.stats.driver_calls.add(Call::StreamSync);
@@ -405,7 +408,10 @@ impl Inner {
                 }
                 self.stats.driver_calls.add(Call::Unmap);
                 let bytes = g.mapped_pages * page;
-                if let Err(e) = dev.unmap(g.base, bytes).or_else(|_| dev.unmap(g.base, bytes)) {
+                if let Err(e) = dev
+                    .unmap(g.base, bytes)
+                    .or_else(|_| dev.unmap(g.base, bytes))
+                {
                     log("unmap", &e);
                 }
             }

@@ -239,9 +239,7 @@ impl<D: Device> ExpandableAllocator<D> {
     /// chunks at its end (a shrink first waits for the region's stream). On
     /// error the region keeps its old size.
     pub fn growable_resize(&self, ptr: u64, bytes: u64) -> AllocResult<()> {
-        self.inner
-            .lock()
-            .growable_resize(&self.device, ptr, bytes)
+        self.inner.lock().growable_resize(&self.device, ptr, bytes)
     }
 
     /// Unmaps and unreserves growable region `ptr`.

@@ -22,9 +22,9 @@
 //! mapped chunks whose handle is in `host`; every handle in `host` is mapped
 //! or in `host_free`; no host handle is pooled.
 
-use super::Inner;
 use super::pages::{Backing, Planned};
 use super::segment::Chunk;
+use super::Inner;
 use std::collections::HashSet;
 use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
 
@@ -132,7 +132,10 @@ impl Inner {
     /// The quiet-point work of spill: releases host chunks in free space,
     /// and moves host chunks under live blocks back to device memory while
     /// the limit has room. Returns the first error (the rest still ran).
-    pub(super) fn migrate_spilled<D: Device + ?Sized>(&mut self, dev: &D) -> Result<(), DeviceError> {
+    pub(super) fn migrate_spilled<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), DeviceError> {
         if self.spill.host.is_empty() {
             return Ok(());
         }
@@ -162,7 +165,10 @@ impl Inner {
     /// block another stream uses or that waits for events)`.
     fn chunk_users(&self, seg: u32, f: u64, n: u64) -> (bool, bool) {
         let s = self.seg(seg);
-        let (lo, hi) = (s.base + f * self.layout.page, s.base + (f + n) * self.layout.page);
+        let (lo, hi) = (
+            s.base + f * self.layout.page,
+            s.base + (f + n) * self.layout.page,
+        );
         let (mut active, mut shared) = (false, false);
         let mut i = s.first;
         while i != super::blocks::NIL {
@@ -172,8 +178,7 @@ impl Inner {
             }
             if b.end() > lo && b.state != super::blocks::BlockState::Free {
                 active = true;
-                shared |= b.streams.is_some()
-                    || b.state == super::blocks::BlockState::PendingFree;
+                shared |= b.streams.is_some() || b.state == super::blocks::BlockState::PendingFree;
             }
             i = b.next;
         }
@@ -263,12 +268,10 @@ impl Inner {
             // Put the host chunk back where it was.
             self.pool_put(new, c.pages);
             self.stats.driver_calls.add(Call::Map);
-            let back = dev
-                .map(addr, len, c.handle)
-                .and_then(|()| {
-                    self.stats.driver_calls.add(Call::SetAccess);
-                    dev.set_access(addr, len)
-                });
+            let back = dev.map(addr, len, c.handle).and_then(|()| {
+                self.stats.driver_calls.add(Call::SetAccess);
+                dev.set_access(addr, len)
+            });
             if back.is_err() {
                 self.unready.push((seg, f));
             }
@@ -326,7 +329,11 @@ impl Inner {
                 self.spill.host_free.len()
             ));
         }
-        if self.pool.iter().any(|(h, _)| self.spill.host.contains(&h.0)) {
+        if self
+            .pool
+            .iter()
+            .any(|(h, _)| self.spill.host.contains(&h.0))
+        {
             return Err("a host-located chunk is in the chunk pool".into());
         }
         Ok(())
