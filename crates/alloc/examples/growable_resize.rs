@@ -19,7 +19,7 @@ fn main() {
     let dev = Arc::new(SimDevice::with_capacity(80 * GIB));
     let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).expect("allocator");
     let step = 2 * MIB;
-    let mut phase = |name: &str, f: &mut dyn FnMut()| {
+    let phase = |name: &str, f: &mut dyn FnMut()| {
         let (c0, us0) = (dev.counts(), dev.modeled_us());
         let t = std::time::Instant::now();
         f();

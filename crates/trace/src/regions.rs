@@ -20,6 +20,8 @@ struct Region {
     size: u64,
     /// Whether the policy holds it as a real region.
     native: bool,
+    /// Its stream (where a reallocating policy allocates).
+    stream: Stream,
 }
 
 /// Regions by trace id.
@@ -64,11 +66,13 @@ impl Regions {
                 ptr: g.growable_create(max, stream)?,
                 size: 0,
                 native: true,
+                stream,
             },
             None => Region {
                 ptr: u64::MAX,
                 size: 0,
                 native: false,
+                stream,
             },
         };
         self.0.insert(id, r);
@@ -82,7 +86,6 @@ impl Regions {
         alloc: &dyn Allocator,
         id: u32,
         size: u64,
-        stream: Stream,
         live: &mut u64,
         result: &mut ReplayResult,
         op: usize,
@@ -106,7 +109,7 @@ impl Regions {
         } else {
             let mut ptr = u64::MAX;
             if size > 0 {
-                ptr = alloc.malloc(size, stream)?.ptr;
+                ptr = alloc.malloc(size, r.stream)?.ptr;
                 *live += size;
                 peak(*live);
             }

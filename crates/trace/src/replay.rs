@@ -662,7 +662,7 @@ fn run_ops(
                 }
             }
             Op::Resize { id, size } => {
-                let r = regions.resize(alloc, id, size, Stream::DEFAULT, live, result, i);
+                let r = regions.resize(alloc, id, size, live, result, i);
                 if region_failed(r, i, size, config, result) {
                     return;
                 }
