@@ -250,3 +250,58 @@ fn a_shrink_waits_for_the_regions_stream_and_a_grow_does_not() {
     );
     check(&a);
 }
+
+/// Random driver failures (a quarter of maps, unmaps, set-access calls,
+/// creates and stream waits fail), so that a rollback's own unmap fails too
+/// and chunks stay mapped without access: every resize either takes effect or
+/// leaves the old size, `validate()` holds, and the next resize repairs access.
+#[test]
+fn random_faults_never_break_a_region() {
+    for seed in 0..60u64 {
+        let dev = Arc::new(FaultInjecting::with_plan(
+            Arc::new(SimDevice::with_capacity(64 * MIB)),
+            FaultPlan::None,
+        ));
+        {
+            let cfg = ExpandableConfig {
+                max_chunk: Some(4 * MIB),
+                ..ExpandableConfig::default()
+            };
+            let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
+            let p = a.growable_create(256 * MIB, Stream::DEFAULT).unwrap();
+            dev.hook().set_plan(FaultPlan::Random {
+                calls: vec![
+                    Call::Map,
+                    Call::Unmap,
+                    Call::SetAccess,
+                    Call::Create,
+                    Call::StreamSync,
+                ],
+                p: 0.25,
+                seed,
+                kind: FaultKind::Driver(999),
+            });
+            let mut size = 0;
+            let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            for step in 0..40 {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let want = (x >> 33) % (48 * MIB);
+                match a.growable_resize(p, want) {
+                    Ok(()) => size = want,
+                    Err(AllocError::Device(_)) | Err(AllocError::OutOfMemory(_)) => {}
+                    Err(e) => panic!("seed {seed} step {step}: {e}"),
+                }
+                let info = a.growable_info(p).unwrap();
+                assert_eq!(info.size, size, "seed {seed} step {step}");
+                a.validate()
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+            }
+            dev.hook().set_plan(FaultPlan::None);
+            a.growable_destroy(p).unwrap();
+            a.validate().unwrap();
+        }
+        assert!(dev.inner().live().is_empty(), "seed {seed}");
+    }
+}

@@ -184,13 +184,14 @@ impl Inner {
         }
         let need = bytes.div_ceil(page);
         let (mapped, accessible, old) = (g.mapped_pages, g.accessible, g.size);
-        if need > mapped {
-            self.growable_grow(dev, ptr, need - mapped, bytes)?;
-        } else if need > accessible {
-            // Pages left mapped by a failed rollback: give access now.
+        if need > accessible && accessible < mapped {
+            // Pages left mapped by a failed rollback: give access first.
             self.stats.driver_calls.add(Call::SetAccess);
             dev.set_access(ptr + accessible * page, (mapped - accessible) * page)?;
             self.growable_mut(ptr)?.accessible = mapped;
+        }
+        if need > mapped {
+            self.growable_grow(dev, ptr, need - mapped, bytes)?;
         } else if need < mapped {
             self.growable_shrink(dev, ptr, need)?;
         }
