@@ -126,3 +126,31 @@ def test_tensor_view_needs_cuda(lib, fresh):
     t = g.tensor()
     assert t.dtype == torch.bfloat16 and t.data_ptr() == g.ptr and t.numel() == 1000
     g.destroy()
+
+
+def test_spill_is_reported_in_stats_and_one_log_line(lib):
+    """spill:true past device memory: the allocations succeed, memory_stats
+    counts the spilled bytes, and each spill logs one line (run in a child
+    process to read its stderr)."""
+    import os
+    import subprocess
+    import sys
+    from conftest import PACKAGE_PARENT
+
+    code = (
+        "import ctypes, vmmalloc\n"
+        "vmmalloc.configure('device:sim,capacity_gb:1,backend:expandable,on_oom:null,spill:true')\n"
+        "lib = vmmalloc.load()\n"
+        "out = ctypes.c_void_p()\n"
+        "rcs = [lib.vmmalloc_try_malloc(64 << 20, 0, None, ctypes.byref(out)) for _ in range(19)]\n"
+        "assert rcs == [0] * 19, rcs\n"
+        "st = vmmalloc.memory_stats(0)\n"
+        "print('spilled', st['vmmalloc.spilled_bytes'], st['vmmalloc.num_spills'])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    spilled, spills = map(int, r.stdout.split()[1:3])
+    assert spilled >= 192 * MIB and spills >= 1
+    lines = [line for line in r.stderr.splitlines() if "spilled to host memory" in line]
+    assert len(lines) == spills, r.stderr

@@ -193,3 +193,35 @@ pub extern "C" fn vmmalloc_set_pressure_callback(cb: PressureCallback) -> c_int 
         0
     })
 }
+
+/// With `spill:true`, the device's spill count before an allocation (to
+/// report a spill after it); `None` otherwise (no cost).
+pub(crate) fn spills_before(rt: &runtime::Runtime, d: &DeviceState) -> Option<u64> {
+    let spill = rt.config().map(|c| c.spill).unwrap_or(false);
+    spill.then(|| d.allocator.stats().num_spills)
+}
+
+/// Logs one line, in the style of the out-of-memory report, when the
+/// allocation `call()` describes spilled to host memory.
+pub(crate) fn report_spill(
+    rt: &runtime::Runtime,
+    d: &DeviceState,
+    before: Option<u64>,
+    call: impl FnOnce() -> String,
+) {
+    let Some(before) = before else { return };
+    let st = d.allocator.stats();
+    if st.num_spills > before {
+        crate::diag::log(
+            rt.log_level(),
+            LError,
+            &format!(
+                "{}: device {} memory is exhausted: spilled to host memory; {} now live in host memory \
+                 (vmmalloc.spilled_bytes; slower until empty_cache moves it back)",
+                call(),
+                d.ordinal,
+                vmmalloc_alloc::summary::format_bytes(st.spilled_bytes)
+            ),
+        );
+    }
+}

@@ -206,6 +206,8 @@ fn try_malloc(
         }
         // Sizes beyond any device never reach a policy (whose rounding could
         // overflow); larger-than-this-device ones get the policy's full report.
+        // spill:true: say so when this request spilled (growable.rs).
+        let spills = growable::spills_before(&rt, d);
         let result = if size as u64 > MAX_REQUEST {
             d.record_oom(size as u64, stream_key(addr(stream)));
             Err((
@@ -230,6 +232,9 @@ fn try_malloc(
                 )
                 .map_err(|e| (e.is_out_of_memory(), e.to_string()))
         };
+        if result.is_ok() {
+            growable::report_spill(&rt, d, spills, call);
+        }
         match result {
             Ok(a) => (
                 VMMALLOC_OK,
