@@ -15,11 +15,12 @@
 #      non-contiguous tensors copied across two GPUs (skipped, with the reason,
 #      on a one-GPU box), a CUDA graph replayed 100 times, out-of-memory caught
 #      as torch.cuda.OutOfMemoryError with vmmalloc's text,
-#      torch.cuda.memory_allocated() matching vmmalloc's stats.
+#      torch.cuda.memory_allocated() matching vmmalloc's stats, a growable
+#      tensor's zero-copy torch view and the pressure callback (issue 13).
 #
 # usage: scripts/gpu-check-pytorch.sh [PART...]   (default: all of them)
 #   PART: fragmentation, train, or one check of torch_plugin_checks.py
-#   (peer-copy, graph-replay, oom-exception, memory-allocated); scripts/gpu-check.sh
+#   (peer-copy, graph-replay, oom-exception, memory-allocated, growable); scripts/gpu-check.sh
 #   runs them as separate steps.
 #
 # Runs from a bundle (scripts/gpu-bundle.sh) when VMMALLOC_LIBRARY names its
@@ -44,10 +45,10 @@ STEPS="${STEPS:-60}"
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
 parts=("$@")
-((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated)
+((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated growable)
 for part in "${parts[@]}"; do
     case $part in
-        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated) ;;
+        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated | growable) ;;
         *) echo "gpu-check-pytorch: unknown part $part" >&2; exit 2 ;;
     esac
 done
@@ -148,7 +149,7 @@ plugin_check() {
     fi
     return "$rc"
 }
-for check in peer-copy graph-replay oom-exception memory-allocated; do
+for check in peer-copy graph-replay oom-exception memory-allocated growable; do
     wants "$check" || continue
     step "plugin: $check" plugin_check "$check"
 done
