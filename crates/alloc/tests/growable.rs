@@ -51,6 +51,18 @@ fn sim_grows_and_shrinks_in_place_with_one_chunk_per_step() {
     let info = a.growable_info(p).unwrap();
     assert_eq!((info.size, info.mapped), (100 * MIB + 1, 102 * MIB));
     assert!(a.stats().pages_pooled > 0, "unmapped chunks are pooled");
+    // The snapshot shows the region as a segment: mapped part active, rest unmapped.
+    let snap = a.snapshot();
+    let seg = snap
+        .segments
+        .iter()
+        .find(|s| s.address == p)
+        .expect("region in snapshot");
+    assert_eq!(
+        (seg.total_size, seg.allocated_size, seg.requested_size),
+        (GIB, 102 * MIB, 100 * MIB + 1)
+    );
+    assert_eq!(seg.blocks.len(), 2);
     // Growing back reuses pooled chunks: no create.
     let creates = a.stats().driver_calls.get(Call::Create);
     a.growable_resize(p, 200 * MIB).unwrap();
