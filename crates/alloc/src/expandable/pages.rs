@@ -367,14 +367,14 @@ impl Inner {
         match self.acquire_device(dev, runs, exclude) {
             // Device memory is exhausted after reclaim: spill (spill.rs).
             Err(Backing::Short(lacking)) if self.spill.enabled => {
-                self.acquire_on_host(dev, runs, lacking)
+                self.acquire_spilling(dev, runs, exclude, lacking)
             }
             r => r,
         }
     }
 
     /// [`Inner::acquire`] from device memory only.
-    fn acquire_device<D: Device + ?Sized>(
+    pub(super) fn acquire_device<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         runs: &[(u64, u64)],

@@ -79,6 +79,55 @@ impl Inner {
         }
     }
 
+    /// With `spill:true`, after the device lacked `lacking` pages for `runs`:
+    /// the first pages of `runs` from device memory (what it can give), the
+    /// last `lacking` from host memory; all from the host when the device
+    /// part fails after all. The plan is ascending, device chunks first.
+    pub(super) fn acquire_spilling<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        runs: &[(u64, u64)],
+        exclude: super::reclaim::Exclude,
+        lacking: u64,
+    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
+        let total: u64 = runs.iter().map(|r| r.1).sum();
+        let on_device = total.saturating_sub(lacking);
+        let (mut head, mut tail) = (Vec::new(), Vec::new());
+        let mut left = on_device;
+        for &(a, n) in runs {
+            let d = n.min(left);
+            left -= d;
+            if d > 0 {
+                head.push((a, d));
+            }
+            if d < n {
+                tail.push((a + d, n - d));
+            }
+        }
+        if head.is_empty() {
+            return self.acquire_on_host(dev, runs, lacking);
+        }
+        let (mut plan, mut handles) = match self.acquire_device(dev, &head, exclude) {
+            Ok(x) => x,
+            Err(Backing::Short(_)) => return self.acquire_on_host(dev, runs, lacking),
+            Err(e) => return Err(e),
+        };
+        match self.acquire_on_host(dev, &tail, lacking) {
+            Ok((p, h)) => {
+                plan.extend(p);
+                handles.extend(h);
+                Ok((plan, handles))
+            }
+            Err(e) => {
+                for (c, h) in plan.iter().zip(handles) {
+                    self.give_back(h, c.pages);
+                }
+                self.sync_pool_stats();
+                Err(e)
+            }
+        }
+    }
+
     /// With `spill:true`, backs `runs` (`(first, count)`, unmapped) with new
     /// host-located chunks (split at `max_chunk`) after the device said no:
     /// returns the plan and its handles, or `lacking` again when the host is
