@@ -15,14 +15,15 @@
 #      non-contiguous tensors copied across two GPUs (skipped, with the reason,
 #      on a one-GPU box), a CUDA graph replayed 100 times, out-of-memory caught
 #      as torch.cuda.OutOfMemoryError with vmmalloc's text,
-#      torch.cuda.memory_allocated() matching vmmalloc's stats.
+#      torch.cuda.memory_allocated() matching vmmalloc's stats, a growable
+#      tensor's zero-copy torch view and the pressure callback (issue 13).
 #   5. scripts/torch_sleep_checks.py sleep (issue 12), under vmmalloc expandable:
 #      pause gives back >= 95 % of the tagged bytes (cuMemGetInfo), resume
 #      restores the data in place, a captured graph replays after resume.
 #
 # usage: scripts/gpu-check-pytorch.sh [PART...]   (default: all of them)
 #   PART: fragmentation, train, or one check of torch_plugin_checks.py
-#   (peer-copy, graph-replay, oom-exception, memory-allocated), or sleep; scripts/gpu-check.sh
+#   (peer-copy, graph-replay, oom-exception, memory-allocated, growable), or sleep; scripts/gpu-check.sh
 #   runs them as separate steps.
 #
 # Runs from a bundle (scripts/gpu-bundle.sh) when VMMALLOC_LIBRARY names its
@@ -47,10 +48,10 @@ STEPS="${STEPS:-60}"
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
 parts=("$@")
-((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated sleep)
+((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated growable sleep)
 for part in "${parts[@]}"; do
     case $part in
-        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated | sleep) ;;
+        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated | growable | sleep) ;;
         *) echo "gpu-check-pytorch: unknown part $part" >&2; exit 2 ;;
     esac
 done
@@ -151,7 +152,7 @@ plugin_check() {
     fi
     return "$rc"
 }
-for check in peer-copy graph-replay oom-exception memory-allocated; do
+for check in peer-copy graph-replay oom-exception memory-allocated growable; do
     wants "$check" || continue
     step "plugin: $check" plugin_check "$check"
 done

@@ -338,7 +338,7 @@ else
     step fragmentation 200 "$pt" fragmentation
     step train 150 "$pt" train
     step graphs 90 "$pt" graph-replay
-    step plugin-checks 90 "$pt" oom-exception memory-allocated
+    step plugin-checks 120 "$pt" oom-exception memory-allocated growable
     step sleep 90 "$pt" sleep
 fi
 

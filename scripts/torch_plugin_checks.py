@@ -153,8 +153,49 @@ def memory_allocated(torch, vm):
     print("memory-allocated: torch.cuda's memory functions match vmmalloc's stats")
 
 
+def growable(torch, vm):
+    """Issue 13: a growable tensor's torch view is zero-copy, keeps its address
+    and its data across growth and shrink; the pressure callback frees a cache
+    and an allocation that would fail succeeds on the retry."""
+    g = vm.growable(1 << 30, dtype=torch.bfloat16)
+    g.resize(1 << 20)
+    t = g.tensor()
+    check(t.data_ptr() == g.ptr and t.numel() == 1 << 20 and t.dtype == torch.bfloat16, "zero-copy view")
+    t.copy_(torch.arange(1 << 20, device="cuda").to(torch.bfloat16))
+    ref = t.clone()
+    for n in [300 << 20 >> 1, 1 << 10, 400 << 20 >> 1, 1 << 20]:
+        g.resize(n)
+        v = g.tensor()
+        check(v.data_ptr() == g.ptr, "the address never moves")
+        k = min(n, 1 << 10)
+        check(torch.equal(v[:k], ref[:k]), f"data kept at {n} elements")
+    torch.cuda.synchronize()
+    g.destroy()
+    free, _ = torch.cuda.mem_get_info()
+    cache = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(max(1, free // (256 << 20) - 1))]
+    calls = []
+
+    def drop(size, device):
+        calls.append(size)
+        n = 0
+        while cache and n < size:
+            cache.pop()
+            n += 256 << 20
+        torch.cuda.synchronize()
+        return n
+
+    vm.on_memory_pressure(drop)
+    try:
+        x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        check(len(calls) == 1, f"the pressure callback ran once ({calls})")
+        del x
+    finally:
+        vm.on_memory_pressure(None)
+    print("growable: zero-copy view, address and data kept; pressure callback rescued a 1 GiB allocation")
+
+
 CHECKS = {"peer-copy": peer_copy, "graph-replay": graph_replay, "oom-exception": oom_exception,
-          "memory-allocated": memory_allocated}
+          "memory-allocated": memory_allocated, "growable": growable}
 
 
 def main():

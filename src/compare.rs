@@ -357,6 +357,8 @@ pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
                             "ok": p.tight.ok,
                             "ooms": p.tight.ooms,
                             "retries": p.tight.retries,
+                            "region_copies": p.tight.region_copies,
+                            "region_copied_bytes": p.tight.region_copied_bytes,
                             "syncs": p.tight.syncs,
                             "stream_syncs": p.tight.driver_calls.stream_syncs(),
                             "device_syncs": p.tight.driver_calls.device_syncs(),
@@ -415,6 +417,15 @@ pub fn table(rows: &[TraceRow]) -> String {
         "steady syncs",
     ];
     let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
+    // Growable regions (serve-kv:growable=1): the copies a policy without
+    // regions made to reallocate them, shown when any policy made one.
+    let copies = rows
+        .iter()
+        .flat_map(|t| &t.policies)
+        .any(|p| p.tight.region_copies > 0);
+    if copies {
+        lines[0].push("copies".into());
+    }
     for t in rows {
         for p in &t.policies {
             let [steady_calls, steady_ms, steady_syncs] = p.steady_cells();
@@ -434,9 +445,13 @@ pub fn table(rows: &[TraceRow]) -> String {
                 steady_ms,
                 steady_syncs,
             ]);
+            if copies {
+                let l = lines.last_mut().expect("just pushed");
+                l.push(p.tight.region_copies.to_string());
+            }
         }
     }
-    let widths: Vec<usize> = (0..header.len())
+    let widths: Vec<usize> = (0..lines[0].len())
         .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
         .collect();
     let mut out = String::new();

@@ -109,6 +109,8 @@ fn compare_json_matches_the_schema() {
                 "modeled_driver_us_linear",
                 "ok",
                 "ooms",
+                "region_copied_bytes",
+                "region_copies",
                 "retries",
                 "steady",
                 "stream_syncs",

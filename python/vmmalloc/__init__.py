@@ -40,6 +40,7 @@ from ._lib import (
 from ._check import check
 from ._sleep import get_tag, pause, region, resume, set_tag, tag_stats
 from . import _lib
+from ._growable import GrowableTensor, growable, on_memory_pressure
 
 __all__ = [
     "VmmallocError",
@@ -50,6 +51,9 @@ __all__ = [
     "empty_cache",
     "enable",
     "find_library",
+    "growable",
+    "GrowableTensor",
+    "on_memory_pressure",
     "is_enabled",
     "oom_exception",
     "last_error",

@@ -96,6 +96,14 @@ impl CUmemLocation {
             id: ordinal,
         }
     }
+
+    /// The location "host NUMA node `node`".
+    pub fn host_numa(node: c_int) -> Self {
+        CUmemLocation {
+            type_: CU_MEM_LOCATION_TYPE_HOST_NUMA,
+            id: node,
+        }
+    }
 }
 
 /// The anonymous `allocFlags` structure inside `CUmemAllocationProp` (8 bytes).
@@ -288,6 +296,17 @@ pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: CUmemAllocationHandleType = 
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`: the location id is a device ordinal.
 pub const CU_MEM_LOCATION_TYPE_DEVICE: CUmemLocationType = 1;
+/// `CU_MEM_LOCATION_TYPE_HOST_NUMA` (CUDA 12.2+): the location id is a host
+/// NUMA node; `cuMemCreate` then allocates pinned host memory that maps into
+/// device reservations (used to spill).
+pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: CUmemLocationType = 3;
+/// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID` (CUDA 12.2+): the host NUMA node
+/// closest to the device, -1 when the system does not support NUMA.
+pub const CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID: CUdevice_attribute = 134;
+/// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`
+/// (cuda.h of CUDA 12.9+): 1 if `cuMemCreate`/`cuMemMap` accept host NUMA locations.
+pub const CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: CUdevice_attribute =
+    141;
 
 /// `CU_MEM_ACCESS_FLAGS_PROT_NONE`.
 pub const CU_MEM_ACCESS_FLAGS_PROT_NONE: CUmemAccess_flags = 0;

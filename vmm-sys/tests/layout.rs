@@ -239,6 +239,20 @@ fn enum_constants_match_cuda_h() {
         CU_MEM_LOCATION_TYPE_DEVICE,
         cu::CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_DEVICE as u32
     );
+    assert_eq!(
+        CU_MEM_LOCATION_TYPE_HOST_NUMA,
+        cu::CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_HOST_NUMA as u32
+    );
+    assert_eq!(
+        CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
+        cu::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID as u32
+    );
+    // Newer than the cuda-12080 bindings: cuda.h of CUDA 12.9 / 13 (Driver
+    // API reference, CUdevice_attribute) gives 141.
+    assert_eq!(
+        CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+        141
+    );
     use cu::CUmemAccess_flags_enum as F;
     assert_eq!(
         CU_MEM_ACCESS_FLAGS_PROT_NONE,

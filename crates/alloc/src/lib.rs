@@ -25,7 +25,9 @@ pub mod summary;
 pub mod bench;
 pub mod caching;
 pub mod expandable;
+pub mod growable;
 pub mod native;
+pub mod pressure;
 #[doc(hidden)]
 pub mod testing;
 pub mod torch_es;
@@ -104,5 +106,11 @@ pub trait Allocator: Send + Sync {
     /// Memory per tag (empty for policies without tags).
     fn tag_stats(&self) -> Vec<TagStats> {
         Vec::new()
+    }
+
+    /// Growable regions ([`growable::Growable`]), if the policy offers them
+    /// (only `expandable` does); `None` by default.
+    fn as_growable(&self) -> Option<&dyn growable::Growable> {
+        None
     }
 }

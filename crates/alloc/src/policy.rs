@@ -143,7 +143,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// (the text as written, trimmed) names its row in reports.
 ///
 /// Options by policy (an unknown option is an error naming it):
-/// - `expandable`: `max_chunk`, `split_threshold`, `page_size`, `arena_size`, `release_threshold`
+/// - `expandable`: `max_chunk`, `split_threshold`, `page_size`, `arena_size`, `release_threshold`, `spill`
 ///   (sizes: bytes or e.g. `20MiB`), `memory_fraction` (in (0, 1]).
 /// - `caching`, `torch-es`: the `PYTORCH_CUDA_ALLOC_CONF` keys
 ///   [`crate::caching::CachingConfig::parse`] accepts, e.g. `max_split_size_mb=128`,
@@ -202,10 +202,17 @@ impl PolicySpec {
             (Policy::Expandable, "memory_fraction") => {
                 o.expandable.memory_fraction = parse_unit_fraction(value).map_err(bad)?
             }
+            (Policy::Expandable, "spill") => {
+                o.expandable.spill = match value.trim() {
+                    "1" | "true" | "True" => true,
+                    "0" | "false" | "False" => false,
+                    v => return Err(bad(format!("`{v}` is not a boolean (true/false/1/0)"))),
+                }
+            }
             _ => {
                 let valid = match self.policy {
                     Policy::Expandable => {
-                        "max_chunk, split_threshold, page_size, arena_size, release_threshold, memory_fraction"
+                        "max_chunk, split_threshold, page_size, arena_size, release_threshold, memory_fraction, spill"
                     }
                     _ => "none",
                 };

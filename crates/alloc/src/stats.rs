@@ -135,6 +135,15 @@ pub struct Stats {
     pub chunk_splits: u64,
     /// Ours: bytes unmapped by targeted reclaims.
     pub reclaimed_bytes: u64,
+    /// Ours: bytes of host-located chunks mapped now (spill, `spill:true`;
+    /// docs/expandable.md, "Spill and pressure").
+    pub spilled_bytes: u64,
+    /// Ours: the most `spilled_bytes` seen.
+    pub spilled_bytes_peak: u64,
+    /// Ours: requests backed by host memory because device memory ran out.
+    pub num_spills: u64,
+    /// Ours: spilled chunks moved back to device memory at a quiet point.
+    pub spill_migrations: u64,
     /// Ours: stream (not device) synchronizations and event waits forced.
     pub num_stream_syncs: u64,
     /// Ours: device calls made by this allocator, per kind.
@@ -209,6 +218,16 @@ impl Stats {
         m.insert("vmmalloc.handles_pooled".into(), self.handles_pooled as i64);
         m.insert("vmmalloc.reclaims".into(), self.reclaims as i64);
         m.insert("vmmalloc.chunk_splits".into(), self.chunk_splits as i64);
+        m.insert("vmmalloc.spilled_bytes".into(), self.spilled_bytes as i64);
+        m.insert(
+            "vmmalloc.spilled_bytes_peak".into(),
+            self.spilled_bytes_peak as i64,
+        );
+        m.insert("vmmalloc.num_spills".into(), self.num_spills as i64);
+        m.insert(
+            "vmmalloc.spill_migrations".into(),
+            self.spill_migrations as i64,
+        );
         m.insert(
             "vmmalloc.reclaimed_bytes".into(),
             self.reclaimed_bytes as i64,

@@ -35,7 +35,7 @@ pub struct KeyDoc {
 }
 
 /// Every key `VMMALLOC_CONF` accepts, in documentation order.
-pub const KEYS: [KeyDoc; 19] = [
+pub const KEYS: [KeyDoc; 20] = [
     KeyDoc {
         name: "backend",
         default: "expandable",
@@ -69,6 +69,13 @@ pub const KEYS: [KeyDoc; 19] = [
         default: "0.4",
         meaning: "expandable: live bytes, as a fraction of the limit in [0, 1], above which a free chunk a new \
                   block covers only in part is split instead of pinned (1: never, 0: always)",
+    },
+    KeyDoc {
+        name: "spill",
+        default: "false",
+        meaning: "expandable: when device memory is exhausted after reclaim, back the request with host-located \
+                  chunks (cuMemCreate on the host NUMA node, CUDA 12.2+) mapped at the same addresses; they move \
+                  back at a quiet point (empty_cache). Stats: vmmalloc.spilled_bytes",
     },
     KeyDoc {
         name: "release_threshold_mb",
@@ -290,6 +297,8 @@ pub struct Config {
     pub peers: Peers,
     /// `ipc`: request exportable (POSIX fd) handles (cuda).
     pub ipc: bool,
+    /// `spill`: expandable spills to host memory when the device is full.
+    pub spill: bool,
 }
 
 impl Default for Config {
@@ -315,6 +324,7 @@ impl Default for Config {
             source: String::new(),
             peers: Peers::Auto,
             ipc: false,
+            spill: false,
         }
     }
 }
@@ -474,6 +484,7 @@ impl Config {
             "expandable_segments" => self.expandable_segments = Some(boolean(key, v)?),
             "peers" => self.peers = parse_peers(key, v)?,
             "ipc" => self.ipc = boolean(key, v)?,
+            "spill" => self.spill = boolean(key, v)?,
             _ => {
                 return Err(ConfigError {
                     key: Some(key.to_string()),
@@ -579,6 +590,7 @@ impl Config {
                 release_threshold: self.release_threshold.unwrap_or(defaults.release_threshold),
                 max_chunk: self.max_chunk,
                 split_threshold: self.split_threshold.unwrap_or(defaults.split_threshold),
+                spill: self.spill,
                 ..defaults
             },
             caching,
@@ -601,6 +613,7 @@ impl Config {
                     .map_or("default".to_string(), |t| t.to_string()),
             ),
             ("release_threshold_mb", opt(self.release_threshold, MIB)),
+            ("spill", self.spill.to_string()),
             (
                 "capacity_gb",
                 match self.device {

@@ -40,6 +40,12 @@
 //! const char* vmmalloc_last_error(void);          // this thread's last error, or NULL; owned by the library
 //! const char* vmmalloc_version(void);
 //! void  vmmalloc_free_string(char* s);
+//! // Growable regions and the memory-pressure callback (growable.rs).
+//! void* vmmalloc_growable_create(int device, size_t max_bytes);
+//! int   vmmalloc_growable_resize(void* ptr, size_t bytes);      // 0 ok, 1 out of memory, 2 other
+//! int   vmmalloc_growable_destroy(void* ptr);
+//! int   vmmalloc_growable_info(void* ptr, size_t* size, size_t* max_bytes, size_t* mapped);
+//! int   vmmalloc_set_pressure_callback(size_t (*fn)(size_t size, int device));
 //! ```
 //!
 //! `int` results are 0 on success and -1 on failure.
@@ -72,12 +78,17 @@ mod devices;
 mod diag;
 mod dump;
 mod fork;
+mod growable;
 mod history;
 mod pools;
 mod runtime;
 pub mod sleep;
 
 pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
+pub use growable::{
+    vmmalloc_growable_create, vmmalloc_growable_destroy, vmmalloc_growable_info,
+    vmmalloc_growable_resize, vmmalloc_set_pressure_callback, PressureCallback,
+};
 pub use runtime::MAX_DEVICES;
 
 use config::LogLevel::{Error as LError, Info as LInfo};
@@ -202,6 +213,8 @@ fn try_malloc(
         }
         // Sizes beyond any device never reach a policy (whose rounding could
         // overflow); larger-than-this-device ones get the policy's full report.
+        // spill:true: say so when this request spilled (growable.rs).
+        let spills = growable::spills_before(&rt, d);
         let result = if size as u64 > MAX_REQUEST {
             d.record_oom(size as u64, stream_key(addr(stream)));
             Err((
@@ -215,9 +228,20 @@ fn try_malloc(
         } else if let Some(id) = pool {
             d.pools.malloc(id, size as u64, stream_key(addr(stream)))
         } else {
-            d.malloc(size as u64, stream_key(addr(stream)))
+            // On out-of-memory: the pressure callback (growable.rs), retried once.
+            let key = stream_key(addr(stream));
+            growable::PRESSURE
+                .retry(
+                    size as u64,
+                    device,
+                    || growable::capturing(d, key),
+                    || d.malloc(size as u64, key),
+                )
                 .map_err(|e| (e.is_out_of_memory(), e.to_string()))
         };
+        if result.is_ok() {
+            growable::report_spill(&rt, d, spills, call);
+        }
         match result {
             Ok(a) => (
                 VMMALLOC_OK,

@@ -100,6 +100,10 @@ impl<D: Device, H: CallHook> Device for Hooked<D, H> {
     fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
         self.run(Call::Create, size, |d| d.create(size))
     }
+    /// Hooked as a `create` (the same driver entry point, `cuMemCreate`).
+    fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
+        self.run(Call::Create, size, |d| d.create_on_host(size))
+    }
     fn release(&self, handle: PhysHandle) -> DeviceResult<()> {
         self.run(Call::Release, 0, |d| d.release(handle))
     }
@@ -499,6 +503,10 @@ impl<D: Device> Device for CapacityLimit<D> {
                 Err(e)
             }
         }
+    }
+    /// Host memory: not charged to this (device) limit.
+    fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
+        self.inner.create_on_host(size)
     }
     /// Releases the handle; the limit is credited once its last mapping is gone too.
     fn release(&self, handle: PhysHandle) -> DeviceResult<()> {

@@ -96,6 +96,12 @@ use vmm_sys::{
     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_STREAM_CAPTURE_STATUS_NONE, CU_STREAM_LEGACY,
     CU_STREAM_NON_BLOCKING, CU_STREAM_PER_THREAD,
 };
+// Spill (host-located chunks, `create_on_host`).
+use vmm_sys::{
+    CUmemLocation, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED,
+    CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
+    CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+};
 
 // ---------------------------------------------------------------------------
 // Process-wide helpers
@@ -834,6 +840,45 @@ impl CudaDevice {
         CUmemAllocationProp::pinned_on_device(self.dev, self.handle_types)
     }
 
+    /// The host NUMA node that host-located chunks (spill) are created on:
+    /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID` (134, CUDA 12.2+; -1 when the system
+    /// has no NUMA). Refused, saying why, when the device reports
+    /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`
+    /// (141) = 0; a driver too old to know 141 is tried anyway (its
+    /// `cuMemCreate` refuses an unknown location type).
+    fn host_numa_node(&self) -> DeviceResult<std::ffi::c_int> {
+        let unsupported = |what: String| DeviceError::Unsupported {
+            call: Call::Create,
+            what,
+        };
+        let node = self
+            .driver
+            .device_get_attribute(CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, self.dev)
+            .map_err(|e| {
+                unsupported(format!(
+                    "host-located memory needs CUDA 12.2+ (CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID: {e})"
+                ))
+            })?;
+        if node < 0 {
+            return Err(unsupported(
+                "host-located memory: the system reports no host NUMA node \
+                 (CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID = -1)"
+                    .into(),
+            ));
+        }
+        if let Ok(0) = self.driver.device_get_attribute(
+            CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            self.dev,
+        ) {
+            return Err(unsupported(format!(
+                "CUDA device {} ({}) cannot map host NUMA memory with the VMM API \
+                 (CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0)",
+                self.caps.ordinal, self.caps.name
+            )));
+        }
+        Ok(node)
+    }
+
     fn acquire_handle(&self, call: Call, handle: PhysHandle) -> DeviceResult<Arc<()>> {
         self.handles.lock().acquire(handle.0).ok_or_else(|| {
             DeviceError::rule(call, Rule::UnknownHandle, format!("handle {:#x}", handle.0))
@@ -940,6 +985,36 @@ impl Device for CudaDevice {
             .driver
             .mem_create(size as usize, &prop, 0)
             .map_err(|e| self.fail(Call::Create, e, size, || format!("size {size:#x}")))?;
+        self.handles.lock().insert(handle);
+        Ok(PhysHandle(handle))
+    }
+
+    /// `cuMemCreate` with `CUmemLocation{CU_MEM_LOCATION_TYPE_HOST_NUMA,
+    /// node}` (cuda.h, CUDA 12.2+): pinned host memory that maps and is
+    /// accessed like device memory.
+    fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
+        let _ctx = self.enter(Call::Create)?;
+        let node = self.host_numa_node()?;
+        let mut prop = self.prop();
+        prop.location = CUmemLocation::host_numa(node);
+        let handle = self
+            .driver
+            .mem_create(size as usize, &prop, 0)
+            .map_err(|e| {
+                if e.code == CUDA_ERROR_INVALID_VALUE || e.code == CUDA_ERROR_NOT_SUPPORTED {
+                    DeviceError::Unsupported {
+                        call: Call::Create,
+                        what: format!(
+                        "host-located memory on NUMA node {node} (cuMemCreate refused the host \
+                         location: {e}; it needs CUDA 12.2+)"
+                    ),
+                    }
+                } else {
+                    self.fail(Call::Create, e, size, || {
+                        format!("size {size:#x} on host NUMA node {node}")
+                    })
+                }
+            })?;
         self.handles.lock().insert(handle);
         Ok(PhysHandle(handle))
     }

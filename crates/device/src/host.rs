@@ -251,6 +251,41 @@ fn dup(fd: RawFd) -> io::Result<OwnedFd> {
 }
 
 impl HostDevice {
+    /// Limits host-located chunks ([`Device::create_on_host`], spill) to
+    /// `bytes` in all (default: no limit).
+    pub fn set_host_capacity(&self, bytes: u64) {
+        self.state.lock().space.set_host_capacity(bytes);
+    }
+
+    /// `create` and `create_on_host`: the model checks the size and the
+    /// capacity (out-of-memory) first, then a memfd backs the handle.
+    fn create_located(&self, size: u64, on_host: bool) -> DeviceResult<PhysHandle> {
+        self.count(Call::Create);
+        let mut st = self.state.lock();
+        let handle = if on_host {
+            st.space.create_on_host(size)?
+        } else {
+            st.space.create(size)?
+        };
+        let made = st
+            .space
+            .allocation_of(Call::Create, handle)
+            .and_then(|alloc| self.new_memfd(size).map(|(fd, inode)| (alloc, fd, inode)));
+        match made {
+            Ok((alloc, fd, inode)) => {
+                st.handles.insert(handle.0, HostHandle { fd, alloc });
+                st.allocations
+                    .insert(alloc, HostAllocation { inode, refs: 1 });
+                st.by_inode.insert(inode, alloc);
+                Ok(handle)
+            }
+            Err(e) => {
+                let _ = st.space.release(handle);
+                Err(e)
+            }
+        }
+    }
+
     /// Test control: starts a CUDA-graph capture on `stream` in global mode
     /// (PyTorch's default), as `cuStreamBeginCapture` would. While it lasts the
     /// device refuses what the real driver refuses (see [`StreamModel`]).
@@ -466,27 +501,14 @@ impl Device for HostDevice {
     }
 
     fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
-        self.count(Call::Create);
-        let mut st = self.state.lock();
-        // The model checks the size and the capacity (out-of-memory) first.
-        let handle = st.space.create(size)?;
-        let made = st
-            .space
-            .allocation_of(Call::Create, handle)
-            .and_then(|alloc| self.new_memfd(size).map(|(fd, inode)| (alloc, fd, inode)));
-        match made {
-            Ok((alloc, fd, inode)) => {
-                st.handles.insert(handle.0, HostHandle { fd, alloc });
-                st.allocations
-                    .insert(alloc, HostAllocation { inode, refs: 1 });
-                st.by_inode.insert(inode, alloc);
-                Ok(handle)
-            }
-            Err(e) => {
-                let _ = st.space.release(handle);
-                Err(e)
-            }
-        }
+        self.create_located(size, false)
+    }
+
+    /// A memfd like [`Device::create`]'s, charged to the model's host limit
+    /// ([`HostDevice::set_host_capacity`]): on the CPU both are host memory,
+    /// the model keeps the two budgets apart as the driver does.
+    fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
+        self.create_located(size, true)
     }
 
     fn release(&self, handle: PhysHandle) -> DeviceResult<()> {

@@ -433,6 +433,21 @@ pub trait Device: Send + Sync {
         Ok(false)
     }
 
+    /// Creates a physical chunk of `size` bytes (a multiple of the
+    /// granularity) in **host** memory that maps into this device's
+    /// reservations like a [`Device::create`] chunk (`cuMemCreate` with
+    /// `CUmemLocation{type = CU_MEM_LOCATION_TYPE_HOST_NUMA, id = NUMA node}`,
+    /// CUDA 12.2+; cuda.h). Used to spill when device memory runs out; it
+    /// is charged to host memory, never to the device. Backends without it
+    /// answer [`DeviceError::Unsupported`] (the default).
+    fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
+        let _ = size;
+        Err(DeviceError::Unsupported {
+            call: Call::Create,
+            what: "host-located physical memory (spill) on this backend".into(),
+        })
+    }
+
     /// The checked model behind a CPU backend (`sim`, `host`), for tests and
     /// `validate()`; `None` on a real GPU.
     fn introspect(&self) -> Option<&dyn Introspect> {
@@ -533,6 +548,9 @@ macro_rules! impl_device_for_pointer {
             }
             fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
                 (**self).is_capturing(stream)
+            }
+            fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
+                (**self).create_on_host(size)
             }
             fn introspect(&self) -> Option<&dyn Introspect> {
                 (**self).introspect()

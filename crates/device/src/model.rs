@@ -39,6 +39,9 @@ struct Allocation {
     size: u64,
     /// Live handles naming this allocation + mappings of it.
     refs: u32,
+    /// Host-located (`cuMemCreate` with a host NUMA location): charged to
+    /// `host_used`, not to the device's `physical_used`.
+    on_host: bool,
 }
 
 /// A hash map keyed by ids or addresses (FxHash: one multiply per key; keys
@@ -58,6 +61,8 @@ pub struct LiveCounts {
     pub plain_allocs: usize,
     /// Bytes of physical memory in use (allocations + plain allocations).
     pub physical_bytes: u64,
+    /// Bytes of host-located physical allocations (spill; not device memory).
+    pub host_bytes: u64,
 }
 
 impl LiveCounts {
@@ -100,6 +105,10 @@ pub struct AddressSpace {
     /// start -> length. Only kept while `gaps` is `None`.
     va: BTreeMap<u64, u64>,
     physical_used: u64,
+    /// Bytes of host-located allocations, and their limit (host memory a
+    /// process may pin; `u64::MAX` = no limit).
+    host_used: u64,
+    host_capacity: u64,
     next_id: u64,
 }
 
@@ -123,6 +132,8 @@ impl AddressSpace {
             gaps: Some(gaps::Gaps::new(VA_BASE, VA_END)),
             va: BTreeMap::new(),
             physical_used: 0,
+            host_used: 0,
+            host_capacity: u64::MAX,
             next_id: 1,
         }
     }
@@ -155,6 +166,7 @@ impl AddressSpace {
             mappings: self.mappings.len(),
             plain_allocs: self.plain.len(),
             physical_bytes: self.physical_used,
+            host_bytes: self.host_used,
         }
     }
 
@@ -370,10 +382,65 @@ impl AddressSpace {
         let alloc = self.next_id;
         let handle = self.next_id + 1;
         self.next_id += 2;
-        self.allocations.insert(alloc, Allocation { size, refs: 1 });
+        self.allocations.insert(
+            alloc,
+            Allocation {
+                size,
+                refs: 1,
+                on_host: false,
+            },
+        );
         self.handles.insert(handle, alloc);
         self.physical_used += size;
         Ok(PhysHandle(handle))
+    }
+
+    /// Creates a host-located physical allocation and a handle to it
+    /// (`cuMemCreate` with `CUmemLocation{CU_MEM_LOCATION_TYPE_HOST_NUMA, node}`,
+    /// CUDA 12.2+): mapped and accessed like device memory, charged to the
+    /// host limit ([`AddressSpace::set_host_capacity`]), never to the device.
+    pub fn create_on_host(&mut self, size: u64) -> DeviceResult<PhysHandle> {
+        Self::positive(Call::Create, size)?;
+        self.aligned(Call::Create, "size", size)?;
+        if size > self.host_capacity - self.host_used {
+            return Err(DeviceError::OutOfMemory {
+                call: Call::Create,
+                requested: size,
+                free: self.host_capacity - self.host_used,
+                total: self.host_capacity,
+            });
+        }
+        let alloc = self.next_id;
+        let handle = self.next_id + 1;
+        self.next_id += 2;
+        self.allocations.insert(
+            alloc,
+            Allocation {
+                size,
+                refs: 1,
+                on_host: true,
+            },
+        );
+        self.handles.insert(handle, alloc);
+        self.host_used += size;
+        Ok(PhysHandle(handle))
+    }
+
+    /// Limits host-located allocations to `bytes` in all.
+    pub fn set_host_capacity(&mut self, bytes: u64) {
+        self.host_capacity = bytes;
+    }
+
+    /// Bytes of host-located allocations in use.
+    pub fn host_used(&self) -> u64 {
+        self.host_used
+    }
+
+    /// Whether `handle` names a host-located allocation.
+    pub fn is_on_host(&self, handle: PhysHandle) -> bool {
+        self.handles
+            .get(&handle.0)
+            .is_some_and(|a| self.allocations[a].on_host)
     }
 
     /// The allocation a handle names (its identity across export/import).
@@ -412,7 +479,11 @@ impl AddressSpace {
             .expect("model invariant: ref to live allocation");
         a.refs -= 1;
         if a.refs == 0 {
-            self.physical_used -= a.size;
+            if a.on_host {
+                self.host_used -= a.size;
+            } else {
+                self.physical_used -= a.size;
+            }
             self.allocations.remove(&alloc);
         }
     }
@@ -727,6 +798,7 @@ impl AddressSpace {
             *refs.entry(*a).or_default() += 1;
         }
         let mut used = 0;
+        let mut host = 0;
         for (id, a) in &self.allocations {
             if refs.get(id).copied().unwrap_or(0) != a.refs || a.refs == 0 {
                 return Err(format!(
@@ -735,7 +807,17 @@ impl AddressSpace {
                     refs.get(id).copied().unwrap_or(0)
                 ));
             }
-            used += a.size;
+            if a.on_host {
+                host += a.size;
+            } else {
+                used += a.size;
+            }
+        }
+        if host != self.host_used || host > self.host_capacity {
+            return Err(format!(
+                "host use {} != recount {host} (host capacity {})",
+                self.host_used, self.host_capacity
+            ));
         }
         used += self.plain.values().map(|p| p.1).sum::<u64>();
         if used != self.physical_used || used > self.capacity {

@@ -108,6 +108,12 @@ pub struct SimDevice {
 }
 
 impl SimDevice {
+    /// Limits host-located chunks ([`Device::create_on_host`], spill) to
+    /// `bytes` in all (default: no limit).
+    pub fn set_host_capacity(&self, bytes: u64) {
+        self.space.lock().set_host_capacity(bytes);
+    }
+
     /// Test control: starts a CUDA-graph capture on `stream` in global mode
     /// (PyTorch's default), as `cuStreamBeginCapture` would. While it lasts the
     /// device refuses what the real driver refuses (see [`StreamModel`]).
@@ -269,6 +275,14 @@ impl Device for SimDevice {
     fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
         self.charge(Call::Create, size, 1);
         self.space.lock().create(size)
+    }
+
+    /// Charged as a `create` (the same entry point, `cuMemCreate`; no
+    /// published measurement of host-located creation exists yet) and to
+    /// the model's host limit ([`SimDevice::set_host_capacity`]).
+    fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
+        self.charge(Call::Create, size, 1);
+        self.space.lock().create_on_host(size)
     }
 
     fn release(&self, handle: PhysHandle) -> DeviceResult<()> {

@@ -1467,3 +1467,32 @@ fake_test! {
         assert_clean(fake, 0);
     }
 }
+
+fake_test! {
+    /// Spill through the `cuda` backend: `create_on_host` is `cuMemCreate`
+    /// with a host NUMA location (node from `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`);
+    /// the chunk maps into a device reservation, holds bytes, uses no device
+    /// memory, and is released like any handle.
+    env [("FAKE_CUDA_CAPACITY_MB", "64")]
+    fn host_located_chunks_map_like_device_ones(fake) {
+        let dev = fake.open(0);
+        let free0 = dev.mem_info().unwrap().free;
+        let va = dev.reserve(8 * MIB, 2 * MIB).unwrap();
+        let h = dev.create_on_host(8 * MIB).unwrap();
+        assert_eq!(dev.mem_info().unwrap().free, free0, "host memory, not device memory");
+        dev.map(va, 8 * MIB, h).unwrap();
+        dev.set_access(va, 8 * MIB).unwrap();
+        let data = pattern(4096, 7);
+        dev.copy_to_device(va + 3 * MIB, &data).unwrap();
+        let mut back = vec![0u8; 4096];
+        dev.copy_from_device(va + 3 * MIB, &mut back).unwrap();
+        assert_eq!(back, data);
+        // More than the device holds: host memory is a separate budget.
+        let big = dev.create_on_host(128 * MIB).unwrap();
+        dev.release(big).unwrap();
+        dev.unmap(va, 8 * MIB).unwrap();
+        dev.release(h).unwrap();
+        dev.free_reservation(va, 8 * MIB).unwrap();
+        assert_clean(fake, 0);
+    }
+}

@@ -32,15 +32,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let pre = dt.pre_trace().len();
         let body = &ops[pre..];
         let id_of = |o: &Op| match o {
-            Op::Alloc { id, .. } | Op::Free { id } => *id,
+            Op::Alloc { id, .. }
+            | Op::Free { id }
+            | Op::Reserve { id, .. }
+            | Op::Resize { id, .. } => *id,
         };
         let offset = ops.iter().map(id_of).max().map_or(0, |m| m + 1);
         // What the body leaves live, freed before its second copy.
         let mut live = BTreeSet::new();
         for o in body {
             match o {
-                Op::Alloc { id, .. } => live.insert(*id),
+                Op::Alloc { id, .. } | Op::Reserve { id, .. } => live.insert(*id),
                 Op::Free { id } => live.remove(id),
+                Op::Resize { .. } => false,
             };
         }
         let mut twice = ops.to_vec();
@@ -52,6 +56,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 stream,
             },
             Op::Free { id } => Op::Free { id: id + offset },
+            Op::Reserve { id, max, stream } => Op::Reserve {
+                id: id + offset,
+                max,
+                stream,
+            },
+            Op::Resize { id, size } => Op::Resize {
+                id: id + offset,
+                size,
+            },
         }));
         let tight = round_up((dt.peak_live_bytes() as f64 * 1.05).ceil() as u64, 2 * MIB);
         println!(

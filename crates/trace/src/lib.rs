@@ -21,6 +21,7 @@ pub mod input;
 pub mod model;
 pub mod pytorch;
 pub mod reconstruct;
+mod regions;
 pub mod replay;
 pub mod text;
 pub mod workloads;

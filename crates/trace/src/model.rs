@@ -45,11 +45,17 @@ pub enum EventKind {
     Oom,
     /// A user annotation; reference only.
     UserDefined,
+    /// A growable region of up to `size` bytes at `addr` on `stream`, of
+    /// length 0 (vmmalloc's `growable_create`; docs/expandable.md, "Growable
+    /// regions"). Freed by a `free` event.
+    Reserve,
+    /// The growable region at `addr` becomes `size` bytes long.
+    Resize,
 }
 
 impl EventKind {
     /// Every kind, in declaration order.
-    pub const ALL: [EventKind; 10] = [
+    pub const ALL: [EventKind; 12] = [
         EventKind::Alloc,
         EventKind::Free,
         EventKind::FreeRequested,
@@ -60,6 +66,8 @@ impl EventKind {
         EventKind::Snapshot,
         EventKind::Oom,
         EventKind::UserDefined,
+        EventKind::Reserve,
+        EventKind::Resize,
     ];
 
     /// The kind's name in the text format (`alloc`, `free`, `free_requested`, …).
@@ -75,6 +83,8 @@ impl EventKind {
             EventKind::Snapshot => "snapshot",
             EventKind::Oom => "oom",
             EventKind::UserDefined => "user_defined",
+            EventKind::Reserve => "reserve",
+            EventKind::Resize => "resize",
         }
     }
 
@@ -83,9 +93,13 @@ impl EventKind {
         EventKind::ALL.into_iter().find(|k| k.name() == name)
     }
 
-    /// Whether a replayer acts on this kind (alloc and free only).
+    /// Whether a replayer acts on this kind (alloc and free, and growable
+    /// regions' reserve and resize).
     pub fn is_replayed(self) -> bool {
-        matches!(self, EventKind::Alloc | EventKind::Free)
+        matches!(
+            self,
+            EventKind::Alloc | EventKind::Free | EventKind::Reserve | EventKind::Resize
+        )
     }
 }
 
@@ -185,10 +199,28 @@ pub enum Op {
         /// Stream.
         stream: u64,
     },
-    /// Free the allocation `id`.
+    /// Free the allocation `id` (or destroy the growable region `id`).
     Free {
         /// Dense allocation id.
         id: u32,
+    },
+    /// Create the growable region `id` of up to `max` bytes on `stream`, of
+    /// length 0. A policy without regions allocates nothing yet.
+    Reserve {
+        /// Dense allocation id.
+        id: u32,
+        /// The region's maximum in bytes.
+        max: u64,
+        /// Stream.
+        stream: u64,
+    },
+    /// Make the growable region `id` `size` bytes long. A policy without
+    /// regions allocates `size` bytes, copies and frees the old allocation.
+    Resize {
+        /// Dense allocation id.
+        id: u32,
+        /// The new length in bytes.
+        size: u64,
     },
 }
 
@@ -240,7 +272,7 @@ impl DeviceTrace {
         let n_alloc_events = parts
             .events
             .iter()
-            .filter(|e| e.kind == EventKind::Alloc)
+            .filter(|e| matches!(e.kind, EventKind::Alloc | EventKind::Reserve))
             .count();
         let n_ids = parts.pre_trace.len() + n_alloc_events;
         if n_ids >= u32::MAX as usize {
@@ -265,6 +297,8 @@ impl DeviceTrace {
             });
         }
         let pre_trace_live = live_bytes;
+        // Growable regions (`reserve` events): id -> maximum bytes.
+        let mut regions: HashMap<u32, u64> = HashMap::new();
         let mut peak_live = live_bytes;
         for (i, e) in parts.events.iter().enumerate() {
             let at = |kind: ErrorKind| err(kind).at_event(i);
@@ -296,6 +330,38 @@ impl DeviceTrace {
                     };
                     live_bytes -= sizes[id as usize];
                     ops.push(Op::Free { id });
+                }
+                EventKind::Reserve => {
+                    check_alloc_size(e.size).map_err(at)?;
+                    let id = sizes.len() as u32;
+                    if live.insert(e.addr, id).is_some() {
+                        return Err(at(ErrorKind::DoubleAlloc { addr: e.addr }));
+                    }
+                    sizes.push(0);
+                    regions.insert(id, e.size);
+                    ops.push(Op::Reserve {
+                        id,
+                        max: e.size,
+                        stream: e.stream,
+                    });
+                }
+                EventKind::Resize => {
+                    let Some(&id) = live.get(&e.addr) else {
+                        return Err(at(ErrorKind::FreeOfUnknown { addr: e.addr }));
+                    };
+                    match regions.get(&id) {
+                        Some(&max) if e.size <= max => {}
+                        _ => {
+                            return Err(at(ErrorKind::Absurd {
+                                field: "size",
+                                value: e.size.into(),
+                            }))
+                        }
+                    }
+                    live_bytes = live_bytes - sizes[id as usize] + e.size;
+                    sizes[id as usize] = e.size;
+                    peak_live = peak_live.max(live_bytes);
+                    ops.push(Op::Resize { id, size: e.size });
                 }
                 _ => {}
             }

@@ -158,6 +158,11 @@ pub struct ReplayResult {
     pub events: Vec<TraceEntry>,
     /// An error that is not out-of-memory (a policy bug or a bad trace), if any.
     pub error: Option<String>,
+    /// Growable regions reallocated by a policy without regions: copies made
+    /// and bytes copied (0 for a policy that grows in place).
+    pub region_copies: u64,
+    /// Bytes those copies moved.
+    pub region_copied_bytes: u64,
 }
 
 /// What the second pass of a steady-state replay measured: the cost every
@@ -322,6 +327,8 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
         timeline: Vec::new(),
         events: Vec::new(),
         error: None,
+        region_copies: 0,
+        region_copied_bytes: 0,
     };
     let alloc = match build(config.policy, device, &config.options) {
         Ok(a) => a,
@@ -410,6 +417,16 @@ fn steady_pass(
         state.ptrs[id] = u64::MAX;
         state.live -= state.sizes[id];
         steady.freed_between += 1;
+    }
+    for id in state.regions.ids() {
+        match state.regions.free(alloc, id) {
+            Ok(size) => state.live -= size,
+            Err(e) => {
+                steady.ok = false;
+                steady.error = Some(format!("destroying region {id} after the first pass: {e}"));
+                return steady;
+            }
+        }
     }
     // The second pass: a scratch result, no timeline, never stopping at an OOM.
     let mut cfg = config.clone();
@@ -524,6 +541,8 @@ struct OpState {
     last_stream: Option<(u64, Stream)>,
     /// Requested bytes live.
     live: u64,
+    /// Growable regions (`Op::Reserve`).
+    regions: crate::regions::Regions,
 }
 
 /// Runs the ops (`first_index`: the index of `ops[0]` among all the replayed
@@ -546,6 +565,7 @@ fn run_ops(
         streams,
         last_stream,
         live,
+        regions,
     } = state;
     let recorder = recorder.as_deref();
     let sample_every = ops
@@ -633,6 +653,35 @@ fn run_ops(
                     }
                 }
             }
+            Op::Reserve { id, max, stream } => {
+                let s = match region_stream(sim, streams, stream) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        result.error = Some(format!("op {i}: creating a stream: {e}"));
+                        result.ok = false;
+                        return;
+                    }
+                };
+                let r = regions.reserve(alloc, id, max, s);
+                if region_failed(r, i, max, config, result) {
+                    return;
+                }
+            }
+            Op::Resize { id, size } => {
+                let r = regions.resize(alloc, id, size, live, result, i);
+                if region_failed(r, i, size, config, result) {
+                    return;
+                }
+            }
+            Op::Free { id } if regions.contains(id) => match regions.free(alloc, id) {
+                Ok(size) => *live -= size,
+                Err(e) => {
+                    result.ok = false;
+                    result.error = Some(format!("op {i}: destroying region {id} failed: {e}"));
+                    result.ops = i + 1;
+                    return;
+                }
+            },
             Op::Free { id } => {
                 let id = id as usize;
                 let ptr = ptrs.get(id).copied().unwrap_or(u64::MAX);
@@ -680,6 +729,56 @@ fn run_ops(
 /// Whether `e` refuses a request larger than the whole device.
 fn beyond_device(e: &vmmalloc_alloc::AllocError, capacity: u64) -> bool {
     matches!(e, vmmalloc_alloc::AllocError::InvalidSize { size, .. } if *size > capacity)
+}
+
+/// The device stream for trace stream `stream` of a region (created on first use).
+fn region_stream(
+    sim: &SimDevice,
+    streams: &mut Vec<(u64, Stream)>,
+    stream: u64,
+) -> Result<Stream, vmmalloc_device::DeviceError> {
+    if let Some(e) = streams.iter().find(|e| e.0 == stream) {
+        return Ok(e.1);
+    }
+    let s = if stream == 0 {
+        Stream::DEFAULT
+    } else {
+        sim.create_stream()?
+    };
+    streams.push((stream, s));
+    Ok(s)
+}
+
+/// Accounts a failed region op as the alloc arm does; true when the replay stops.
+fn region_failed(
+    r: Result<(), crate::regions::RegionError>,
+    i: usize,
+    size: u64,
+    config: &ReplayConfig,
+    result: &mut ReplayResult,
+) -> bool {
+    match r {
+        Ok(()) => false,
+        Err(crate::regions::RegionError::Oom(e)) => {
+            result.ok = false;
+            result.ooms += 1;
+            if result.first_oom.is_none() {
+                result.first_oom = Some(i);
+                result.oom_message = Some(e.to_string());
+            }
+            if config.stop_at_oom {
+                result.ops = i + 1;
+                return true;
+            }
+            false
+        }
+        Err(crate::regions::RegionError::Fail(e)) => {
+            result.ok = false;
+            result.error = Some(format!("op {i}: region of {size} bytes: {e}"));
+            result.ops = i + 1;
+            true
+        }
+    }
 }
 
 /// The result of a capacity search for one policy.
@@ -923,6 +1022,7 @@ mod tests {
                 stream,
             },
             Op::Free { id } => Op::Free { id: id + 1 },
+            other => other,
         }));
         trace.pop(); // id 4 stays live
         for policy in Policy::ALL {

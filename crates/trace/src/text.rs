@@ -223,7 +223,9 @@ pub fn parse_text(text: &str, default_name: &str) -> Result<Trace> {
                         .map(|t| parse_i64(t, "time_us"))
                         .transpose()
                         .map_err(at_ev)?;
-                    if kind == EventKind::Alloc && sec.live.insert(addr, (size, stream)).is_some() {
+                    // A growable region (`reserve`) is live until its `free` too.
+                    let creates = matches!(kind, EventKind::Alloc | EventKind::Reserve);
+                    if creates && sec.live.insert(addr, (size, stream)).is_some() {
                         return Err(at_ev(ErrorKind::DoubleAlloc { addr }));
                     }
                     Event {

@@ -70,6 +70,11 @@ fn defaults_are_realistic_and_consistent() {
                     assert!(live[id as usize], "free of unknown id {id} in {w}");
                     live[id as usize] = false;
                 }
+                Op::Reserve { id, .. } => {
+                    assert!(!live[id as usize]);
+                    live[id as usize] = true;
+                }
+                Op::Resize { id, .. } => assert!(live[id as usize], "resize of unknown id {id}"),
             }
         }
         assert!(d
@@ -119,4 +124,81 @@ fn workloads_survive_the_text_format() {
         assert_eq!(back, t, "{w}");
     }
     assert!(workload_params("serve-kv").unwrap().len() > 10);
+}
+
+/// `serve-kv:growable=1`: the same requests, each cache a growable region.
+/// A policy with regions grows them in place (no copy, the address kept);
+/// the others reallocate and copy, and need more memory at their peak.
+#[test]
+fn serve_kv_growable_grows_in_place_only_where_the_policy_can() {
+    use vmmalloc_alloc::Policy;
+    use vmmalloc_trace::replay::{replay, ReplayConfig};
+    let spec = "serve-kv:steps=150,arrival_rate=0.5,layers=4,hidden=512,ffn=1024,vocab=4000,kv_heads=4,head_dim=64,max_running=16";
+    let plain = workload_by_name(spec).unwrap();
+    let grow = workload_by_name(&format!("{spec},growable=1")).unwrap();
+    let (p, g) = (&plain.devices[0], &grow.devices[0]);
+    assert!(g.events().iter().any(|e| e.kind == EventKind::Resize));
+    assert!(
+        g.peak_live_bytes() < p.peak_live_bytes(),
+        "no old+new copy at once: {} < {}",
+        g.peak_live_bytes(),
+        p.peak_live_bytes()
+    );
+    let capacity = 4 * p.peak_live_bytes();
+    let run = |policy, ops: &[Op]| {
+        let mut c = ReplayConfig::new(policy, capacity);
+        c.validate_every = 97;
+        let r = replay(ops, &c);
+        assert!(r.ok, "{policy}: {:?} {:?}", r.error, r.oom_message);
+        r
+    };
+    let e = run(Policy::Expandable, g.replay_ops());
+    assert_eq!(e.region_copies, 0);
+    assert_eq!(e.peak_live, g.peak_live_bytes());
+    let c = run(Policy::Caching, g.replay_ops());
+    assert!(c.region_copies > 0 && c.region_copied_bytes > 0);
+    assert_eq!(
+        c.peak_live,
+        p.peak_live_bytes(),
+        "reallocation = the plain trace"
+    );
+    // The text format carries the region events.
+    let back = text::parse_text(&text::to_text(&grow), "x").unwrap();
+    assert_eq!(back.devices[0].replay_ops(), g.replay_ops());
+    // Without regions the growable trace costs what the plain one does.
+    let cp = run(Policy::Caching, p.replay_ops());
+    assert_eq!(cp.peak_live, c.peak_live);
+}
+
+/// Spill (docs/expandable.md, "Spill and pressure"): a trace that needs 1.2×
+/// the device memory replays on `sim` with `expandable:spill=1`, the spilled
+/// bytes reported; without spill it fails with the usual explanation.
+#[test]
+fn a_trace_needing_1_2x_the_device_completes_with_spill_only() {
+    use vmmalloc_alloc::{Policy, PolicySpec};
+    use vmmalloc_trace::replay::{replay_keeping, ReplayConfig};
+    let t = workload_by_name("train-varlen:steps=6").unwrap();
+    let d = &t.devices[0];
+    let capacity = (d.peak_live_bytes() as f64 / 1.2) as u64 / (2 << 20) * (2 << 20);
+    let run = |spec: &str| {
+        let spec: PolicySpec = spec.parse().unwrap();
+        let mut c = ReplayConfig::new(Policy::Expandable, capacity);
+        c.options = spec.options;
+        c.stop_at_oom = true;
+        replay_keeping(d.replay_ops(), &c)
+    };
+    let plain = run("expandable");
+    assert!(!plain.result.ok);
+    let msg = plain.result.oom_message.clone().unwrap();
+    assert!(msg.contains("lacking"), "{msg}");
+    let spilled = run("expandable:spill=1");
+    assert!(spilled.result.ok, "{:?}", spilled.result.oom_message);
+    let st = spilled.allocator.as_ref().unwrap().stats();
+    assert!(
+        st.spilled_bytes_peak as f64 >= 0.15 * d.peak_live_bytes() as f64,
+        "spilled at most {} of {}",
+        st.spilled_bytes_peak,
+        d.peak_live_bytes()
+    );
+    spilled.allocator.as_ref().unwrap().validate().unwrap();
 }

@@ -42,6 +42,12 @@ pub struct ExpandableConfig {
     /// free memory pinned inside chunks can cause avoidable out-of-memory); 0
     /// always splits. See docs/expandable.md, "Chunks: the trade-off".
     pub split_threshold: f64,
+    /// When device memory is exhausted after reclaim, back the request with
+    /// host-located chunks mapped into the same virtual range
+    /// ([`vmmalloc_device::Device::create_on_host`]) instead of failing;
+    /// they move back to device memory at a quiet point. Default `false`.
+    /// See docs/expandable.md, "Spill and pressure".
+    pub spill: bool,
 }
 
 /// The default [`ExpandableConfig::split_threshold`]: 2/5 of the limit.
@@ -62,6 +68,7 @@ impl Default for ExpandableConfig {
             memory_fraction: 1.0,
             max_chunk: None,
             split_threshold: DEFAULT_SPLIT_THRESHOLD,
+            spill: false,
         }
     }
 }

@@ -51,6 +51,7 @@ mod config;
 mod counters;
 mod events;
 mod free_index;
+mod growable;
 mod lock;
 mod pages;
 mod pool;
@@ -60,12 +61,14 @@ mod segment;
 mod sleep;
 mod snapshot;
 pub mod tags;
+mod spill;
 mod teardown;
 mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
 pub use config::{ExpandableConfig, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_THRESHOLD};
 pub use sleep::{tag_summary, TagStats};
+pub use growable::GrowableInfo;
 
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
 use arena::Arenas;
@@ -118,6 +121,10 @@ pub(crate) struct Inner {
     counters: Counters,
     /// Paused tags and their backups ([`sleep`]).
     sleep: sleep::SleepState,
+    /// Growable regions by address ([`growable`]).
+    growables: std::collections::BTreeMap<u64, growable::Growable>,
+    /// Host-located chunks (`spill:true`, [`spill`]).
+    spill: spill::SpillState,
 }
 
 impl Inner {
@@ -146,9 +153,10 @@ impl Inner {
         s
     }
 
-    /// Pages mapped in all segments.
+    /// Device pages mapped in all segments and regions (host-located,
+    /// spilled pages do not count: they are not device memory).
     fn mapped_pages(&self) -> u64 {
-        self.stats.pages_mapped
+        self.stats.pages_mapped - self.spill.spilled_pages
     }
 }
 
@@ -194,6 +202,11 @@ impl<D: Device> ExpandableAllocator<D> {
                 stats,
                 counters: Counters::default(),
                 sleep: sleep::SleepState::default(),
+                growables: Default::default(),
+                spill: spill::SpillState {
+                    enabled: config.spill,
+                    ..Default::default()
+                },
             }),
         })
     }
@@ -217,6 +230,43 @@ impl<D: Device> ExpandableAllocator<D> {
     /// Bytes of address space per segment.
     pub fn segment_slice(&self) -> u64 {
         self.inner.lock().layout.slice
+    }
+
+    /// Reserves a growable region of up to `max_bytes` for work on `stream`
+    /// and returns its address, which never changes; maps nothing
+    /// (docs/expandable.md, "Growable regions").
+    pub fn growable_create(&self, max_bytes: u64, stream: Stream) -> AllocResult<u64> {
+        self.inner
+            .lock()
+            .growable_create(&self.device, max_bytes, stream)
+    }
+
+    /// Makes growable region `ptr` `bytes` long, mapping or unmapping whole
+    /// chunks at its end (a shrink first waits for the region's stream). On
+    /// error the region keeps its old size.
+    pub fn growable_resize(&self, ptr: u64, bytes: u64) -> AllocResult<()> {
+        self.inner.lock().growable_resize(&self.device, ptr, bytes)
+    }
+
+    /// Unmaps and unreserves growable region `ptr`.
+    pub fn growable_destroy(&self, ptr: u64) -> AllocResult<()> {
+        self.inner.lock().growable_destroy(&self.device, ptr)
+    }
+
+    /// Spill's quiet point (docs/expandable.md, "Spill and pressure"):
+    /// releases host-located chunks in free space and moves those under
+    /// live blocks back to device memory while the limit has room (waiting
+    /// only for the owning streams). `empty_cache` runs it too.
+    pub fn migrate_spilled(&self) -> AllocResult<()> {
+        self.inner
+            .lock()
+            .migrate_spilled(&self.device)
+            .map_err(crate::AllocError::Device)
+    }
+
+    /// Size, maximum and mapping of growable region `ptr`.
+    pub fn growable_info(&self, ptr: u64) -> AllocResult<GrowableInfo> {
+        self.inner.lock().growable_info(ptr)
     }
 }
 
@@ -276,6 +326,10 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
 
     fn tag_stats(&self) -> Vec<TagStats> {
         self.inner.lock().tag_stats()
+    }
+
+    fn as_growable(&self) -> Option<&dyn crate::growable::Growable> {
+        Some(self)
     }
 }
 

@@ -55,10 +55,13 @@ pub(crate) enum Backing {
 /// One chunk of a plan: pages `[first, first + pages)` of the segment, backed
 /// by a pooled handle of that size or by a new one.
 #[derive(Debug, Clone, Copy)]
-struct Planned {
-    first: u64,
-    pages: u64,
-    pooled: bool,
+pub(super) struct Planned {
+    /// First page of the chunk (in the caller's page numbering).
+    pub first: u64,
+    /// Pages of the chunk.
+    pub pages: u64,
+    /// Whether a pooled handle backs it (else a new one).
+    pub pooled: bool,
 }
 
 impl Inner {
@@ -96,6 +99,7 @@ impl Inner {
         for f in &firsts {
             if let Some(c) = self.seg_mut(seg).remove_chunk(*f) {
                 pages += c.pages;
+                self.note_spill_mapping(c.handle, c.pages, false);
                 self.pool_put(c.handle, c.pages);
             }
         }
@@ -116,7 +120,7 @@ impl Inner {
     /// Puts a chunk of `pages` pages in the pool.
     #[inline]
     pub(super) fn pool_put(&mut self, h: PhysHandle, pages: u64) {
-        self.pool.put(h, pages);
+        self.give_back(h, pages);
         self.sync_pool_stats();
     }
 
@@ -131,6 +135,9 @@ impl Inner {
     /// the release threshold. Stops at the first failed release (the chunk
     /// stays pooled).
     pub(super) fn trim_pool<D: Device + ?Sized>(&mut self, dev: &D) {
+        if !self.spill.host_free.is_empty() {
+            self.release_host_free(dev);
+        }
         let page = self.layout.page;
         while self.pool.pages().saturating_mul(page) > self.release_threshold {
             if self.release_largest(dev).is_err() {
@@ -342,6 +349,37 @@ impl Inner {
         runs: &[(u64, u64)],
         exclude: Exclude,
     ) -> Result<(), Backing> {
+        let (plan, handles) = self.acquire(dev, runs, exclude)?;
+        self.map_chunks(dev, seg, &plan, handles)
+            .map_err(|e| Backing::Fail(e.into()))
+    }
+
+    /// Obtains handles for the unmapped `runs` (pool first, then new
+    /// handles within the limit, then a targeted reclaim that spares
+    /// `exclude`): the plan and one handle per planned chunk. Nothing is
+    /// mapped; on failure every handle obtained is pooled.
+    pub(super) fn acquire<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        runs: &[(u64, u64)],
+        exclude: Exclude,
+    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
+        match self.acquire_device(dev, runs, exclude) {
+            // Device memory is exhausted after reclaim: spill (spill.rs).
+            Err(Backing::Short(lacking)) if self.spill.enabled => {
+                self.acquire_spilling(dev, runs, exclude, lacking)
+            }
+            r => r,
+        }
+    }
+
+    /// [`Inner::acquire`] from device memory only.
+    pub(super) fn acquire_device<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        runs: &[(u64, u64)],
+        exclude: Exclude,
+    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
         // The driver said out of memory: only released memory can be created again.
         let mut driver_full = false;
         for attempt in 0..MAX_ATTEMPTS {
@@ -433,9 +471,7 @@ impl Inner {
                 continue;
             }
             let handles: Vec<PhysHandle> = handles.into_iter().flatten().collect();
-            return self
-                .map_chunks(dev, seg, &plan, handles)
-                .map_err(|e| Backing::Fail(e.into()));
+            return Ok((plan, handles));
         }
         // Every attempt ended in an out-of-memory from the driver.
         self.trim_pool(dev);
@@ -446,10 +482,10 @@ impl Inner {
     }
 
     /// Puts the handles of a plan that were obtained back into the pool.
-    fn pool_back(&mut self, plan: &[Planned], handles: Vec<Option<PhysHandle>>) {
+    pub(super) fn pool_back(&mut self, plan: &[Planned], handles: Vec<Option<PhysHandle>>) {
         for (c, h) in plan.iter().zip(handles) {
             if let Some(h) = h {
-                self.pool.put(h, c.pages);
+                self.give_back(h, c.pages);
             }
         }
         self.sync_pool_stats();
@@ -489,13 +525,14 @@ impl Inner {
                                 pages: c.pages,
                             },
                         );
+                        self.note_spill_mapping(handles[k], c.pages, true);
                         run_pages += c.pages;
                         done += 1;
                     }
                     Err(e) => {
                         self.note_mapped(seg, run_pages, (k - i) as u64, before);
                         for (c, &h) in plan[k..].iter().zip(&handles[k..]) {
-                            self.pool.put(h, c.pages);
+                            self.give_back(h, c.pages);
                         }
                         self.sync_pool_stats();
                         return Err(self.undo_mapping(dev, seg, &plan[..done], e));
@@ -507,7 +544,7 @@ impl Inner {
             self.stats.driver_calls.add(Call::SetAccess);
             if let Err(e) = dev.set_access(addr, run_pages * page) {
                 for (c, &h) in plan[j + 1..].iter().zip(&handles[j + 1..]) {
-                    self.pool.put(h, c.pages);
+                    self.give_back(h, c.pages);
                 }
                 self.sync_pool_stats();
                 return Err(self.undo_mapping(dev, seg, &plan[..done], e));

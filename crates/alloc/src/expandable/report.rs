@@ -94,6 +94,12 @@ impl Inner {
                 format_bytes(pending_bytes)
             ));
         }
+        if self.spill.spilled_pages > 0 {
+            hint.push_str(&format!(
+                " {} live in host memory (spill) already.",
+                format_bytes(self.spill.spilled_pages * page)
+            ));
+        }
         if self.fraction < 1.0 {
             hint.push_str(&format!(
                 " The memory fraction {} caps this allocator at {}.",

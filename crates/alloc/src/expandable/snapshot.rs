@@ -90,6 +90,40 @@ impl Inner {
                 blocks,
             });
         }
+        // Growable regions: one segment each, an active block over the mapped
+        // pages (the region's current size requested) and the unmapped rest.
+        let page = self.layout.page;
+        for g in self.growables.values() {
+            let mapped = g.mapped_pages * page;
+            let mut blocks = Vec::new();
+            if mapped > 0 {
+                blocks.push(BlockInfo {
+                    address: g.base,
+                    size: mapped,
+                    requested_size: g.size,
+                    state: BlockState::ActiveAllocated,
+                });
+            }
+            if mapped < g.reserved {
+                blocks.push(BlockInfo {
+                    address: g.base + mapped,
+                    size: g.reserved - mapped,
+                    requested_size: 0,
+                    state: BlockState::Unmapped,
+                });
+            }
+            segments.push(SegmentInfo {
+                address: g.base,
+                total_size: g.reserved,
+                stream: g.stream,
+                segment_type: "large",
+                allocated_size: mapped,
+                active_size: mapped,
+                requested_size: g.size,
+                is_expandable: true,
+                blocks,
+            });
+        }
         segments.sort_by_key(|s| s.address);
         Snapshot {
             device: ordinal,

@@ -42,6 +42,10 @@ impl Inner {
         if let Err(e) = self.sync_pending(dev) {
             first_err.get_or_insert(e);
         }
+        // A quiet point: spilled chunks go back to device memory (spill.rs).
+        if let Err(e) = self.migrate_spilled(dev) {
+            first_err.get_or_insert(e);
+        }
         if let Err(e) = self.unmap_all_free(dev) {
             first_err.get_or_insert(e);
         }
@@ -99,6 +103,7 @@ impl Inner {
                 }
             }
         }
+        self.teardown_growables(dev);
         for p in std::mem::take(&mut self.events.pending) {
             self.stats.driver_calls.add(Call::EventSync);
             if let Err(e) = twice(|| dev.synchronize_event(p.event)) {
@@ -118,10 +123,17 @@ impl Inner {
                 }
             }
             for (_, c) in std::mem::take(&mut seg.chunks) {
+                // Host-located chunks too: the pool is released below.
                 self.pool.put(c.handle, c.pages);
             }
             seg.mapped.fill(false);
             seg.mapped_pages = 0;
+        }
+        for h in std::mem::take(&mut self.spill.host_free) {
+            self.stats.driver_calls.add(Call::Release);
+            if let Err(e) = twice(|| dev.release(h)) {
+                log("release", &e);
+            }
         }
         for (h, _) in self.pool.drain() {
             self.stats.driver_calls.add(Call::Release);

@@ -309,6 +309,23 @@ impl Inner {
                 }
             }
         }
+        let g = self.validate_growables(dev, &mut handles)?;
+        mapped_total += g.pages;
+        chunks_total += g.chunks;
+        let large = super::blocks::PoolKind::Large as usize;
+        let gbytes = (g.pages * page) as i64;
+        rc.allocation[large] += g.regions as i64;
+        rc.active[large] += g.regions as i64;
+        rc.allocated_bytes[large] += gbytes;
+        rc.active_bytes[large] += gbytes;
+        rc.reserved_bytes[large] += gbytes;
+        rc.requested_bytes[large] += g.requested as i64;
+        self.validate_spill()?;
+        for h in &self.spill.host_free {
+            if !handles.insert(h.0) {
+                return Err(format!("host handle {:#x} to release is also mapped", h.0));
+            }
+        }
         self.pool.check()?;
         for (h, _) in self.pool.iter() {
             if !handles.insert(h.0) {
@@ -361,8 +378,8 @@ impl Inner {
             m.check().map_err(|e| format!("device model: {e}"))?;
             let live = m.live();
             let ours = (
-                self.arenas.list.len(),
-                (chunks_total + self.pool.count()) as usize,
+                self.arenas.list.len() + g.regions as usize,
+                (chunks_total + self.pool.count()) as usize + self.spill.host_free.len(),
                 chunks_total as usize,
             );
             if (live.reservations, live.handles, live.mappings) != ours {

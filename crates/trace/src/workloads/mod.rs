@@ -309,6 +309,39 @@ impl Recorder {
         });
     }
 
+    /// Reserves a growable region of up to `max` bytes (at least 1) on
+    /// `stream`, of length 0; [`Recorder::resize`] sets its length and
+    /// [`Recorder::free`] destroys it.
+    pub fn reserve(&mut self, max: u64, stream: u64) -> Buf {
+        let max = max.max(1);
+        let addr = self.next_addr;
+        self.next_addr += 1;
+        self.events.push(Event {
+            kind: EventKind::Reserve,
+            addr,
+            size: max,
+            stream,
+            time_us: None,
+        });
+        Buf {
+            addr,
+            size: 0,
+            stream,
+        }
+    }
+
+    /// Makes the growable region `buf` `size` bytes long.
+    pub fn resize(&mut self, buf: &mut Buf, size: u64) {
+        buf.size = size;
+        self.events.push(Event {
+            kind: EventKind::Resize,
+            addr: buf.addr,
+            size,
+            stream: buf.stream,
+            time_us: None,
+        });
+    }
+
     /// Leaves `buf` live to the end of the trace.
     pub fn keep(&mut self, buf: Buf) {
         let _ = buf;

@@ -19,6 +19,10 @@
 //!   when full), and finished requests free their cache.
 //!
 //! At the end the server drains: every remaining cache is freed.
+//!
+//! With `growable=1` each cache is a growable region instead (`reserve` +
+//! `resize` events): the same growth in the same chunks, in place, with no
+//! copy on a policy that has regions (vAttention, ASPLOS'25).
 
 use std::collections::VecDeque;
 
@@ -74,6 +78,11 @@ define_params! {
         chunk_max: u64 = 64,
         /// Bytes per weight, activation and cache element (2 = bf16).
         dtype_bytes: u64 = 2,
+        /// 1: each request's cache is a growable region (reserved for the
+        /// longest context, `prompt_max + output_max` tokens) that grows in
+        /// place by the same chunks, the vAttention way; policies without
+        /// regions reallocate and copy as with 0 (docs/expandable.md).
+        growable: u64 = 0,
     }
 }
 
@@ -104,6 +113,9 @@ pub fn generate(p: &ServeKvParams) -> Result<Trace> {
     let kv_dim = p.kv_heads * p.head_dim;
     // K and V for every layer.
     let kv_per_token = 2 * p.layers * kv_dim * d;
+    // The longest context a request can reach (a growable cache's maximum;
+    // the chunk rounding can add up to `chunk_max` tokens).
+    let max_context = p.prompt_max + p.output_max + p.chunk_max;
 
     // Weights: per layer q, k, v, o, gate, up, down, two norms; then embedding,
     // final norm, output head.
@@ -156,7 +168,13 @@ pub fn generate(p: &ServeKvParams) -> Result<Trace> {
             let Some(req) = queue.pop_front() else { break };
             let ids = r.alloc(req.prompt * 8, COPY);
             let capacity = align_up(req.prompt, req.chunk);
-            let cache = r.alloc(capacity * kv_per_token, COMPUTE);
+            let cache = if p.growable == 1 {
+                let mut c = r.reserve(max_context * kv_per_token, COMPUTE);
+                r.resize(&mut c, capacity * kv_per_token);
+                c
+            } else {
+                r.alloc(capacity * kv_per_token, COMPUTE)
+            };
             let hs = r.alloc(req.prompt * h * d, COMPUTE);
             let mlp = r.alloc(req.prompt * f * d, COMPUTE);
             r.free(mlp);
@@ -194,9 +212,14 @@ pub fn generate(p: &ServeKvParams) -> Result<Trace> {
             if q.len > q.capacity {
                 // Grow: allocate the larger cache, copy, free the old one.
                 q.capacity += q.chunk;
-                let bigger = r.alloc(q.capacity * kv_per_token, COMPUTE);
-                let old = std::mem::replace(&mut q.cache, bigger);
-                r.free(old);
+                if p.growable == 1 {
+                    // In place: the region maps the chunk at its end.
+                    r.resize(&mut q.cache, q.capacity * kv_per_token);
+                } else {
+                    let bigger = r.alloc(q.capacity * kv_per_token, COMPUTE);
+                    let old = std::mem::replace(&mut q.cache, bigger);
+                    r.free(old);
+                }
             }
             if q.remaining == 0 {
                 r.free(q.cache);
@@ -235,6 +258,9 @@ fn validate(p: &ServeKvParams) -> Result<()> {
         if v == 0 {
             return Err(out_of_range(w, k, v, "must be at least 1"));
         }
+    }
+    if p.growable > 1 {
+        return Err(out_of_range(w, "growable", p.growable, "must be 0 or 1"));
     }
     if p.chunk_max < p.chunk_min {
         return Err(out_of_range(

@@ -153,6 +153,8 @@ fn attribute(attrib: CUdevice_attribute, ordinal: i32) -> Option<c_int> {
         76 => 0,                // COMPUTE_CAPABILITY_MINOR
         78 | 83 | 89 => 1,      // STREAM_PRIORITIES, MANAGED_MEMORY, CONCURRENT_MANAGED_ACCESS
         102 => 1,               // VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED
+        134 => 0,               // HOST_NUMA_ID (CUDA 12.2+): vmm::HOST_NUMA_NODE
+        141 => 1,               // HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
         103 => 1,               // HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
         115 => 1,               // MEMORY_POOLS_SUPPORTED
         a if a == 0 || a >= CU_DEVICE_ATTRIBUTE_MAX => return None,

@@ -11,6 +11,7 @@
 use crate::state::{code, fake, Fake};
 use crate::{get, put, run, Fail, Res};
 use std::ffi::{c_int, c_void};
+use vmm_sys::{CUdevice, CU_MEM_LOCATION_TYPE_HOST_NUMA};
 use vmm_sys::{
     CUdeviceptr, CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationHandleType,
     CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemLocation, CUresult,
@@ -50,6 +51,34 @@ fn check_handle_type(t: CUmemAllocationHandleType) -> Res<()> {
 /// `cuMemGetAllocationGranularity` do; returns the device ordinal and whether
 /// POSIX file descriptor export was requested.
 fn check_prop(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
+    check_prop_located(f, p).map(|(dev, posix, _)| (dev, posix))
+}
+
+/// The one host NUMA node the fake has (`CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`).
+pub(crate) const HOST_NUMA_NODE: i32 = 0;
+
+/// [`check_prop`], also accepting `CU_MEM_LOCATION_TYPE_HOST_NUMA` (3, CUDA
+/// 12.2+) on node [`HOST_NUMA_NODE`]: host-located memory, allocated for the
+/// current context's device. Returns `(device, posix, on_host)`.
+fn check_prop_located(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool, bool)> {
+    if p.location.type_ == CU_MEM_LOCATION_TYPE_HOST_NUMA {
+        if p.location.id != HOST_NUMA_NODE {
+            return Err(Fail::invalid(format!(
+                "prop->location.id {} is not a host NUMA node (the fake has node {HOST_NUMA_NODE})",
+                p.location.id
+            )));
+        }
+        let dev = f.current()?;
+        let as_device = CUmemAllocationProp {
+            location: CUmemLocation::device(dev as CUdevice),
+            ..*p
+        };
+        return check_prop_device(f, &as_device).map(|(d, posix)| (d, posix, true));
+    }
+    check_prop_device(f, p).map(|(d, posix)| (d, posix, false))
+}
+
+fn check_prop_device(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
     if p.type_ != CU_MEM_ALLOCATION_TYPE_PINNED {
         return Err(Fail::invalid(format!(
             "prop->type {} is not CU_MEM_ALLOCATION_TYPE_PINNED",
@@ -147,7 +176,9 @@ pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUre
 /// const CUmemAllocationProp *prop, unsigned long long flags)`: a memfd of
 /// `size` bytes on `prop->location.id`. Checks the properties (pinned, on a
 /// valid device, POSIX-fd or no handle type, no compression) and `flags` = 0;
-/// `CUDA_ERROR_OUT_OF_MEMORY` past the device's capacity.
+/// `CUDA_ERROR_OUT_OF_MEMORY` past the device's capacity. A host NUMA
+/// location (`CU_MEM_LOCATION_TYPE_HOST_NUMA`, node 0) makes a host-located
+/// allocation of the current context's device, charged to host memory.
 ///
 /// # Safety
 /// As `cuda.h` requires: `handle`, `prop` are each null or valid for what this call reads or writes through them.
@@ -168,9 +199,13 @@ pub unsafe extern "C" fn cuMemCreate(
         if flags != 0 {
             return Err(Fail::invalid(format!("flags {flags:#x} must be 0")));
         }
-        let (dev, posix) = check_prop(f, &p)?;
+        let (dev, posix, on_host) = check_prop_located(f, &p)?;
         let host = f.host(dev);
-        let inner = host.create(size as u64)?;
+        let inner = if on_host {
+            host.create_on_host(size as u64)?
+        } else {
+            host.create(size as u64)?
+        };
         let value = f.add_handle(dev, host, inner, posix);
         // SAFETY: non-null (checked above) and writable (cuda.h).
         unsafe { put(handle, value, "handle") }

@@ -1,0 +1,390 @@
+//! Spill (`spill:true`): when device memory is exhausted after the chunk
+//! pool, new handles and a targeted reclaim, the pages a request lacks are
+//! backed by **host-located** chunks ([`Device::create_on_host`]: `cuMemCreate`
+//! with a host NUMA location, CUDA 12.2+) mapped into the same virtual range.
+//! The program continues, slower (every access crosses the interconnect),
+//! instead of failing. The peer that shows users want it: mmgp's allocator
+//! (WanGP) spills tensors to pinned system RAM on consumer GPUs.
+//!
+//! - Host chunks never count against the device limit (`limit_pages`), and
+//!   never enter the chunk pool: when unmapped they are released
+//!   (`host_free`, then `cuMemRelease` at the next trim).
+//! - **Migration back** at a quiet point ([`Inner::migrate_spilled`], run by
+//!   `empty_cache` and by `migrate_spilled()`): host chunks lying wholly in
+//!   free space are unmapped and released (after waiting for their stream);
+//!   host chunks under live blocks move to a device chunk when the limit has
+//!   room and no other stream uses those blocks (`record_stream`, pending
+//!   frees): wait for the owning stream, copy the bytes out, unmap the host
+//!   chunk, map the device chunk at the same address, give access, copy the
+//!   bytes back. A failure puts the host chunk back where it was.
+//!
+//! Invariants (checked by `validate`): `spilled_pages` is the sum of the
+//! mapped chunks whose handle is in `host`; every handle in `host` is mapped
+//! or in `host_free`; no host handle is pooled.
+
+use super::pages::{Backing, Planned};
+use super::segment::Chunk;
+use super::Inner;
+use std::collections::HashSet;
+use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
+
+/// Spill state of one allocator.
+#[derive(Debug, Default)]
+pub(crate) struct SpillState {
+    /// `spill:true`.
+    pub enabled: bool,
+    /// Host-located handles alive (mapped, or waiting in `host_free`).
+    pub host: HashSet<u64>,
+    /// Unmapped host handles to release.
+    pub host_free: Vec<PhysHandle>,
+    /// Pages of mapped host chunks (segments and growable regions).
+    pub spilled_pages: u64,
+}
+
+impl Inner {
+    /// Where an unmapped handle goes: host chunks to `host_free` (released
+    /// at the next trim), device chunks to the pool.
+    pub(super) fn give_back(&mut self, h: PhysHandle, pages: u64) {
+        if self.spill.host.contains(&h.0) {
+            self.spill.host_free.push(h);
+        } else {
+            self.pool.put(h, pages);
+        }
+    }
+
+    /// Notes that chunk `h` of `pages` pages was mapped (or, with `mapped`
+    /// false, unmapped): keeps `spilled_pages` and the spill stats.
+    pub(super) fn note_spill_mapping(&mut self, h: PhysHandle, pages: u64, mapped: bool) {
+        if !self.spill.host.contains(&h.0) {
+            return;
+        }
+        if mapped {
+            self.spill.spilled_pages += pages;
+        } else {
+            self.spill.spilled_pages -= pages;
+        }
+        let bytes = self.spill.spilled_pages * self.layout.page;
+        self.stats.spilled_bytes = bytes;
+        self.stats.spilled_bytes_peak = self.stats.spilled_bytes_peak.max(bytes);
+    }
+
+    /// Releases the unmapped host chunks; a failed release stays listed.
+    pub(super) fn release_host_free<D: Device + ?Sized>(&mut self, dev: &D) {
+        for h in std::mem::take(&mut self.spill.host_free) {
+            if self.release_handle(dev, h).is_ok() {
+                self.spill.host.remove(&h.0);
+            } else {
+                self.spill.host_free.push(h);
+            }
+        }
+    }
+
+    /// With `spill:true`, after the device lacked `lacking` pages for `runs`:
+    /// the first pages of `runs` from device memory (what it can give), the
+    /// last `lacking` from host memory; all from the host when the device
+    /// part fails after all. The plan is ascending, device chunks first.
+    pub(super) fn acquire_spilling<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        runs: &[(u64, u64)],
+        exclude: super::reclaim::Exclude,
+        lacking: u64,
+    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
+        let total: u64 = runs.iter().map(|r| r.1).sum();
+        let on_device = total.saturating_sub(lacking);
+        let (mut head, mut tail) = (Vec::new(), Vec::new());
+        let mut left = on_device;
+        for &(a, n) in runs {
+            let d = n.min(left);
+            left -= d;
+            if d > 0 {
+                head.push((a, d));
+            }
+            if d < n {
+                tail.push((a + d, n - d));
+            }
+        }
+        if head.is_empty() {
+            return self.acquire_on_host(dev, runs, lacking);
+        }
+        let (mut plan, mut handles) = match self.acquire_device(dev, &head, exclude) {
+            Ok(x) => x,
+            Err(Backing::Short(_)) => return self.acquire_on_host(dev, runs, lacking),
+            Err(e) => return Err(e),
+        };
+        match self.acquire_on_host(dev, &tail, lacking) {
+            Ok((p, h)) => {
+                plan.extend(p);
+                handles.extend(h);
+                Ok((plan, handles))
+            }
+            Err(e) => {
+                for (c, h) in plan.iter().zip(handles) {
+                    self.give_back(h, c.pages);
+                }
+                self.sync_pool_stats();
+                Err(e)
+            }
+        }
+    }
+
+    /// With `spill:true`, backs `runs` (`(first, count)`, unmapped) with new
+    /// host-located chunks (split at `max_chunk`) after the device said no:
+    /// returns the plan and its handles, or `lacking` again when the host is
+    /// full too (or the backend has no host memory). Created handles are
+    /// released on failure.
+    pub(super) fn acquire_on_host<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        runs: &[(u64, u64)],
+        lacking: u64,
+    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
+        let max = self.layout.max_chunk_pages;
+        let mut plan = Vec::new();
+        for &(a, n) in runs {
+            let mut p = a;
+            while p < a + n {
+                let pages = (a + n - p).min(max);
+                plan.push(Planned {
+                    first: p,
+                    pages,
+                    pooled: false,
+                });
+                p += pages;
+            }
+        }
+        let mut handles = Vec::with_capacity(plan.len());
+        for c in &plan {
+            self.stats.driver_calls.add(Call::Create);
+            match dev.create_on_host(c.pages * self.layout.page) {
+                Ok(h) => {
+                    self.spill.host.insert(h.0);
+                    handles.push(h);
+                }
+                Err(e) => {
+                    for h in handles {
+                        self.spill.host_free.push(h);
+                    }
+                    self.release_host_free(dev);
+                    return Err(if e.is_out_of_memory() || e.cuda_code() == 801 {
+                        Backing::Short(lacking)
+                    } else {
+                        Backing::Fail(e.into())
+                    });
+                }
+            }
+        }
+        self.stats.num_spills += 1;
+        Ok((plan, handles))
+    }
+
+    /// The quiet-point work of spill: releases host chunks in free space,
+    /// and moves host chunks under live blocks back to device memory while
+    /// the limit has room. Returns the first error (the rest still ran).
+    pub(super) fn migrate_spilled<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), DeviceError> {
+        if self.spill.host.is_empty() {
+            return Ok(());
+        }
+        let mut first_err = None;
+        let segs: Vec<u32> = (0..self.segments.len() as u32)
+            .filter(|&i| self.segments[i as usize].is_some())
+            .collect();
+        for seg in segs {
+            let host: Vec<(u64, Chunk)> = self
+                .seg(seg)
+                .chunks
+                .iter()
+                .filter(|(_, c)| self.spill.host.contains(&c.handle.0))
+                .map(|(&f, &c)| (f, c))
+                .collect();
+            for (f, c) in host {
+                if let Err(e) = self.migrate_chunk(dev, seg, f, c) {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        self.release_host_free(dev);
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// What lies on pages `[f, f + n)` of `seg`: `(any active block, any
+    /// block another stream uses or that waits for events)`.
+    fn chunk_users(&self, seg: u32, f: u64, n: u64) -> (bool, bool) {
+        let s = self.seg(seg);
+        let (lo, hi) = (
+            s.base + f * self.layout.page,
+            s.base + (f + n) * self.layout.page,
+        );
+        let (mut active, mut shared) = (false, false);
+        let mut i = s.first;
+        while i != super::blocks::NIL {
+            let b = &self.slab[i];
+            if b.addr >= hi {
+                break;
+            }
+            if b.end() > lo && b.state != super::blocks::BlockState::Free {
+                active = true;
+                shared |= b.streams.is_some() || b.state == super::blocks::BlockState::PendingFree;
+            }
+            i = b.next;
+        }
+        (active, shared)
+    }
+
+    /// Migrates (or, in free space, drops) the host chunk at page `f` of `seg`.
+    fn migrate_chunk<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        seg: u32,
+        f: u64,
+        c: Chunk,
+    ) -> Result<(), DeviceError> {
+        let page = self.layout.page;
+        let (active, shared) = self.chunk_users(seg, f, c.pages);
+        if shared {
+            return Ok(());
+        }
+        let owner = self.seg(seg).owner;
+        // Whatever lies there was last used on the owning stream.
+        self.wait_stream(dev, owner)?;
+        if !active {
+            return self.unmap_run(dev, seg, f, c.pages);
+        }
+        // Room on the device: a pooled chunk of the size, else free device
+        // chunks reclaimed and spare pooled ones released, within the limit.
+        let over = |me: &Self| me.mapped_pages() + me.pool.pages() + c.pages > me.limit_pages;
+        let mut pooled = self.pool.take(c.pages);
+        if pooled.is_none() && over(self) {
+            let lack = self.mapped_pages() + self.pool.pages() + c.pages - self.limit_pages;
+            self.reclaim(dev, lack, Some((seg, f, f + c.pages - 1)));
+            pooled = self.pool.take(c.pages);
+            while pooled.is_none() && over(self) {
+                if self.release_largest(dev)? == 0 {
+                    break;
+                }
+            }
+        }
+        self.sync_pool_stats();
+        if pooled.is_none() && over(self) {
+            return Ok(());
+        }
+        let new = match pooled {
+            Some(h) => h,
+            None => {
+                self.stats.driver_calls.add(Call::Create);
+                match dev.create(c.pages * page) {
+                    Ok(h) => {
+                        self.stats.num_device_alloc += 1;
+                        h
+                    }
+                    Err(e) if e.is_out_of_memory() => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        let addr = self.seg(seg).base + f * page;
+        let len = c.pages * page;
+        // The bytes (`sim` holds none: its copies are unsupported).
+        let mut bytes = vec![0u8; len as usize];
+        self.stats.driver_calls.add(Call::CopyDtoH);
+        let carry = match dev.copy_from_device(addr, &mut bytes) {
+            Ok(()) => true,
+            Err(DeviceError::Unsupported { .. }) => false,
+            Err(e) => {
+                self.pool_put(new, c.pages);
+                return Err(e);
+            }
+        };
+        self.stats.driver_calls.add(Call::Unmap);
+        if let Err(e) = dev.unmap(addr, len) {
+            self.pool_put(new, c.pages);
+            return Err(e);
+        }
+        let mapped = (|| {
+            self.stats.driver_calls.add(Call::Map);
+            dev.map(addr, len, new)?;
+            self.stats.driver_calls.add(Call::SetAccess);
+            if let Err(e) = dev.set_access(addr, len) {
+                let _ = dev.unmap(addr, len);
+                return Err(e);
+            }
+            Ok(())
+        })();
+        if let Err(e) = mapped {
+            // Put the host chunk back where it was.
+            self.pool_put(new, c.pages);
+            self.stats.driver_calls.add(Call::Map);
+            let back = dev.map(addr, len, c.handle).and_then(|()| {
+                self.stats.driver_calls.add(Call::SetAccess);
+                dev.set_access(addr, len)
+            });
+            if back.is_err() {
+                self.unready.push((seg, f));
+            }
+            return Err(e);
+        }
+        if carry {
+            self.stats.driver_calls.add(Call::CopyHtoD);
+            dev.copy_to_device(addr, &bytes)?;
+        }
+        let s = self.seg_mut(seg);
+        s.chunks.insert(
+            f,
+            Chunk {
+                handle: new,
+                pages: c.pages,
+            },
+        );
+        self.note_spill_mapping(c.handle, c.pages, false);
+        self.spill.host_free.push(c.handle);
+        self.stats.spill_migrations += 1;
+        Ok(())
+    }
+
+    /// `validate()` for spill: recounts spilled pages from the segments'
+    /// and regions' chunks; no host handle is pooled.
+    pub(super) fn validate_spill(&self) -> Result<(), String> {
+        let mut pages = 0;
+        let mut seen = 0usize;
+        for s in self.segments.iter().flatten() {
+            for c in s.chunks.values() {
+                if self.spill.host.contains(&c.handle.0) {
+                    pages += c.pages;
+                    seen += 1;
+                }
+            }
+        }
+        for g in self.growables.values() {
+            for &(h, p) in &g.chunks {
+                if self.spill.host.contains(&h.0) {
+                    pages += p;
+                    seen += 1;
+                }
+            }
+        }
+        if pages != self.spill.spilled_pages {
+            return Err(format!(
+                "spilled pages {} but host chunks mapped hold {pages}",
+                self.spill.spilled_pages
+            ));
+        }
+        if seen + self.spill.host_free.len() != self.spill.host.len() {
+            return Err(format!(
+                "{} host handles alive, {seen} mapped + {} to release",
+                self.spill.host.len(),
+                self.spill.host_free.len()
+            ));
+        }
+        if self
+            .pool
+            .iter()
+            .any(|(h, _)| self.spill.host.contains(&h.0))
+        {
+            return Err("a host-located chunk is in the chunk pool".into());
+        }
+        Ok(())
+    }
+}
