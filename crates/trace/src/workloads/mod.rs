@@ -109,6 +109,7 @@ pub fn workload_defaults(name: &str) -> Option<Vec<(&'static str, String)>> {
         "train-varlen" => Some(TrainVarlenParams::defaults()),
         "serve-kv" => Some(ServeKvParams::defaults()),
         "frag-adversary" => Some(FragAdversaryParams::defaults()),
+        "rl-colocate" => Some(RlColocateParams::defaults()),
         _ => None,
     }
 }
