@@ -2,6 +2,9 @@
 
 use crate::compare::{gib, table, TraceRow};
 use anyhow::Result;
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
+use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -10,12 +13,92 @@ use vmmalloc_device::cost::CostModel;
 use vmmalloc_device::GIB;
 use vmmalloc_trace::replay::ReplayConfig;
 
-const COLORS: [RGBColor; 4] = [
-    RGBColor(31, 119, 180),
-    RGBColor(214, 39, 40),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
+/// Series styles: distinct colours (Okabe & Ito's colour-blind-safe palette,
+/// black reserved for live bytes) and dash patterns (dash, gap in px; 0 =
+/// solid), so that lines drawn on top of each other stay distinguishable.
+const COLORS: [RGBColor; 6] = [
+    RGBColor(0, 114, 178),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(230, 159, 0),
+    RGBColor(86, 180, 233),
 ];
+const DASHES: [(u32, u32); 6] = [(0, 0), (10, 5), (3, 4), (16, 4), (6, 8), (2, 2)];
+
+/// Width of the legend column right of the plot area, px.
+const LEGEND_W: u32 = 250;
+
+/// The style of the `i`-th policy: colour, dash pattern and stroke width (the
+/// first drawn is widest, so a later line on top of it leaves its edges
+/// visible).
+fn series_style(i: usize) -> (RGBColor, (u32, u32), u32) {
+    (
+        COLORS[i % COLORS.len()],
+        DASHES[i % DASHES.len()],
+        (4u32.saturating_sub(i as u32)).max(1) + 1,
+    )
+}
+
+/// Draws `points` as a line in the given style (solid or dashed).
+fn draw_line<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    points: Vec<(f64, f64)>,
+    color: RGBColor,
+    dash: (u32, u32),
+    width: u32,
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let style = color.stroke_width(width);
+    if dash.0 == 0 {
+        chart.draw_series(LineSeries::new(points, style))?;
+    } else {
+        chart.draw_series(DashedLineSeries::new(points, dash.0, dash.1, style))?;
+    }
+    Ok(())
+}
+
+/// A legend entry: a line sample (or a filled box for bars) and its text.
+struct LegendEntry {
+    label: String,
+    color: RGBColor,
+    dash: (u32, u32),
+    width: u32,
+    bar: bool,
+}
+
+/// Draws the legend in its own area (right of the plot, never over the data).
+fn draw_legend<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    entries: &[LegendEntry],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let font = ("sans-serif", 13).into_font();
+    for (i, e) in entries.iter().enumerate() {
+        let y = 50 + 22 * i as i32;
+        if e.bar {
+            area.draw(&Rectangle::new([(8, y - 6), (34, y + 6)], e.color.filled()))?;
+        } else if e.dash.0 == 0 {
+            area.draw(&PathElement::new(
+                vec![(8, y), (34, y)],
+                e.color.stroke_width(e.width),
+            ))?;
+        } else {
+            area.draw(&DashedPathElement::new(
+                vec![(8, y), (34, y)],
+                e.dash.0.min(8),
+                e.dash.1.min(4),
+                e.color.stroke_width(e.width),
+            ))?;
+        }
+        area.draw(&Text::new(e.label.clone(), (42, y - 7), font.clone()))?;
+    }
+    Ok(())
+}
 
 /// A file-name-safe version of a trace name.
 pub fn slug(name: &str) -> String {
@@ -30,9 +113,37 @@ pub fn slug(name: &str) -> String {
         .collect()
 }
 
+/// The x axis of a memory plot: seconds since the first event where every
+/// replayed event has a time stamp, else the op index.
+fn x_of(t: &TraceRow, op: usize) -> f64 {
+    match &t.op_times_s {
+        Some(times) => times.get(op).or(times.last()).copied().unwrap_or(0.0),
+        None => op as f64,
+    }
+}
+
+/// The x-axis label of a memory plot.
+pub fn x_label(t: &TraceRow) -> String {
+    if t.op_times_s.is_some() {
+        "time since the first recorded event (s)".to_string()
+    } else {
+        format!(
+            "op index (allocations and frees replayed, {} in all; the trace has no time stamps)",
+            t.policies
+                .first()
+                .and_then(|p| p.tight.timeline.last())
+                .map_or(0, |s| s.op + 1)
+        )
+    }
+}
+
+/// Memory over time at the tight capacity: live bytes, each policy's reserved
+/// bytes (distinct colour, dash and width) and the capacity; legend right of
+/// the plot area.
 fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
-    let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
+    let root = SVGBackend::new(path, (1000 + LEGEND_W, 460)).into_drawing_area();
     root.fill(&WHITE)?;
+    let (plot_area, legend_area) = root.split_horizontally(1000);
     let max_op = t
         .policies
         .iter()
@@ -40,6 +151,7 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
         .max()
         .unwrap_or(1)
         .max(1);
+    let max_x = x_of(t, max_op).max(if t.op_times_s.is_some() { 1e-6 } else { 1.0 });
     let max_y = t
         .policies
         .iter()
@@ -48,10 +160,10 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
         .unwrap_or(1)
         .max(t.tight_capacity) as f64
         / GIB as f64;
-    let mut chart = ChartBuilder::on(&root)
+    let mut chart = ChartBuilder::on(&plot_area)
         .caption(
             format!(
-                "{} (device {}): memory over time at {} GiB (1.05 x peak live)",
+                "{} (device {}): memory at a {} GiB device (1.05 x peak live)",
                 t.name,
                 t.device,
                 gib(t.tight_capacity)
@@ -59,68 +171,90 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
             ("sans-serif", 16),
         )
         .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0f64..max_op as f64, 0f64..max_y * 1.08)?;
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..max_x, 0f64..max_y * 1.08)?;
     chart
         .configure_mesh()
-        .x_desc("event")
-        .y_desc("GiB")
+        .x_desc(x_label(t))
+        .y_desc("GiB (axis starts at 0)")
         .draw()?;
-    if let Some(p) = t.policies.first() {
-        chart
-            .draw_series(LineSeries::new(
-                p.tight
-                    .timeline
-                    .iter()
-                    .map(|s| (s.op as f64, s.live as f64 / GIB as f64)),
-                BLACK.stroke_width(2),
-            ))?
-            .label("live (requested)")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(2)));
-    }
+    let mut legend = Vec::new();
+    let gray = RGBColor(120, 120, 120);
+    draw_line(
+        &mut chart,
+        vec![
+            (0.0, t.tight_capacity as f64 / GIB as f64),
+            (max_x, t.tight_capacity as f64 / GIB as f64),
+        ],
+        gray,
+        (4, 4),
+        1,
+    )?;
+    legend.push(LegendEntry {
+        label: format!("capacity {} GiB", gib(t.tight_capacity)),
+        color: gray,
+        dash: (4, 4),
+        width: 1,
+        bar: false,
+    });
     for (i, p) in t.policies.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        chart
-            .draw_series(LineSeries::new(
-                p.tight
-                    .timeline
-                    .iter()
-                    .map(|s| (s.op as f64, s.reserved as f64 / GIB as f64)),
-                color.stroke_width(1),
-            ))?
-            .label(format!(
+        let (color, dash, width) = series_style(i);
+        draw_line(
+            &mut chart,
+            p.tight
+                .timeline
+                .iter()
+                .map(|s| (x_of(t, s.op), s.reserved as f64 / GIB as f64))
+                .collect(),
+            color,
+            dash,
+            width,
+        )?;
+        legend.push(LegendEntry {
+            label: format!(
                 "{} reserved{}",
                 p.label(),
                 if p.tight.ok { "" } else { " (OOM)" }
-            ))
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
+            ),
+            color,
+            dash,
+            width,
+            bar: false,
+        });
     }
-    chart
-        .draw_series(std::iter::once(PathElement::new(
-            vec![
-                (0.0, t.tight_capacity as f64 / GIB as f64),
-                (max_op as f64, t.tight_capacity as f64 / GIB as f64),
-            ],
-            RGBColor(120, 120, 120).stroke_width(1),
-        )))?
-        .label("capacity")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RGBColor(120, 120, 120)));
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()?;
+    if let Some(p) = t.policies.first() {
+        draw_line(
+            &mut chart,
+            p.tight
+                .timeline
+                .iter()
+                .map(|s| (x_of(t, s.op), s.live as f64 / GIB as f64))
+                .collect(),
+            BLACK,
+            (0, 0),
+            1,
+        )?;
+        legend.push(LegendEntry {
+            label: "live (requested)".to_string(),
+            color: BLACK,
+            dash: (0, 0),
+            width: 1,
+            bar: false,
+        });
+    }
+    draw_legend(&legend_area, &legend)?;
     root.present()?;
     Ok(())
 }
 
+/// The y axis of the overhead plot starts here (overhead is never below 1).
+const OVERHEAD_Y0: f64 = 0.9;
+
 fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
-    let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
+    let root = SVGBackend::new(path, (1000 + LEGEND_W, 440)).into_drawing_area();
     root.fill(&WHITE)?;
+    let (plot_area, legend_area) = root.split_horizontally(1000);
     let policies: Vec<_> = rows
         .first()
         .map(|t| t.policies.iter().map(|p| p.label().to_string()).collect())
@@ -130,17 +264,17 @@ fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
         .iter()
         .flat_map(|t| t.policies.iter().filter_map(|p| p.overhead(t.peak_live)))
         .fold(1.0f64, f64::max);
-    let mut chart = ChartBuilder::on(&root)
+    let mut chart = ChartBuilder::on(&plot_area)
         .caption(
-            "overhead = min capacity / peak live (1.00 is perfect)",
+            "overhead = min capacity / peak live (1.00 is perfect; no bar: never fit)",
             ("sans-serif", 16),
         )
         .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(50)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
         .build_cartesian_2d(
             0f64..rows.len().max(1) as f64,
-            0.9f64..(max_o * 1.05).max(1.1),
+            OVERHEAD_Y0..(max_o * 1.05).max(1.1),
         )?;
     let names: Vec<String> = rows
         .iter()
@@ -158,33 +292,36 @@ fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
                 String::new()
             }
         })
-        .y_desc("overhead")
+        .x_desc("trace (device)")
+        .y_desc(format!(
+            "overhead (x peak live; axis starts at {OVERHEAD_Y0:.2}, not 0)"
+        ))
         .draw()?;
+    let mut legend = Vec::new();
     for (pi, policy) in policies.iter().enumerate() {
-        let color = COLORS[pi % COLORS.len()];
+        let (color, _, _) = series_style(pi);
         let w = 0.8 / n_p as f64;
-        chart
-            .draw_series(rows.iter().enumerate().filter_map(|(ti, t)| {
-                let o = t
-                    .policies
-                    .iter()
-                    .find(|p| p.label() == policy)?
-                    .overhead(t.peak_live)?;
-                let x0 = ti as f64 + 0.1 + pi as f64 * w;
-                Some(Rectangle::new(
-                    [(x0, 0.9), (x0 + w * 0.9, o)],
-                    color.filled(),
-                ))
-            }))?
-            .label(policy.as_str())
-            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+        chart.draw_series(rows.iter().enumerate().filter_map(|(ti, t)| {
+            let o = t
+                .policies
+                .iter()
+                .find(|p| p.label() == policy)?
+                .overhead(t.peak_live)?;
+            let x0 = ti as f64 + 0.1 + pi as f64 * w;
+            Some(Rectangle::new(
+                [(x0, OVERHEAD_Y0), (x0 + w * 0.9, o)],
+                color.filled(),
+            ))
+        }))?;
+        legend.push(LegendEntry {
+            label: policy.clone(),
+            color,
+            dash: (0, 0),
+            width: 1,
+            bar: true,
+        });
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()?;
+    draw_legend(&legend_area, &legend)?;
     root.present()?;
     Ok(())
 }

@@ -1,0 +1,129 @@
+//! End-to-end tests of the explaining outputs: plots, the HTML report, the
+//! out-of-memory explanation and `vmmalloc advise`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_vmmalloc"))
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("vmmalloc-explain-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn run_ok(args: &[&str]) -> Output {
+    let out = bin().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "vmmalloc {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A text trace of 30 allocations (time stamps when `timed`), half freed.
+fn trace(dir: &Path, timed: bool) -> PathBuf {
+    let mib = 1u64 << 20;
+    let mut s = String::from("vmmalloc-trace 1\nname tiny\ndevice 0\n");
+    let mut live = Vec::new();
+    for i in 0..30u64 {
+        let addr = 0x200000000u64 + i * 64 * mib;
+        let size = (1 + (i * 5) % 11) * mib + 512 * i;
+        if timed {
+            s.push_str(&format!("alloc {addr:#x} {size} 0 {}\n", i * 1000));
+        } else {
+            s.push_str(&format!("alloc {addr:#x} {size} 0\n"));
+        }
+        live.push((addr, size));
+        if i % 2 == 1 {
+            let (a, sz) = live.remove(0);
+            if timed {
+                s.push_str(&format!("free {a:#x} {sz} 0 {}\n", i * 1000 + 500));
+            } else {
+                s.push_str(&format!("free {a:#x}\n"));
+            }
+        }
+    }
+    let path = dir.join(if timed {
+        "timed.trace"
+    } else {
+        "untimed.trace"
+    });
+    std::fs::write(&path, s).unwrap();
+    path
+}
+
+/// The text drawn in an SVG (plotters writes each text on its own line).
+fn svg_text(svg: &str) -> String {
+    svg.lines()
+        .filter(|l| !l.trim_start().starts_with('<'))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn plots_label_every_policy_and_axis() {
+    let dir = tmpdir("plots");
+    for timed in [true, false] {
+        let out_dir = dir.join(format!("out-{timed}"));
+        run_ok(&[
+            "compare",
+            trace(&dir, timed).to_str().unwrap(),
+            "--policies",
+            "expandable,caching,torch-es,native",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ]);
+        let mem = std::fs::read_to_string(out_dir.join("memory-tiny-d0.svg")).unwrap();
+        let text = svg_text(&mem);
+        for p in ["expandable", "caching", "torch-es", "native"] {
+            assert!(
+                text.contains(&format!("{p} reserved")),
+                "{p} missing:\n{text}"
+            );
+        }
+        assert!(text.contains("live (requested)") && text.contains("capacity"));
+        assert!(text.contains("GiB (axis starts at 0)"), "{text}");
+        if timed {
+            assert!(
+                text.contains("time since the first recorded event (s)"),
+                "{text}"
+            );
+        } else {
+            assert!(text.contains("op index"), "{text}");
+        }
+        // The legend is right of the 1000 px plot area: every legend text
+        // starts at x >= 1000.
+        for l in mem.lines().filter(|l| l.starts_with("<text")) {
+            let x: f64 = l
+                .split("x=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            let next = mem.lines().skip_while(|m| *m != l).nth(1).unwrap_or("");
+            if next.ends_with(" reserved") || next.contains("live (requested)") {
+                assert!(
+                    x >= 1000.0,
+                    "legend text `{next}` at x={x} is inside the plot"
+                );
+            }
+        }
+        let over = svg_text(&std::fs::read_to_string(out_dir.join("overhead.svg")).unwrap());
+        assert!(over.contains("axis starts at 0.90, not 0"), "{over}");
+        for p in ["expandable", "caching", "torch-es", "native"] {
+            assert!(
+                over.lines().any(|l| l.trim() == p),
+                "{p} missing from the legend"
+            );
+        }
+    }
+}
