@@ -525,7 +525,11 @@ pub fn run(args: CompareArgs) -> Result<()> {
         report::write(dir, &rows, &base)
             .with_context(|| format!("writing the report to {}", dir.display()))?;
         if !json_to_stdout {
-            println!("report written to {}", dir.join("report.md").display());
+            println!(
+                "report written to {} and {}",
+                dir.join("report.md").display(),
+                dir.join("report.html").display()
+            );
         }
     }
     for t in &rows {

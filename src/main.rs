@@ -4,6 +4,7 @@
 mod bench_cmd;
 mod calibrate;
 mod compare;
+mod html;
 mod info;
 mod point;
 mod replay_cmd;

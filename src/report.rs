@@ -483,7 +483,44 @@ pub fn cost_summary(cost: &CostModel) -> String {
         + " µs"
 }
 
-/// Writes `DIR/report.md`, `DIR/overhead.svg` and one `DIR/memory-<trace>.svg` per trace.
+/// Each policy's first out-of-memory error at the tight capacity (cold, then
+/// steady), as the allocator explained it; nothing when every policy fit.
+fn oom_explanations(md: &mut String, t: &TraceRow) -> Result<()> {
+    let mut any = false;
+    for p in &t.policies {
+        let steady = p.tight.steady.as_ref();
+        let found = match (&p.tight.oom_message, p.tight.first_oom) {
+            (Some(m), Some(op)) => Some(("", op, m)),
+            _ => {
+                steady.and_then(|s| Some(("steady pass, ", s.first_oom?, s.oom_message.as_ref()?)))
+            }
+        };
+        let Some((pass, op, msg)) = found else {
+            continue;
+        };
+        if !any {
+            writeln!(
+                md,
+                "Why each policy ran out of memory at {} GiB (its first out-of-memory error):\n",
+                gib(t.tight_capacity)
+            )?;
+            any = true;
+        }
+        writeln!(
+            md,
+            "- **{}** ({pass}op {op}): {}",
+            p.label(),
+            msg.replace('\n', " ")
+        )?;
+    }
+    if any {
+        writeln!(md)?;
+    }
+    Ok(())
+}
+
+/// Writes `DIR/report.md`, the same as a self-contained `DIR/report.html`,
+/// `DIR/overhead.svg` and one `DIR/memory-<trace>.svg` per trace.
 pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     plot_overhead(&dir.join("overhead.svg"), rows)?;
@@ -559,7 +596,12 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
             )?;
         }
         writeln!(md, "\n![memory over time]({file})\n")?;
+        oom_explanations(&mut md, t)?;
     }
-    std::fs::write(dir.join("report.md"), md)?;
+    std::fs::write(dir.join("report.md"), &md)?;
+    std::fs::write(
+        dir.join("report.html"),
+        crate::html::render("vmmalloc: allocator comparison", &md, dir),
+    )?;
     Ok(())
 }

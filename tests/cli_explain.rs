@@ -127,3 +127,31 @@ fn plots_label_every_policy_and_axis() {
         }
     }
 }
+
+#[test]
+fn compare_writes_a_self_contained_html_report() {
+    let dir = tmpdir("html");
+    let out_dir = dir.join("out");
+    // frag-adversary at 1.05 x peak live: caching and torch-es run out of memory.
+    run_ok(&[
+        "compare",
+        "frag-adversary:rounds=2",
+        "--policies",
+        "expandable,caching",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let html = std::fs::read_to_string(out_dir.join("report.html")).unwrap();
+    assert!(html.starts_with("<!DOCTYPE html>") && html.trim_end().ends_with("</html>"));
+    // Tables, the inlined plots and the out-of-memory explanation.
+    assert!(
+        html.contains("<table>") && html.contains("<td>caching</td>"),
+        "{html}"
+    );
+    assert!(html.matches("<svg").count() >= 2, "plots not inlined");
+    assert!(html.contains("ran out of memory") && html.contains("Tried to allocate"));
+    // Nothing to fetch: no scripts, links, external images or CSS urls.
+    for bad in ["<script", "<link", "src=", "url(", "<img"] {
+        assert!(!html.contains(bad), "report.html contains `{bad}`");
+    }
+}
