@@ -30,7 +30,7 @@ pub mod native;
 pub mod testing;
 pub mod torch_es;
 
-pub use error::{AllocError, AllocResult, OomReport, StreamUsage};
+pub use error::{AllocError, AllocResult, CachingCause, OomReport, Pin, StreamUsage};
 pub use policy::{build, parse_size, split_policy_specs, Policy, PolicyOptions, PolicySpec};
 pub use snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 pub use stats::{Stat, StatType, Stats};

@@ -116,6 +116,7 @@ impl Inner {
             largest_free,
             per_stream,
             hint,
+            caching: None,
         }))
     }
 }
