@@ -155,3 +155,60 @@ fn compare_writes_a_self_contained_html_report() {
         assert!(!html.contains(bad), "report.html contains `{bad}`");
     }
 }
+
+#[test]
+fn advise_replays_each_setting_and_ends_with_the_line_to_set() {
+    // frag-adversary fragments PyTorch's allocator: on 16 GiB only ours fits.
+    let out = run_ok(&["advise", "frag-adversary:rounds=2", "--gpu", "16GiB"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for knob in [
+        "torch-es",
+        "max_split_size_mb=128",
+        "roundup_power2_divisions=4",
+        "garbage_collection_threshold=0.8",
+    ] {
+        assert!(text.contains(knob), "{knob} not evaluated:\n{text}");
+    }
+    assert!(
+        text.contains("headroom GiB") && text.contains("steady ms"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Keeping PyTorch's allocator: no setting of it fits; the closest"),
+        "{text}"
+    );
+    assert_eq!(
+        text.trim_end().lines().last(),
+        Some("VMMALLOC_CONF=backend:expandable"),
+        "{text}"
+    );
+
+    // A tiny trace on a large GPU: every setting's headroom is within 1 % of
+    // the best, the driver time decides, and PyTorch's allocator (which maps
+    // fewer, larger pieces) wins: the last line is a PYTORCH_CUDA_ALLOC_CONF one.
+    let dir = tmpdir("advise");
+    let out = run_ok(&[
+        "advise",
+        trace(&dir, true).to_str().unwrap(),
+        "--gpu",
+        "8GiB",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.trim_end().lines().last().unwrap();
+    assert!(
+        last.starts_with("PYTORCH_CUDA_ALLOC_CONF=") || last == "unset PYTORCH_CUDA_ALLOC_CONF",
+        "{text}"
+    );
+
+    // Nothing fits: an error naming the closest setting, non-zero exit.
+    let out = bin()
+        .args(["advise", "frag-adversary:rounds=2", "--gpu", "4GiB"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("nothing fits on 4.00 GiB; the closest, expandable, needs"),
+        "{err}"
+    );
+}
