@@ -187,7 +187,7 @@ pub fn measure(
                 let Some(spec) = policies.get(i) else {
                     break;
                 };
-                let mut cfg = base.clone();
+                let mut cfg = crate::point::with_frames(base, dt);
                 cfg.policy = spec.policy;
                 cfg.options = spec.options.clone();
                 let search = min_capacity(ops, peak_live, &cfg, unl);

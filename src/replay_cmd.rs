@@ -78,7 +78,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             let mut cfg = cfg.clone();
             cfg.steady = args.steady;
             cfg.pre_trace_ops = dt.pre_trace().len();
-            let r = replay(dt.replay_ops(), &cfg);
+            let r = replay(dt.replay_ops(), &crate::point::with_frames(&cfg, dt));
             println!(
                 "{} device {} — policy {} on a {} GiB simulated device",
                 t.name,

@@ -212,3 +212,59 @@ fn advise_replays_each_setting_and_ends_with_the_line_to_set() {
         "{err}"
     );
 }
+
+const FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/cs336_lm_step.pickle"
+);
+
+#[test]
+fn stacks_of_the_input_reach_summary_and_written_snapshots() {
+    let out = run_ok(&[
+        "summary",
+        FIXTURE,
+        "--policy",
+        "caching",
+        "--capacity",
+        "13GiB",
+        "--at",
+        "oom",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("The out-of-memory error:\nCUDA out of memory (caching)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Live memory by where it was allocated"),
+        "{text}"
+    );
+    assert!(
+        text.contains("model.py:39 forward < model.py:399 forward"),
+        "{text}"
+    );
+
+    let dir = tmpdir("stacks");
+    let pickle = dir.join("s.pickle");
+    run_ok(&[
+        "snapshot",
+        FIXTURE,
+        "--policy",
+        "expandable",
+        "--capacity",
+        "80GiB",
+        "--at",
+        "peak",
+        "--out",
+        pickle.to_str().unwrap(),
+    ]);
+    // Read back by our reader: the stacks are in PyTorch's `frames` schema
+    // (the input has 655 allocation events with stacks).
+    let t = vmmalloc_trace::load_path(&pickle).unwrap();
+    let n = t.devices[0].frames().len();
+    assert!(n > 600, "only {n} allocation events kept their stacks");
+    assert!(t.devices[0]
+        .frames()
+        .values()
+        .any(|st| vmmalloc_alloc::frames::describe(st).starts_with("model.py:")));
+}

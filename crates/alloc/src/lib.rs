@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod frames;
 pub mod pickle_snapshot;
 mod policy;
 mod size_classes;
@@ -31,6 +32,7 @@ pub mod testing;
 pub mod torch_es;
 
 pub use error::{AllocError, AllocResult, CachingCause, OomReport, Pin, StreamUsage};
+pub use frames::{Frame, Stack};
 pub use policy::{build, parse_size, split_policy_specs, Policy, PolicyOptions, PolicySpec};
 pub use snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 pub use stats::{Stat, StatType, Stats};

@@ -170,6 +170,7 @@ pub(crate) fn build_device(
         segments_final: segments,
         allocator_settings: settings.clone(),
         warnings,
+        frames: BTreeMap::new(),
     })
 }
 
