@@ -326,6 +326,121 @@ fn plot_overhead(path: &Path, rows: &[TraceRow]) -> Result<()> {
     Ok(())
 }
 
+/// "4.14 GiB (15.6 %) less than caching (26.52 GiB)": `a` against `b`.
+fn versus(a: u64, b: u64, name: &str) -> String {
+    let d = a.abs_diff(b);
+    if d == 0 {
+        return format!("the same as {name}");
+    }
+    format!(
+        "{} GiB ({:.1} %) {} than {name} ({} GiB)",
+        gib(d),
+        d as f64 * 100.0 / b as f64,
+        if a < b { "less" } else { "more" },
+        gib(b)
+    )
+}
+
+/// Cold / steady driver ms at the tight capacity, and whether it fit.
+fn cost_words(p: &crate::compare::PolicyRow) -> String {
+    let steady = p.tight.steady.as_ref().map_or("-".to_string(), |s| {
+        format!("{:.1}", s.modeled_driver_us / 1000.0)
+    });
+    let fit = if p.tight.ok {
+        String::new()
+    } else {
+        format!(
+            " (did not fit: {} out-of-memory errors, so this is the time of a failed run)",
+            p.tight.ooms
+        )
+    };
+    format!(
+        "{} {:.1} / {steady} ms{fit}",
+        p.label(),
+        p.tight.modeled_driver_us / 1000.0
+    )
+}
+
+/// What the tables show, per trace, in sentences built from the same
+/// numbers: `expandable`'s smallest device against `caching` and
+/// `torch-es`, the driver time of each (cold and steady), and what `native`
+/// pays for its exact fit. Empty without an `expandable` row.
+pub fn findings(rows: &[TraceRow]) -> String {
+    let mut md = String::new();
+    for t in rows {
+        let pick = |p: Policy| {
+            t.policies
+                .iter()
+                .find(|r| r.policy == p && r.spec.is_plain())
+        };
+        let Some(e) = pick(Policy::Expandable) else {
+            continue;
+        };
+        let _ = write!(md, "- **{} (device {})**: ", t.name, t.device);
+        let mut mem = Vec::new();
+        for p in [Policy::Caching, Policy::TorchEs] {
+            if let (Some(r), Some(ec)) = (pick(p), e.min_capacity) {
+                match r.min_capacity {
+                    Some(c) => mem.push(versus(ec, c, p.name())),
+                    None => mem.push(format!("{p} found no device that fits")),
+                }
+            }
+        }
+        match e.min_capacity {
+            Some(ec) => {
+                let _ = write!(
+                    md,
+                    "expandable needs {} GiB (overhead {}){}{}. ",
+                    gib(ec),
+                    e.overhead_cell(t.peak_live),
+                    if mem.is_empty() { "" } else { ", " },
+                    mem.join(" and ")
+                );
+            }
+            None => {
+                let _ = write!(md, "expandable found no device that fits. ");
+            }
+        }
+        let costs: Vec<String> = [Some(e), pick(Policy::Caching), pick(Policy::TorchEs)]
+            .into_iter()
+            .flatten()
+            .map(cost_words)
+            .collect();
+        let _ = write!(
+            md,
+            "Modeled driver time at {} GiB, cold / steady (a further pass): {}.",
+            gib(t.tight_capacity),
+            costs.join("; ")
+        );
+        if let Some(n) = pick(Policy::Native) {
+            let steady = |p: &crate::compare::PolicyRow| {
+                p.tight
+                    .steady
+                    .as_ref()
+                    .map(|s| s.modeled_driver_us / 1000.0)
+            };
+            if let (Some(ns), Some(es)) = (steady(n), steady(e)) {
+                let _ = write!(
+                    md,
+                    " native fits in {} GiB but calls the driver for every request: {:.1} ms per further pass{}.",
+                    n.min_capacity_cell(),
+                    ns,
+                    if es > 0.0 {
+                        format!(", {:.1} × expandable's {es:.1} ms", ns / es)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+        }
+        md.push('\n');
+    }
+    if md.is_empty() {
+        return md;
+    }
+    format!("## What the results show\n\nPer trace, from the tables below (min capacity from the search; driver time at the tight capacity).\n\n{md}\n")
+}
+
 /// Modeled time of the `cuMemCreate` calls in a replay, ms.
 fn create_ms(r: &vmmalloc_trace::replay::ReplayResult) -> f64 {
     r.modeled_create_us / 1000.0
@@ -548,6 +663,7 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
          PyTorch's allocators leave it to the driver).\n"
     )?;
     writeln!(md, "```\n{}```\n", table(rows))?;
+    md.push_str(&findings(rows));
     head_to_head(&mut md, rows)?;
     md.push_str(&ablation(rows));
     writeln!(md, "![overhead per policy](overhead.svg)\n")?;
