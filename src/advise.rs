@@ -347,10 +347,10 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     let tie = (gpu_ref / 100).max(base.granularity);
     let say = |who: &str, v: &Verdict| {
         println!(
-            "{who}: {} — headroom {} GiB, driver time {} ms cold, {} ms per further pass.",
+            "{who}: {} — headroom {} GiB, driver time {:.1} ms cold, {} ms per further pass.",
             v.candidate.spec,
             v.headroom.map_or("-".into(), gib),
-            format!("{:.1}", v.cold_ms),
+            v.cold_ms,
             ms(v.steady_ms)
         );
     };

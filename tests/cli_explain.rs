@@ -144,8 +144,14 @@ fn compare_writes_a_self_contained_html_report() {
     // The findings are sentences built from the table's numbers.
     let md = std::fs::read_to_string(out_dir.join("report.md")).unwrap();
     assert!(md.contains("## What the results show"), "{md}");
-    assert!(md.contains("expandable needs ") && md.contains(" than caching ("), "{md}");
-    assert!(md.contains("caching ") && md.contains("(did not fit: "), "{md}");
+    assert!(
+        md.contains("expandable needs ") && md.contains(" than caching ("),
+        "{md}"
+    );
+    assert!(
+        md.contains("caching ") && md.contains("(did not fit: "),
+        "{md}"
+    );
     let html = std::fs::read_to_string(out_dir.join("report.html")).unwrap();
     assert!(html.starts_with("<!DOCTYPE html>") && html.trim_end().ends_with("</html>"));
     // Tables, the inlined plots and the out-of-memory explanation.

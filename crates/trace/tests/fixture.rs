@@ -87,7 +87,11 @@ fn the_fixture_keeps_the_stacks_of_its_allocations() {
     let t = fixture();
     let dt = &t.devices[0];
     // 655 of its 1721 `alloc` events carry frames.
-    assert!(dt.warnings().iter().all(|w| !w.contains("frames")), "{:?}", dt.warnings());
+    assert!(
+        dt.warnings().iter().all(|w| !w.contains("frames")),
+        "{:?}",
+        dt.warnings()
+    );
     assert_eq!(dt.frames().len(), 655);
     assert_eq!(dt.parts().frames.len(), 655);
     let st = dt.frames().values().next().unwrap();
@@ -97,5 +101,9 @@ fn the_fixture_keeps_the_stacks_of_its_allocations() {
         .values()
         .map(|s| vmmalloc_alloc::frames::describe(s))
         .collect();
-    assert!(all.iter().any(|d| d.starts_with("model.py:54 forward")), "{:?}", &all[..5]);
+    assert!(
+        all.iter().any(|d| d.starts_with("model.py:54 forward")),
+        "{:?}",
+        &all[..5]
+    );
 }
