@@ -621,12 +621,11 @@ fn oom_explanations(md: &mut String, t: &TraceRow) -> Result<()> {
             )?;
             any = true;
         }
-        writeln!(
-            md,
-            "- **{}** ({pass}op {op}): {}",
-            p.label(),
-            msg.replace('\n', " ")
-        )?;
+        writeln!(md, "- **{}** ({pass}op {op}):\n\n  ```text", p.label())?;
+        for line in msg.lines() {
+            writeln!(md, "  {line}")?;
+        }
+        writeln!(md, "  ```\n")?;
     }
     if any {
         writeln!(md)?;
