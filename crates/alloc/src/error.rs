@@ -240,6 +240,23 @@ impl fmt::Display for OomReport {
         if let Some(c) = &self.caching {
             return self.fmt_caching(f, c);
         }
+        if self.policy == "native" {
+            // Nothing is cached or pooled: only the figures that apply.
+            write!(
+                f,
+                "out of memory (native). Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. \
+                 Live tensors hold {}.",
+                format_bytes(self.requested),
+                self.device,
+                format_bytes(self.capacity),
+                format_bytes(self.device_free),
+                format_bytes(self.live),
+            )?;
+            if !self.hint.is_empty() {
+                write!(f, " {}", self.hint)?;
+            }
+            return Ok(());
+        }
         write!(
             f,
             "out of memory ({}). Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. \

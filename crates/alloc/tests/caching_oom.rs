@@ -107,3 +107,19 @@ fn torch_es_report_has_no_caching_only_or_pool_lines() {
     );
     assert!(text.contains("reserved across 1 segment;"), "{text}");
 }
+
+#[test]
+fn native_report_names_only_what_applies() {
+    let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
+    let a = vmmalloc_alloc::native::NativeAllocator::new(dev).unwrap();
+    let _x = a.malloc(50 * MIB, S0).unwrap();
+    let text = a.malloc(30 * MIB, S0).unwrap_err().to_string();
+    assert!(
+        text.starts_with("out of memory (native). Tried to allocate 30.00 MiB"),
+        "{text}"
+    );
+    assert!(text.contains("Live tensors hold 50.00 MiB"), "{text}");
+    for absent in ["pooled", "cached", "largest free"] {
+        assert!(!text.contains(absent), "{absent}: {text}");
+    }
+}
