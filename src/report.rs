@@ -177,6 +177,15 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
     chart
         .configure_mesh()
         .x_desc(x_label(t))
+        .x_label_formatter(&|x| {
+            if t.op_times_s.is_some() {
+                // Seconds to the millisecond, without float noise.
+                let s = format!("{x:.3}");
+                s.trim_end_matches('0').trim_end_matches('.').to_string()
+            } else {
+                format!("{x:.0}")
+            }
+        })
         .y_desc("GiB (axis starts at 0)")
         .draw()?;
     let mut legend = Vec::new();
@@ -198,6 +207,28 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
         width: 1,
         bar: false,
     });
+    // Live bytes first, under the policies: a dashed line that follows it
+    // (native) leaves it visible between its dashes.
+    if let Some(p) = t.policies.first() {
+        draw_line(
+            &mut chart,
+            p.tight
+                .timeline
+                .iter()
+                .map(|s| (x_of(t, s.op), s.live as f64 / GIB as f64))
+                .collect(),
+            BLACK,
+            (0, 0),
+            1,
+        )?;
+        legend.push(LegendEntry {
+            label: "live (requested)".to_string(),
+            color: BLACK,
+            dash: (0, 0),
+            width: 1,
+            bar: false,
+        });
+    }
     for (i, p) in t.policies.iter().enumerate() {
         let (color, dash, width) = series_style(i);
         draw_line(
@@ -220,26 +251,6 @@ fn plot_memory(path: &Path, t: &TraceRow) -> Result<()> {
             color,
             dash,
             width,
-            bar: false,
-        });
-    }
-    if let Some(p) = t.policies.first() {
-        draw_line(
-            &mut chart,
-            p.tight
-                .timeline
-                .iter()
-                .map(|s| (x_of(t, s.op), s.live as f64 / GIB as f64))
-                .collect(),
-            BLACK,
-            (0, 0),
-            1,
-        )?;
-        legend.push(LegendEntry {
-            label: "live (requested)".to_string(),
-            color: BLACK,
-            dash: (0, 0),
-            width: 1,
             bar: false,
         });
     }
