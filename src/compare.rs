@@ -153,6 +153,9 @@ pub struct TraceRow {
     pub tight_rule: String,
     /// Warnings from the reader.
     pub warnings: usize,
+    /// Seconds since the first event at each replayed op (pre-trace ops at
+    /// 0), where every replayed event has a time stamp; the plots' x axis.
+    pub op_times_s: Option<Vec<f64>>,
     /// Per policy.
     pub policies: Vec<PolicyRow>,
 }
@@ -268,7 +271,7 @@ pub fn measure(
                 let Some(spec) = policies.get(i) else {
                     break;
                 };
-                let mut cfg = base.clone();
+                let mut cfg = crate::point::with_frames(base, dt);
                 cfg.policy = spec.policy;
                 cfg.options = spec.options.clone();
                 let search = min_capacity(ops, peak_live, &cfg, unl);
@@ -305,8 +308,22 @@ pub fn measure(
         tight_capacity: tight_cap,
         tight_rule: tight.describe(base.granularity),
         warnings: dt.warnings().len(),
+        op_times_s: op_times_s(dt),
         policies: policies_rows,
     }
+}
+
+/// Seconds since the first replayed event at each op of `dt.replay_ops()`
+/// (pre-trace allocations at 0); `None` where an event has no time stamp.
+pub fn op_times_s(dt: &DeviceTrace) -> Option<Vec<f64>> {
+    let mut times = vec![0.0; dt.pre_trace().len()];
+    let mut t0 = None;
+    for e in dt.events().iter().filter(|e| e.kind.is_replayed()) {
+        let us = e.time_us?;
+        let t0 = *t0.get_or_insert(us);
+        times.push((us - t0) as f64 / 1e6);
+    }
+    (times.len() == dt.replay_ops().len()).then_some(times)
 }
 
 fn calls_json(c: &CallCounts) -> Value {
@@ -672,7 +689,11 @@ pub fn run(args: CompareArgs) -> Result<()> {
         report::write(dir, &rows, &base)
             .with_context(|| format!("writing the report to {}", dir.display()))?;
         if !json_to_stdout {
-            println!("report written to {}", dir.join("report.md").display());
+            println!(
+                "report written to {} and {}",
+                dir.join("report.md").display(),
+                dir.join("report.html").display()
+            );
         }
     }
     let mut failures: Vec<String> = Vec::new();

@@ -1,9 +1,11 @@
 //! `vmmalloc`: the command-line front end (device info, trace replay and comparison,
 //! the allocator's summary table and snapshot at a point of a replay, benchmarks).
 
+mod advise;
 mod bench_cmd;
 mod calibrate;
 mod compare;
+mod html;
 mod info;
 mod point;
 mod replay_cmd;
@@ -37,6 +39,8 @@ enum Command {
     Summary(summary_cmd::SummaryArgs),
     /// Replay one trace against one policy and write the allocator's state at the end, peak or first OOM as a PyTorch snapshot pickle.
     Snapshot(snapshot_cmd::SnapshotArgs),
+    /// Which policy and which settings (PyTorch's knobs included) fit a GPU, judged by replay; ends with the line to set.
+    Advise(advise::AdviseArgs),
     /// Benchmark every policy side by side: the cache-hit malloc+free pair and 1-vs-2-thread throughput.
     Bench(bench_cmd::BenchArgs),
     /// List the built-in workload generators and their parameters.
@@ -55,6 +59,7 @@ fn main() -> Result<()> {
         Command::Replay(args) => replay_cmd::run(args),
         Command::Summary(args) => summary_cmd::run(args),
         Command::Snapshot(args) => snapshot_cmd::run(args),
+        Command::Advise(args) => advise::run(args),
         Command::Bench(args) => bench_cmd::run(args),
         Command::Workloads => workloads_cmd::run(),
         Command::Calibrate(args) => calibrate::run(args),

@@ -6,9 +6,12 @@ use crate::compare::{gib, load_inputs, print_reader_warnings};
 use crate::replay_cmd::ReplayArgs;
 use anyhow::{bail, Result};
 use std::sync::Arc;
+use vmmalloc_alloc::pickle_snapshot::{DumpFrames, TraceEntry};
 use vmmalloc_alloc::Allocator;
 use vmmalloc_device::sim::SimDevice;
+use vmmalloc_trace::model::FrameTable;
 use vmmalloc_trace::replay::{replay, replay_keeping, ReplayConfig, ReplayResult, Replayed};
+use vmmalloc_trace::{DeviceTrace, Op};
 
 /// Where in the replay to look at the allocator.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,6 +64,65 @@ pub struct Point {
     pub allocator: Box<dyn Allocator>,
     /// The simulated device it runs on.
     pub sim: Arc<SimDevice>,
+    /// The stacks of the trace's allocations and of the replay's recorded
+    /// events (when recording), where the input had stacks.
+    pub frames: Option<DumpFrames>,
+}
+
+/// `cfg` with the stacks of `dt` (if it has any), for the out-of-memory report.
+pub fn with_frames(cfg: &ReplayConfig, dt: &DeviceTrace) -> ReplayConfig {
+    let mut c = cfg.clone();
+    if !dt.frames().is_empty() {
+        c.frames = Some(dt.frames().clone());
+    }
+    c
+}
+
+/// The stacks of a replay's recorded events (`events`, from replaying `ops`
+/// of a first pass): each `alloc` entry gets its op's stack, and each block
+/// address the stack of the allocation live there at the end.
+pub fn dump_frames(events: &[TraceEntry], ops: &[Op], table: &FrameTable) -> DumpFrames {
+    let mut out = DumpFrames::default();
+    // Growable regions (`Reserve`/`Resize`) record events that do not pair
+    // one-to-one with `Alloc` ops, and only generated workloads have them,
+    // which carry no stacks: such a replay gets none.
+    if table.is_empty()
+        || ops
+            .iter()
+            .any(|op| matches!(op, Op::Reserve { .. } | Op::Resize { .. }))
+    {
+        return out;
+    }
+    let mut allocs = ops.iter().filter_map(|op| match *op {
+        Op::Alloc { id, .. } => Some(id),
+        _ => None,
+    });
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            "alloc" | "oom" => {
+                let Some(id) = allocs.next() else { break };
+                let stack = table.get(&id);
+                if e.action == "alloc" {
+                    match stack {
+                        Some(st) => {
+                            out.trace.insert(i, st.clone());
+                            out.blocks.insert(e.addr, st.clone());
+                        }
+                        None => {
+                            out.blocks.remove(&e.addr);
+                        }
+                    }
+                } else if let Some(st) = stack {
+                    out.trace.insert(i, st.clone());
+                }
+            }
+            "free_completed" => {
+                out.blocks.remove(&e.addr);
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 impl Point {
@@ -167,6 +229,9 @@ pub fn replay_at(args: &PointArgs, record_events: bool) -> Result<Vec<Point>> {
                 At::Oom => c.stop_at_oom = true,
             }
             c.record_events = record_events;
+            if !dt.frames().is_empty() {
+                c.frames = Some(dt.frames().clone());
+            }
             let Replayed {
                 result: r,
                 allocator,
@@ -190,6 +255,8 @@ pub fn replay_at(args: &PointArgs, record_events: bool) -> Result<Vec<Point>> {
             if let Some(e) = &r.error {
                 eprintln!("warning: {what}: the replay stopped early: {e}");
             }
+            let frames = (record_events && !dt.frames().is_empty())
+                .then(|| dump_frames(&r.events, ops, dt.frames()));
             points.push(Point {
                 trace: t.name.clone(),
                 device: dt.device(),
@@ -199,6 +266,7 @@ pub fn replay_at(args: &PointArgs, record_events: bool) -> Result<Vec<Point>> {
                 result: r,
                 allocator,
                 sim,
+                frames,
             });
         }
     }

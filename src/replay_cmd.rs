@@ -125,7 +125,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             cfg.steady = args.steady;
             cfg.pre_trace_ops = dt.pre_trace().len();
             let ops = dt.replay_ops();
-            let r = replay(ops, &cfg);
+            let r = replay(ops, &crate::point::with_frames(&cfg, dt));
             let what = format!("{} device {}", t.name, dt.device());
             println!(
                 "{what} — policy {} on a {} simulated device",

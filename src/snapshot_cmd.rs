@@ -42,6 +42,7 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
         .map(|(snapshot, p)| DeviceDump {
             snapshot,
             trace: Some(&p.result.events),
+            frames: p.frames.as_ref(),
         })
         .collect();
     // Every point shares the policy, capacity and granularity.

@@ -104,9 +104,15 @@ fn summary_at_the_end_is_the_pytorch_table_of_the_final_state() {
     assert!(text.contains("vmmalloc CUDA memory summary, device ID 0"));
     assert!(text.contains("CUDA OOMs: 0 "), "{text}");
     assert!(text.contains("backend expandable on sim device"), "{text}");
-    for l in text.lines().skip(1) {
+    // The table, up to the blank line before the stacks section (the fixture
+    // recorded stacks).
+    for l in text.lines().skip(1).take_while(|l| !l.is_empty()) {
         assert_eq!(l.chars().count(), 77, "{l:?}");
     }
+    assert!(
+        text.contains("\n\nLive memory by where it was allocated"),
+        "{text}"
+    );
     let (stats, live) = stats_at(Policy::Expandable, 80 * GIB, None);
     let alloc = stats.allocated_bytes.all();
     assert_eq!(

@@ -44,6 +44,55 @@ pub struct OomReport {
     pub per_stream: Vec<StreamUsage>,
     /// What would help.
     pub hint: String,
+    /// `caching` / `torch-es`: the cause in the caching allocator's own terms
+    /// (segments, free blocks, rounding, what pins them); the message then
+    /// uses PyTorch's wording.
+    pub caching: Option<Box<CachingCause>>,
+}
+
+/// A live allocation that keeps free memory of its segment from being
+/// released (PyTorch releases only whole free segments).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pin {
+    /// The allocation's address.
+    pub ptr: u64,
+    /// Its block size.
+    pub size: u64,
+    /// Start of its segment (or, for an expandable segment, its page).
+    pub segment: u64,
+    /// The size of that segment (or page).
+    pub segment_size: u64,
+    /// Free (cached) bytes in that segment (or page).
+    pub segment_free: u64,
+    /// Live blocks in the segment (this one, the largest, included).
+    pub live_blocks: usize,
+    /// Where it was allocated (`file:line name`, innermost first), where the
+    /// caller knows (the replay fills it in from the trace's frames).
+    pub frames: Option<String>,
+}
+
+/// Why PyTorch's caching allocator could not serve a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachingCause {
+    /// The request after `round_size` (512 bytes, or the power-of-two divisions).
+    pub round_size: u64,
+    /// The memory-fraction limit (`set_per_process_memory_fraction`), if set.
+    pub allowed: Option<u64>,
+    /// Segments held (each one `cudaMalloc`, or one expandable segment).
+    pub segments: usize,
+    /// What is released whole: `segment`, or `page` for expandable segments.
+    pub unit: &'static str,
+    /// Units (segments, or pages) with both live and free bytes.
+    pub fragmented: usize,
+    /// Free bytes inside the fragmented units.
+    pub fragmented_free: u64,
+    /// The live allocations that pin the most free memory (largest first).
+    pub pins: Vec<Pin>,
+}
+
+impl CachingCause {
+    /// How many pinning allocations the report lists.
+    pub const MAX_PINS: usize = 5;
 }
 
 /// Formats a byte count the way PyTorch does ("1.50 GiB", "20.00 MiB").
@@ -62,8 +111,152 @@ pub fn format_bytes(b: u64) -> String {
     }
 }
 
+impl OomReport {
+    /// PyTorch's message (`DeviceCachingAllocator::malloc` in
+    /// `c10/cuda/CUDACachingAllocator.cpp`, PyTorch 2.4+): "CUDA out of memory.
+    /// Tried to allocate <alloc_size>. GPU <n> has a total capacity of <total>
+    /// of which <free> is free. [<allowed> allowed; ]Of the allocated memory
+    /// <allocated> is allocated by PyTorch, and <reserved - allocated> is
+    /// reserved by PyTorch but unallocated. If reserved but unallocated memory
+    /// is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to
+    /// avoid fragmentation." (`alloc_size` is the segment size it asked the
+    /// driver for, e.g. 20 MiB for a 2 MiB request), then the cause.
+    fn fmt_caching(&self, f: &mut fmt::Formatter<'_>, c: &CachingCause) -> fmt::Result {
+        write!(
+            f,
+            "CUDA out of memory ({}). Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
+            self.policy,
+            format_bytes(self.rounded),
+            self.device,
+            format_bytes(self.capacity),
+            format_bytes(self.device_free),
+        )?;
+        if let Some(a) = c.allowed {
+            write!(f, "{} allowed; ", format_bytes(a))?;
+        }
+        write!(
+            f,
+            "Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated.",
+            format_bytes(self.live),
+            format_bytes(self.cached),
+        )?;
+        if !self.hint.is_empty() {
+            write!(f, " {}", self.hint)?;
+        }
+        write!(
+            f,
+            "\nWhy: {} reserved across {} segment{}; ",
+            format_bytes(self.live + self.cached),
+            c.segments,
+            if c.segments == 1 { "" } else { "s" }
+        )?;
+        if self.cached == 0 {
+            write!(f, "nothing is cached: the live tensors fill them.")?;
+        } else {
+            write!(
+                f,
+                "the {} cached lies in free blocks of which the largest is {}, too small for the {} request",
+                format_bytes(self.cached),
+                format_bytes(self.largest_free),
+                format_bytes(c.round_size),
+            )?;
+            if c.fragmented > 0 {
+                write!(
+                    f,
+                    "; {} of it is in {} {}{} that also hold{} live tensors, so it cannot be released to the driver",
+                    format_bytes(c.fragmented_free),
+                    c.fragmented,
+                    c.unit,
+                    if c.fragmented == 1 { "" } else { "s" },
+                    if c.fragmented == 1 { "s" } else { "" }
+                )?;
+            }
+            write!(f, ".")?;
+        }
+        // The 20 MiB rounding (`get_allocation_size`: requests of 1-10 MiB get
+        // a kLargeBuffer = 20 MiB segment) is the reason where the device had
+        // room for the request itself but not for the segment.
+        if self.rounded > c.round_size
+            && self.device_free >= c.round_size
+            && self.device_free < self.rounded
+        {
+            write!(
+                f,
+                " Rounding is the reason: the device has {} free, enough for the {} requested, but the caching \
+                 allocator asks the driver for a {} segment (requests between 1 MiB and 10 MiB get a 20 MiB segment, \
+                 get_allocation_size in CUDACachingAllocator.cpp).",
+                format_bytes(self.device_free),
+                format_bytes(c.round_size),
+                format_bytes(self.rounded),
+            )?;
+        }
+        if !c.pins.is_empty() {
+            write!(
+                f,
+                "\nPinning the fragmented {}s (largest free first):",
+                c.unit
+            )?;
+            for p in &c.pins {
+                write!(
+                    f,
+                    "\n  {} at {:#x}{}{} keeps {} free in its {} {} at {:#x}",
+                    format_bytes(p.size),
+                    p.ptr,
+                    p.frames
+                        .as_deref()
+                        .map_or(String::new(), |fr| format!(" ({fr})")),
+                    match p.live_blocks {
+                        0 | 1 => String::new(),
+                        n => format!(
+                            " with {} more live block{}",
+                            n - 1,
+                            if n == 2 { "" } else { "s" }
+                        ),
+                    },
+                    format_bytes(p.segment_free),
+                    format_bytes(p.segment_size),
+                    c.unit,
+                    p.segment,
+                )?;
+            }
+        }
+        if self.per_stream.len() > 1 {
+            for s in &self.per_stream {
+                write!(
+                    f,
+                    " [{}: live {}, cached {}]",
+                    s.stream,
+                    format_bytes(s.live),
+                    format_bytes(s.cached)
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(c) = &self.caching {
+            return self.fmt_caching(f, c);
+        }
+        if self.policy == "native" {
+            // Nothing is cached or pooled: only the figures that apply.
+            write!(
+                f,
+                "out of memory (native). Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. \
+                 Live tensors hold {}.",
+                format_bytes(self.requested),
+                self.device,
+                format_bytes(self.capacity),
+                format_bytes(self.device_free),
+                format_bytes(self.live),
+            )?;
+            if !self.hint.is_empty() {
+                write!(f, " {}", self.hint)?;
+            }
+            return Ok(());
+        }
         write!(
             f,
             "out of memory ({}). Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. \

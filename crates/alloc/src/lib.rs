@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod frames;
 pub mod pickle_snapshot;
 mod policy;
 mod size_classes;
@@ -32,9 +33,10 @@ pub mod pressure;
 pub mod testing;
 pub mod torch_es;
 
-pub use error::{AllocError, AllocResult, OomReport, StreamUsage};
+pub use error::{AllocError, AllocResult, CachingCause, OomReport, Pin, StreamUsage};
 pub use expandable::tags::{is_known_tag, parse_tag_list, set_thread_tag, thread_tag, MAX_TAG_LEN};
 pub use expandable::TagStats;
+pub use frames::{Frame, Stack};
 pub use policy::{build, parse_size, split_policy_specs, Policy, PolicyOptions, PolicySpec};
 pub use snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 pub use stats::{Stat, StatType, Stats};

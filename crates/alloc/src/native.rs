@@ -87,6 +87,7 @@ impl<D: Device> NativeAllocator<D> {
             largest_free: 0,
             per_stream,
             hint: "native caches nothing: the live tensors alone exceed the device.".into(),
+            caching: None,
         }))
     }
 }

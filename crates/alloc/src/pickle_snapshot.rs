@@ -21,8 +21,9 @@
 //! segments, each contiguous *mapped* run of an expandable segment is reported
 //! as one segment, and address space without pages behind it is left out.
 //! `device_traces` has one list per device up to the highest ordinal given
-//! (an empty list for a device without recorded events). No stack frames are
-//! recorded: `frames` is empty.
+//! (an empty list for a device without recorded events). `frames` lists are
+//! empty unless the caller passes stacks ([`DumpFrames`], e.g. from an input
+//! snapshot that had them).
 //!
 //! The writer is generic: it takes each device's [`Snapshot`], the settings as
 //! `(key, value)` pairs and optional per-device [`TraceEntry`] events. The
@@ -96,6 +97,37 @@ pub struct DeviceDump<'a> {
     /// The device's recorded events, oldest first (`None`: nothing recorded,
     /// an empty list is written).
     pub trace: Option<&'a [TraceEntry]>,
+    /// Stack frames to write, where known (`None`: every `frames` is empty).
+    pub frames: Option<&'a DumpFrames>,
+}
+
+/// The stacks a snapshot carries: per block address (the allocation live
+/// there) and per index into [`DeviceDump::trace`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DumpFrames {
+    /// Block address -> the stack of the allocation in it.
+    pub blocks: std::collections::HashMap<u64, crate::Stack>,
+    /// Index of a trace entry -> its stack.
+    pub trace: std::collections::HashMap<usize, crate::Stack>,
+}
+
+/// A stack as PyTorch's `frames` list of `{filename, line, name}` dicts.
+fn frames_value(stack: Option<&crate::Stack>) -> Value {
+    Value::List(
+        stack
+            .map(|st| {
+                st.iter()
+                    .map(|f| {
+                        dict(vec![
+                            ("filename", Value::String(f.filename.clone())),
+                            ("line", Value::I64(f.line)),
+                            ("name", Value::String(f.name.clone())),
+                        ])
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+    )
 }
 
 fn key(k: &str) -> HashableValue {
@@ -161,7 +193,11 @@ fn runs(snap: &Snapshot) -> Vec<Run<'_>> {
     out
 }
 
-fn segments(snap: &Snapshot, out: &mut Vec<Value>) -> Result<(), String> {
+fn segments(
+    snap: &Snapshot,
+    frames: Option<&DumpFrames>,
+    out: &mut Vec<Value>,
+) -> Result<(), String> {
     for Run {
         seg: s,
         blocks: run,
@@ -185,7 +221,19 @@ fn segments(snap: &Snapshot, out: &mut Vec<Value>) -> Result<(), String> {
                 ("size", int(b.size)?),
                 ("requested_size", int(b.requested_size)?),
                 ("state", Value::String(b.state.as_str().to_string())),
-                ("frames", Value::List(Vec::new())),
+                (
+                    "frames",
+                    frames_value(
+                        frames
+                            .filter(|_| {
+                                matches!(
+                                    b.state,
+                                    BlockState::ActiveAllocated | BlockState::ActivePendingFree
+                                )
+                            })
+                            .and_then(|f| f.blocks.get(&b.address)),
+                    ),
+                ),
             ]));
         }
         let address = run.first().map_or(s.address, |b| b.address);
@@ -212,16 +260,16 @@ fn segments(snap: &Snapshot, out: &mut Vec<Value>) -> Result<(), String> {
     Ok(())
 }
 
-fn trace(events: &[TraceEntry]) -> Result<Value, String> {
+fn trace(events: &[TraceEntry], frames: Option<&DumpFrames>) -> Result<Value, String> {
     let mut out = Vec::with_capacity(events.len());
-    for e in events {
+    for (i, e) in events.iter().enumerate() {
         let mut items = vec![
             ("action", Value::String(e.action.to_string())),
             ("addr", int(e.addr)?),
             ("size", int(e.size)?),
             ("stream", int(e.stream)?),
             ("time_us", Value::I64(e.time_us)),
-            ("frames", Value::List(Vec::new())),
+            ("frames", frames_value(frames.and_then(|f| f.trace.get(&i)))),
         ];
         if let Some(f) = e.device_free {
             items.push(("device_free", int(f)?));
@@ -257,13 +305,13 @@ pub fn snapshot_value(
     let mut segs = Vec::new();
     let mut traces: Vec<Value> = Vec::new();
     for d in devices {
-        segments(d.snapshot, &mut segs)?;
+        segments(d.snapshot, d.frames, &mut segs)?;
         let ordinal = d.snapshot.device as usize;
         while traces.len() <= ordinal {
             traces.push(Value::List(Vec::new()));
         }
         if let Some(events) = d.trace {
-            traces[ordinal] = trace(events)?;
+            traces[ordinal] = trace(events, d.frames)?;
         }
     }
     if traces.is_empty() {
@@ -408,6 +456,7 @@ mod tests {
             &[DeviceDump {
                 snapshot: &s,
                 trace: None,
+                frames: None,
             }],
             &[],
         )
@@ -464,10 +513,12 @@ mod tests {
                 DeviceDump {
                     snapshot: &a,
                     trace: None,
+                    frames: None,
                 },
                 DeviceDump {
                     snapshot: &b,
                     trace: Some(&events),
+                    frames: None,
                 },
             ],
             &[
@@ -511,6 +562,7 @@ mod tests {
             &[DeviceDump {
                 snapshot: &s,
                 trace: None,
+                frames: None,
             }],
             &[],
         )

@@ -68,6 +68,11 @@ pub struct PolicyOptions {
     pub expandable: crate::expandable::ExpandableConfig,
     /// `caching` and `torch-es`: PyTorch's allocator options.
     pub caching: crate::caching::CachingConfig,
+    /// `caching` and `torch-es`: `torch.cuda.set_per_process_memory_fraction`
+    /// applied right after creation (`memory_fraction=F`); PyTorch's
+    /// `garbage_collection_threshold` acts only once a fraction is set
+    /// (`DeviceCachingAllocator::malloc` in `CUDACachingAllocator.cpp`).
+    pub memory_fraction: Option<f64>,
 }
 
 /// Parses a number in [0, 1] (a memory fraction, a split threshold).
@@ -147,7 +152,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 ///   (sizes: bytes or e.g. `20MiB`), `memory_fraction` (in (0, 1]).
 /// - `caching`, `torch-es`: the `PYTORCH_CUDA_ALLOC_CONF` keys
 ///   [`crate::caching::CachingConfig::parse`] accepts, e.g. `max_split_size_mb=128`,
-///   `garbage_collection_threshold=0.6`.
+///   `garbage_collection_threshold=0.6`, plus `memory_fraction=F`
+///   (`torch.cuda.set_per_process_memory_fraction(F)`, which
+///   `garbage_collection_threshold` needs to act).
 /// - `native`: none.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicySpec {
@@ -245,6 +252,14 @@ impl FromStr for PolicySpec {
                 ))
             })?;
             match spec.policy {
+                Policy::Caching | Policy::TorchEs if k.trim() == "memory_fraction" => {
+                    let f = parse_unit_fraction(v).map_err(|m| {
+                        AllocError::InvalidOption(format!(
+                            "policy `{label}`: option `memory_fraction`: {m}"
+                        ))
+                    })?;
+                    spec.options.memory_fraction = Some(f);
+                }
                 Policy::Caching | Policy::TorchEs => {
                     conf.push(format!("{}:{}", k.trim(), v.trim()))
                 }
@@ -286,7 +301,7 @@ pub fn build(
     device: Arc<dyn Device>,
     options: &PolicyOptions,
 ) -> AllocResult<Box<dyn Allocator>> {
-    Ok(match policy {
+    let alloc: Box<dyn Allocator> = match policy {
         Policy::Expandable => Box::new(crate::expandable::ExpandableAllocator::new(
             device,
             options.expandable.clone(),
@@ -300,7 +315,11 @@ pub fn build(
             options.caching.clone(),
         )?),
         Policy::Native => Box::new(crate::native::NativeAllocator::new(device)?),
-    })
+    };
+    if let (Policy::Caching | Policy::TorchEs, Some(f)) = (policy, options.memory_fraction) {
+        alloc.set_memory_fraction(f)?;
+    }
+    Ok(alloc)
 }
 
 #[cfg(test)]
@@ -398,5 +417,26 @@ mod tests {
                 "caching"
             ]
         );
+    }
+
+    #[test]
+    fn caching_memory_fraction_is_applied_at_creation() {
+        let p: PolicySpec = "caching:garbage_collection_threshold=0.6,memory_fraction=0.5"
+            .parse()
+            .unwrap();
+        assert_eq!(p.options.memory_fraction, Some(0.5));
+        assert_eq!(p.options.caching.garbage_collection_threshold, 0.6);
+        let dev = Arc::new(vmmalloc_device::sim::SimDevice::with_capacity(64 * MIB));
+        let a = build(p.policy, dev, &p.options).unwrap();
+        // Half of 64 MiB is allowed: 40 MiB is refused, 30 MiB fits.
+        assert!(a
+            .malloc(40 * MIB, crate::Stream::DEFAULT)
+            .unwrap_err()
+            .is_out_of_memory());
+        assert!(a.malloc(30 * MIB, crate::Stream::DEFAULT).is_ok());
+        let bad = "torch-es:memory_fraction=2"
+            .parse::<PolicySpec>()
+            .unwrap_err();
+        assert!(bad.to_string().contains("memory_fraction"), "{bad}");
     }
 }

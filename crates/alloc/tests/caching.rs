@@ -512,7 +512,13 @@ fn set_memory_fraction_limits_allowed_memory_maximum() {
         panic!("{e}")
     };
     assert_eq!(r.capacity, 256 * MIB);
-    assert!(r.hint.contains("256.00 MiB allowed"), "{}", r.hint);
+    // PyTorch puts the limit before "Of the allocated memory".
+    assert_eq!(r.caching.as_ref().unwrap().allowed, Some(256 * MIB));
+    assert!(
+        e.to_string()
+            .contains("256.00 MiB allowed; Of the allocated memory"),
+        "{e}"
+    );
     assert!(a.set_memory_fraction(1.5).is_err());
     a.validate().unwrap();
 }

@@ -594,6 +594,8 @@ impl Config {
                 ..defaults
             },
             caching,
+            // The plug-in's fraction comes from PyTorch (`set_memory_fraction_fn`).
+            memory_fraction: None,
         })
     }
 

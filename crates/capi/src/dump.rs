@@ -44,6 +44,7 @@ pub fn dump(rt: &Runtime, path: &Path) -> Result<(), String> {
         .map(|(snapshot, trace)| DeviceDump {
             snapshot,
             trace: trace.as_deref(),
+            frames: None,
         })
         .collect();
     pickle_snapshot::write(path, &parts, &settings(config))

@@ -9,6 +9,8 @@
 //! nothing at replay time.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+pub use vmmalloc_alloc::{Frame, Stack};
 
 use crate::error::{ErrorKind, Result, TraceError};
 
@@ -239,7 +241,13 @@ pub struct DeviceTraceParts {
     pub allocator_settings: BTreeMap<String, String>,
     /// Warnings about an incomplete source (each line counts one kind of problem).
     pub warnings: Vec<String>,
+    /// Stack frames of allocation events, by event index (PyTorch snapshots
+    /// recorded with stacks; empty otherwise).
+    pub frames: BTreeMap<usize, Stack>,
 }
+
+/// Allocation id -> the stack it was allocated from (see [`DeviceTrace::frames`]).
+pub type FrameTable = HashMap<u32, Stack>;
 
 /// The trace of one device, checked and ready to replay.
 ///
@@ -251,6 +259,7 @@ pub struct DeviceTraceParts {
 pub struct DeviceTrace {
     parts: DeviceTraceParts,
     ops: Vec<Op>,
+    id_frames: Arc<FrameTable>,
     allocs: usize,
     peak_live: u64,
     pre_trace_live: u64,
@@ -300,12 +309,16 @@ impl DeviceTrace {
         // Growable regions (`reserve` events): id -> maximum bytes.
         let mut regions: HashMap<u32, u64> = HashMap::new();
         let mut peak_live = live_bytes;
+        let mut id_frames = FrameTable::new();
         for (i, e) in parts.events.iter().enumerate() {
             let at = |kind: ErrorKind| err(kind).at_event(i);
             match e.kind {
                 EventKind::Alloc => {
                     check_alloc_size(e.size).map_err(at)?;
                     let id = sizes.len() as u32;
+                    if let Some(st) = parts.frames.get(&i) {
+                        id_frames.insert(id, st.clone());
+                    }
                     if live.insert(e.addr, id).is_some() {
                         return Err(at(ErrorKind::DoubleAlloc { addr: e.addr }));
                     }
@@ -369,6 +382,7 @@ impl DeviceTrace {
         Ok(DeviceTrace {
             parts,
             ops,
+            id_frames: Arc::new(id_frames),
             allocs: n_alloc_events,
             peak_live,
             pre_trace_live,
@@ -450,6 +464,12 @@ impl DeviceTrace {
                 .map(|e| e.stream),
         );
         s.into_iter().collect()
+    }
+
+    /// The stacks of the allocations that have them, by allocation id (the
+    /// `id` of [`Op::Alloc`]); empty when the source recorded none.
+    pub fn frames(&self) -> &Arc<FrameTable> {
+        &self.id_frames
     }
 
     /// The parts this trace was built from (pre-trace sorted by address).

@@ -11,7 +11,8 @@
 //!   (`is_expandable`, `segment_pool_id`, `frames`, …) that are ignored;
 //! - `device_traces`: one list of events per device (the device index is the
 //!   list's position), each a dict with `action`, `addr` (`device_free` for
-//!   `oom`), `size`, `stream`, and optionally `time_us`, `frames`,
+//!   `oom`), `size`, `stream`, and optionally `time_us`, `frames` (the
+//!   stacks of `alloc` events are kept: [`crate::DeviceTrace::frames`]),
 //!   `compile_context`, `user_metadata` (ignored);
 //! - `allocator_settings`, `external_annotations`: optional.
 //!
@@ -39,7 +40,9 @@ use std::path::Path;
 use serde_pickle::{DeOptions, HashableValue, Value};
 
 use crate::error::{ErrorKind, Result, TraceError};
-use crate::model::{Block, BlockState, Event, EventKind, Segment, Trace, MAX_SIZE};
+use crate::model::{
+    Block, BlockState, DeviceTrace, Event, EventKind, Frame, Segment, Stack, Trace, MAX_SIZE,
+};
 use crate::reconstruct::{build_device, RawDevice};
 
 /// Device indices a snapshot may use (a larger one is treated as corrupt input).
@@ -114,6 +117,9 @@ pub fn parse_snapshot(bytes: &[u8], name: &str) -> Result<Trace> {
         }
     }
     let mut per_device: Vec<Vec<Event>> = Vec::new();
+    // Per device: stacks of alloc events by event index, and how many
+    // events had a `frames` value that is not PyTorch's list of dicts.
+    let mut per_device_frames: Vec<(BTreeMap<usize, Stack>, usize)> = Vec::new();
     if let Some(v) = traces_v {
         for (d, dv) in as_list(v, "`device_traces`")?.iter().enumerate() {
             let device = u32::try_from(d)
@@ -124,13 +130,24 @@ pub fn parse_snapshot(bytes: &[u8], name: &str) -> Result<Trace> {
                 })?;
             let list = as_list(dv, "a device trace").map_err(|e| e.on_device(device))?;
             let mut events = Vec::with_capacity(list.len());
+            let mut stacks = BTreeMap::new();
+            let mut bad_frames = 0usize;
             for (i, ev) in list.iter().enumerate() {
-                events.push(
-                    parse_event(ev)
-                        .map_err(|k| TraceError::new(k).on_device(device).at_event(i))?,
-                );
+                let e = parse_event(ev)
+                    .map_err(|k| TraceError::new(k).on_device(device).at_event(i))?;
+                if e.kind == EventKind::Alloc {
+                    match parse_frames(ev) {
+                        Ok(Some(st)) => {
+                            stacks.insert(i, st);
+                        }
+                        Ok(None) => {}
+                        Err(()) => bad_frames += 1,
+                    }
+                }
+                events.push(e);
             }
             per_device.push(events);
+            per_device_frames.push((stacks, bad_frames));
         }
     }
 
@@ -159,7 +176,22 @@ pub fn parse_snapshot(bytes: &[u8], name: &str) -> Result<Trace> {
             continue;
         }
         let device = r.device;
-        devices.push(build_device(r, &settings).map_err(|e| e.on_device(device))?);
+        let dt = build_device(r, &settings).map_err(|e| e.on_device(device))?;
+        match per_device_frames.get_mut(device as usize) {
+            Some((stacks, bad)) if !stacks.is_empty() || *bad > 0 => {
+                // Rebuilt with the stacks (the events are unchanged, so the
+                // checks pass again).
+                let mut parts = dt.into_parts();
+                parts.frames = std::mem::take(stacks);
+                if *bad > 0 {
+                    parts.warnings.push(format!(
+                        "{bad} allocation events have `frames` that are not a list of {{filename, line, name}} dicts; their stacks are dropped"
+                    ));
+                }
+                devices.push(DeviceTrace::new(parts).map_err(|e| e.on_device(device))?);
+            }
+            _ => devices.push(dt),
+        }
     }
     Ok(Trace {
         name: name.to_string(),
@@ -203,6 +235,41 @@ fn decode(bytes: &[u8]) -> Result<Value> {
             Err(ErrorKind::ReaderPanic(msg).into())
         }
     }
+}
+
+/// The `frames` of an event: `Ok(None)` where absent or empty, `Err` where
+/// it is not a list of `{filename, line, name}` dicts.
+fn parse_frames(v: &Value) -> std::result::Result<Option<Stack>, ()> {
+    let Some(d) = as_dict(v) else {
+        return Ok(None);
+    };
+    let list = match field(d, "frames") {
+        None => return Ok(None),
+        Some(Value::List(l)) | Some(Value::Tuple(l)) => l,
+        Some(_) => return Err(()),
+    };
+    if list.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for f in list {
+        let fd = as_dict(f).ok_or(())?;
+        let text = |k: &str| match field(fd, k) {
+            Some(Value::String(s)) => Ok(s.clone()),
+            Some(Value::Bytes(b)) => Ok(String::from_utf8_lossy(b).into_owned()),
+            _ => Err(()),
+        };
+        let line = match int(fd, "line") {
+            Ok(Some(n)) => i64::try_from(n).map_err(|_| ())?,
+            _ => return Err(()),
+        };
+        out.push(Frame {
+            filename: text("filename")?,
+            line,
+            name: text("name")?,
+        });
+    }
+    Ok(Some(out.into()))
 }
 
 fn parse_event(v: &Value) -> std::result::Result<Event, ErrorKind> {

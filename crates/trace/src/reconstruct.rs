@@ -184,6 +184,7 @@ pub(crate) fn build_device(
         segments_final: segments,
         allocator_settings: settings.clone(),
         warnings,
+        frames: BTreeMap::new(),
     })
 }
 

@@ -55,6 +55,10 @@ pub struct ReplayConfig {
     /// Record the replay's events in PyTorch's `TraceEntry` shape
     /// ([`ReplayResult::events`]), e.g. for a snapshot's `device_traces`.
     pub record_events: bool,
+    /// The trace's stacks by allocation id ([`crate::DeviceTrace::frames`]):
+    /// the first out-of-memory report names where its pinning allocations
+    /// came from. `None`: no stacks.
+    pub frames: Option<Arc<crate::model::FrameTable>>,
 }
 
 impl ReplayConfig {
@@ -75,6 +79,7 @@ impl ReplayConfig {
             steady: false,
             pre_trace_ops: 0,
             record_events: false,
+            frames: None,
         }
     }
 }
@@ -524,6 +529,26 @@ impl CallHook for RecordingHook {
     }
 }
 
+/// Names, in an out-of-memory report, the stacks of the allocations that pin
+/// fragmented memory (from [`ReplayConfig::frames`]; `ptrs`: id -> pointer).
+fn with_frames(
+    mut e: vmmalloc_alloc::AllocError,
+    ptrs: &[u64],
+    config: &ReplayConfig,
+) -> vmmalloc_alloc::AllocError {
+    if let (Some(table), vmmalloc_alloc::AllocError::OutOfMemory(r)) = (&config.frames, &mut e) {
+        if let Some(c) = r.caching.as_mut() {
+            for pin in &mut c.pins {
+                let id = ptrs.iter().position(|&p| p == pin.ptr);
+                if let Some(st) = id.and_then(|id| table.get(&(id as u32))) {
+                    pin.frames = Some(vmmalloc_alloc::frames::describe(st));
+                }
+            }
+        }
+    }
+    e
+}
+
 /// What the replay loop carries from op to op (and from pass to pass).
 #[derive(Default)]
 struct OpState {
@@ -638,7 +663,7 @@ fn run_ops(
                         result.ooms += 1;
                         if result.first_oom.is_none() {
                             result.first_oom = Some(i);
-                            result.oom_message = Some(e.to_string());
+                            result.oom_message = Some(with_frames(e, ptrs, config).to_string());
                         }
                         if config.stop_at_oom {
                             result.ops = i + 1;

@@ -81,3 +81,29 @@ fn load_path_detects_both_formats() {
     assert_eq!(back.devices[0].replay_ops(), t.devices[0].replay_ops());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn the_fixture_keeps_the_stacks_of_its_allocations() {
+    let t = fixture();
+    let dt = &t.devices[0];
+    // 655 of its 1721 `alloc` events carry frames.
+    assert!(
+        dt.warnings().iter().all(|w| !w.contains("frames")),
+        "{:?}",
+        dt.warnings()
+    );
+    assert_eq!(dt.frames().len(), 655);
+    assert_eq!(dt.parts().frames.len(), 655);
+    let st = dt.frames().values().next().unwrap();
+    assert!(!st.is_empty());
+    let all: Vec<String> = dt
+        .frames()
+        .values()
+        .map(|s| vmmalloc_alloc::frames::describe(s))
+        .collect();
+    assert!(
+        all.iter().any(|d| d.starts_with("model.py:54 forward")),
+        "{:?}",
+        &all[..5]
+    );
+}

@@ -4,10 +4,9 @@
 use super::block::{BlockId, IntMap};
 use super::engine::State;
 use super::sizes::PoolKind;
-use crate::error::format_bytes;
 use crate::{
-    AllocError, BlockInfo, BlockState, OomReport, SegmentInfo, Snapshot, StatType, Stats,
-    StreamUsage,
+    AllocError, BlockInfo, BlockState, CachingCause, OomReport, Pin, SegmentInfo, Snapshot,
+    StatType, Stats, StreamUsage,
 };
 use std::collections::{BTreeMap, HashMap};
 use vmmalloc_device::{Call, Device, MemInfo, Stream};
@@ -169,22 +168,91 @@ impl State {
                 largest_free = largest_free.max(b.size);
             }
         }
-        let allowed = if self.set_fraction {
-            format!("{} allowed; ", format_bytes(self.allowed_memory_maximum))
-        } else {
-            String::new()
-        };
         let hint = if self.expandable {
-            format!(
-                "{allowed}Every free page was already unmapped and released (release_cached_blocks); the \
-                 remaining reserved memory lies in pages shared with live tensors."
-            )
+            "Every free page was already unmapped and released (release_cached_blocks); the remaining reserved \
+             memory lies in pages shared with live tensors."
+                .to_string()
         } else {
-            format!(
-                "{allowed}If reserved but unallocated memory is large try setting \
-                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
-            )
+            "If reserved but unallocated memory is large try setting \
+             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+                .to_string()
         };
+        // Units (segments; pages of expandable segments) with both live and
+        // free (mapped) bytes, and the live blocks in them: PyTorch releases
+        // only wholly free segments (`release_cached_blocks`) and, with
+        // expandable segments, only wholly free pages (`unmap_block`).
+        let (by_ptr, _) = self.slab.by_ptr();
+        let ranges = self.segment_ranges();
+        // unit start -> (unit size, free bytes, live blocks as (ptr, size))
+        type Unit = (u64, u64, Vec<(u64, u64)>);
+        let mut units: BTreeMap<u64, Unit> = BTreeMap::new();
+        for &(start, total, _, _, expandable) in &ranges {
+            let page = if expandable {
+                self.expandable_segments
+                    .values()
+                    .find(|es| es.ptr == start)
+                    .map_or(total, |es| es.segment_size)
+            } else {
+                total
+            }
+            .max(1);
+            for id in self.walk(&by_ptr, start) {
+                let b = self.slab.get(id);
+                let free = b.mapped && !b.allocated && b.is_allocatable();
+                if !(free || b.allocated) {
+                    continue;
+                }
+                let mut at = b.ptr;
+                let end = b.ptr + b.size;
+                while at < end {
+                    let unit = start + (at - start) / page * page;
+                    let upto = (unit + page).min(end);
+                    let u = units.entry(unit).or_insert((
+                        page.min(start + total - unit),
+                        0,
+                        Vec::new(),
+                    ));
+                    if free {
+                        u.1 += upto - at;
+                    } else if u.2.last().is_none_or(|l| l.0 != b.ptr) {
+                        u.2.push((b.ptr, b.size));
+                    }
+                    at = upto;
+                }
+            }
+        }
+        let mut fragmented = 0;
+        let mut fragmented_free = 0;
+        let mut pins = Vec::new();
+        for (unit, (size, free, live)) in units {
+            if free == 0 || live.is_empty() {
+                continue;
+            }
+            fragmented += 1;
+            fragmented_free += free;
+            if let Some(&(ptr, bsize)) = live.iter().max_by_key(|l| l.1) {
+                pins.push(Pin {
+                    ptr,
+                    size: bsize,
+                    segment: unit,
+                    segment_size: size,
+                    segment_free: free,
+                    live_blocks: live.len(),
+                    frames: None,
+                });
+            }
+        }
+        pins.sort_by_key(|p| std::cmp::Reverse((p.segment_free, p.segment)));
+        pins.truncate(CachingCause::MAX_PINS);
+        let caching = Some(Box::new(CachingCause {
+            round_size: super::sizes::round_size(orig_size, &self.config),
+            allowed: self.set_fraction.then_some(self.allowed_memory_maximum),
+            segments: ranges.len(),
+            unit: if self.expandable { "page" } else { "segment" },
+            fragmented,
+            fragmented_free,
+            pins,
+        }));
         AllocError::OutOfMemory(Box::new(OomReport {
             policy,
             device: dev.caps().ordinal,
@@ -209,6 +277,7 @@ impl State {
                 })
                 .collect(),
             hint,
+            caching,
         }))
     }
 

@@ -60,15 +60,15 @@ mod report;
 mod segment;
 mod sleep;
 mod snapshot;
-pub mod tags;
 mod spill;
+pub mod tags;
 mod teardown;
 mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
 pub use config::{ExpandableConfig, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_THRESHOLD};
-pub use sleep::{tag_summary, TagStats};
 pub use growable::GrowableInfo;
+pub use sleep::{tag_summary, TagStats};
 
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
 use arena::Arenas;

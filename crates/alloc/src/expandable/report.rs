@@ -122,6 +122,7 @@ impl Inner {
             largest_free,
             per_stream,
             hint,
+            caching: None,
         }))
     }
 }

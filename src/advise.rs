@@ -1,0 +1,462 @@
+//! `vmmalloc advise SNAPSHOT [--gpu SIZE]`: which policy and which settings
+//! fit a given GPU, judged by replaying the trace under each candidate (never
+//! by a rule of thumb), with the headroom left and the modeled driver cost;
+//! ends with the exact `PYTORCH_CUDA_ALLOC_CONF` or `VMMALLOC_CONF` line.
+//!
+//! The candidates are our `expandable` policy and PyTorch's caching
+//! allocator with each of its fragmentation knobs (`PYTORCH_CUDA_ALLOC_CONF`,
+//! `c10/cuda/CUDAAllocatorConfig.cpp` and `CUDACachingAllocator.cpp`):
+//! `expandable_segments:True` (the `torch-es` replica), `max_split_size_mb`
+//! (blocks at least this large are never split), `roundup_power2_divisions`
+//! (requests rounded up to a power-of-two division, so freed blocks are
+//! reused by similar sizes) and `garbage_collection_threshold` (cached blocks
+//! freed before the limit is reached; it acts only once
+//! `torch.cuda.set_per_process_memory_fraction` is set).
+
+use crate::compare::{base_config, gib, unlimited_capacity, TightCapacity};
+use anyhow::{bail, Context, Result};
+use std::sync::Mutex;
+use vmmalloc_alloc::{parse_size, PolicySpec};
+use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig};
+use vmmalloc_trace::{DeviceTrace, Input};
+
+/// Arguments of `vmmalloc advise`.
+#[derive(clap::Args, Debug)]
+pub struct AdviseArgs {
+    /// A PyTorch snapshot (.pickle), a text trace or a workload name.
+    pub input: String,
+    /// The GPU memory to fit in, e.g. `24GiB` or `80GiB` (default: the
+    /// tightest device `compare` uses, 1.05 × peak live).
+    #[arg(long, value_name = "SIZE")]
+    pub gpu: Option<String>,
+    /// Cost model: a preset (`a100`, the default, or `linear`) and/or overrides.
+    #[arg(long, value_name = "[PRESET][,KEY=US,...]")]
+    pub cost: Option<String>,
+    /// Cost model from a JSON file (as `vmmalloc calibrate` writes).
+    #[arg(long, value_name = "FILE")]
+    pub cost_file: Option<std::path::PathBuf>,
+    /// Device granularity in MiB for the simulated device.
+    #[arg(long, default_value_t = 2)]
+    pub granularity_mb: u64,
+}
+
+/// One setting evaluated: the policy spec replayed and how a user sets it.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// The policy spec replayed (`caching:max_split_size_mb=128`).
+    pub spec: &'static str,
+    /// Whether it is PyTorch's own allocator (no plug-in needed).
+    pub pytorch: bool,
+    /// The environment line that selects it.
+    pub env: &'static str,
+    /// Anything else the user must do.
+    pub also: &'static str,
+}
+
+/// The candidates, ours first.
+pub const CANDIDATES: [Candidate; 8] = [
+    Candidate {
+        spec: "expandable",
+        pytorch: false,
+        env: "VMMALLOC_CONF=backend:expandable",
+        also: "run under the plug-in: VMMALLOC_CONF=backend:expandable python -m vmmalloc train.py",
+    },
+    Candidate {
+        spec: "caching",
+        pytorch: true,
+        env: "unset PYTORCH_CUDA_ALLOC_CONF",
+        also: "",
+    },
+    Candidate {
+        spec: "torch-es",
+        pytorch: true,
+        env: "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        also: "",
+    },
+    Candidate {
+        spec: "caching:max_split_size_mb=128",
+        pytorch: true,
+        env: "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128",
+        also: "",
+    },
+    Candidate {
+        spec: "caching:max_split_size_mb=512",
+        pytorch: true,
+        env: "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512",
+        also: "",
+    },
+    Candidate {
+        spec: "caching:roundup_power2_divisions=4",
+        pytorch: true,
+        env: "PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:4",
+        also: "",
+    },
+    Candidate {
+        spec: "caching:garbage_collection_threshold=0.8,memory_fraction=1.0",
+        pytorch: true,
+        env: "PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.8",
+        also: "and call torch.cuda.set_per_process_memory_fraction(1.0) before the first CUDA allocation \
+               (the threshold acts only with a fraction set)",
+    },
+    Candidate {
+        spec: "torch-es:roundup_power2_divisions=4",
+        pytorch: true,
+        env: "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,roundup_power2_divisions:4",
+        also: "",
+    },
+];
+
+/// One candidate's figures, over every device of the trace.
+#[derive(Debug, Clone)]
+pub struct Verdict {
+    /// The candidate.
+    pub candidate: Candidate,
+    /// Whether it replays without out-of-memory on every device, cold and steady.
+    pub fits: bool,
+    /// Largest smallest-device it needs over the devices (`None`: none found).
+    pub min_capacity: Option<u64>,
+    /// GPU size minus `min_capacity` (smallest over the devices).
+    pub headroom: Option<u64>,
+    /// Modeled driver time of the first pass, ms (sum over devices).
+    pub cold_ms: f64,
+    /// Modeled driver time of a further pass, ms (`None`: no steady pass).
+    pub steady_ms: Option<f64>,
+}
+
+/// Evaluates every candidate on `devices` at `gpu` bytes (per device;
+/// `None`: 1.05 × each device's peak live).
+pub fn evaluate(
+    devices: &[&DeviceTrace],
+    gpu: Option<u64>,
+    base: &ReplayConfig,
+) -> Result<Vec<Verdict>> {
+    let specs: Vec<PolicySpec> = CANDIDATES
+        .iter()
+        .map(|c| {
+            c.spec
+                .parse()
+                .with_context(|| format!("candidate `{}`", c.spec))
+        })
+        .collect::<Result<_>>()?;
+    let out: Mutex<Vec<(usize, Verdict)>> = Mutex::new(Vec::new());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(specs.len());
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(spec) = specs.get(i) else { break };
+                let mut v = Verdict {
+                    candidate: CANDIDATES[i].clone(),
+                    fits: true,
+                    min_capacity: Some(0),
+                    headroom: None,
+                    cold_ms: 0.0,
+                    steady_ms: Some(0.0),
+                };
+                let mut headroom: Option<u64> = None;
+                for dt in devices {
+                    let ops = dt.replay_ops();
+                    let peak = dt.peak_live_bytes();
+                    let cap = gpu
+                        .unwrap_or_else(|| TightCapacity::default().bytes(peak, base.granularity));
+                    let mut cfg = base.clone();
+                    cfg.policy = spec.policy;
+                    cfg.options = spec.options.clone();
+                    // Search beyond the GPU: how far a setting misses counts too.
+                    let search = min_capacity(ops, peak, &cfg, unlimited_capacity(peak).max(cap));
+                    v.min_capacity = match (v.min_capacity, search.min_capacity) {
+                        (Some(a), Some(b)) => Some(a.max(b)),
+                        _ => None,
+                    };
+                    let h = search.min_capacity.filter(|&m| m <= cap).map(|m| cap - m);
+                    headroom = match (headroom, h) {
+                        (None, h) if v.fits => h,
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        _ => None,
+                    };
+                    cfg.capacity = cap;
+                    cfg.steady = true;
+                    cfg.pre_trace_ops = dt.pre_trace().len();
+                    let r = replay(ops, &cfg);
+                    let steady_ok = r.steady.as_ref().is_some_and(|s| s.ok);
+                    v.fits &= r.ok && steady_ok && h.is_some();
+                    if !v.fits {
+                        headroom = None;
+                    }
+                    v.cold_ms += r.modeled_driver_us / 1000.0;
+                    v.steady_ms = v
+                        .steady_ms
+                        .zip(r.steady.as_ref())
+                        .map(|(a, s)| a + s.modeled_driver_us / 1000.0);
+                }
+                v.headroom = headroom;
+                out.lock().unwrap_or_else(|e| e.into_inner()).push((i, v));
+            });
+        }
+    });
+    let mut v = out.into_inner().unwrap_or_else(|e| e.into_inner());
+    v.sort_by_key(|(i, _)| *i);
+    Ok(v.into_iter().map(|(_, v)| v).collect())
+}
+
+/// The best of `verdicts` that fit: the most headroom, where headroom within
+/// `tie` bytes of the best counts as equal and the lower steady (then cold)
+/// driver time decides.
+pub fn best<'a>(
+    verdicts: impl Iterator<Item = &'a Verdict> + Clone,
+    tie: u64,
+) -> Option<&'a Verdict> {
+    let top = verdicts
+        .clone()
+        .filter(|v| v.fits)
+        .filter_map(|v| v.headroom)
+        .max()?;
+    verdicts
+        .filter(|v| v.fits && v.headroom.is_some_and(|h| h + tie >= top))
+        .min_by(|a, b| {
+            let key = |v: &Verdict| (v.steady_ms.unwrap_or(f64::MAX), v.cold_ms);
+            key(a)
+                .partial_cmp(&key(b))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        })
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or("-".into(), |m| format!("{m:.1}"))
+}
+
+/// Runs `vmmalloc advise`.
+pub fn run(args: AdviseArgs) -> Result<()> {
+    let base = base_config(
+        args.cost.as_deref(),
+        args.cost_file.as_deref(),
+        args.granularity_mb,
+    )?;
+    let gpu = match &args.gpu {
+        Some(s) => {
+            let b = parse_size(s).map_err(|e| anyhow::anyhow!("--gpu: {e}"))?;
+            let r = b / base.granularity * base.granularity;
+            if r == 0 {
+                bail!(
+                    "--gpu {s}: smaller than one {} MiB granule",
+                    base.granularity >> 20
+                );
+            }
+            Some(r)
+        }
+        None => None,
+    };
+    let input: Input = args
+        .input
+        .parse()
+        .with_context(|| format!("input `{}`", args.input))?;
+    let trace = input
+        .load()
+        .with_context(|| format!("loading `{}`", args.input))?;
+    let devices: Vec<&DeviceTrace> = trace.devices.iter().collect();
+    if devices.iter().all(|d| d.replay_ops().is_empty()) {
+        bail!(
+            "{}: no allocations to replay (a snapshot needs torch.cuda.memory._record_memory_history() before the \
+             run it describes)",
+            args.input
+        );
+    }
+    for dt in &devices {
+        let peak = dt.peak_live_bytes();
+        println!(
+            "{} device {}: {} events, peak live {} GiB; judged on {}",
+            trace.name,
+            dt.device(),
+            dt.events().len(),
+            gib(peak),
+            match gpu {
+                Some(g) => format!("a {} GiB GPU (--gpu)", gib(g)),
+                None => format!(
+                    "a {} GiB device, 1.05 x peak live (give --gpu SIZE for your card)",
+                    gib(TightCapacity::default().bytes(peak, base.granularity))
+                ),
+            }
+        );
+    }
+    let verdicts = evaluate(&devices, gpu, &base)?;
+    println!();
+    let header = [
+        "setting (replayed as)",
+        "fits",
+        "needs GiB",
+        "headroom GiB",
+        "cold ms",
+        "steady ms",
+    ];
+    let rows: Vec<[String; 6]> = verdicts
+        .iter()
+        .map(|v| {
+            [
+                v.candidate.spec.to_string(),
+                if v.fits { "yes" } else { "no" }.to_string(),
+                v.min_capacity.map_or("-".into(), gib),
+                v.headroom.map_or("-".into(), gib),
+                // The driver time of a replay that ran out of memory means nothing.
+                if v.fits {
+                    format!("{:.1}", v.cold_ms)
+                } else {
+                    "-".into()
+                },
+                if v.fits { ms(v.steady_ms) } else { "-".into() },
+            ]
+        })
+        .collect();
+    let w: Vec<usize> = (0..6)
+        .map(|i| {
+            rows.iter()
+                .map(|r| r[i].len())
+                .chain([header[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: [&str; 6]| {
+        let mut s = format!("{:<w0$}", cells[0], w0 = w[0]);
+        for i in 1..6 {
+            s.push_str(&format!("  {:>wi$}", cells[i], wi = w[i]));
+        }
+        println!("{}", s.trim_end());
+    };
+    line(header);
+    for r in &rows {
+        line([&r[0], &r[1], &r[2], &r[3], &r[4], &r[5]]);
+    }
+    println!(
+        "\nneeds: the smallest device that replays the trace (bisection to {} MiB); headroom: the GPU minus that; \
+         cold / steady ms: modeled driver time ({} cost model) of the first replay on the GPU and of a further one \
+         (every later iteration). Each setting was replayed, not estimated. Best: the most headroom, where \
+         headroom within 1 % of the GPU counts as a tie and the lower driver time per further pass decides.",
+        base.granularity >> 20,
+        base.cost_label
+    );
+    // Headroom within 1 % of the GPU (at least one granule) is a tie.
+    let gpu_ref = gpu.unwrap_or_else(|| {
+        devices
+            .iter()
+            .map(|d| TightCapacity::default().bytes(d.peak_live_bytes(), base.granularity))
+            .max()
+            .unwrap_or(0)
+    });
+    let tie = (gpu_ref / 100).max(base.granularity);
+    let say = |who: &str, v: &Verdict| {
+        println!(
+            "{who}: {} — headroom {} GiB, driver time {:.1} ms cold, {} ms per further pass.",
+            v.candidate.spec,
+            v.headroom.map_or("-".into(), gib),
+            v.cold_ms,
+            ms(v.steady_ms)
+        );
+    };
+    let pytorch = best(verdicts.iter().filter(|v| v.candidate.pytorch), tie);
+    let overall = best(verdicts.iter(), tie);
+    println!();
+    match pytorch {
+        Some(v) => {
+            say("Keeping PyTorch's allocator", v);
+            println!(
+                "  {}{}",
+                v.candidate.env,
+                if v.candidate.also.is_empty() {
+                    String::new()
+                } else {
+                    format!("  ({})", v.candidate.also)
+                }
+            );
+        }
+        None => match verdicts
+            .iter()
+            .filter(|v| v.candidate.pytorch)
+            .filter_map(|v| Some((v.min_capacity?, v)))
+            .min_by_key(|(m, _)| *m)
+        {
+            Some((m, v)) => println!(
+                "Keeping PyTorch's allocator: no setting of it fits; the closest, {}, needs {} GiB.",
+                v.candidate.spec,
+                gib(m)
+            ),
+            None => println!("Keeping PyTorch's allocator: no setting of it fits."),
+        },
+    }
+    match overall {
+        Some(v) => {
+            say("Best", v);
+            if !v.candidate.also.is_empty() {
+                println!("  {}", v.candidate.also);
+            }
+            println!("{}", v.candidate.env);
+            Ok(())
+        }
+        None => {
+            let closest = verdicts
+                .iter()
+                .filter_map(|v| Some((v.min_capacity?, v)))
+                .min_by_key(|(m, _)| *m);
+            match closest {
+                Some((m, v)) => bail!(
+                    "nothing fits on {} GiB; the closest, {}, needs {} GiB",
+                    gib(gpu_ref),
+                    v.candidate.spec,
+                    gib(m)
+                ),
+                None => bail!(
+                    "nothing fits on {} GiB, nor on any device up to 8 x peak live",
+                    gib(gpu_ref)
+                ),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_candidate_parses_and_is_set_by_its_line() {
+        for c in CANDIDATES {
+            let spec: PolicySpec = c.spec.parse().unwrap();
+            assert_eq!(c.pytorch, c.spec != "expandable", "{}", c.spec);
+            if c.pytorch && spec.options.caching != Default::default() {
+                // The env line carries the same PyTorch options as the spec.
+                let conf = c.env.strip_prefix("PYTORCH_CUDA_ALLOC_CONF=").unwrap();
+                let parsed = vmmalloc_alloc::caching::CachingConfig::parse(conf).unwrap();
+                let mut want = spec.options.caching.clone();
+                want.expandable_segments = parsed.expandable_segments;
+                assert_eq!(parsed, want, "{}", c.spec);
+                assert_eq!(parsed.expandable_segments, spec.policy.name() == "torch-es");
+            }
+        }
+    }
+
+    fn verdict(spec: &'static str, fits: bool, headroom: Option<u64>, steady: f64) -> Verdict {
+        Verdict {
+            candidate: CANDIDATES.iter().find(|c| c.spec == spec).unwrap().clone(),
+            fits,
+            min_capacity: Some(1),
+            headroom,
+            cold_ms: 1.0,
+            steady_ms: Some(steady),
+        }
+    }
+
+    #[test]
+    fn best_takes_the_most_headroom_and_breaks_ties_by_driver_time() {
+        let v = [
+            verdict("expandable", true, Some(100), 5.0),
+            verdict("caching", true, Some(98), 1.0),
+            verdict("torch-es", true, Some(50), 0.5),
+            verdict("caching:max_split_size_mb=128", false, None, 0.1),
+        ];
+        assert_eq!(best(v.iter(), 0).unwrap().candidate.spec, "expandable");
+        assert_eq!(best(v.iter(), 2).unwrap().candidate.spec, "caching");
+        assert!(best(v[3..].iter(), 2).is_none());
+    }
+}
