@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates docs/results.md and its plots (docs/results/) from the built-in set:
-# the bundled PyTorch snapshot and the three generated workloads, every policy.
+# the bundled PyTorch snapshot and the four generated workloads, every policy.
 # A second section replays longer runs of the same workloads (more steps, same
 # parameters otherwise), where steady-state driver work outweighs the cold start;
 # a third is the ablation of the expandable policy's largest physical chunk.

@@ -686,7 +686,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
         }
     }
     if let Some(dir) = &args.out {
-        report::write(dir, &rows, &base)
+        report::write(dir, &rows, &base, &sleep_section)
             .with_context(|| format!("writing the report to {}", dir.display()))?;
         if !json_to_stdout {
             println!(

@@ -647,7 +647,14 @@ fn oom_explanations(md: &mut String, t: &TraceRow) -> Result<()> {
 
 /// Writes `DIR/report.md`, the same as a self-contained `DIR/report.html`,
 /// `DIR/overhead.svg` and one `DIR/memory-<trace>.svg` per trace.
-pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
+/// `sleep_section` (from `sleep_table::section`, empty when no trace is
+/// `rl-colocate`) is shown under "Sleep and wake".
+pub fn write(
+    dir: &Path,
+    rows: &[TraceRow],
+    base: &ReplayConfig,
+    sleep_section: &str,
+) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     plot_overhead(&dir.join("overhead.svg"), rows)?;
     let mut md = String::new();
@@ -679,6 +686,10 @@ pub fn write(dir: &Path, rows: &[TraceRow], base: &ReplayConfig) -> Result<()> {
     md.push_str(&findings(rows));
     head_to_head(&mut md, rows)?;
     md.push_str(&ablation(rows));
+    if !sleep_section.trim().is_empty() {
+        writeln!(md, "## Sleep and wake\n")?;
+        writeln!(md, "```\n{}\n```\n", sleep_section.trim_matches('\n'))?;
+    }
     writeln!(md, "![overhead per policy](overhead.svg)\n")?;
     writeln!(md, "## Traces\n")?;
     for t in rows {

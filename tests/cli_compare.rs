@@ -472,3 +472,41 @@ fn replay_steady_prints_the_second_pass() {
         "{text}"
     );
 }
+
+#[test]
+fn compare_report_shows_sleep_per_phase_for_rl_colocate() {
+    let dir = tmpdir("sleep");
+    let spec = "rl-colocate:iterations=1,params_m=200,layers=4,kv_cache_mb=1024,gen_steps=4,micro_batches=2,act_mb=16";
+    let out = run_ok(&[
+        "compare",
+        spec,
+        "--policies",
+        "expandable,caching",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    let html = std::fs::read_to_string(dir.join("report.html")).unwrap();
+    for text in [&*stdout, &md, &html] {
+        assert!(text.contains("without sleep"), "{text}");
+        // Only expandable can sleep; the others say so instead of a number.
+        let phase_row = |l: &&str, policy: &str| {
+            l.starts_with(policy) && (l.contains(" generate ") || l.contains(" train "))
+        };
+        let caching: Vec<&str> = text.lines().filter(|l| phase_row(l, "caching ")).collect();
+        assert!(
+            caching.len() >= 2 && caching.iter().all(|l| l.contains("cannot sleep")),
+            "{text}"
+        );
+        let exp: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("expandable ") && l.contains("generate"))
+            .collect();
+        assert!(
+            !exp.is_empty() && !exp[0].contains("cannot sleep"),
+            "{text}"
+        );
+    }
+    assert!(md.contains("## Sleep and wake"), "{md}");
+}
