@@ -320,6 +320,8 @@ impl Inner {
         self.sleep.spare.clear();
         self.sleep.paused.extend(saved);
         let mut first_err = None;
+        // Host-located (spilled) chunks under the tags go back too (spill.rs).
+        let host_pages_before = self.spill.spilled_pages;
         for &s in &segs {
             let len = self.seg(s).mapped.len() as u64;
             for (f, n) in self.seg(s).mapped_runs(0, len) {
@@ -341,11 +343,24 @@ impl Inner {
         if let Err(e) = self.release_pool(dev) {
             first_err.get_or_insert(e);
         }
-        let released = (before - self.pool.pages()) * self.layout.page;
+        let mut released = (before - self.pool.pages()) * self.layout.page;
+        let host_pages = host_pages_before - self.spill.spilled_pages;
+        let mut host_kept = false;
+        if host_pages > 0 {
+            // A chunk whose release fails stays listed for the next trim.
+            self.release_host_free(dev);
+            host_kept = !self.spill.host_free.is_empty();
+            if !host_kept {
+                released += host_pages * self.layout.page;
+            }
+        }
         for s in segs {
             self.retire_segment_if_empty(s);
         }
         match first_err {
+            None if host_kept => Err(AllocError::Sleep(format!(
+                "pause: the tag(s) are paused and {released} bytes were released, but a host-located (spilled) chunk could not be released; the next empty_cache() retries"
+            ))),
             None => Ok(released),
             Some(e) => Err(AllocError::Sleep(format!(
                 "pause: the tag(s) are paused and {released} bytes were released, but some memory stayed mapped or pooled: {e}"
