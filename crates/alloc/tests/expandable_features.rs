@@ -4,11 +4,10 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::growable::Growable;
 use vmmalloc_alloc::testing::{pattern_check, pattern_fill};
 use vmmalloc_alloc::{set_thread_tag, Allocation, Allocator, Stream};
 use vmmalloc_device::host::{HostConfig, HostDevice};
-use vmmalloc_device::{Device, Introspect, MIB};
+use vmmalloc_device::{Introspect, MIB};
 
 fn host(capacity: u64) -> Arc<HostDevice> {
     Arc::new(HostDevice::new(HostConfig::with_capacity(capacity)).expect("host device"))
