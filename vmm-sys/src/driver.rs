@@ -177,6 +177,11 @@ entry_points! {
     fn cuGetErrorName(error: CUresult, text: *mut *const c_char);
     /// `CUresult cuGetErrorString(CUresult error, const char **pStr)`.
     fn cuGetErrorString(error: CUresult, text: *mut *const c_char);
+    /// `CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)`
+    /// (cuda.h; no `_v2` name): page-locked host memory in the current context.
+    fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, flags: c_uint);
+    /// `CUresult cuMemFreeHost(void *p)` (cuda.h; no `_v2` name).
+    fn cuMemFreeHost(p: *mut c_void);
 }
 
 /// The CUDA driver library, loaded at run time, with every entry point vmmalloc uses.
@@ -649,6 +654,32 @@ impl Driver {
         check("cuMemcpyDtoH_v2", unsafe {
             (self.fns.cuMemcpyDtoH_v2)(dst.as_mut_ptr().cast::<c_void>(), src, dst.len())
         })
+    }
+
+    // -- Page-locked host memory -----------------------------------------------
+
+    /// `cuMemHostAlloc`: `bytesize` bytes of page-locked (pinned) host memory,
+    /// registered with the current context (`CU_MEMHOSTALLOC_*` flags; 0 for
+    /// plain pinned memory). The driver copies to and from it by DMA, without
+    /// the staging buffer pageable memory needs (CUDA C Programming Guide,
+    /// "Page-Locked Host Memory").
+    pub fn mem_host_alloc(&self, bytesize: usize, flags: u32) -> Result<*mut c_void, CuError> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer.
+        check("cuMemHostAlloc", unsafe {
+            (self.fns.cuMemHostAlloc)(&mut p, bytesize, flags)
+        })?;
+        Ok(p)
+    }
+
+    /// `cuMemFreeHost`.
+    ///
+    /// # Safety
+    /// `p` was returned by `cuMemHostAlloc` (or `cuMemAllocHost`), is freed
+    /// once, and nothing (host code or queued copies) still uses it.
+    pub unsafe fn mem_free_host(&self, p: *mut c_void) -> Result<(), CuError> {
+        // SAFETY: the caller owns the allocation (function contract).
+        check("cuMemFreeHost", unsafe { (self.fns.cuMemFreeHost)(p) })
     }
 
     // -- Streams and events ---------------------------------------------------

@@ -6,8 +6,8 @@
 //! needs handle sizes.
 
 use crate::{
-    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, Introspect, MemInfo,
-    PhysHandle, Stream,
+    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, HostBuffer, Introspect,
+    MemInfo, PhysHandle, Stream,
 };
 use parking_lot::Mutex;
 use rand::{Rng, SeedableRng};
@@ -141,6 +141,9 @@ impl<D: Device, H: CallHook> Device for Hooked<D, H> {
     fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
         let n = dst.len() as u64;
         self.run(Call::CopyDtoH, n, |d| d.copy_from_device(src, dst))
+    }
+    fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
+        self.run(Call::HostAlloc, len, |d| d.alloc_host_buffer(len))
     }
     fn create_stream(&self) -> DeviceResult<Stream> {
         self.run(Call::StreamCreate, 0, |d| d.create_stream())
@@ -598,6 +601,10 @@ impl<D: Device> Device for CapacityLimit<D> {
     }
     fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
         self.inner.copy_from_device(src, dst)
+    }
+    /// Host memory is not device capacity: forwarded uncharged.
+    fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
+        self.inner.alloc_host_buffer(len)
     }
     fn create_stream(&self) -> DeviceResult<Stream> {
         self.inner.create_stream()

@@ -77,7 +77,8 @@
 //! `CUstream` / `CUevent` pointers, or [`stream_key`]'s per-thread keys.
 
 use crate::{
-    Call, Device, DeviceCaps, DeviceError, DeviceResult, Event, MemInfo, PhysHandle, Rule, Stream,
+    Call, Device, DeviceCaps, DeviceError, DeviceResult, Event, HostBuffer, MemInfo, PhysHandle,
+    Rule, Stream,
 };
 use parking_lot::{Mutex, RwLock};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -276,6 +277,44 @@ impl Drop for PrimaryContext {
                 self.dev,
                 describe(&self.driver, e)
             ),
+        }
+    }
+}
+
+/// Frees page-locked memory from `cuMemHostAlloc` with `held`'s context
+/// current (pushed if another is, popped after), then drops `held` (its
+/// retain keeps the context, which owns the allocation, alive until now).
+/// Errors are reported on stderr: this runs in a destructor.
+fn free_pinned(held: PrimaryContext, p: std::ptr::NonNull<u8>) {
+    let driver = &held.driver;
+    let report = |what: &str, e: CuError| {
+        if e.code != CUDA_ERROR_DEINITIALIZED {
+            eprintln!(
+                "vmmalloc: {what} a pinned host buffer: {}",
+                describe(driver, e)
+            );
+        }
+    };
+    let pushed = match driver.ctx_get_current() {
+        Ok(c) if c == held.ctx => false,
+        // SAFETY: `held.ctx` is live (retained by `held`); popped below on
+        // this thread.
+        Ok(_) => match unsafe { driver.ctx_push_current(held.ctx) } {
+            Ok(()) => true,
+            Err(e) => return report("making the context current to free", e),
+        },
+        Err(e) => return report("querying the context to free", e),
+    };
+    // SAFETY: `p` came from `cuMemHostAlloc` (CudaDevice::alloc_host_buffer),
+    // is freed once (the HostBuffer that owned it is being dropped), and
+    // copies into or out of it are synchronous, so nothing uses it.
+    if let Err(e) = unsafe { driver.mem_free_host(p.as_ptr().cast()) } {
+        report("freeing", e);
+    }
+    if pushed {
+        // SAFETY: balances the push above, on the same thread.
+        if let Err(e) = unsafe { driver.ctx_pop_current() } {
+            report("restoring the caller's context after freeing", e);
         }
     }
 }
@@ -1225,6 +1264,62 @@ impl Device for CudaDevice {
                 format!("src {src:#x}, {len} bytes")
             })
         })
+    }
+
+    /// `cuMemHostAlloc(&p, len, 0)` in the primary context: page-locked
+    /// memory the driver copies by DMA (CUDA C Programming Guide,
+    /// "Page-Locked Host Memory"), freed with `cuMemFreeHost` on drop. The
+    /// buffer holds its own retain of the primary context, which owns the
+    /// allocation (cuda.h, `cuMemHostAlloc`: the memory is accessible to the
+    /// context it was allocated in), so it stays valid after this device is
+    /// dropped. If pinning fails (out of pinned memory, locked-memory limit,
+    /// any driver error) the buffer is ordinary pageable memory instead
+    /// ([`HostBuffer::is_pinned`] says which): slower copies, nothing lost.
+    fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
+        let heap = || {
+            HostBuffer::heap(len).ok_or(DeviceError::OutOfMemory {
+                call: Call::HostAlloc,
+                requested: len,
+                free: 0,
+                total: 0,
+            })
+        };
+        let Ok(n) = usize::try_from(len) else {
+            return heap();
+        };
+        if n == 0 {
+            return heap();
+        }
+        let Ok(_ctx) = self.enter(Call::HostAlloc) else {
+            return heap();
+        };
+        // A retain of our own for the buffer (released after cuMemFreeHost).
+        let Ok(ctx) = self.driver.device_primary_ctx_retain(self.dev) else {
+            return heap();
+        };
+        let held = PrimaryContext {
+            driver: Arc::clone(&self.driver),
+            dev: self.dev,
+            ctx,
+        };
+        match self.driver.mem_host_alloc(n, 0) {
+            Ok(p) => match std::ptr::NonNull::new(p.cast::<u8>()) {
+                // SAFETY: the driver returned `n` bytes of host memory, now
+                // owned by this buffer alone (nothing else has the pointer);
+                // `cuMemHostAlloc` memory is not guaranteed zeroed, so it is
+                // zeroed here before Rust reads it; `free_pinned` releases it.
+                Some(ptr) => unsafe {
+                    std::ptr::write_bytes(ptr.as_ptr(), 0, n);
+                    Ok(HostBuffer::pinned(
+                        ptr,
+                        n,
+                        Box::new(move |p| free_pinned(held, p)),
+                    ))
+                },
+                None => heap(),
+            },
+            Err(_) => heap(),
+        }
     }
 
     fn create_stream(&self) -> DeviceResult<Stream> {

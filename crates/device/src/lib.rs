@@ -36,11 +36,13 @@ pub mod cost;
 pub mod cuda;
 mod error;
 pub mod host;
+mod hostbuf;
 pub mod model;
 pub mod sim;
 mod streams;
 
 pub use error::{DeviceError, Rule};
+pub use hostbuf::{HostBuffer, PinnedFree};
 pub use streams::{CaptureMode, StreamModel};
 
 use serde::{Deserialize, Serialize};
@@ -160,11 +162,14 @@ pub enum Call {
     EventSync,
     /// `cuEventDestroy`.
     EventDestroy,
+    /// `cuMemHostAlloc` (page-locked host memory for copies:
+    /// [`Device::alloc_host_buffer`]).
+    HostAlloc,
 }
 
 impl Call {
     /// Every kind, in declaration order.
-    pub const ALL: [Call; 22] = [
+    pub const ALL: [Call; 23] = [
         Call::Reserve,
         Call::AddressFree,
         Call::Create,
@@ -187,6 +192,7 @@ impl Call {
         Call::EventQuery,
         Call::EventSync,
         Call::EventDestroy,
+        Call::HostAlloc,
     ];
 
     /// Number of kinds.
@@ -222,6 +228,7 @@ impl Call {
             Call::EventQuery => "event_query",
             Call::EventSync => "event_sync",
             Call::EventDestroy => "event_destroy",
+            Call::HostAlloc => "host_alloc",
         }
     }
 
@@ -250,6 +257,7 @@ impl Call {
             Call::EventQuery => "cuEventQuery",
             Call::EventSync => "cuEventSynchronize",
             Call::EventDestroy => "cuEventDestroy_v2",
+            Call::HostAlloc => "cuMemHostAlloc",
         }
     }
 
@@ -405,6 +413,18 @@ pub trait Device: Send + Sync {
     fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()>;
     /// Copies mapped, accessible device memory to host bytes.
     fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()>;
+    /// `len` bytes of host memory for [`Device::copy_to_device`] /
+    /// [`Device::copy_from_device`]: page-locked where the device can provide
+    /// it (`cuda`: `cuMemHostAlloc`, falling back to pageable memory when
+    /// pinning fails), ordinary heap memory otherwise (this default).
+    fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
+        HostBuffer::heap(len).ok_or_else(|| DeviceError::OutOfMemory {
+            call: Call::HostAlloc,
+            requested: len,
+            free: 0,
+            total: 0,
+        })
+    }
 
     /// Creates a stream.
     fn create_stream(&self) -> DeviceResult<Stream>;
@@ -521,6 +541,9 @@ macro_rules! impl_device_for_pointer {
             }
             fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
                 (**self).copy_from_device(src, dst)
+            }
+            fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
+                (**self).alloc_host_buffer(len)
             }
             fn create_stream(&self) -> DeviceResult<Stream> {
                 (**self).create_stream()

@@ -92,6 +92,7 @@ type SubmitFn = unsafe extern "C" fn(*mut c_void, u64, usize) -> u32;
 type CallCountFn = unsafe extern "C" fn(*const c_char, *mut u64) -> u32;
 type LastErrorFn = unsafe extern "C" fn(*mut c_char, usize) -> u32;
 type DepthFn = unsafe extern "C" fn(*mut c_int) -> u32;
+type PinnedFn = unsafe extern "C" fn(*mut u64, *mut u64) -> u32;
 
 /// The loaded fake: a vmm-sys driver on it and its `fakeCuda*` hooks.
 struct Fake {
@@ -102,6 +103,7 @@ struct Fake {
     call_count: CallCountFn,
     last_error: LastErrorFn,
     depth: DepthFn,
+    pinned: PinnedFn,
 }
 
 /// Resolves `name` in the already loaded library `handle`.
@@ -137,6 +139,7 @@ impl Fake {
                 call_count: sym(handle, "fakeCudaCallCount"),
                 last_error: sym(handle, "fakeCudaLastError"),
                 depth: sym(handle, "fakeCudaContextDepth"),
+                pinned: sym(handle, "fakeCudaPinned"),
                 driver,
             }
         }
@@ -199,6 +202,13 @@ impl Fake {
     }
 
     /// The calling thread's context stack: (current context, depth).
+    /// Bytes and count of live `cuMemHostAlloc` allocations.
+    fn pinned(&self) -> (u64, u64) {
+        let (mut b, mut n) = (0u64, 0u64);
+        assert_eq!(unsafe { (self.pinned)(&mut b, &mut n) }, 0);
+        (b, n)
+    }
+
     fn context_stack(&self) -> (usize, i32) {
         let mut d = 0;
         // SAFETY: `d` is a writable int.
@@ -1494,5 +1504,93 @@ fake_test! {
         dev.release(h).unwrap();
         dev.free_reservation(va, 8 * MIB).unwrap();
         assert_clean(fake, 0);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Page-locked host buffers (cuMemHostAlloc / cuMemFreeHost)
+
+fake_test! {
+    /// `alloc_host_buffer` on `cuda` is `cuMemHostAlloc` memory (zeroed,
+    /// usable for copies both ways), freed by `cuMemFreeHost` on drop with the
+    /// caller's context stack untouched, and still freed correctly when the
+    /// device was dropped first (the buffer holds its own context retain).
+    fn host_buffers_are_pinned_and_freed_on_drop(fake) {
+        let dev = fake.open(0);
+        let (va, h) = mapped(&dev);
+        let stack = fake.context_stack();
+        let mut b = dev.alloc_host_buffer(4096).unwrap();
+        assert_eq!(fake.context_stack(), stack, "the caller's context is restored");
+        assert!(b.is_pinned());
+        assert_eq!(b.len(), 4096);
+        assert!(b.iter().all(|&x| x == 0));
+        assert_eq!(fake.pinned(), (4096, 1));
+        let data = pattern(4096, 7);
+        b.copy_from_slice(&data);
+        dev.copy_to_device(va, &b).unwrap();
+        let mut back = dev.alloc_host_buffer(4096).unwrap();
+        dev.copy_from_device(va, &mut back).unwrap();
+        assert_eq!(&back[..], &data[..]);
+        assert_eq!(fake.pinned(), (8192, 2));
+        let frees = fake.calls("cuMemFreeHost");
+        drop(back);
+        assert_eq!(fake.pinned(), (4096, 1));
+        assert_eq!(fake.calls("cuMemFreeHost"), frees + 1);
+        // Length 0: an empty buffer, no driver call.
+        let calls = fake.calls("cuMemHostAlloc");
+        assert_eq!(dev.alloc_host_buffer(0).unwrap().len(), 0);
+        assert_eq!(fake.calls("cuMemHostAlloc"), calls);
+        unmapped(&dev, va, h);
+        drop(dev);
+        assert_eq!(fake.pinned(), (4096, 1));
+        drop(b);
+        assert_eq!(fake.pinned(), (0, 0));
+        assert_eq!(fake.calls("cuMemFreeHost"), frees + 2);
+        assert_eq!(fake.last_error(), "", "no call failed");
+        assert_clean(fake, 0);
+        assert_eq!(fake.live(0).primary_refs, 0, "every retain released");
+    }
+}
+
+fake_test! {
+    /// A failing `cuMemHostAlloc` (out of memory) falls back to pageable
+    /// memory: the buffer works, nothing is pinned, nothing leaks.
+    env [("FAKE_CUDA_FAIL", "cuMemHostAlloc:1:2")]
+    fn failed_pinning_falls_back_to_pageable_memory(fake) {
+        let dev = fake.open(0);
+        let mut b = dev.alloc_host_buffer(10_000).unwrap();
+        assert!(!b.is_pinned());
+        assert_eq!(fake.pinned(), (0, 0));
+        b[9_999] = 1;
+        let c = dev.alloc_host_buffer(10_000).unwrap();
+        assert!(c.is_pinned(), "only the first call was made to fail");
+        drop((b, c));
+        assert_eq!(fake.pinned(), (0, 0));
+        drop(dev);
+        assert_eq!(fake.live(0).primary_refs, 0);
+    }
+}
+
+fake_test! {
+    /// The fake is as strict as the driver: a current context is needed,
+    /// only `CU_MEMHOSTALLOC_*` flags, and `cuMemFreeHost` of a pointer that
+    /// is not a live `cuMemHostAlloc` allocation is `CUDA_ERROR_INVALID_VALUE`.
+    fn the_fakes_pinned_memory_rules(fake) {
+        let d = &fake.driver;
+        d.init(0).unwrap();
+        expect_code(d.mem_host_alloc(4096, 0), vmm_sys::CUDA_ERROR_INVALID_CONTEXT);
+        let dev = fake.open(0);
+        let _ctx = dev.enter(Call::HostAlloc).unwrap();
+        expect_code(d.mem_host_alloc(4096, 0x8), vmm_sys::CUDA_ERROR_INVALID_VALUE);
+        expect_code(d.mem_host_alloc(0, 0), vmm_sys::CUDA_ERROR_INVALID_VALUE);
+        let p = d.mem_host_alloc(4096, 0x1 | 0x2 | 0x4).unwrap();
+        let mut local = 0u8;
+        expect_code(
+            unsafe { d.mem_free_host(std::ptr::from_mut(&mut local).cast()) },
+            vmm_sys::CUDA_ERROR_INVALID_VALUE,
+        );
+        unsafe { d.mem_free_host(p) }.unwrap();
+        expect_code(unsafe { d.mem_free_host(p) }, vmm_sys::CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(fake.pinned(), (0, 0));
     }
 }

@@ -160,3 +160,21 @@ pub unsafe extern "C" fn fakeCudaContextDepth(depth: *mut c_int) -> CUresult {
         unsafe { put(depth, d, "depth") }
     })
 }
+
+/// `CUresult fakeCudaPinned(unsigned long long *bytes, unsigned long long *count)`:
+/// bytes and number of page-locked host allocations (`cuMemHostAlloc`) not
+/// yet freed with `cuMemFreeHost`, process-wide. Works before `cuInit`.
+///
+/// # Safety
+/// `bytes` and `count` are each null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn fakeCudaPinned(bytes: *mut u64, count: *mut u64) -> CUresult {
+    run("fakeCudaPinned", || {
+        let (b, n) = crate::exports::memory::pinned_live();
+        // SAFETY: null or writable (function contract).
+        unsafe {
+            put(bytes, b, "bytes")?;
+            put(count, n, "count")
+        }
+    })
+}

@@ -43,7 +43,7 @@ use vmmalloc_device::DeviceError;
 
 /// Every CUDA entry point the fake exports, in vmm-sys's order (a unit test
 /// checks that this is exactly `vmm_sys::SYMBOLS`). `FAKE_CUDA_FAIL` names them.
-pub const ENTRY_POINTS: [&str; 46] = [
+pub const ENTRY_POINTS: [&str; 48] = [
     "cuInit",
     "cuDriverGetVersion",
     "cuDeviceGet",
@@ -90,6 +90,8 @@ pub const ENTRY_POINTS: [&str; 46] = [
     "cuStreamIsCapturing",
     "cuGetErrorName",
     "cuGetErrorString",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
 ];
 
 /// Calls made to each entry point since the library was loaded (index as in

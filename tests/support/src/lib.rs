@@ -260,6 +260,7 @@ type CheckFn = unsafe extern "C" fn(c_int) -> u32;
 type SubmitFn = unsafe extern "C" fn(*mut c_void, u64, usize) -> u32;
 type CallCountFn = unsafe extern "C" fn(*const c_char, *mut u64) -> u32;
 type LastErrorFn = unsafe extern "C" fn(*mut c_char, usize) -> u32;
+type PinnedFn = unsafe extern "C" fn(*mut u64, *mut u64) -> u32;
 
 /// The fake's test hooks (`fakeCuda*` exports, not in `cuda.h`), resolved in
 /// the library at [`fake_cuda_library`]. The dynamic loader hands back the
@@ -272,6 +273,7 @@ pub struct FakeCuda {
     submit: SubmitFn,
     call_count: CallCountFn,
     last_error: LastErrorFn,
+    pinned: PinnedFn,
 }
 
 impl FakeCuda {
@@ -300,6 +302,7 @@ impl FakeCuda {
             submit: sym!("fakeCudaSubmitWork"),
             call_count: sym!("fakeCudaCallCount"),
             last_error: sym!("fakeCudaLastError"),
+            pinned: sym!("fakeCudaPinned"),
         }
     }
 
@@ -353,6 +356,19 @@ impl FakeCuda {
             )
         };
         assert_eq!(rc, 0, "fakeCudaSubmitWork: {}", self.last_error());
+    }
+
+    /// Bytes and count of page-locked host allocations (`cuMemHostAlloc`)
+    /// not yet freed, process-wide.
+    ///
+    /// # Panics
+    /// When the hook fails.
+    pub fn pinned(&self) -> (u64, u64) {
+        let (mut b, mut n) = (0u64, 0u64);
+        // SAFETY: two writable u64s.
+        let rc = unsafe { (self.pinned)(&mut b, &mut n) };
+        assert_eq!(rc, 0, "fakeCudaPinned");
+        (b, n)
     }
 
     /// Calls made so far to the CUDA entry point `entry` (e.g. `cuMemCreate`).

@@ -42,13 +42,13 @@ use super::tags;
 use super::Inner;
 use crate::{AllocError, AllocResult};
 use rustc_hash::FxHashMap;
-use vmmalloc_device::{Call, Device, Stream};
+use vmmalloc_device::{Call, Device, HostBuffer, Stream};
 
 /// What a paused tag keeps.
 #[derive(Debug, Default)]
 struct Paused {
     /// Host copies of live blocks, by block address (empty without backup).
-    backups: FxHashMap<u64, Vec<u8>>,
+    backups: FxHashMap<u64, HostBuffer>,
     /// Sum of the backups' lengths.
     backup_bytes: u64,
 }
@@ -64,30 +64,24 @@ pub(crate) struct SleepState {
     /// docs/expandable.md, "Sleep and wake"). Whatever the next pause does
     /// not reuse is dropped when it ends, so this holds at most the backups
     /// of the last resume.
-    spare: FxHashMap<u64, Vec<Vec<u8>>>,
+    spare: FxHashMap<u64, Vec<HostBuffer>>,
 }
 
-/// A host buffer of `len` bytes for a backup: a spare one of that length, or
-/// fresh zeroed memory (no memset pass: `alloc_zeroed` maps zero pages, which
-/// the copy then faults in). `None` when the host has no memory for it.
-fn host_buffer(spare: &mut FxHashMap<u64, Vec<Vec<u8>>>, len: u64) -> Option<Vec<u8>> {
+/// A host buffer of `len` bytes for a backup: a spare one of that length,
+/// else one from the device ([`Device::alloc_host_buffer`]: page-locked on
+/// `cuda`, so the copies run by DMA), else ordinary heap memory (if the device
+/// call fails, e.g. an injected fault). `None` when the host has no memory.
+fn host_buffer<D: Device + ?Sized>(
+    dev: &D,
+    spare: &mut FxHashMap<u64, Vec<HostBuffer>>,
+    len: u64,
+) -> Option<HostBuffer> {
     if let Some(v) = spare.get_mut(&len).and_then(Vec::pop) {
         return Some(v);
     }
-    let n = usize::try_from(len).ok()?;
-    if n == 0 {
-        return Some(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
-    // SAFETY: `layout` has a non-zero size.
-    let p = unsafe { std::alloc::alloc_zeroed(layout) };
-    if p.is_null() {
-        return None;
-    }
-    // SAFETY: `p` was allocated by the global allocator with the layout of
-    // `[u8; n]` (what `Vec<u8>` with capacity `n` uses), and its `n` bytes
-    // are initialised (zeroed).
-    Some(unsafe { Vec::from_raw_parts(p, n, n) })
+    dev.alloc_host_buffer(len)
+        .ok()
+        .or_else(|| HostBuffer::heap(len))
 }
 
 impl SleepState {
@@ -298,13 +292,13 @@ impl Inner {
                         continue;
                     }
                     let (addr, size) = (blk.addr, blk.size);
-                    let Some(mut buf) = host_buffer(&mut self.sleep.spare, size) else {
+                    let Some(mut buf) = host_buffer(dev, &mut self.sleep.spare, size) else {
                         return Err(AllocError::Sleep(format!(
                             "pause: no host memory for a {size}-byte backup of block {addr:#x} (nothing changed)"
                         )));
                     };
                     self.stats.driver_calls.add(Call::CopyDtoH);
-                    if let Err(e) = dev.copy_from_device(addr, &mut buf) {
+                    if let Err(e) = dev.copy_from_device(addr, &mut buf[..]) {
                         self.sleep.spare.entry(size).or_default().push(buf);
                         return Err(e.into());
                     }
@@ -441,7 +435,7 @@ impl Inner {
             let mut copies = 0;
             for (&addr, buf) in &p.backups {
                 copies += 1;
-                if let Err(e) = dev.copy_to_device(addr, buf) {
+                if let Err(e) = dev.copy_to_device(addr, &buf[..]) {
                     err = Some(e);
                     break;
                 }

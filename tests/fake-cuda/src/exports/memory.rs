@@ -1,4 +1,5 @@
-//! Memory information, plain allocations and host<->device copies.
+//! Memory information, plain allocations, host<->device copies and
+//! page-locked host memory (`cuMemHostAlloc` / `cuMemFreeHost`).
 //!
 //! All of them need a current context (`CUDA_ERROR_INVALID_CONTEXT` without
 //! one). Copies go to whichever device owns the device address (unified
@@ -8,8 +9,11 @@
 
 use crate::state::fake;
 use crate::{put, run, Fail};
-use std::ffi::c_void;
-use vmm_sys::{CUdeviceptr, CUresult};
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::BTreeMap;
+use std::ffi::{c_uint, c_void};
+use std::sync::Mutex;
+use vmm_sys::{CUdeviceptr, CUresult, CUDA_ERROR_OUT_OF_MEMORY};
 use vmmalloc_device::Device;
 
 /// `CUresult cuMemGetInfo_v2(size_t *free, size_t *total)` of the current
@@ -129,5 +133,100 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2(
         let dst = unsafe { std::slice::from_raw_parts_mut(dstHost.cast::<u8>(), ByteCount) };
         let (_, host) = f.judge(srcDevice);
         Ok(host.copy_from_device(srcDevice, dst)?)
+    })
+}
+
+/// The `CU_MEMHOSTALLOC_*` flags cuda.h defines: `PORTABLE` (0x01),
+/// `DEVICEMAP` (0x02), `WRITECOMBINED` (0x04). Any other bit is
+/// `CUDA_ERROR_INVALID_VALUE`, as the driver answers.
+const CU_MEMHOSTALLOC_VALID: c_uint = 0x01 | 0x02 | 0x04;
+
+/// Page-locked host allocations not yet freed: address -> (bytes, context
+/// current when they were made).
+static PINNED: Mutex<BTreeMap<usize, (usize, usize)>> = Mutex::new(BTreeMap::new());
+
+/// Bytes and count of live `cuMemHostAlloc` allocations (`fakeCudaPinned`).
+pub fn pinned_live() -> (u64, u64) {
+    let p = PINNED.lock().unwrap_or_else(|e| e.into_inner());
+    (p.values().map(|v| v.0 as u64).sum(), p.len() as u64)
+}
+
+/// Alignment of fake pinned memory (the driver returns page-aligned memory).
+const PINNED_ALIGN: usize = 4096;
+
+/// `CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)`:
+/// zeroed, page-aligned host memory (the fake cannot lock pages; nothing
+/// else differs for a caller). Needs a current context
+/// (`CUDA_ERROR_INVALID_CONTEXT`); flags other than the `CU_MEMHOSTALLOC_*`
+/// bits, a null `pp` or `bytesize` 0 are `CUDA_ERROR_INVALID_VALUE`; host
+/// memory exhausted is `CUDA_ERROR_OUT_OF_MEMORY`.
+///
+/// # Safety
+/// As `cuda.h` requires: `pp` is null or valid for what this call writes through it.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostAlloc(
+    pp: *mut *mut c_void,
+    bytesize: usize,
+    Flags: c_uint,
+) -> CUresult {
+    run("cuMemHostAlloc", || {
+        let f = fake()?;
+        let ctx_dev = f.current()?;
+        if pp.is_null() {
+            return Err(Fail::invalid("pp is NULL"));
+        }
+        if Flags & !CU_MEMHOSTALLOC_VALID != 0 {
+            return Err(Fail::invalid(format!(
+                "Flags {Flags:#x} has bits outside CU_MEMHOSTALLOC_PORTABLE | DEVICEMAP | WRITECOMBINED"
+            )));
+        }
+        if bytesize == 0 {
+            return Err(Fail::invalid("bytesize is 0"));
+        }
+        let layout = Layout::from_size_align(bytesize, PINNED_ALIGN)
+            .map_err(|_| Fail::invalid(format!("bytesize {bytesize} is too large")))?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let p = unsafe { alloc_zeroed(layout) };
+        if p.is_null() {
+            return Err(Fail::new(
+                CUDA_ERROR_OUT_OF_MEMORY,
+                format!("no host memory for {bytesize} bytes"),
+            ));
+        }
+        let addr = p.expose_provenance();
+        PINNED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(addr, (bytesize, f.device(ctx_dev as i32)?.context()));
+        // SAFETY: non-null (checked above) and writable (cuda.h).
+        unsafe { put(pp, p.cast::<c_void>(), "pp") }
+    })
+}
+
+/// `CUresult cuMemFreeHost(void *p)`: exactly a pointer `cuMemHostAlloc`
+/// returned, once, with a context current (`CUDA_ERROR_INVALID_CONTEXT`
+/// without one); any other pointer is `CUDA_ERROR_INVALID_VALUE`.
+///
+/// # Safety
+/// No pointer is dereferenced before the fake has found it in its own table.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
+    run("cuMemFreeHost", || {
+        let f = fake()?;
+        f.current()?;
+        let addr = p.expose_provenance();
+        let Some((len, _ctx)) = PINNED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&addr)
+        else {
+            return Err(Fail::invalid(format!(
+                "{addr:#x} is not a live cuMemHostAlloc allocation"
+            )));
+        };
+        // SAFETY: `p` came from `alloc_zeroed` with this layout (it was in
+        // PINNED, removed just now, so it is freed once).
+        unsafe { dealloc(p.cast::<u8>(), Layout::from_size_align_unchecked(len, PINNED_ALIGN)) };
+        Ok(())
     })
 }
