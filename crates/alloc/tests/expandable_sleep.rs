@@ -529,6 +529,110 @@ mod over_the_fake {
         );
     }
 
+    /// Backups through the `cuda` backend are page-locked (`cuMemHostAlloc`,
+    /// one per live block), the data survives, a second pause reuses the
+    /// buffers the resume kept (no new `cuMemHostAlloc`), and dropping the
+    /// allocator frees every one (`cuMemFreeHost`; the fake holds 0 pinned
+    /// bytes).
+    #[test]
+    fn backups_are_pinned_reused_and_freed() {
+        in_child(
+            "over_the_fake::backups_are_pinned_reused_and_freed",
+            &[("FAKE_CUDA_CAPACITY_MB", "64")],
+            || {
+                let fake = FakeCuda::attach();
+                let dev = open_fake();
+                {
+                    let a =
+                        ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+                    let w = tagged(&a, "pinned-w", &[6 * MIB, 3 * MIB + 4096, 1000]);
+                    for (i, b) in w.iter().enumerate() {
+                        pattern_fill(&*dev, i as u64, b.ptr, b.size).unwrap();
+                    }
+                    let bytes: u64 = w.iter().map(|b| b.size).sum();
+                    let allocs0 = fake.calls("cuMemHostAlloc");
+                    assert_eq!(fake.pinned(), (0, 0));
+                    a.pause(&tags(&["pinned-w"]), true).unwrap();
+                    assert_eq!(fake.calls("cuMemHostAlloc") - allocs0, 3);
+                    assert_eq!(fake.pinned(), (bytes, 3), "one pinned buffer per live block");
+                    assert_eq!(tag_of(&a, "pinned-w").backup_bytes, bytes);
+                    a.resume(&tags(&["pinned-w"])).unwrap();
+                    a.validate().unwrap();
+                    for (i, b) in w.iter().enumerate() {
+                        pattern_check(&*dev, i as u64, b.ptr, b.size).unwrap();
+                    }
+                    // Kept as spares for the next pause, which reuses them.
+                    assert_eq!(fake.pinned(), (bytes, 3));
+                    for (i, b) in w.iter().enumerate() {
+                        pattern_fill(&*dev, 10 + i as u64, b.ptr, b.size).unwrap();
+                    }
+                    a.pause(&tags(&["pinned-w"]), true).unwrap();
+                    assert_eq!(fake.calls("cuMemHostAlloc") - allocs0, 3, "spares reused");
+                    // Freeing a paused block drops (frees) its backup.
+                    a.free(w[2].ptr).unwrap();
+                    assert_eq!(fake.pinned(), (bytes - w[2].size, 2));
+                    a.resume(&tags(&["pinned-w"])).unwrap();
+                    for (i, b) in w.iter().take(2).enumerate() {
+                        pattern_check(&*dev, 10 + i as u64, b.ptr, b.size).unwrap();
+                    }
+                    // A pause without backup drops the unused spares.
+                    a.pause(&tags(&["pinned-w"]), false).unwrap();
+                    assert_eq!(fake.pinned(), (0, 0));
+                    a.resume(&tags(&["pinned-w"])).unwrap();
+                    a.pause(&tags(&["pinned-w"]), true).unwrap();
+                    assert_eq!(fake.pinned(), (bytes - w[2].size, 2));
+                }
+                // Dropping the allocator (tag still paused) frees the backups.
+                assert_eq!(fake.pinned(), (0, 0));
+                fake.assert_clean(0);
+                drop(dev);
+                all_gone(&fake);
+            },
+        );
+    }
+
+    /// A failing `cuMemHostAlloc` (out of memory, then a driver error) makes
+    /// that backup pageable memory: pause and resume succeed, every byte
+    /// comes back, nothing leaks.
+    #[test]
+    fn failed_pinning_falls_back_without_losing_data() {
+        in_child(
+            "over_the_fake::failed_pinning_falls_back_without_losing_data",
+            &[
+                ("FAKE_CUDA_CAPACITY_MB", "64"),
+                ("FAKE_CUDA_FAIL", "cuMemHostAlloc:1:2,cuMemHostAlloc:3:999"),
+            ],
+            || {
+                let fake = FakeCuda::attach();
+                let dev = open_fake();
+                {
+                    let a =
+                        ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+                    let w = tagged(&a, "pin-fail", &[2 * MIB, 5000, 3 * MIB]);
+                    for (i, b) in w.iter().enumerate() {
+                        pattern_fill(&*dev, i as u64, b.ptr, b.size).unwrap();
+                    }
+                    a.pause(&tags(&["pin-fail"]), true).unwrap();
+                    assert_eq!(fake.calls("cuMemHostAlloc"), 3);
+                    assert_eq!(fake.pinned().1, 1, "calls 1 and 3 failed: one pinned buffer");
+                    assert_eq!(
+                        tag_of(&a, "pin-fail").backup_bytes,
+                        w.iter().map(|b| b.size).sum::<u64>()
+                    );
+                    a.resume(&tags(&["pin-fail"])).unwrap();
+                    a.validate().unwrap();
+                    for (i, b) in w.iter().enumerate() {
+                        pattern_check(&*dev, i as u64, b.ptr, b.size).unwrap();
+                    }
+                }
+                assert_eq!(fake.pinned(), (0, 0));
+                fake.assert_clean(0);
+                drop(dev);
+                all_gone(&fake);
+            },
+        );
+    }
+
     /// Fault injection at every call of pause and resume, through the `cuda`
     /// backend over the fake; the fake holds nothing after each run.
     #[test]
@@ -538,7 +642,10 @@ mod over_the_fake {
             &[("FAKE_CUDA_CAPACITY_MB", "64")],
             || {
                 let fake = FakeCuda::attach();
-                let gone = |_: &Arc<dyn Device>| fake.assert_clean(0);
+                let gone = |_: &Arc<dyn Device>| {
+                    fake.assert_clean(0);
+                    assert_eq!(fake.pinned(), (0, 0), "pinned backups leaked");
+                };
                 let runs = pause_faults(&open_fake, &gone);
                 let rolled = resume_faults(&open_fake, &gone);
                 eprintln!("fake: {runs} faulty pauses, {rolled} resumes rolled back");
