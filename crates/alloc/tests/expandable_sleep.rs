@@ -360,6 +360,8 @@ fn pause_faults(make: &dyn Fn() -> Arc<dyn Device>, gone: &dyn Fn(&Arc<dyn Devic
     eprintln!("pause calls: {kinds:?}");
     assert!(kinds.iter().any(|k| k.0 == Call::Unmap));
     assert!(kinds.iter().any(|k| k.0 == Call::CopyDtoH));
+    // Backups come from the device (pinned on `cuda`); a failure falls back.
+    assert!(kinds.iter().any(|k| k.0 == Call::HostAlloc));
     let mut runs = 0;
     for &(call, count) in &kinds {
         for n in 1..=count {
