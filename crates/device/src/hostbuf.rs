@@ -154,13 +154,14 @@ mod tests {
         let mut v = vec![0u8; 64].into_boxed_slice();
         let ptr = NonNull::new(v.as_mut_ptr()).unwrap();
         let f2 = Arc::clone(&freed);
+        let addr = ptr.as_ptr() as usize;
         // SAFETY: `v` outlives the buffer and nothing else touches it meanwhile.
         let mut b = unsafe {
             HostBuffer::pinned(
                 ptr,
                 64,
                 Box::new(move |p| {
-                    assert_eq!(p, ptr);
+                    assert_eq!(p.as_ptr() as usize, addr);
                     f2.fetch_add(1, Ordering::SeqCst);
                 }),
             )
