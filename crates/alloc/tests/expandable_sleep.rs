@@ -556,7 +556,11 @@ mod over_the_fake {
                     assert_eq!(fake.pinned(), (0, 0));
                     a.pause(&tags(&["pinned-w"]), true).unwrap();
                     assert_eq!(fake.calls("cuMemHostAlloc") - allocs0, 3);
-                    assert_eq!(fake.pinned(), (bytes, 3), "one pinned buffer per live block");
+                    assert_eq!(
+                        fake.pinned(),
+                        (bytes, 3),
+                        "one pinned buffer per live block"
+                    );
                     assert_eq!(tag_of(&a, "pinned-w").backup_bytes, bytes);
                     a.resume(&tags(&["pinned-w"])).unwrap();
                     a.validate().unwrap();
@@ -616,7 +620,11 @@ mod over_the_fake {
                     }
                     a.pause(&tags(&["pin-fail"]), true).unwrap();
                     assert_eq!(fake.calls("cuMemHostAlloc"), 3);
-                    assert_eq!(fake.pinned().1, 1, "calls 1 and 3 failed: one pinned buffer");
+                    assert_eq!(
+                        fake.pinned().1,
+                        1,
+                        "calls 1 and 3 failed: one pinned buffer"
+                    );
                     assert_eq!(
                         tag_of(&a, "pin-fail").backup_bytes,
                         w.iter().map(|b| b.size).sum::<u64>()

@@ -67,7 +67,9 @@ impl HostBuffer {
         // SAFETY: `p` was allocated by the global allocator with the layout of
         // `[u8; n]` (what `Vec<u8>` with capacity `n` uses), and its `n` bytes
         // are initialised (zeroed).
-        Some(HostBuffer::from_vec(unsafe { Vec::from_raw_parts(p, n, n) }))
+        Some(HostBuffer::from_vec(unsafe {
+            Vec::from_raw_parts(p, n, n)
+        }))
     }
 
     /// A pageable buffer holding `v`.

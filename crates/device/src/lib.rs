@@ -418,7 +418,7 @@ pub trait Device: Send + Sync {
     /// it (`cuda`: `cuMemHostAlloc`, falling back to pageable memory when
     /// pinning fails), ordinary heap memory otherwise (this default).
     fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
-        HostBuffer::heap(len).ok_or_else(|| DeviceError::OutOfMemory {
+        HostBuffer::heap(len).ok_or(DeviceError::OutOfMemory {
             call: Call::HostAlloc,
             requested: len,
             free: 0,

@@ -226,7 +226,12 @@ pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
         };
         // SAFETY: `p` came from `alloc_zeroed` with this layout (it was in
         // PINNED, removed just now, so it is freed once).
-        unsafe { dealloc(p.cast::<u8>(), Layout::from_size_align_unchecked(len, PINNED_ALIGN)) };
+        unsafe {
+            dealloc(
+                p.cast::<u8>(),
+                Layout::from_size_align_unchecked(len, PINNED_ALIGN),
+            )
+        };
         Ok(())
     })
 }
