@@ -1594,3 +1594,36 @@ fake_test! {
         assert_eq!(fake.pinned(), (0, 0));
     }
 }
+
+fake_test! {
+    /// Every adaptor forwards `alloc_host_buffer` to the backend (the buffer
+    /// is still pinned through them), `Counting` counts it as
+    /// `Call::HostAlloc`, `CapacityLimit` does not charge it, and an injected
+    /// fault reaches the caller as an error (the allocator then falls back).
+    fn adaptors_forward_host_buffers(fake) {
+        use vmmalloc_device::adaptors::{
+            CapacityLimit, Counting, FaultInjecting, FaultKind, FaultPlan,
+        };
+        let counting = Counting::counting(Arc::new(fake.open(0)));
+        let b = counting.alloc_host_buffer(8192).unwrap();
+        assert!(b.is_pinned());
+        assert_eq!(counting.hook().counts().get(Call::HostAlloc), 1);
+        let limited = CapacityLimit::new(&counting, 4096);
+        let c = limited.alloc_host_buffer(1 << 20).unwrap();
+        assert!(c.is_pinned(), "host memory is not device capacity");
+        assert_eq!(counting.hook().counts().get(Call::HostAlloc), 2);
+        assert_eq!(fake.pinned(), (8192 + (1 << 20), 2));
+        let faulty = FaultInjecting::with_plan(
+            &counting,
+            FaultPlan::Nth {
+                call: Call::HostAlloc,
+                n: 1,
+                kind: FaultKind::OutOfMemory,
+            },
+        );
+        assert!(faulty.alloc_host_buffer(4096).is_err());
+        assert!(faulty.alloc_host_buffer(4096).unwrap().is_pinned());
+        drop((b, c));
+        assert_eq!(fake.pinned(), (0, 0));
+    }
+}
