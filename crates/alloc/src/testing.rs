@@ -522,6 +522,19 @@ impl RandomOps {
     }
 }
 
+/// Allocates `sizes` on the default stream with this thread's tag set to
+/// `tag` (sleep and wake), then restores the default tag. Panics on failure
+/// (a test helper).
+pub fn tagged<A: Allocator + ?Sized>(a: &A, tag: &str, sizes: &[u64]) -> Vec<Allocation> {
+    crate::set_thread_tag(tag).unwrap();
+    let out = sizes
+        .iter()
+        .map(|&s| a.malloc(s, Stream::DEFAULT).unwrap())
+        .collect();
+    crate::set_thread_tag("").unwrap();
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,23 +4,13 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::testing::{pattern_check, pattern_fill};
-use vmmalloc_alloc::{set_thread_tag, Allocation, Allocator, Stream};
+use vmmalloc_alloc::testing::{pattern_check, pattern_fill, tagged};
+use vmmalloc_alloc::{Allocator, Stream};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::{Introspect, MIB};
 
 fn host(capacity: u64) -> Arc<HostDevice> {
     Arc::new(HostDevice::new(HostConfig::with_capacity(capacity)).expect("host device"))
-}
-
-fn tagged<A: Allocator>(a: &A, tag: &str, sizes: &[u64]) -> Vec<Allocation> {
-    set_thread_tag(tag).unwrap();
-    let out = sizes
-        .iter()
-        .map(|&s| a.malloc(s, Stream::DEFAULT).unwrap())
-        .collect();
-    set_thread_tag("").unwrap();
-    out
 }
 
 /// A tag whose blocks partly live in host-located (spilled) chunks pauses

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::testing::{pattern_check, pattern_fill};
+use vmmalloc_alloc::testing::{pattern_check, pattern_fill, tagged};
 use vmmalloc_alloc::{set_thread_tag, AllocError, Allocation, Allocator, Stream, TagStats};
 use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
 use vmmalloc_device::host::{HostConfig, HostDevice};
@@ -24,17 +24,6 @@ fn tag_of<A: Allocator>(a: &A, tag: &str) -> TagStats {
         .into_iter()
         .find(|t| t.tag == tag)
         .unwrap_or_else(|| panic!("no stats for tag {tag:?}"))
-}
-
-/// Allocates `sizes` with `tag` on the default stream (restores the default tag).
-fn tagged<A: Allocator>(a: &A, tag: &str, sizes: &[u64]) -> Vec<Allocation> {
-    set_thread_tag(tag).unwrap();
-    let out = sizes
-        .iter()
-        .map(|&s| a.malloc(s, Stream::DEFAULT).unwrap())
-        .collect();
-    set_thread_tag("").unwrap();
-    out
 }
 
 /// Worked example: a pattern survives pause with backup while another

@@ -379,6 +379,13 @@ impl AddressSpace {
         if size > self.free_bytes() {
             return Err(self.oom(Call::Create, size));
         }
+        self.physical_used += size;
+        Ok(self.insert_allocation(size, false))
+    }
+
+    /// Records a new physical allocation of `size` bytes (on the host or the
+    /// device) with one handle to it; returns the handle.
+    fn insert_allocation(&mut self, size: u64, on_host: bool) -> PhysHandle {
         let alloc = self.next_id;
         let handle = self.next_id + 1;
         self.next_id += 2;
@@ -387,12 +394,11 @@ impl AddressSpace {
             Allocation {
                 size,
                 refs: 1,
-                on_host: false,
+                on_host,
             },
         );
         self.handles.insert(handle, alloc);
-        self.physical_used += size;
-        Ok(PhysHandle(handle))
+        PhysHandle(handle)
     }
 
     /// Creates a host-located physical allocation and a handle to it
@@ -410,20 +416,8 @@ impl AddressSpace {
                 total: self.host_capacity,
             });
         }
-        let alloc = self.next_id;
-        let handle = self.next_id + 1;
-        self.next_id += 2;
-        self.allocations.insert(
-            alloc,
-            Allocation {
-                size,
-                refs: 1,
-                on_host: true,
-            },
-        );
-        self.handles.insert(handle, alloc);
         self.host_used += size;
-        Ok(PhysHandle(handle))
+        Ok(self.insert_allocation(size, true))
     }
 
     /// Limits host-located allocations to `bytes` in all.
