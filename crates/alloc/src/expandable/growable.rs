@@ -353,8 +353,7 @@ impl Inner {
         g.accessible = g.accessible.min(first);
         let n = gone.len() as i64;
         for (h, p) in gone {
-            self.note_spill_mapping(h, p, false);
-            self.give_back(h, p);
+            self.give_back_unmapped(h, p);
         }
         self.sync_pool_stats();
         self.note_growable(-(count as i64), -n, 0);
@@ -417,8 +416,7 @@ impl Inner {
                 }
             }
             for (h, p) in g.chunks {
-                self.note_spill_mapping(h, p, false);
-                self.give_back(h, p);
+                self.give_back_unmapped(h, p);
             }
             self.stats.driver_calls.add(Call::AddressFree);
             if let Err(e) = dev

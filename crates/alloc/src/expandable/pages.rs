@@ -99,10 +99,10 @@ impl Inner {
         for f in &firsts {
             if let Some(c) = self.seg_mut(seg).remove_chunk(*f) {
                 pages += c.pages;
-                self.note_spill_mapping(c.handle, c.pages, false);
-                self.pool_put(c.handle, c.pages);
+                self.give_back_unmapped(c.handle, c.pages);
             }
         }
+        self.sync_pool_stats();
         debug_assert_eq!(pages, count, "unmapped runs are whole chunks");
         self.split_changed(seg, before);
         let k = self.seg(seg).kind as usize;

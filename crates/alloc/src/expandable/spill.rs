@@ -52,6 +52,13 @@ impl Inner {
         }
     }
 
+    /// A chunk that was mapped and is now unmapped: updates the spill
+    /// accounting and gives the handle back ([`Self::give_back`]).
+    pub(super) fn give_back_unmapped(&mut self, h: PhysHandle, pages: u64) {
+        self.note_spill_mapping(h, pages, false);
+        self.give_back(h, pages);
+    }
+
     /// Notes that chunk `h` of `pages` pages was mapped (or, with `mapped`
     /// false, unmapped): keeps `spilled_pages` and the spill stats.
     pub(super) fn note_spill_mapping(&mut self, h: PhysHandle, pages: u64, mapped: bool) {
