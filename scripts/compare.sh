@@ -26,6 +26,13 @@ if [[ -n $SPLITS ]]; then
   ./target/release/vmmalloc compare --policies "$SPLITS" --out docs/results/splits \
     --json docs/results/splits/results.json "$@"
 fi
+# Third ablation: how many uncovered bytes a partly covered free chunk may keep
+# and still be pinned rather than split (split_slack; the default is 4 MiB).
+SLACKS=${SLACKS-expandable:split_slack=0,expandable:split_slack=2MiB,expandable,expandable:split_slack=8MiB,expandable:split_slack=20MiB}
+if [[ -n $SLACKS ]]; then
+  ./target/release/vmmalloc compare --policies "$SLACKS" --out docs/results/slack \
+    --json docs/results/slack/results.json "$@"
+fi
 LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
 ./target/release/vmmalloc compare "${LONG[@]}" --out docs/results/long --json docs/results/long/results.json
 {
@@ -62,6 +69,17 @@ LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
     echo "is 0.4). Full report: [results/splits/report.md](results/splits/report.md)."
     echo
     sed -n '/^## Ablation: expandable options/,/^## Traces/p' docs/results/splits/report.md | sed '1,2d;/^## Traces/d;/^!\[/d'
+  fi
+  if [[ -n $SLACKS ]]; then
+    echo
+    echo "## Ablation: pinned slack"
+    echo
+    echo "\`vmmalloc compare --policies $SLACKS\` on the built-in set: the expandable policy's"
+    echo "\`split_slack\` (bytes a partly covered free chunk may leave uncovered and still be reused"
+    echo "whole while memory is tight; 0 splits every partly covered chunk; the default is 4 MiB)."
+    echo "Full report: [results/slack/report.md](results/slack/report.md)."
+    echo
+    sed -n '/^## Ablation: expandable options/,/^## Traces/p' docs/results/slack/report.md | sed '1,2d;/^## Traces/d;/^!\[/d'
   fi
   echo
   echo "Command: \`scripts/compare.sh\` ($(./target/release/vmmalloc --version), $(date -u +%Y-%m-%d), $(nproc) cores)."

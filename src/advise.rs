@@ -13,7 +13,7 @@
 //! freed before the limit is reached; it acts only once
 //! `torch.cuda.set_per_process_memory_fraction` is set).
 
-use crate::compare::{base_config, gib, unlimited_capacity, TightCapacity};
+use crate::compare::{gib, unlimited_capacity, TightCapacity};
 use anyhow::{bail, Context, Result};
 use std::sync::Mutex;
 use vmmalloc_alloc::{parse_size, PolicySpec};
@@ -29,15 +29,9 @@ pub struct AdviseArgs {
     /// tightest device `compare` uses, 1.05 × peak live).
     #[arg(long, value_name = "SIZE")]
     pub gpu: Option<String>,
-    /// Cost model: a preset (`a100`, the default, or `linear`) and/or overrides.
-    #[arg(long, value_name = "[PRESET][,KEY=US,...]")]
-    pub cost: Option<String>,
-    /// Cost model from a JSON file (as `vmmalloc calibrate` writes).
-    #[arg(long, value_name = "FILE")]
-    pub cost_file: Option<std::path::PathBuf>,
-    /// Device granularity in MiB for the simulated device.
-    #[arg(long, default_value_t = 2)]
-    pub granularity_mb: u64,
+    /// The simulated device: cost model and granularity.
+    #[command(flatten)]
+    pub sim: crate::compare::SimArgs,
 }
 
 /// One setting evaluated: the policy spec replayed and how a user sets it.
@@ -230,11 +224,7 @@ fn ms(v: Option<f64>) -> String {
 
 /// Runs `vmmalloc advise`.
 pub fn run(args: AdviseArgs) -> Result<()> {
-    let base = base_config(
-        args.cost.as_deref(),
-        args.cost_file.as_deref(),
-        args.granularity_mb,
-    )?;
+    let base = args.sim.base_config()?;
     let gpu = match &args.gpu {
         Some(s) => {
             let b = parse_size(s).map_err(|e| anyhow::anyhow!("--gpu: {e}"))?;

@@ -37,17 +37,9 @@ pub struct CompareArgs {
     /// Write report.md and SVG plots to DIR.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
-    /// Cost model: a preset (`a100`, the default, or `linear`) and/or
-    /// overrides, e.g. `linear`, `create=40,unmap.per_handle=20`, `a100,map=2` (µs).
-    #[arg(long, value_name = "[PRESET][,KEY=US,...]")]
-    pub cost: Option<String>,
-    /// Cost model from a JSON file (as `vmmalloc calibrate` writes); `--cost`
-    /// overrides apply on top.
-    #[arg(long, value_name = "FILE")]
-    pub cost_file: Option<PathBuf>,
-    /// Device granularity in MiB for the simulated device.
-    #[arg(long, default_value_t = 2)]
-    pub granularity_mb: u64,
+    /// The simulated device: cost model and granularity.
+    #[command(flatten)]
+    pub sim: SimArgs,
     /// Replay every trace on a device of this size (e.g. `24GiB`, `24GB`;
     /// rounded up to the granularity) instead of the tight capacity: "does it
     /// fit my card?". The `tight` columns and JSON then describe this device.
@@ -581,31 +573,44 @@ pub fn parse_policy_specs(items: &[String]) -> Result<Vec<PolicySpec>> {
     Ok(out)
 }
 
-/// Builds the base replay config from the command line.
-pub fn base_config(
-    cost: Option<&str>,
-    cost_file: Option<&std::path::Path>,
-    granularity_mb: u64,
-) -> Result<ReplayConfig> {
-    let mut cfg = ReplayConfig::new(Policy::Expandable, 0);
-    let (model, label) = CostModel::select(cost, cost_file)?;
-    cfg.cost = model;
-    cfg.cost_label = label;
-    if granularity_mb == 0 || !granularity_mb.is_power_of_two() {
-        bail!("--granularity-mb must be a power of two, got {granularity_mb}");
+/// The options that describe the simulated device, shared by `compare`,
+/// `replay` (and `summary`, `snapshot`) and `advise`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SimArgs {
+    /// Cost model: a preset (`a100`, the default, or `linear`) and/or
+    /// overrides, e.g. `linear`, `create=40,unmap.per_handle=20`, `a100,map=2` (µs).
+    #[arg(long, value_name = "[PRESET][,KEY=US,...]")]
+    pub cost: Option<String>,
+    /// Cost model from a JSON file (as `vmmalloc calibrate` writes); `--cost`
+    /// overrides apply on top.
+    #[arg(long, value_name = "FILE")]
+    pub cost_file: Option<PathBuf>,
+    /// Device granularity in MiB for the simulated device.
+    #[arg(long, default_value_t = 2)]
+    pub granularity_mb: u64,
+}
+
+impl SimArgs {
+    /// The base replay config these options describe (cost model and
+    /// granularity; the policy and the capacity are set by the caller).
+    pub fn base_config(&self) -> Result<ReplayConfig> {
+        let mut cfg = ReplayConfig::new(Policy::Expandable, 0);
+        let (model, label) = CostModel::select(self.cost.as_deref(), self.cost_file.as_deref())?;
+        cfg.cost = model;
+        cfg.cost_label = label;
+        let g = self.granularity_mb;
+        if g == 0 || !g.is_power_of_two() {
+            bail!("--granularity-mb must be a power of two, got {g}");
+        }
+        cfg.granularity = g * MIB;
+        Ok(cfg)
     }
-    cfg.granularity = granularity_mb * MIB;
-    Ok(cfg)
 }
 
 /// Runs `vmmalloc compare`.
 pub fn run(args: CompareArgs) -> Result<()> {
     let policies = parse_policy_specs(&args.policies)?;
-    let base = base_config(
-        args.cost.as_deref(),
-        args.cost_file.as_deref(),
-        args.granularity_mb,
-    )?;
+    let base = args.sim.base_config()?;
     let tight = match &args.capacity {
         Some(c) => TightCapacity::Fixed(crate::replay_cmd::parse_size(c).context("--capacity")?),
         None => {

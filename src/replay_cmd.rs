@@ -1,6 +1,6 @@
 //! `vmmalloc replay`: replay one input against one policy and print its stats.
 
-use crate::compare::{base_config, gib, load_inputs, print_reader_warnings};
+use crate::compare::{gib, load_inputs, print_reader_warnings};
 use anyhow::{bail, Result};
 use vmmalloc_alloc::PolicySpec;
 use vmmalloc_device::Call;
@@ -23,17 +23,9 @@ pub struct ReplayArgs {
     /// Only this device of the trace (default: all).
     #[arg(long)]
     pub device: Option<u32>,
-    /// Cost model: a preset (`a100`, the default, or `linear`) and/or
-    /// overrides, e.g. `linear`, `create=40,unmap.per_handle=20` (µs).
-    #[arg(long, value_name = "[PRESET][,KEY=US,...]")]
-    pub cost: Option<String>,
-    /// Cost model from a JSON file (as `vmmalloc calibrate` writes); `--cost`
-    /// overrides apply on top.
-    #[arg(long, value_name = "FILE")]
-    pub cost_file: Option<std::path::PathBuf>,
-    /// Device granularity in MiB.
-    #[arg(long, default_value_t = 2)]
-    pub granularity_mb: u64,
+    /// The simulated device: cost model and granularity.
+    #[command(flatten)]
+    pub sim: crate::compare::SimArgs,
     /// Replay the trace a second time (steady state) after freeing what the
     /// first pass left live, and print the second pass's figures too
     /// (`replay` only).
@@ -50,11 +42,7 @@ impl ReplayArgs {
     /// rounded up to the granularity, cost model).
     pub fn config(&self) -> Result<ReplayConfig> {
         let spec: PolicySpec = self.policy.parse()?;
-        let mut cfg = base_config(
-            self.cost.as_deref(),
-            self.cost_file.as_deref(),
-            self.granularity_mb,
-        )?;
+        let mut cfg = self.sim.base_config()?;
         cfg.policy = spec.policy;
         cfg.options = spec.options;
         cfg.capacity = vmmalloc_device::round_up(parse_size(&self.capacity)?, cfg.granularity);

@@ -112,6 +112,20 @@ pub fn format_bytes(b: u64) -> String {
 }
 
 impl OomReport {
+    /// Writes ` [STREAM: live X, cached Y]` for every stream.
+    fn write_streams(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for s in &self.per_stream {
+            write!(
+                f,
+                " [{}: live {}, cached {}]",
+                s.stream,
+                format_bytes(s.live),
+                format_bytes(s.cached)
+            )?;
+        }
+        Ok(())
+    }
+
     /// PyTorch's message (`DeviceCachingAllocator::malloc` in
     /// `c10/cuda/CUDACachingAllocator.cpp`, PyTorch 2.4+): "CUDA out of memory.
     /// Tried to allocate <alloc_size>. GPU <n> has a total capacity of <total>
@@ -221,15 +235,7 @@ impl OomReport {
             }
         }
         if self.per_stream.len() > 1 {
-            for s in &self.per_stream {
-                write!(
-                    f,
-                    " [{}: live {}, cached {}]",
-                    s.stream,
-                    format_bytes(s.live),
-                    format_bytes(s.cached)
-                )?;
-            }
+            self.write_streams(f)?;
         }
         Ok(())
     }
@@ -272,15 +278,7 @@ impl fmt::Display for OomReport {
             format_bytes(self.pooled),
             format_bytes(self.largest_free),
         )?;
-        for s in &self.per_stream {
-            write!(
-                f,
-                " [{}: live {}, cached {}]",
-                s.stream,
-                format_bytes(s.live),
-                format_bytes(s.cached)
-            )?;
-        }
+        self.write_streams(f)?;
         if !self.hint.is_empty() {
             write!(f, " {}", self.hint)?;
         }

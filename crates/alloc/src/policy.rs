@@ -88,6 +88,15 @@ fn parse_unit_fraction(value: &str) -> Result<f64, String> {
     }
 }
 
+/// [`parse_size`], but `0` is allowed too (a threshold or a slack of none).
+fn parse_size_or_zero(value: &str) -> Result<u64, String> {
+    if value.trim() == "0" {
+        Ok(0)
+    } else {
+        parse_size(value)
+    }
+}
+
 /// Parses a size: bytes, or a number with a unit (decimals allowed, units
 /// case-insensitive), e.g. `20MiB`, `12GB`, `1.5Gi`.
 ///
@@ -148,7 +157,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// (the text as written, trimmed) names its row in reports.
 ///
 /// Options by policy (an unknown option is an error naming it):
-/// - `expandable`: `max_chunk`, `split_threshold`, `page_size`, `arena_size`, `release_threshold`, `spill`
+/// - `expandable`: `max_chunk`, `split_threshold`, `split_slack`, `page_size`, `arena_size`, `release_threshold`, `spill`
 ///   (sizes: bytes or e.g. `20MiB`), `memory_fraction` (in (0, 1]).
 /// - `caching`, `torch-es`: the `PYTORCH_CUDA_ALLOC_CONF` keys
 ///   [`crate::caching::CachingConfig::parse`] accepts, e.g. `max_split_size_mb=128`,
@@ -197,14 +206,13 @@ impl PolicySpec {
                 o.expandable.arena_size = Some(parse_size(value).map_err(bad)?)
             }
             (Policy::Expandable, "release_threshold") => {
-                o.expandable.release_threshold = if value.trim() == "0" {
-                    0
-                } else {
-                    parse_size(value).map_err(bad)?
-                }
+                o.expandable.release_threshold = parse_size_or_zero(value).map_err(bad)?
             }
             (Policy::Expandable, "split_threshold") => {
                 o.expandable.split_threshold = parse_unit_fraction(value).map_err(bad)?
+            }
+            (Policy::Expandable, "split_slack") => {
+                o.expandable.split_slack = parse_size_or_zero(value).map_err(bad)?
             }
             (Policy::Expandable, "memory_fraction") => {
                 o.expandable.memory_fraction = parse_unit_fraction(value).map_err(bad)?
@@ -219,7 +227,7 @@ impl PolicySpec {
             _ => {
                 let valid = match self.policy {
                     Policy::Expandable => {
-                        "max_chunk, split_threshold, page_size, arena_size, release_threshold, memory_fraction, spill"
+                        "max_chunk, split_threshold, split_slack, page_size, arena_size, release_threshold, memory_fraction, spill"
                     }
                     _ => "none",
                 };
@@ -374,6 +382,10 @@ mod tests {
         assert_eq!(p.options.expandable.max_chunk, Some(20 * MIB));
         let q: PolicySpec = "expandable:split_threshold=1".parse().unwrap();
         assert_eq!(q.options.expandable.split_threshold, 1.0);
+        let q: PolicySpec = "expandable:split_slack=8MiB".parse().unwrap();
+        assert_eq!(q.options.expandable.split_slack, 8 * MIB);
+        let q: PolicySpec = "expandable:split_slack=0".parse().unwrap();
+        assert_eq!(q.options.expandable.split_slack, 0);
         assert_eq!(p.options.expandable.page_size, Some(4 * MIB));
         assert_eq!(p.options.expandable.memory_fraction, 0.5);
         let p: PolicySpec = "caching:max_split_size_mb=128,garbage_collection_threshold=0.6"
@@ -392,6 +404,8 @@ mod tests {
             ("expandable:max_chunk=big", "max_chunk"),
             ("expandable:split_threshold=2", "split_threshold"),
             ("expandable:split_threshold=x", "split_threshold"),
+            ("expandable:split_slack=lots", "split_slack"),
+            ("expandable:split_slack=-4MiB", "split_slack"),
             ("expandable:max_chunk", "max_chunk"),
             ("expandable:memory_fraction=2", "memory_fraction"),
             ("native:max_chunk=2MiB", "max_chunk"),

@@ -54,6 +54,15 @@ fn script() -> Vec<Op> {
 /// of the 64 MiB device each) is freed; a 4 MiB block carved from it while
 /// memory is tight (28 MiB live, over 2/5 of the device) splits the first chunk:
 /// stream wait, unmap, release, create, map, set_access.
+/// The default options with no split slack, so that the 4 MiB block of
+/// [`split_script`] splits the 8 MiB chunk it covers half of.
+fn split_cfg() -> ExpandableConfig {
+    ExpandableConfig {
+        split_slack: 0,
+        ..ExpandableConfig::default()
+    }
+}
+
 fn split_script() -> Vec<Op> {
     use Op::*;
     vec![
@@ -351,7 +360,7 @@ fn a_failed_event_record_falls_back_to_a_stream_wait() {
 fn every_failed_call_of_a_chunk_split_is_survived() {
     let stats = {
         let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
-        let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+        let a = ExpandableAllocator::new(dev.clone(), split_cfg()).unwrap();
         let mut h = Harness::new(&a, &*dev, 3).unwrap();
         for op in split_script() {
             h.apply(&op).unwrap();
@@ -361,18 +370,13 @@ fn every_failed_call_of_a_chunk_split_is_survived() {
         a.stats()
     };
     assert_eq!(stats.chunk_splits, 1, "{stats:?}");
-    let clean = run_script(
-        FaultPlan::None,
-        ExpandableConfig::default(),
-        &split_script(),
-    )
-    .expect("clean run");
+    let clean = run_script(FaultPlan::None, split_cfg(), &split_script()).expect("clean run");
     let mut runs = 0;
     for &call in Call::ALL.iter().filter(|c| **c != Call::StreamCreate) {
         for n in 1..=clean.hook().seen(call) {
             for kind in [FaultKind::Driver(999), FaultKind::OutOfMemory] {
                 let plan = FaultPlan::Nth { call, n, kind };
-                run_script(plan, ExpandableConfig::default(), &split_script())
+                run_script(plan, split_cfg(), &split_script())
                     .unwrap_or_else(|e| panic!("{call} #{n} failing with {kind:?}: {e}"));
                 runs += 1;
             }

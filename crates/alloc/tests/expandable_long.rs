@@ -101,8 +101,10 @@ fn sim_60k_ops_with_multi_size_chunks() {
 fn host_40k_ops_keep_every_byte() {
     for (i, cfg) in [
         ExpandableConfig::default(),
+        // Small chunks and no split slack: every partly covered chunk is split.
         ExpandableConfig {
             max_chunk: Some(8 * MIB),
+            split_slack: 0,
             ..ExpandableConfig::default()
         },
     ]

@@ -95,6 +95,7 @@ proptest! {
             memory_fraction: 0.75,
             max_chunk: Some(64 * MIB),
             split_threshold: 0.0,
+            split_slack: 0,
             spill: false,
         };
         run(Arc::new(SimDevice::with_capacity(2 * GIB)), cfg, &ops)?;

@@ -2,7 +2,7 @@
 //! per case of the spec (issue 3 and docs/expandable.md).
 
 use std::sync::Arc;
-use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
+use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig, DEFAULT_SPLIT_SLACK};
 use vmmalloc_alloc::{AllocError, Allocator, BlockState, StatType, Stream};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Call, CallCounts, Device, Introspect, GIB, MIB};
@@ -785,4 +785,126 @@ fn a_free_chunk_is_split_when_memory_is_tight() {
         a.free(p).unwrap();
     }
     a.validate().unwrap();
+}
+
+/// Edge pages, tight memory: a block that ends inside a page gets that page
+/// as a chunk of its own, so a neighbour sharing the page cannot pin the
+/// block's big chunk. On a 1 GiB device with 512 MiB live (above the split
+/// threshold), a 101 MiB block is backed by a 50-page chunk and a 1-page
+/// chunk (one set_access over both). An 11 MiB block shares its last page.
+/// Once the 101 MiB block is freed, its 50-page chunk is wholly free and a
+/// 480 MiB request on another stream reclaims it; had it been one 51-page
+/// chunk, the live neighbour would have pinned all of it and the request
+/// would lack 100 MiB.
+#[test]
+fn a_shared_last_page_gets_a_chunk_of_its_own_when_memory_is_tight() {
+    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let live: Vec<_> = (0..4)
+        .map(|_| a.malloc(128 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    let before = dev.counts();
+    let b = a.malloc(101 * MIB, Stream::DEFAULT).unwrap();
+    let c = since(&dev, &before);
+    assert_eq!(
+        (
+            c.get(Call::Create),
+            c.get(Call::Map),
+            c.get(Call::SetAccess)
+        ),
+        (2, 2, 1),
+        "a 50-page chunk, a 1-page chunk for the shared last page, one set_access"
+    );
+    let n = a.malloc(11 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(
+        n.ptr,
+        b.ptr + 101 * MIB,
+        "the neighbour shares the last page"
+    );
+    a.validate().unwrap();
+    a.free(b.ptr).unwrap();
+    let other = dev.create_stream().unwrap();
+    let y = a
+        .malloc(480 * MIB, other)
+        .expect("the freed block's big chunk is wholly free, so it is reclaimed");
+    assert!(a.stats().reclaims > 0);
+    a.validate().unwrap();
+    for p in [n.ptr, y.ptr].into_iter().chain(live.iter().map(|l| l.ptr)) {
+        a.free(p).unwrap();
+    }
+    a.validate().unwrap();
+}
+
+/// While memory is loose nothing is cut: the same 101 MiB block is one chunk.
+#[test]
+fn edge_pages_are_not_cut_while_memory_is_loose() {
+    let (dev, a) = setup(4 * GIB, ExpandableConfig::default());
+    let before = dev.counts();
+    let b = a.malloc(101 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(since(&dev, &before).get(Call::Create), 1);
+    a.free(b.ptr).unwrap();
+    a.validate().unwrap();
+}
+
+/// A large block of whole pages starts on a page boundary: after a 3.5 MiB
+/// block (which ends mid-page), an 8 MiB block goes at 4 MiB, not 3.5 MiB,
+/// so it covers exactly four pages. Freed and asked for again, the same
+/// size finds its chunks as they are: no driver call. The 0.5 MiB before it
+/// stays a free block of its own, which merges back once its neighbours go.
+#[test]
+fn a_block_of_whole_pages_starts_on_a_page_boundary() {
+    let (dev, a) = setup(4 * GIB, ExpandableConfig::default());
+    let x = a.malloc(3 * MIB + 512 * 1024, Stream::DEFAULT).unwrap();
+    let y = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(y.ptr, x.ptr + 4 * MIB);
+    assert_eq!((y.ptr - x.ptr) % (2 * MIB), 0);
+    a.validate().unwrap();
+    a.free(y.ptr).unwrap();
+    let before = dev.counts();
+    let z = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(z.ptr, y.ptr);
+    assert_eq!(since(&dev, &before).total(), 0);
+    // A size that is not a whole number of pages packs right after x.
+    a.free(z.ptr).unwrap();
+    let w = a.malloc(5 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(w.ptr, x.ptr + 3 * MIB + 512 * 1024);
+    a.validate().unwrap();
+    a.free(w.ptr).unwrap();
+    a.free(x.ptr).unwrap();
+    a.validate().unwrap();
+    assert_eq!(a.stats().inactive_split.all().current, 0);
+}
+
+/// The split slack: with memory tight, a freed 20 MiB chunk (10 pages) that
+/// a 16 MiB block covers but for 2 pages is reused whole (pinning 4 MiB
+/// costs less than a stream wait, an unmap and a new handle), while with
+/// `split_slack: 0` it is split.
+#[test]
+fn a_chunk_left_nearly_covered_is_pinned_within_the_split_slack() {
+    for (slack, splits) in [(DEFAULT_SPLIT_SLACK, 0), (0, 1)] {
+        let cfg = ExpandableConfig {
+            split_slack: slack,
+            ..ExpandableConfig::default()
+        };
+        let (dev, a) = setup(GIB, cfg);
+        let live: Vec<_> = (0..6)
+            .map(|_| a.malloc(128 * MIB, Stream::DEFAULT).unwrap())
+            .collect();
+        let freed = a.malloc(20 * MIB, Stream::DEFAULT).unwrap();
+        a.free(freed.ptr).unwrap();
+        let before = dev.counts();
+        let small = a.malloc(16 * MIB, Stream::DEFAULT).unwrap();
+        let c = since(&dev, &before);
+        assert_eq!(a.stats().chunk_splits, splits, "slack {slack}");
+        if splits == 0 {
+            assert_eq!(c.total(), 0, "reused whole: no call");
+        } else {
+            assert_eq!((c.get(Call::Unmap), c.get(Call::Create)), (1, 1));
+        }
+        a.validate().unwrap();
+        a.free(small.ptr).unwrap();
+        for l in live {
+            a.free(l.ptr).unwrap();
+        }
+        a.validate().unwrap();
+    }
 }

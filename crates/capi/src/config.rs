@@ -35,7 +35,7 @@ pub struct KeyDoc {
 }
 
 /// Every key `VMMALLOC_CONF` accepts, in documentation order.
-pub const KEYS: [KeyDoc; 20] = [
+pub const KEYS: [KeyDoc; 21] = [
     KeyDoc {
         name: "backend",
         default: "expandable",
@@ -69,6 +69,12 @@ pub const KEYS: [KeyDoc; 20] = [
         default: "0.4",
         meaning: "expandable: live bytes, as a fraction of the limit in [0, 1], above which a free chunk a new \
                   block covers only in part is split instead of pinned (1: never, 0: always)",
+    },
+    KeyDoc {
+        name: "split_slack_mb",
+        default: "4",
+        meaning: "expandable: MiB a partly covered free chunk may leave uncovered and still be reused whole \
+                  (pinned) instead of split when memory is tight; 0 splits every partly covered chunk",
     },
     KeyDoc {
         name: "spill",
@@ -269,6 +275,8 @@ pub struct Config {
     pub max_chunk: Option<u64>,
     /// `split_threshold`: expandable split threshold (`None`: the default).
     pub split_threshold: Option<f64>,
+    /// `split_slack_mb`: expandable split slack in bytes (`None`: the default).
+    pub split_slack: Option<u64>,
     /// `release_threshold_mb`: expandable pool release threshold in bytes (`None`: unlimited).
     pub release_threshold: Option<u64>,
     /// `capacity_gb`: host/sim device memory in bytes (`None`: 4 GiB host, 80 GiB sim).
@@ -309,6 +317,7 @@ impl Default for Config {
             page_size: None,
             max_chunk: None,
             split_threshold: None,
+            split_slack: None,
             arena_size: None,
             release_threshold: None,
             capacity: None,
@@ -403,6 +412,7 @@ impl Config {
                         .ok_or_else(|| ConfigError::bad_value(key, v, "a number in [0, 1]"))?,
                 )
             }
+            "split_slack_mb" => self.split_slack = Some(int(key, v)? * MIB),
             "release_threshold_mb" => self.release_threshold = Some(int(key, v)? * MIB),
             "capacity_gb" => {
                 let gb = positive_float(key, v)?;
@@ -590,6 +600,7 @@ impl Config {
                 release_threshold: self.release_threshold.unwrap_or(defaults.release_threshold),
                 max_chunk: self.max_chunk,
                 split_threshold: self.split_threshold.unwrap_or(defaults.split_threshold),
+                split_slack: self.split_slack.unwrap_or(defaults.split_slack),
                 spill: self.spill,
                 ..defaults
             },
@@ -614,6 +625,7 @@ impl Config {
                 self.split_threshold
                     .map_or("default".to_string(), |t| t.to_string()),
             ),
+            ("split_slack_mb", opt(self.split_slack, MIB)),
             ("release_threshold_mb", opt(self.release_threshold, MIB)),
             ("spill", self.spill.to_string()),
             (
@@ -823,10 +835,21 @@ mod tests {
         let c = Config::parse(
             "page_size_mb:4,arena_gb:16,release_threshold_mb:256,max_split_size_mb:64,\
              roundup_power2_divisions:4,garbage_collection_threshold:0.5,max_chunk_mb:64,\
-             split_threshold:0.25",
+             split_threshold:0.25,split_slack_mb:6",
         )
         .unwrap();
         let o = c.policy_options().unwrap();
+        assert_eq!(o.expandable.split_slack, 6 * MIB);
+        let none = Config::parse("split_slack_mb:0")
+            .unwrap()
+            .policy_options()
+            .unwrap();
+        assert_eq!(none.expandable.split_slack, 0);
+        let default = Config::parse("").unwrap().policy_options().unwrap();
+        assert_eq!(
+            default.expandable.split_slack,
+            vmmalloc_alloc::expandable::DEFAULT_SPLIT_SLACK
+        );
         assert_eq!(o.expandable.max_chunk, Some(64 * MIB));
         assert_eq!(o.expandable.split_threshold, 0.25);
         assert_eq!(o.expandable.page_size, Some(4 * MIB));
@@ -918,6 +941,16 @@ mod tests {
             ("max_chunk_mb:0", "max_chunk_mb", "positive integer"),
             ("split_threshold:1.5", "split_threshold", "[0, 1]"),
             ("split_threshold:x", "split_threshold", "[0, 1]"),
+            (
+                "split_slack_mb:2.5",
+                "split_slack_mb",
+                "non-negative integer",
+            ),
+            (
+                "split_slack_mb:-1",
+                "split_slack_mb",
+                "non-negative integer",
+            ),
             (
                 "release_threshold_mb:x",
                 "release_threshold_mb",

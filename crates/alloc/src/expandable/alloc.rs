@@ -93,11 +93,15 @@ impl Inner {
                     (i, Some(seg))
                 }
             };
-            let (addr, seg) = (self.slab[idx].addr, self.slab[idx].seg);
+            let seg = self.slab[idx].seg;
+            // The block goes at `addr`: the free block's start, or its first
+            // page boundary (split off only once the pages are backed).
+            let addr = self.page_aligned_start(idx, rounded, kind);
             let (p0, p1) = self.seg(seg).page_span(&self.layout, addr, rounded);
             // Fast path. When memory is tight, `back_pages` may first split
             // free chunks the block would cover only in part.
             if self.seg(seg).all_mapped(p0, p1) && self.unready.is_empty() && !self.tight() {
+                let idx = self.carve_at(idx, addr);
                 return Ok(self.take_block(idx, size, rounded, stream));
             }
             // The free block's whole pages: chunks inside them are wholly free.
@@ -106,8 +110,18 @@ impl Inner {
                 self.seg(seg).whole_pages(self.layout.page, b.addr, b.end())
             };
             let freed_at = self.slab[idx].freed_at;
-            match self.back_pages(dev, seg, p0, p1, room, freed_at) {
-                Ok(()) => return Ok(self.take_block(idx, size, rounded, stream)),
+            let shared = {
+                let (page, base) = (self.layout.page, self.seg(seg).base);
+                (
+                    !(addr - base).is_multiple_of(page),
+                    !(addr + rounded - base).is_multiple_of(page),
+                )
+            };
+            match self.back_pages(dev, seg, p0, p1, shared, room, freed_at) {
+                Ok(()) => {
+                    let idx = self.carve_at(idx, addr);
+                    return Ok(self.take_block(idx, size, rounded, stream));
+                }
                 Err(e) => {
                     if let Some(s) = new_seg {
                         self.retire_segment_if_empty(s);
@@ -133,6 +147,100 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Where a large request of `rounded` bytes, a whole number of pages,
+    /// starts inside free block `idx`: on the first page boundary in it when
+    /// the request still fits there, so that it covers exactly its own pages
+    /// and shares none with its neighbours; otherwise at the free block's
+    /// start. [`Inner::carve_at`] then splits the bytes before it off.
+    ///
+    /// A block sharing a page with a neighbour keeps the neighbour's chunk
+    /// pinned after the neighbour is freed (see `pages.rs`, "Edge pages"),
+    /// and same-sized tensors of a training loop, placed at whole pages,
+    /// find the chunks their predecessors left at the same spot, with no
+    /// split. The cost is less than one page of free bytes before the block,
+    /// which smaller blocks can still use.
+    #[inline]
+    fn page_aligned_start(&self, idx: u32, rounded: u64, kind: PoolKind) -> u64 {
+        let b = &self.slab[idx];
+        let page = self.layout.page;
+        if kind != PoolKind::Large || !rounded.is_multiple_of(page) {
+            return b.addr;
+        }
+        let base = self.seg(b.seg).base;
+        let aligned = base + round_up(b.addr - base, page);
+        if aligned + rounded > b.end() {
+            return b.addr;
+        }
+        aligned
+    }
+
+    /// The free block to carve a request at `addr` from: `idx` itself when
+    /// it starts there, else the part of it from `addr` on (split off).
+    #[inline]
+    fn carve_at(&mut self, idx: u32, addr: u64) -> u32 {
+        if self.slab[idx].addr == addr {
+            idx
+        } else {
+            self.split_free_at(idx, addr)
+        }
+    }
+
+    /// Splits free block `idx` at `at` (strictly inside it): `idx` keeps
+    /// `[addr, at)`, a new free block gets `[at, end)` and is returned. Both
+    /// are filed (or the back one becomes the segment's tail).
+    fn split_free_at(&mut self, idx: u32, at: u64) -> u32 {
+        let (addr, size, seg, freed_at) = {
+            let b = &self.slab[idx];
+            (b.addr, b.size, b.seg, b.freed_at)
+        };
+        debug_assert!(at > addr && at < addr + size && self.slab[idx].state == BlockState::Free);
+        let (owner, kind) = {
+            let s = self.seg(seg);
+            (s.owner, s.kind)
+        };
+        let before = self.seg(seg).inactive_split(self.layout.page);
+        let is_tail = self.seg(seg).tail == idx;
+        let back = self.link_free_after(idx, at, addr + size - at, freed_at);
+        self.slab[idx].size = at - addr;
+        let free = &mut self.streams[owner as usize].pools[kind as usize].free;
+        if is_tail {
+            // The front is no longer the segment's last block.
+            free.insert(at - addr, addr, idx);
+            self.seg_mut(seg).tail = back;
+        } else {
+            free.remove(size, addr, idx);
+            free.insert(at - addr, addr, idx);
+            free.insert(addr + size - at, at, back);
+        }
+        self.seg_mut(seg).free_blocks += 1;
+        self.split_changed(seg, before);
+        back
+    }
+
+    /// Inserts a free block `[at, at + size)` right after block `idx` in
+    /// its segment's address links, freed at tick `freed_at`; files it
+    /// nowhere (the caller does). Returns it.
+    fn link_free_after(&mut self, idx: u32, at: u64, size: u64, freed_at: u64) -> u32 {
+        let (next, seg) = (self.slab[idx].next, self.slab[idx].seg);
+        let new = self.slab.insert(Block {
+            addr: at,
+            size,
+            requested: 0,
+            freed_at,
+            prev: idx,
+            next,
+            seg,
+            state: BlockState::Free,
+            pending_events: 0,
+            streams: None,
+        });
+        if next != NIL {
+            self.slab[next].prev = new;
+        }
+        self.slab[idx].next = new;
+        new
     }
 
     /// Opens a new segment for (`owner`, `kind`): one arena slice, covered by a
@@ -206,23 +314,8 @@ impl Inner {
             free.remove(bsize, addr, idx);
         }
         if bsize > rounded {
-            let (next, freed_at) = (self.slab[idx].next, self.slab[idx].freed_at);
-            let rest = self.slab.insert(Block {
-                addr: addr + rounded,
-                size: bsize - rounded,
-                requested: 0,
-                freed_at,
-                prev: idx,
-                next,
-                seg,
-                state: BlockState::Free,
-                pending_events: 0,
-                streams: None,
-            });
-            if next != NIL {
-                self.slab[next].prev = rest;
-            }
-            self.slab[idx].next = rest;
+            let freed_at = self.slab[idx].freed_at;
+            let rest = self.link_free_after(idx, addr + rounded, bsize - rounded, freed_at);
             if is_tail {
                 self.seg_mut(seg).tail = rest;
             } else {

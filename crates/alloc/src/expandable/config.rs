@@ -42,6 +42,13 @@ pub struct ExpandableConfig {
     /// free memory pinned inside chunks can cause avoidable out-of-memory); 0
     /// always splits. See docs/expandable.md, "Chunks: the trade-off".
     pub split_threshold: f64,
+    /// Bytes a partly covered free chunk may leave uncovered and still be
+    /// reused whole (pinned) rather than split, when memory is tight; rounded
+    /// down to whole pages. Default [`DEFAULT_SPLIT_SLACK`]. A split costs a
+    /// stream wait, an unmap and a new handle (~300 µs on an A100); pinning a
+    /// few pages costs at most those pages until the block is freed. 0 splits
+    /// every partly covered chunk. See docs/expandable.md, "Chunks: the trade-off".
+    pub split_slack: u64,
     /// When device memory is exhausted after reclaim, back the request with
     /// host-located chunks mapped into the same virtual range
     /// ([`vmmalloc_device::Device::create_on_host`]) instead of failing;
@@ -52,6 +59,11 @@ pub struct ExpandableConfig {
 
 /// The default [`ExpandableConfig::split_threshold`]: 2/5 of the limit.
 pub const DEFAULT_SPLIT_THRESHOLD: f64 = 0.4;
+
+/// The default [`ExpandableConfig::split_slack`]: 4 MiB, two pages of the
+/// 2 MiB granularity of current GPUs (the ablation in docs/results.md,
+/// "Ablation: pinned slack", measures 0, 2, 4, 8 and 20 MiB).
+pub const DEFAULT_SPLIT_SLACK: u64 = 4 << 20;
 
 /// The largest chunk when [`ExpandableConfig::max_chunk`] is `None`: 1 GiB.
 /// Past a few hundred MiB the per-byte part of `cuMemCreate` dominates
@@ -68,6 +80,7 @@ impl Default for ExpandableConfig {
             memory_fraction: 1.0,
             max_chunk: None,
             split_threshold: DEFAULT_SPLIT_THRESHOLD,
+            split_slack: DEFAULT_SPLIT_SLACK,
             spill: false,
         }
     }
@@ -88,6 +101,9 @@ pub(crate) struct Layout {
     pub total: u64,
     /// Pages of the largest chunk.
     pub max_chunk_pages: u64,
+    /// Uncovered pages a partly covered free chunk may keep and still be
+    /// pinned rather than split (`split_slack` in pages).
+    pub slack_pages: u64,
 }
 
 impl Layout {
@@ -191,6 +207,7 @@ impl ExpandableConfig {
             slices_per_arena: arena / slice,
             total: caps.total_memory,
             max_chunk_pages,
+            slack_pages: self.split_slack / page,
         })
     }
 }

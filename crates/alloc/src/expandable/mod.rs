@@ -23,8 +23,12 @@
 //!   as the request lacks are unmapped, least recently freed first, after
 //!   waiting for the streams that last used them — never a device-wide sync.
 //! - **Splits** ([`pages`]): once live bytes pass `split_threshold` of the
-//!   limit, a free chunk a new block would cover only in part is unmapped and
-//!   re-backed by exact chunks, so no free memory stays pinned.
+//!   limit, a free chunk a new block would cover only in part (leaving more
+//!   than `split_slack` uncovered) is unmapped and re-backed by exact chunks,
+//!   so no free memory stays pinned; a request's page shared with another
+//!   block gets a chunk of its own, and large blocks of whole pages start on
+//!   a page boundary, so no neighbour pins a freed block's chunk ("Edge
+//!   pages" in [`pages`]).
 //! - **Stream safety** ([`events`]): a freed block is reused at once on its own
 //!   stream; blocks used on other streams (`record_stream`) wait for events.
 //!
@@ -66,7 +70,9 @@ mod teardown;
 mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
-pub use config::{ExpandableConfig, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_THRESHOLD};
+pub use config::{
+    ExpandableConfig, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_SLACK, DEFAULT_SPLIT_THRESHOLD,
+};
 pub use growable::GrowableInfo;
 pub use sleep::{tag_summary, TagStats};
 
@@ -144,6 +150,21 @@ impl Inner {
             Some(s) => s,
             None => unreachable!("segment {i} is retired but still referenced"),
         }
+    }
+
+    /// The indices of segment `s`'s blocks, in address order (follows the
+    /// links; `validate` walks them itself, checking for cycles).
+    fn block_indices<'a>(&'a self, s: &Segment) -> impl Iterator<Item = u32> + 'a {
+        let first = (s.first != blocks::NIL).then_some(s.first);
+        std::iter::successors(first, move |&i| {
+            let n = self.slab[i].next;
+            (n != blocks::NIL).then_some(n)
+        })
+    }
+
+    /// Segment `s`'s blocks, in address order.
+    fn blocks_in<'a>(&'a self, s: &Segment) -> impl Iterator<Item = &'a blocks::Block> + 'a {
+        self.block_indices(s).map(move |i| &self.slab[i])
     }
 
     /// All counters, in PyTorch's shape.

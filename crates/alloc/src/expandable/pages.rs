@@ -22,11 +22,28 @@
 //! free memory nothing else can have. So when memory is tight (live bytes above
 //! 2/5 of the limit) such a chunk is **split**:
 //! unmapped (after waiting for its stream) and the block gets exact chunks of
-//! its own, from the pool or new ones. With room to spare, pinning is harmless
-//! and costs no call, so the chunk is reused as it is. Mapping pages *ahead*
+//! its own, from the pool or new ones, unless the block would leave at most
+//! `split_slack` (default 4 MiB) of it uncovered: a split costs a stream
+//! wait, an unmap and a new handle, more than a few pinned pages are worth.
+//! With room to spare, pinning is harmless and costs no call, so the chunk is
+//! reused as it is. Mapping pages *ahead*
 //! of a growing segment (fewer, larger handles, as PyTorch's 20 MiB pages do)
 //! was measured and rejected: the chunks it makes straddle blocks and can be
-//! neither reclaimed nor split (docs/results.md, "Chunks").
+//! neither reclaimed nor split (docs/expandable.md, "Chunks: the trade-off").
+//!
+//! # Edge pages
+//!
+//! Blocks are packed at 512-byte granularity, so a block usually ends inside
+//! a page whose other bytes the next block takes. If that page were part of
+//! the block's big chunk, the neighbour would pin the whole chunk after the
+//! block is freed: a 1 GiB chunk held by a few bytes of a small tensor. When
+//! memory is tight the shared first or last page of a request therefore gets
+//! a one-page chunk of its own (one more `cuMemCreate` for the block), and
+//! a large block whose size is a whole number of pages starts on a page
+//! boundary (it then shares no page at all; see `alloc.rs`). Measured in
+//! docs/results.md; the diagnosis (a replay of `serve-kv:seed=5` at its
+//! minimum capacity had 372 MiB of free pages inside chunks held only by a
+//! neighbour's edge page) is in docs/expandable.md, "Edge pages".
 //!
 //! Invariants (checked by `validate`): every handle is in exactly one place —
 //! mapped as one chunk of one segment, or in the pool; `stats.pages_mapped`,
@@ -212,12 +229,21 @@ impl Inner {
     /// `freed_at`): chunks inside it are wholly free and may be split. On
     /// failure every chunk this call mapped is unmapped again (handles go to
     /// the pool).
+    ///
+    /// `shared` says whether the first and the last page are shared with
+    /// the bytes of other blocks (the request starts or ends inside them).
+    /// When memory is tight such a page, if it must be mapped, gets a chunk
+    /// of its own, so that the block's other chunks hold no byte of any
+    /// other block: once the block is freed they are wholly free, however
+    /// long its neighbours live (see the module docs, "Edge pages").
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn back_pages<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         seg: u32,
         p0: u64,
         p1: u64,
+        shared: (bool, bool),
         room: (u64, u64),
         freed_at: u64,
     ) -> Result<(), Backing> {
@@ -225,7 +251,10 @@ impl Inner {
             .map_err(|e| Backing::Fail(e.into()))?;
         self.split_free_chunks(dev, seg, p0, p1, room, freed_at)
             .map_err(|e| Backing::Fail(e.into()))?;
-        let runs = self.seg(seg).unmapped_runs(p0, p1 + 1);
+        let mut runs = self.seg(seg).unmapped_runs(p0, p1 + 1);
+        if (shared.0 || shared.1) && self.tight() {
+            runs = cut_edge_pages(&runs, shared.0.then_some(p0), shared.1.then_some(p1));
+        }
         if runs.is_empty() {
             return Ok(());
         }
@@ -268,7 +297,10 @@ impl Inner {
         let mut partial: Vec<(u64, Chunk)> = Vec::new();
         for c in [s.chunk_at(p0), s.chunk_at(p1)].into_iter().flatten() {
             let (f, ch) = c;
-            let reaches_out = f < p0 || f + ch.pages > p1 + 1;
+            let covered = (f + ch.pages).min(p1 + 1) - f.max(p0);
+            // A chunk that would leave at most `split_slack` uncovered is
+            // pinned: a split costs far more than those pages.
+            let reaches_out = ch.pages - covered > self.layout.slack_pages;
             let wholly_free = f >= room.0 && f + ch.pages <= room.1;
             if reaches_out && wholly_free && !partial.iter().any(|&(g, _)| g == f) {
                 partial.push(c);
@@ -584,5 +616,64 @@ impl Inner {
         }
         self.trim_pool(dev);
         err
+    }
+}
+
+/// Cuts the unmapped `runs` (ascending `(first, count)`) so that page `first`
+/// and page `last`, when given and inside a run of more than one page, are
+/// runs of their own (each then gets a chunk of its own).
+fn cut_edge_pages(runs: &[(u64, u64)], first: Option<u64>, last: Option<u64>) -> Vec<(u64, u64)> {
+    let mut out = Vec::with_capacity(runs.len() + 2);
+    for &(a, n) in runs {
+        let (mut a, mut n) = (a, n);
+        if let Some(p) = first.filter(|&p| p == a && n > 1) {
+            out.push((p, 1));
+            a += 1;
+            n -= 1;
+        }
+        match last.filter(|&p| p > a && p == a + n - 1) {
+            Some(p) => {
+                out.push((a, n - 1));
+                out.push((p, 1));
+            }
+            None => out.push((a, n)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cut_edge_pages;
+
+    #[test]
+    fn edge_pages_become_runs_of_their_own() {
+        // Both edges inside one run.
+        assert_eq!(
+            cut_edge_pages(&[(10, 5)], Some(10), Some(14)),
+            vec![(10, 1), (11, 3), (14, 1)]
+        );
+        // Only the last page is shared.
+        assert_eq!(
+            cut_edge_pages(&[(10, 5)], None, Some(14)),
+            vec![(10, 4), (14, 1)]
+        );
+        // The shared page is already mapped (not the run's edge): nothing to cut.
+        assert_eq!(
+            cut_edge_pages(&[(11, 3)], Some(10), Some(15)),
+            vec![(11, 3)]
+        );
+        // One-page and two-page runs.
+        assert_eq!(cut_edge_pages(&[(7, 1)], Some(7), Some(7)), vec![(7, 1)]);
+        assert_eq!(
+            cut_edge_pages(&[(7, 2)], Some(7), Some(8)),
+            vec![(7, 1), (8, 1)]
+        );
+        // Several runs: only the first and the last can hold the edges.
+        assert_eq!(
+            cut_edge_pages(&[(0, 3), (5, 2), (9, 4)], Some(0), Some(12)),
+            vec![(0, 1), (1, 2), (5, 2), (9, 3), (12, 1)]
+        );
+        assert_eq!(cut_edge_pages(&[], Some(0), Some(3)), vec![]);
     }
 }

@@ -36,7 +36,7 @@
 //! included, unmaps and releases what this resume mapped: the tag is paused
 //! as before and its backups are kept.
 
-use super::blocks::{BlockState, NIL};
+use super::blocks::BlockState;
 use super::pages::Backing;
 use super::tags;
 use super::Inner;
@@ -227,13 +227,8 @@ impl Inner {
 
     /// Blocks of segment `seg` in address order.
     fn seg_blocks(&self, seg: u32) -> Vec<u32> {
-        let mut out = Vec::new();
-        let mut i = self.seg(seg).first;
-        while i != NIL {
-            out.push(i);
-            i = self.slab[i].next;
-        }
-        out
+        let s = self.seg(seg);
+        self.block_indices(s).collect()
     }
 
     /// Pauses the tags `names` (none: every awake non-default tag); returns

@@ -3,7 +3,7 @@
 //! Free blocks are cut at page-mapping boundaries: mapped parts are
 //! `inactive`, unmapped parts `unmapped`.
 
-use super::blocks::{BlockState as B, NIL};
+use super::blocks::BlockState as B;
 use super::segment::Segment;
 use super::Inner;
 use crate::{BlockInfo, BlockState, SegmentInfo, Snapshot};
@@ -50,9 +50,7 @@ impl Inner {
             let paused = self.sleep.is_paused(self.streams[s.owner as usize].tag);
             let mut blocks = Vec::new();
             let (mut allocated, mut active, mut requested) = (0, 0, 0);
-            let mut i = s.first;
-            while i != NIL {
-                let b = &self.slab[i];
+            for b in self.blocks_in(s) {
                 match b.state {
                     B::Free => self.free_pieces(s, b.addr, b.end(), &mut blocks),
                     B::Allocated | B::PendingFree => {
@@ -76,7 +74,6 @@ impl Inner {
                         });
                     }
                 }
-                i = b.next;
             }
             segments.push(SegmentInfo {
                 address: s.base,

@@ -226,9 +226,7 @@ impl Inner {
             s.base + (f + n) * self.layout.page,
         );
         let (mut active, mut shared) = (false, false);
-        let mut i = s.first;
-        while i != super::blocks::NIL {
-            let b = &self.slab[i];
+        for b in self.blocks_in(s) {
             if b.addr >= hi {
                 break;
             }
@@ -236,7 +234,6 @@ impl Inner {
                 active = true;
                 shared |= b.streams.is_some() || b.state == super::blocks::BlockState::PendingFree;
             }
-            i = b.next;
         }
         (active, shared)
     }
