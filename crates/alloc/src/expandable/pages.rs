@@ -235,7 +235,9 @@ impl Inner {
     /// When memory is tight such a page, if it must be mapped, gets a chunk
     /// of its own, so that the block's other chunks hold no byte of any
     /// other block: once the block is freed they are wholly free, however
-    /// long its neighbours live (see the module docs, "Edge pages").
+    /// long its neighbours live (see the module docs, "Edge pages"). Not
+    /// when the rest of its run is at most `split_slack`: a neighbour could
+    /// pin no more than a split would leave pinned.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn back_pages<D: Device + ?Sized>(
         &mut self,
@@ -253,7 +255,12 @@ impl Inner {
             .map_err(|e| Backing::Fail(e.into()))?;
         let mut runs = self.seg(seg).unmapped_runs(p0, p1 + 1);
         if (shared.0 || shared.1) && self.tight() {
-            runs = cut_edge_pages(&runs, shared.0.then_some(p0), shared.1.then_some(p1));
+            runs = cut_edge_pages(
+                &runs,
+                shared.0.then_some(p0),
+                shared.1.then_some(p1),
+                self.layout.slack_pages,
+            );
         }
         if runs.is_empty() {
             return Ok(());
@@ -620,18 +627,26 @@ impl Inner {
 }
 
 /// Cuts the unmapped `runs` (ascending `(first, count)`) so that page `first`
-/// and page `last`, when given and inside a run of more than one page, are
-/// runs of their own (each then gets a chunk of its own).
-fn cut_edge_pages(runs: &[(u64, u64)], first: Option<u64>, last: Option<u64>) -> Vec<(u64, u64)> {
+/// and page `last`, when given and at the edge of a run, are runs of their
+/// own (each then gets a chunk of its own) — but only where the rest of
+/// that run is more than `slack` pages: a smaller chunk pinned by the
+/// neighbour on the shared page strands no more than the split rule
+/// tolerates, and is cheaper than one more handle.
+fn cut_edge_pages(
+    runs: &[(u64, u64)],
+    first: Option<u64>,
+    last: Option<u64>,
+    slack: u64,
+) -> Vec<(u64, u64)> {
     let mut out = Vec::with_capacity(runs.len() + 2);
     for &(a, n) in runs {
         let (mut a, mut n) = (a, n);
-        if let Some(p) = first.filter(|&p| p == a && n > 1) {
+        if let Some(p) = first.filter(|&p| p == a && n > slack + 1) {
             out.push((p, 1));
             a += 1;
             n -= 1;
         }
-        match last.filter(|&p| p > a && p == a + n - 1) {
+        match last.filter(|&p| p > a && p == a + n - 1 && n > slack + 1) {
             Some(p) => {
                 out.push((a, n - 1));
                 out.push((p, 1));
@@ -650,30 +665,49 @@ mod tests {
     fn edge_pages_become_runs_of_their_own() {
         // Both edges inside one run.
         assert_eq!(
-            cut_edge_pages(&[(10, 5)], Some(10), Some(14)),
+            cut_edge_pages(&[(10, 5)], Some(10), Some(14), 0),
             vec![(10, 1), (11, 3), (14, 1)]
         );
         // Only the last page is shared.
         assert_eq!(
-            cut_edge_pages(&[(10, 5)], None, Some(14)),
+            cut_edge_pages(&[(10, 5)], None, Some(14), 0),
             vec![(10, 4), (14, 1)]
         );
         // The shared page is already mapped (not the run's edge): nothing to cut.
         assert_eq!(
-            cut_edge_pages(&[(11, 3)], Some(10), Some(15)),
+            cut_edge_pages(&[(11, 3)], Some(10), Some(15), 0),
             vec![(11, 3)]
         );
         // One-page and two-page runs.
-        assert_eq!(cut_edge_pages(&[(7, 1)], Some(7), Some(7)), vec![(7, 1)]);
+        assert_eq!(cut_edge_pages(&[(7, 1)], Some(7), Some(7), 0), vec![(7, 1)]);
         assert_eq!(
-            cut_edge_pages(&[(7, 2)], Some(7), Some(8)),
+            cut_edge_pages(&[(7, 2)], Some(7), Some(8), 0),
             vec![(7, 1), (8, 1)]
         );
         // Several runs: only the first and the last can hold the edges.
         assert_eq!(
-            cut_edge_pages(&[(0, 3), (5, 2), (9, 4)], Some(0), Some(12)),
+            cut_edge_pages(&[(0, 3), (5, 2), (9, 4)], Some(0), Some(12), 0),
             vec![(0, 1), (1, 2), (5, 2), (9, 3), (12, 1)]
         );
-        assert_eq!(cut_edge_pages(&[], Some(0), Some(3)), vec![]);
+        assert_eq!(cut_edge_pages(&[], Some(0), Some(3), 0), vec![]);
+    }
+
+    #[test]
+    fn an_edge_is_cut_only_where_the_rest_of_its_run_exceeds_the_slack() {
+        // Slack 2 pages: a run must keep more than 2 pages besides the edge.
+        assert_eq!(cut_edge_pages(&[(0, 3)], Some(0), Some(2), 2), vec![(0, 3)]);
+        assert_eq!(
+            cut_edge_pages(&[(0, 4)], Some(0), Some(3), 2),
+            vec![(0, 1), (1, 3)]
+        );
+        assert_eq!(
+            cut_edge_pages(&[(0, 5)], Some(0), Some(4), 2),
+            vec![(0, 1), (1, 3), (4, 1)]
+        );
+        // Each run is judged by itself.
+        assert_eq!(
+            cut_edge_pages(&[(0, 2), (5, 6)], Some(0), Some(10), 2),
+            vec![(0, 2), (5, 5), (10, 1)]
+        );
     }
 }
