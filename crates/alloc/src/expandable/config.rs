@@ -47,7 +47,9 @@ pub struct ExpandableConfig {
     /// down to whole pages. Default [`DEFAULT_SPLIT_SLACK`]. A split costs a
     /// stream wait, an unmap and a new handle (~300 µs on an A100); pinning a
     /// few pages costs at most those pages until the block is freed. 0 splits
-    /// every partly covered chunk. See docs/expandable.md, "Chunks: the trade-off".
+    /// every partly covered chunk. The same tolerance spares a block's shared
+    /// edge page its own chunk when the rest of the run is no longer than
+    /// this. See docs/expandable.md, "Chunks: the trade-off".
     pub split_slack: u64,
     /// When device memory is exhausted after reclaim, back the request with
     /// host-located chunks mapped into the same virtual range
