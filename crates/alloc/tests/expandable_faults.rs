@@ -384,3 +384,63 @@ fn every_failed_call_of_a_chunk_split_is_survived() {
     }
     assert!(runs > 20, "{runs}");
 }
+
+/// With memory tight (28 MiB live on the 64 MiB device, whose largest chunk
+/// is 8 MiB, an eighth of it), an 11.5 MiB block ends inside its last page:
+/// its run of six pages is backed by a 4-page and a 1-page chunk plus a
+/// one-page edge chunk (pages.rs, `cut_edge_pages`). Then it is freed and a
+/// 10 MiB block takes the two body chunks as they are, with no call.
+fn edge_script() -> Vec<Op> {
+    use Op::*;
+    let m = |size, stream| Malloc { size, stream };
+    vec![
+        m(28 * MIB, 0),           // slot 0: pages 0-13 (8+8+8+4 MiB), tight from here
+        m(3 * MIB, 0),            // slot 1: pages 14-15, too short a run for an edge chunk
+        m(11 * MIB + MIB / 2, 0), // slot 2: pages 16-19, 20, edge page 21
+        m(2 * MIB + MIB / 2, 0),  // slot 3: the rest of page 21 and page 22
+        Free { slot: 2 },
+        m(10 * MIB, 0), // pages 16-20: both chunks reused whole
+        Free { slot: 3 },
+        EmptyCache,
+    ]
+}
+
+/// The fault sweep over the edge-chunk path: every call of `edge_script`
+/// fails once (driver error, then out-of-memory); a run whose edge chunk
+/// cannot be created or mapped rolls the body chunks back, the state stays
+/// valid after every step and nothing leaks at drop.
+#[test]
+fn every_failed_call_of_an_edge_chunk_is_survived() {
+    let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
+    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let mut creates = Vec::new();
+    let mut ptrs = Vec::new();
+    for size in [28 * MIB, 3 * MIB, 11 * MIB + MIB / 2, 2 * MIB + MIB / 2] {
+        let before = dev.counts();
+        ptrs.push(a.malloc(size, Stream::DEFAULT).unwrap().ptr);
+        creates.push(dev.counts().since(&before).get(Call::Create));
+        a.validate().unwrap();
+    }
+    assert_eq!(creates, vec![4, 1, 3, 1]);
+    a.free(ptrs[2]).unwrap();
+    let before = dev.counts();
+    let again = a.malloc(10 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(again.ptr, ptrs[2] + MIB);
+    assert_eq!(dev.counts().since(&before).total(), 0);
+    drop(a);
+
+    let clean = run_script(FaultPlan::None, ExpandableConfig::default(), &edge_script())
+        .expect("clean run");
+    let mut runs = 0;
+    for &call in Call::ALL.iter().filter(|c| **c != Call::StreamCreate) {
+        for n in 1..=clean.hook().seen(call) {
+            for kind in [FaultKind::Driver(999), FaultKind::OutOfMemory] {
+                let plan = FaultPlan::Nth { call, n, kind };
+                run_script(plan, ExpandableConfig::default(), &edge_script())
+                    .unwrap_or_else(|e| panic!("{call} #{n} failing with {kind:?}: {e}"));
+                runs += 1;
+            }
+        }
+    }
+    assert!(runs > 20, "{runs}");
+}
