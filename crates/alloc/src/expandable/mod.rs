@@ -26,7 +26,8 @@
 //!   limit, a free chunk a new block would cover only in part (leaving more
 //!   than `split_slack` uncovered) is unmapped and re-backed by exact chunks,
 //!   so no free memory stays pinned; a request's page shared with another
-//!   block gets a chunk of its own, and large blocks of whole pages start on
+//!   block gets a chunk of its own (where the rest of its run is longer than
+//!   `split_slack`), and large blocks of whole pages start on
 //!   a page boundary, so no neighbour pins a freed block's chunk ("Edge
 //!   pages" in [`pages`]).
 //! - **Stream safety** ([`events`]): a freed block is reused at once on its own

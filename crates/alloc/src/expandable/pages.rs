@@ -38,7 +38,9 @@
 //! the block's big chunk, the neighbour would pin the whole chunk after the
 //! block is freed: a 1 GiB chunk held by a few bytes of a small tensor. When
 //! memory is tight the shared first or last page of a request therefore gets
-//! a one-page chunk of its own (one more `cuMemCreate` for the block), and
+//! a one-page chunk of its own (one more `cuMemCreate` for the block) —
+//! unless the rest of its run is at most `split_slack`, which a neighbour may
+//! pin as a split may leave it pinned — and
 //! a large block whose size is a whole number of pages starts on a page
 //! boundary (it then shares no page at all; see `alloc.rs`). Measured in
 //! docs/results.md; the diagnosis (a replay of `serve-kv:seed=5` at its
