@@ -51,7 +51,7 @@ pub struct Candidate {
 /// memory for driver calls (docs/expandable.md, "Chunks: the trade-off"):
 /// never splitting a partly covered free chunk (fewest calls, for tensors
 /// whose sizes repeat) and a 20 MiB split slack (half the cold calls on the
-/// serving workload for ~0.6 % more memory).
+/// serving workload for ~0.8 % more memory).
 pub const CANDIDATES: [Candidate; 10] = [
     Candidate {
         spec: "expandable",

@@ -74,7 +74,8 @@ pub const KEYS: [KeyDoc; 21] = [
         name: "split_slack_mb",
         default: "4",
         meaning: "expandable: MiB a partly covered free chunk may leave uncovered and still be reused whole \
-                  (pinned) instead of split when memory is tight; 0 splits every partly covered chunk",
+                  (pinned) instead of split when memory is tight (and the longest run whose shared edge page \
+                  gets no chunk of its own); 0 splits every partly covered chunk",
     },
     KeyDoc {
         name: "spill",
