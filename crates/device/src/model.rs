@@ -112,6 +112,11 @@ pub struct AddressSpace {
     next_id: u64,
 }
 
+/// Handles the maps of a new [`AddressSpace`] have room for before they
+/// first grow (a replay creates hundreds to thousands of handles; growing
+/// rehashes every entry).
+const INITIAL_HANDLES: usize = 1024;
+
 impl AddressSpace {
     /// A model of a device with `capacity` bytes of physical memory and the given
     /// allocation granularity (a power of two).
@@ -125,8 +130,8 @@ impl AddressSpace {
             capacity,
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
-            handles: IdMap::default(),
-            allocations: IdMap::default(),
+            handles: IdMap::with_capacity_and_hasher(INITIAL_HANDLES, Default::default()),
+            allocations: IdMap::with_capacity_and_hasher(INITIAL_HANDLES, Default::default()),
             plain: IdMap::default(),
             plain_order: RefCell::new(None),
             gaps: Some(gaps::Gaps::new(VA_BASE, VA_END)),

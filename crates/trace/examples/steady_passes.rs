@@ -31,13 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let ops = dt.replay_ops();
         let pre = dt.pre_trace().len();
         let body = &ops[pre..];
-        let id_of = |o: &Op| match o {
-            Op::Alloc { id, .. }
-            | Op::Free { id }
-            | Op::Reserve { id, .. }
-            | Op::Resize { id, .. } => *id,
-        };
-        let offset = ops.iter().map(id_of).max().map_or(0, |m| m + 1);
+        let offset = ops.iter().map(Op::id).max().map_or(0, |m| m + 1);
         // What the body leaves live, freed before its second copy.
         let mut live = BTreeSet::new();
         for o in body {

@@ -226,6 +226,19 @@ pub enum Op {
     },
 }
 
+impl Op {
+    /// The allocation (or region) id the op acts on.
+    #[inline]
+    pub fn id(&self) -> u32 {
+        match *self {
+            Op::Alloc { id, .. }
+            | Op::Free { id }
+            | Op::Reserve { id, .. }
+            | Op::Resize { id, .. } => id,
+        }
+    }
+}
+
 /// The parts of a [`DeviceTrace`], as readers and generators assemble them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DeviceTraceParts {

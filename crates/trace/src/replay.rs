@@ -351,11 +351,16 @@ pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
         Some(last) => &ops[..ops.len().min(last.saturating_add(1))],
         None => ops,
     };
-    let start = Instant::now();
+    // The per-id tables sized before the clock starts (growing them is
+    // not the policy's work).
+    let ids = ops.iter().map(Op::id).max().map_or(0, |m| m as usize + 1);
     let mut state = OpState {
         recorder: recorder.clone(),
+        ptrs: vec![u64::MAX; ids],
+        sizes: vec![0; ids],
         ..OpState::default()
     };
+    let start = Instant::now();
     run_ops(&*alloc, &sim, ops, 0, config, &mut result, &mut state);
     result.final_live = state.live;
     let stats = alloc.stats();

@@ -79,6 +79,14 @@ pub(crate) struct Slab {
 }
 
 impl Slab {
+    /// An empty slab with room for `n` blocks.
+    pub fn with_capacity(n: usize) -> Self {
+        Slab {
+            blocks: Vec::with_capacity(n),
+            vacant: Vec::new(),
+        }
+    }
+
     /// Stores a block and returns its index.
     #[inline]
     pub fn insert(&mut self, b: Block) -> u32 {

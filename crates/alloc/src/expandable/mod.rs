@@ -87,6 +87,13 @@ use lock::Lock;
 use segment::{Segment, StreamEntry};
 use vmmalloc_device::Device;
 
+/// Blocks (live or free) the block storage and the live map have room for
+/// before they first grow: a training step holds a few hundred to a few
+/// thousand tensors, and growing a hash map rehashes every entry
+/// (`cargo bench -p vmmalloc-trace --bench replay`). 4096 entries cost
+/// about 300 KiB.
+const INITIAL_BLOCKS: usize = 4096;
+
 /// Every piece of allocator state, guarded by one mutex.
 pub(crate) struct Inner {
     /// Sizes derived from the options and the device.
@@ -211,8 +218,8 @@ impl<D: Device> ExpandableAllocator<D> {
                 release_threshold: config.release_threshold,
                 split_above: layout.split_above(config.memory_fraction, config.split_threshold),
                 split_threshold: config.split_threshold,
-                slab: Slab::default(),
-                live: LiveMap::default(),
+                slab: Slab::with_capacity(INITIAL_BLOCKS),
+                live: LiveMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
                 streams: Vec::new(),
                 segments: Vec::new(),
                 vacant_segments: Vec::new(),
