@@ -75,22 +75,13 @@ pub fn parse_size(s: &str) -> Result<u64> {
     vmmalloc_alloc::parse_size(s).map_err(anyhow::Error::msg)
 }
 
-/// Formats bytes for a capacity line: whole GiB as `80 GiB`, else as PyTorch does.
+/// Formats bytes for a capacity line: whole GiB as `80 GiB`, else as the
+/// allocator's messages do ([`vmmalloc_alloc::summary::format_bytes`]).
 pub fn format_bytes(b: u64) -> String {
     if b > 0 && b.is_multiple_of(vmmalloc_device::GIB) {
         format!("{} GiB", b / vmmalloc_device::GIB)
     } else {
-        const UNITS: [&str; 4] = ["bytes", "KiB", "MiB", "GiB"];
-        let (mut v, mut u) = (b as f64, 0);
-        while v >= 1024.0 && u + 1 < UNITS.len() {
-            v /= 1024.0;
-            u += 1;
-        }
-        if u == 0 {
-            format!("{b} bytes")
-        } else {
-            format!("{v:.2} {}", UNITS[u])
-        }
+        vmmalloc_alloc::summary::format_bytes(b)
     }
 }
 
@@ -258,5 +249,15 @@ mod tests {
         assert!(parse_size("12 parsecs").is_err());
         assert!(parse_size("-1G").is_err());
         assert!(parse_size("0").is_err());
+    }
+
+    #[test]
+    fn capacities_print_whole_gib_plainly_and_the_rest_as_the_allocator_does() {
+        assert_eq!(format_bytes(80 * GIB), "80 GiB");
+        assert_eq!(format_bytes(2048 * GIB), "2048 GiB");
+        assert_eq!(format_bytes(3 * GIB / 2), "1.50 GiB");
+        assert_eq!(format_bytes(512 * MIB), "512.00 MiB");
+        assert_eq!(format_bytes(2048 * GIB + 512 * MIB), "2.00 TiB");
+        assert_eq!(format_bytes(1000), "1000 bytes");
     }
 }

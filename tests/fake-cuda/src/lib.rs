@@ -13,7 +13,7 @@
 //!
 //! Load it with `VMMALLOC_CUDA_LIBRARY=target/<profile>/libcuda.so` (or
 //! `vmm_sys::Driver::load_from`). Configuration comes from environment
-//! variables ([`config`]); a few extra exports whose names start with
+//! variables ([`mod@config`]); a few extra exports whose names start with
 //! `fakeCuda` let tests look inside ([`hooks`]). docs/fake-cuda.md says what
 //! the fake proves and what only a real GPU can.
 //!

@@ -5,7 +5,7 @@ use vmmalloc_device::{round_up, DeviceCaps};
 
 /// Options of the expandable allocator (`VMMALLOC_CONF` keys of the same names).
 ///
-/// `Default` gives the documented defaults; [`ExpandableConfig::resolve`]
+/// `Default` gives the documented defaults; `ExpandableConfig::resolve`
 /// checks the options against a device and rejects bad ones with an
 /// [`AllocError::InvalidOption`] that names the option.
 #[derive(Debug, Clone, PartialEq)]

@@ -70,7 +70,7 @@ impl Growable {
     }
 }
 
-/// What [`Inner::growable_info`] reports.
+/// What [`crate::growable::Growable::growable_info`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GrowableInfo {
     /// The region's address (never changes).

@@ -4,45 +4,45 @@
 //!
 //! # Shape
 //!
-//! - One virtual **arena** per allocator ([`arena`]): a single reservation of
+//! - One virtual **arena** per allocator (`arena.rs`): a single reservation of
 //!   `arena_size` bytes (default 4 × device memory) cut into slices of the
 //!   device memory size. Another arena is reserved when slices run out, so
 //!   the allocator never fails for lack of address space while pages are free.
-//! - One **segment** per (stream, pool) ([`segment`]), each owning a slice.
+//! - One **segment** per (stream, pool) (`segment.rs`), each owning a slice.
 //!   Pools: small (requests ≤ 1 MiB) and large. A segment grows by mapping
 //!   physical **chunks** (one `cuMemCreate` handle of one or more pages, up to
-//!   `max_chunk`) where its blocks need them ([`pages`]); its page occupancy
+//!   `max_chunk`) where its blocks need them (`pages.rs`); its page occupancy
 //!   is a bit vector beside a chunk table.
-//! - **Blocks** ([`blocks`]) split and merge at 512 B inside a segment; best fit
+//! - **Blocks** (`blocks.rs`) split and merge at 512 B inside a segment; best fit
 //!   by `(size, addr)` among the free blocks of the request's (stream, pool).
-//! - A **chunk pool** ([`pool`]): chunks unmapped from free space keep their
+//! - A **chunk pool** (`pool.rs`): chunks unmapped from free space keep their
 //!   handle and are mapped again without `release`/`create`; handles go back
 //!   to the driver above `release_threshold` or on `empty_cache`.
-//! - **Targeted reclaim** ([`reclaim`]): when `create` fails with out-of-memory
+//! - **Targeted reclaim** (`reclaim.rs`): when `create` fails with out-of-memory
 //!   (or the memory-fraction limit is reached) only as many whole free chunks
 //!   as the request lacks are unmapped, least recently freed first, after
 //!   waiting for the streams that last used them — never a device-wide sync.
-//! - **Splits** ([`pages`]): once live bytes pass `split_threshold` of the
+//! - **Splits** (`pages.rs`): once live bytes pass `split_threshold` of the
 //!   limit, a free chunk a new block would cover only in part (leaving more
 //!   than `split_slack` uncovered) is unmapped and re-backed by exact chunks,
 //!   so no free memory stays pinned; a request's page shared with another
 //!   block gets a chunk of its own (where the rest of its run is longer than
 //!   `split_slack`), and large blocks of whole pages start on
 //!   a page boundary, so no neighbour pins a freed block's chunk ("Edge
-//!   pages" in [`pages`]).
-//! - **Stream safety** ([`events`]): a freed block is reused at once on its own
+//!   pages" in `pages.rs`).
+//! - **Stream safety** (`events.rs`): a freed block is reused at once on its own
 //!   stream; blocks used on other streams (`record_stream`) wait for events.
 //!
 //! # Locking
 //!
 //! One lock guards all state; every public method takes it once. It is a
-//! compare-and-swap flag released by a plain store ([`lock`]): one atomic
+//! compare-and-swap flag released by a plain store (`lock.rs`): one atomic
 //! operation per call instead of `parking_lot`'s two. Device calls are made
 //! under the lock; they happen only in slow paths. See `docs/expandable.md`.
 //!
 //! # Cost
 //!
-//! A cache hit costs one lock, one free-index ([`free_index`]) lookup +
+//! A cache hit costs one lock, one free-index (`free_index.rs`) lookup +
 //! removal (+ insertion of the split remainder), one hash-map insertion, and
 //! no device call. `free` is one hash-map removal, at most two neighbour
 //! merges and one free-index insertion. Mapping new memory costs one

@@ -5,7 +5,7 @@
 //! Tag names are interned process-wide into small ids (id 0 is the default
 //! tag `""`); the current thread's tag is one `Cell<u32>`, so the allocation
 //! fast path reads one thread-local word. The expandable allocator keeps the
-//! blocks of each tag in segments of their own (see [`super::sleep`]), so a
+//! blocks of each tag in segments of their own (see `expandable/sleep.rs`), so a
 //! tag's physical chunks can be released whole.
 //!
 //! Valid names: at most [`MAX_TAG_LEN`] bytes of UTF-8, without `,` (lists of
