@@ -3,7 +3,8 @@
 # the bundled PyTorch snapshot and the four generated workloads, every policy.
 # A second section replays longer runs of the same workloads (more steps, same
 # parameters otherwise), where steady-state driver work outweighs the cold start;
-# a third is the ablation of the expandable policy's largest physical chunk.
+# then the ablations of the expandable policy's largest physical chunk and of
+# unpinning against splitting.
 # Extra arguments go to each `vmmalloc compare` of the built-in set (e.g.
 # `--cost linear`).
 set -euo pipefail
@@ -19,19 +20,15 @@ if [[ -n $ABLATION ]]; then
   ./target/release/vmmalloc compare --policies "$ABLATION" --out docs/results/ablation \
     --json docs/results/ablation/results.json "$@"
 fi
-# Second ablation: when free chunks are split instead of pinned
-# (split_threshold: live bytes as a fraction of the limit; 1 = never, 0 = always).
-SPLITS=${SPLITS-expandable:split_threshold=0,expandable:split_threshold=0.2,expandable,expandable:split_threshold=0.6,expandable:split_threshold=1}
+# Second ablation: unpinning against splitting. The default pins freely and
+# unpins when memory runs short; `unpin=0` never moves a live tensor (pins stay
+# until freed); `split_threshold=0.4,unpin=0` splits free chunks ahead of need
+# once live bytes pass 2/5 of the limit (the default before unpinning);
+# `split_threshold=0.4` does both.
+SPLITS=${SPLITS-expandable,expandable:unpin=0,expandable:split_threshold=0.4,unpin=0,expandable:split_threshold=0.4}
 if [[ -n $SPLITS ]]; then
   ./target/release/vmmalloc compare --policies "$SPLITS" --out docs/results/splits \
     --json docs/results/splits/results.json "$@"
-fi
-# Third ablation: how many uncovered bytes a partly covered free chunk may keep
-# and still be pinned rather than split (split_slack; the default is 4 MiB).
-SLACKS=${SLACKS-expandable:split_slack=0,expandable:split_slack=2MiB,expandable,expandable:split_slack=8MiB,expandable:split_slack=20MiB}
-if [[ -n $SLACKS ]]; then
-  ./target/release/vmmalloc compare --policies "$SLACKS" --out docs/results/slack \
-    --json docs/results/slack/results.json "$@"
 fi
 LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
 ./target/release/vmmalloc compare "${LONG[@]}" --out docs/results/long --json docs/results/long/results.json
@@ -61,25 +58,17 @@ LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
   fi
   if [[ -n $SPLITS ]]; then
     echo
-    echo "## Ablation: when free chunks are split"
+    echo "## Ablation: unpinning and splitting"
     echo
-    echo "\`vmmalloc compare --policies $SPLITS\` on the built-in set: the expandable policy's"
-    echo "\`split_threshold\` (live bytes, as a fraction of the limit, above which a free chunk that a"
-    echo "new block covers only in part is split instead of pinned; 1 = never, 0 = always; the default"
-    echo "is 0.4). Full report: [results/splits/report.md](results/splits/report.md)."
+    echo "\`vmmalloc compare --policies $SPLITS\` on the built-in set. \`expandable\` (the default)"
+    echo "reuses a free chunk whole even when a new block covers only part of it (pins it) and, when an"
+    echo "allocation runs short, unpins: the live pages move to chunks of their own at the same addresses"
+    echo "and the chunk's free pages come back (docs/expandable.md, \"Unpinning\"). \`unpin=0\` never moves a"
+    echo "live tensor (pins stay until their blocks are freed); \`split_threshold=0.4\` splits a partly"
+    echo "covered free chunk ahead of need once live bytes pass 2/5 of the limit (with \`unpin=0\`: the"
+    echo "default before unpinning). Full report: [results/splits/report.md](results/splits/report.md)."
     echo
     sed -n '/^## Ablation: expandable options/,/^## Traces/p' docs/results/splits/report.md | sed '1,2d;/^## Traces/d;/^!\[/d'
-  fi
-  if [[ -n $SLACKS ]]; then
-    echo
-    echo "## Ablation: pinned slack"
-    echo
-    echo "\`vmmalloc compare --policies $SLACKS\` on the built-in set: the expandable policy's"
-    echo "\`split_slack\` (bytes a partly covered free chunk may leave uncovered and still be reused"
-    echo "whole while memory is tight; 0 splits every partly covered chunk; the default is 4 MiB)."
-    echo "Full report: [results/slack/report.md](results/slack/report.md)."
-    echo
-    sed -n '/^## Ablation: expandable options/,/^## Traces/p' docs/results/slack/report.md | sed '1,2d;/^## Traces/d;/^!\[/d'
   fi
   echo
   echo "Command: \`scripts/compare.sh\` ($(./target/release/vmmalloc --version), $(date -u +%Y-%m-%d), $(nproc) cores)."

@@ -47,11 +47,13 @@ pub struct Candidate {
     pub also: &'static str,
 }
 
-/// The candidates, ours first: the default, then its two knobs that trade
-/// memory for driver calls (docs/expandable.md, "Chunks: the trade-off"):
-/// never splitting a partly covered free chunk (fewest calls, for tensors
-/// whose sizes repeat) and a 20 MiB split slack (half the cold calls on the
-/// serving workload for ~0.8 % more memory).
+/// The candidates, ours first: the default, then its two settings for
+/// processes where live tensors must never move (docs/expandable.md,
+/// "Unpinning": other host threads launching work on a tensor's memory
+/// while an allocation runs): no unpinning (pins stay until their blocks
+/// are freed: fewest calls), and no unpinning with free chunks split ahead
+/// of need once live bytes pass 2/5 of the limit (the default before
+/// unpinning: no pins, more calls).
 pub const CANDIDATES: [Candidate; 10] = [
     Candidate {
         spec: "expandable",
@@ -60,16 +62,16 @@ pub const CANDIDATES: [Candidate; 10] = [
         also: "run under the plug-in: VMMALLOC_CONF=backend:expandable python -m vmmalloc train.py",
     },
     Candidate {
-        spec: "expandable:split_threshold=1",
+        spec: "expandable:unpin=0",
         pytorch: false,
-        env: "VMMALLOC_CONF=backend:expandable,split_threshold:1",
-        also: "run under the plug-in: VMMALLOC_CONF=backend:expandable,split_threshold:1 python -m vmmalloc train.py",
+        env: "VMMALLOC_CONF=backend:expandable,unpin:false",
+        also: "run under the plug-in: VMMALLOC_CONF=backend:expandable,unpin:false python -m vmmalloc train.py",
     },
     Candidate {
-        spec: "expandable:split_slack=20MiB",
+        spec: "expandable:split_threshold=0.4,unpin=0",
         pytorch: false,
-        env: "VMMALLOC_CONF=backend:expandable,split_slack_mb:20",
-        also: "run under the plug-in: VMMALLOC_CONF=backend:expandable,split_slack_mb:20 python -m vmmalloc train.py",
+        env: "VMMALLOC_CONF=backend:expandable,split_threshold:0.4,unpin:false",
+        also: "run under the plug-in: VMMALLOC_CONF=backend:expandable,split_threshold:0.4,unpin:false python -m vmmalloc train.py",
     },
     Candidate {
         spec: "caching",
@@ -441,14 +443,16 @@ mod tests {
                         "backend" => assert_eq!(v, "expandable"),
                         "split_threshold" => want.split_threshold = v.parse().unwrap(),
                         "split_slack_mb" => want.split_slack = v.parse::<u64>().unwrap() << 20,
+                        "unpin" => want.unpin = v.parse().unwrap(),
                         other => panic!("{}: key {other} not checked here", c.spec),
                     }
                 }
                 assert_eq!(
-                    (want.split_threshold, want.split_slack),
+                    (want.split_threshold, want.split_slack, want.unpin),
                     (
                         spec.options.expandable.split_threshold,
-                        spec.options.expandable.split_slack
+                        spec.options.expandable.split_slack,
+                        spec.options.expandable.unpin
                     ),
                     "{}",
                     c.spec

@@ -11,7 +11,9 @@
 //! - `cuMemSetAccess` and `cuMemUnmap` over runs of 1, 16 and 256 2 MiB handles;
 //! - `cuMemAlloc` / `cuMemFree` of 2, 20, 64, 256 and 1024 MiB;
 //! - `cuMemAddressReserve` / `cuMemAddressFree`, an idle stream synchronize
-//!   (`sync`) and an event query (`other`).
+//!   (`sync`) and an event query (`other`);
+//! - `cuMemcpyDtoH` / `cuMemcpyHtoD` of 2, 20, 64 and 256 MiB through
+//!   page-locked host memory (`copy`, what unpinning and spill migration pay).
 //!
 //! Each kind is then fitted by least squares on relative error (so that the
 //! fixed part of a small call weighs as much as the slope of a large one),
@@ -36,6 +38,9 @@ pub const HANDLE_MIB: [u64; 5] = [2, 20, 64, 256, 1024];
 
 /// Handle counts of the multi-handle set-access / unmap runs (2 MiB handles).
 pub const RUN_HANDLES: [u64; 3] = [1, 16, 256];
+
+/// Sizes of the timed host-device copies, MiB.
+pub const COPY_MIB: [u64; 4] = [2, 20, 64, 256];
 
 /// Arguments of `vmmalloc calibrate`.
 #[derive(clap::Args, Debug)]
@@ -466,6 +471,29 @@ fn measure(dev: &CudaDevice, iterations: usize) -> Result<Vec<Point>> {
             dev.release(h)?;
         }
         dev.free_reservation(va, len)?;
+    }
+    // Copies between device memory and page-locked host memory, each way.
+    for mib in COPY_MIB {
+        let size = round_up(mib * MIB, g);
+        if dev.mem_info()?.free < size + page {
+            eprintln!("note: skipping {mib} MiB copies: not enough free device memory");
+            continue;
+        }
+        let mut buf = dev.alloc_host_buffer(size)?;
+        let va = dev.reserve(size, 0)?;
+        let h = dev.create(size)?;
+        dev.map(va, size, h)?;
+        dev.set_access(va, size)?;
+        // Fewer rounds for large copies (each 256 MiB one takes ~10 ms).
+        let rounds = WARMUP + (iterations / (mib as usize / 16).max(1)).max(3);
+        for round in 0..rounds {
+            let rec = round >= WARMUP;
+            timed!(s, rec, "copy", size, 0, dev.copy_from_device(va, &mut buf));
+            timed!(s, rec, "copy", size, 0, dev.copy_to_device(va, &buf));
+        }
+        dev.unmap(va, size)?;
+        dev.release(h)?;
+        dev.free_reservation(va, size)?;
     }
     dev.destroy_event(event)?;
     dev.synchronize_stream(Stream::DEFAULT)?;

@@ -173,8 +173,8 @@ fn advise_replays_each_setting_and_ends_with_the_line_to_set() {
     let out = run_ok(&["advise", "frag-adversary:rounds=2", "--gpu", "16GiB"]);
     let text = String::from_utf8_lossy(&out.stdout);
     for knob in [
-        "expandable:split_threshold=1",
-        "expandable:split_slack=20MiB",
+        "expandable:unpin=0",
+        "expandable:split_threshold=0.4,unpin=0",
         "torch-es",
         "max_split_size_mb=128",
         "roundup_power2_divisions=4",

@@ -191,16 +191,36 @@ fn syncs_have_one_definition_in_replay_summary_and_compare() {
         summary.contains(&format!("0 stream/event, {frees} device-wide")),
         "{summary}"
     );
-    // expandable: stream waits only, the same number in replay and summary.
+    // expandable: stream waits, and the device-wide synchronizes of
+    // unpinning, the same numbers in replay and summary.
     let text = ok(&["replay", "frag-adversary", "--capacity", "24GiB"]);
     let waits = calls(&text, "cuStreamSynchronize") + calls(&text, "cuEventSynchronize");
-    assert!(waits > 0, "{text}");
-    assert_eq!(row(&text, "syncs"), format!("{waits} stream/event"));
+    let device = calls(&text, "cuCtxSynchronize");
+    assert!(waits > 0 && device > 0, "{text}");
+    assert_eq!(
+        row(&text, "syncs"),
+        format!(
+            "{} ({waits} stream/event + {device} device-wide)",
+            waits + device
+        )
+    );
     let summary = ok(&["summary", "frag-adversary", "--capacity", "24GiB"]);
     assert!(
-        summary.contains(&format!("{waits} stream/event, 0 device-wide")),
+        summary.contains(&format!("{waits} stream/event, {device} device-wide")),
         "{summary}"
     );
+    // Without unpinning, stream waits only.
+    let text = ok(&[
+        "replay",
+        "frag-adversary",
+        "--policy",
+        "expandable:unpin=0",
+        "--capacity",
+        "24GiB",
+    ]);
+    let waits = calls(&text, "cuStreamSynchronize") + calls(&text, "cuEventSynchronize");
+    assert_eq!(calls(&text, "cuCtxSynchronize"), 0, "{text}");
+    assert_eq!(row(&text, "syncs"), format!("{waits} stream/event"));
 
     // compare: JSON syncs = stream/event + device-wide, each from the calls.
     let out = ok(&["compare", "frag-adversary", "--json", "-"]);

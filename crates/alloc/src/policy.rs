@@ -152,12 +152,21 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
+/// A boolean option value: `true`/`false`/`1`/`0`.
+fn parse_bool(value: &str) -> Result<bool, String> {
+    match value.trim() {
+        "1" | "true" | "True" => Ok(true),
+        "0" | "false" | "False" => Ok(false),
+        v => Err(format!("`{v}` is not a boolean (true/false/1/0)")),
+    }
+}
+
 /// A policy with options, written `NAME[:key=value,...]`, e.g.
 /// `expandable:max_chunk=20MiB` or `caching:max_split_size_mb=128`. Its label
 /// (the text as written, trimmed) names its row in reports.
 ///
 /// Options by policy (an unknown option is an error naming it):
-/// - `expandable`: `max_chunk`, `split_threshold`, `split_slack`, `page_size`, `arena_size`, `release_threshold`, `spill`
+/// - `expandable`: `max_chunk`, `split_threshold`, `split_slack`, `page_size`, `arena_size`, `release_threshold`, `spill`, `unpin`
 ///   (sizes: bytes or e.g. `20MiB`), `memory_fraction` (in (0, 1]).
 /// - `caching`, `torch-es`: the `PYTORCH_CUDA_ALLOC_CONF` keys
 ///   [`crate::caching::CachingConfig::parse`] accepts, e.g. `max_split_size_mb=128`,
@@ -217,17 +226,12 @@ impl PolicySpec {
             (Policy::Expandable, "memory_fraction") => {
                 o.expandable.memory_fraction = parse_unit_fraction(value).map_err(bad)?
             }
-            (Policy::Expandable, "spill") => {
-                o.expandable.spill = match value.trim() {
-                    "1" | "true" | "True" => true,
-                    "0" | "false" | "False" => false,
-                    v => return Err(bad(format!("`{v}` is not a boolean (true/false/1/0)"))),
-                }
-            }
+            (Policy::Expandable, "spill") => o.expandable.spill = parse_bool(value).map_err(bad)?,
+            (Policy::Expandable, "unpin") => o.expandable.unpin = parse_bool(value).map_err(bad)?,
             _ => {
                 let valid = match self.policy {
                     Policy::Expandable => {
-                        "max_chunk, split_threshold, split_slack, page_size, arena_size, release_threshold, memory_fraction, spill"
+                        "max_chunk, split_threshold, split_slack, page_size, arena_size, release_threshold, memory_fraction, spill, unpin"
                     }
                     _ => "none",
                 };
@@ -386,6 +390,14 @@ mod tests {
         assert_eq!(q.options.expandable.split_slack, 8 * MIB);
         let q: PolicySpec = "expandable:split_slack=0".parse().unwrap();
         assert_eq!(q.options.expandable.split_slack, 0);
+        assert!(
+            PolicySpec::plain(Policy::Expandable)
+                .options
+                .expandable
+                .unpin
+        );
+        let q: PolicySpec = "expandable:unpin=0".parse().unwrap();
+        assert!(!q.options.expandable.unpin);
         assert_eq!(p.options.expandable.page_size, Some(4 * MIB));
         assert_eq!(p.options.expandable.memory_fraction, 0.5);
         let p: PolicySpec = "caching:max_split_size_mb=128,garbage_collection_threshold=0.6"
@@ -406,6 +418,7 @@ mod tests {
             ("expandable:split_threshold=x", "split_threshold"),
             ("expandable:split_slack=lots", "split_slack"),
             ("expandable:split_slack=-4MiB", "split_slack"),
+            ("expandable:unpin=maybe", "unpin"),
             ("expandable:max_chunk", "max_chunk"),
             ("expandable:memory_fraction=2", "memory_fraction"),
             ("native:max_chunk=2MiB", "max_chunk"),

@@ -135,6 +135,17 @@ pub struct Stats {
     pub chunk_splits: u64,
     /// Ours: bytes unmapped by targeted reclaims.
     pub reclaimed_bytes: u64,
+    /// Ours: chunks unpinned: partly live chunks whose live pages were
+    /// re-backed by exact chunks so that their free pages could be given
+    /// back (docs/expandable.md, "Unpinning").
+    pub chunk_unpins: u64,
+    /// Ours: free bytes given back by unpinning.
+    pub unpinned_bytes: u64,
+    /// Ours: live bytes copied (through host memory) by unpinning.
+    pub unpin_copied_bytes: u64,
+    /// Ours: device-wide synchronizations (`cuCtxSynchronize`) made before
+    /// unpinning; the allocator makes no other.
+    pub unpin_device_syncs: u64,
     /// Ours: bytes of host-located chunks mapped now (spill, `spill:true`;
     /// docs/expandable.md, "Spill and pressure").
     pub spilled_bytes: u64,
@@ -218,6 +229,16 @@ impl Stats {
         m.insert("vmmalloc.handles_pooled".into(), self.handles_pooled as i64);
         m.insert("vmmalloc.reclaims".into(), self.reclaims as i64);
         m.insert("vmmalloc.chunk_splits".into(), self.chunk_splits as i64);
+        m.insert("vmmalloc.chunk_unpins".into(), self.chunk_unpins as i64);
+        m.insert("vmmalloc.unpinned_bytes".into(), self.unpinned_bytes as i64);
+        m.insert(
+            "vmmalloc.unpin_copied_bytes".into(),
+            self.unpin_copied_bytes as i64,
+        );
+        m.insert(
+            "vmmalloc.unpin_device_syncs".into(),
+            self.unpin_device_syncs as i64,
+        );
         m.insert("vmmalloc.spilled_bytes".into(), self.spilled_bytes as i64);
         m.insert(
             "vmmalloc.spilled_bytes_peak".into(),

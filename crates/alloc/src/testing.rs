@@ -280,9 +280,22 @@ impl<'a> Harness<'a> {
         match *op {
             Op::Malloc { size, stream } => {
                 let s = self.streams[stream % self.streams.len()];
-                let moved = |st: crate::Stats| (st.reclaims, st.chunk_splits);
+                let moved = |st: crate::Stats| {
+                    (
+                        st.reclaims,
+                        st.chunk_splits,
+                        st.chunk_unpins,
+                        st.unpin_device_syncs,
+                    )
+                };
                 let before = moved(self.alloc.stats());
-                match self.alloc.malloc(size, s) {
+                let result = self.alloc.malloc(size, s);
+                if result.is_err() && moved(self.alloc.stats()) != before {
+                    // Pages moved before the request failed: the live
+                    // blocks must still hold their bytes.
+                    self.verify_all()?;
+                }
+                match result {
                     Ok(a) => {
                         self.check_new(&a, size, s)?;
                         let id = self.next_id;

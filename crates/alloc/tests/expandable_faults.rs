@@ -54,11 +54,21 @@ fn script() -> Vec<Op> {
 /// of the 64 MiB device each) is freed; a 4 MiB block carved from it while
 /// memory is tight (28 MiB live, over 2/5 of the device) splits the first chunk:
 /// stream wait, unmap, release, create, map, set_access.
-/// The default options with no split slack, so that the 4 MiB block of
-/// [`split_script`] splits the 8 MiB chunk it covers half of.
+/// Splitting above 2/5 of the limit (the default before unpinning) with no
+/// split slack, so that the 4 MiB block of [`split_script`] splits the
+/// 8 MiB chunk it covers half of.
 fn split_cfg() -> ExpandableConfig {
     ExpandableConfig {
         split_slack: 0,
+        ..edge_cfg()
+    }
+}
+
+/// Splits and edge chunks above 2/5 of the limit (the default before
+/// unpinning made never splitting the default).
+fn edge_cfg() -> ExpandableConfig {
+    ExpandableConfig {
+        split_threshold: 0.4,
         ..ExpandableConfig::default()
     }
 }
@@ -412,7 +422,7 @@ fn edge_script() -> Vec<Op> {
 #[test]
 fn every_failed_call_of_an_edge_chunk_is_survived() {
     let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
-    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let a = ExpandableAllocator::new(dev.clone(), edge_cfg()).unwrap();
     let mut creates = Vec::new();
     let mut ptrs = Vec::new();
     for size in [28 * MIB, 3 * MIB, 11 * MIB + MIB / 2, 2 * MIB + MIB / 2] {
@@ -429,14 +439,13 @@ fn every_failed_call_of_an_edge_chunk_is_survived() {
     assert_eq!(dev.counts().since(&before).total(), 0);
     drop(a);
 
-    let clean = run_script(FaultPlan::None, ExpandableConfig::default(), &edge_script())
-        .expect("clean run");
+    let clean = run_script(FaultPlan::None, edge_cfg(), &edge_script()).expect("clean run");
     let mut runs = 0;
     for &call in Call::ALL.iter().filter(|c| **c != Call::StreamCreate) {
         for n in 1..=clean.hook().seen(call) {
             for kind in [FaultKind::Driver(999), FaultKind::OutOfMemory] {
                 let plan = FaultPlan::Nth { call, n, kind };
-                run_script(plan, ExpandableConfig::default(), &edge_script())
+                run_script(plan, edge_cfg(), &edge_script())
                     .unwrap_or_else(|e| panic!("{call} #{n} failing with {kind:?}: {e}"));
                 runs += 1;
             }

@@ -97,6 +97,7 @@ proptest! {
             split_threshold: 0.0,
             split_slack: 0,
             spill: false,
+            unpin: true,
         };
         run(Arc::new(SimDevice::with_capacity(2 * GIB)), cfg, &ops)?;
     }

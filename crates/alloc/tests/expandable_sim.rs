@@ -744,7 +744,16 @@ fn a_free_chunk_is_reused_whole_while_memory_is_loose() {
     a.free(small.ptr).unwrap();
 }
 
-/// Chunks, tight memory: a 1 GiB device holds 768 MiB of live blocks and one
+/// Splitting free chunks ahead of need once live bytes pass 2/5 of the
+/// limit: the default before unpinning, and still an option.
+fn splitting() -> ExpandableConfig {
+    ExpandableConfig {
+        split_threshold: 0.4,
+        ..ExpandableConfig::default()
+    }
+}
+
+/// Chunks, tight memory, `split_threshold: 0.4`: a 1 GiB device holds 768 MiB of live blocks and one
 /// freed 128 MiB chunk (one handle). A 16 MiB block carved from that chunk
 /// would pin all of it, so the chunk is split: its stream is waited for, it
 /// is unmapped, released, and the block gets an exact 16 MiB chunk. A 200 MiB
@@ -752,7 +761,7 @@ fn a_free_chunk_is_reused_whole_while_memory_is_loose() {
 /// stayed pinned with 112 MiB unreachable inside it.
 #[test]
 fn a_free_chunk_is_split_when_memory_is_tight() {
-    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (dev, a) = setup(GIB, splitting());
     let s = dev.create_stream().unwrap();
     let live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
     let big = a.malloc(128 * MIB, s).unwrap();
@@ -798,7 +807,7 @@ fn a_free_chunk_is_split_when_memory_is_tight() {
 /// would lack 100 MiB.
 #[test]
 fn a_shared_last_page_gets_a_chunk_of_its_own_when_memory_is_tight() {
-    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (dev, a) = setup(GIB, splitting());
     let live: Vec<_> = (0..4)
         .map(|_| a.malloc(128 * MIB, Stream::DEFAULT).unwrap())
         .collect();
@@ -883,7 +892,7 @@ fn a_chunk_left_nearly_covered_is_pinned_within_the_split_slack() {
     for (slack, splits) in [(DEFAULT_SPLIT_SLACK, 0), (0, 1)] {
         let cfg = ExpandableConfig {
             split_slack: slack,
-            ..ExpandableConfig::default()
+            ..splitting()
         };
         let (dev, a) = setup(GIB, cfg);
         let live: Vec<_> = (0..6)

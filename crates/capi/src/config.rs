@@ -35,7 +35,7 @@ pub struct KeyDoc {
 }
 
 /// Every key `VMMALLOC_CONF` accepts, in documentation order.
-pub const KEYS: [KeyDoc; 21] = [
+pub const KEYS: [KeyDoc; 22] = [
     KeyDoc {
         name: "backend",
         default: "expandable",
@@ -66,7 +66,7 @@ pub const KEYS: [KeyDoc; 21] = [
     },
     KeyDoc {
         name: "split_threshold",
-        default: "0.4",
+        default: "1 (never split: unpin instead)",
         meaning: "expandable: live bytes, as a fraction of the limit in [0, 1], above which a free chunk a new \
                   block covers only in part is split instead of pinned (1: never, 0: always)",
     },
@@ -83,6 +83,14 @@ pub const KEYS: [KeyDoc; 21] = [
         meaning: "expandable: when device memory is exhausted after reclaim, back the request with host-located \
                   chunks (cuMemCreate on the host NUMA node, CUDA 12.2+) mapped at the same addresses; they move \
                   back at a quiet point (empty_cache). Stats: vmmalloc.spilled_bytes",
+    },
+    KeyDoc {
+        name: "unpin",
+        default: "true",
+        meaning: "expandable: when an allocation still lacks memory after reclaim, give back the free pages of \
+                  chunks that live tensors hold in part: after one device synchronize, the live pages move to \
+                  chunks of their own at the same addresses (bytes copied through host memory). Tensors used \
+                  on other streams (record_stream) never move. Stats: vmmalloc.chunk_unpins",
     },
     KeyDoc {
         name: "release_threshold_mb",
@@ -308,6 +316,8 @@ pub struct Config {
     pub ipc: bool,
     /// `spill`: expandable spills to host memory when the device is full.
     pub spill: bool,
+    /// `unpin`: expandable unpins partly live chunks when memory runs short.
+    pub unpin: bool,
 }
 
 impl Default for Config {
@@ -335,6 +345,7 @@ impl Default for Config {
             peers: Peers::Auto,
             ipc: false,
             spill: false,
+            unpin: true,
         }
     }
 }
@@ -496,6 +507,7 @@ impl Config {
             "peers" => self.peers = parse_peers(key, v)?,
             "ipc" => self.ipc = boolean(key, v)?,
             "spill" => self.spill = boolean(key, v)?,
+            "unpin" => self.unpin = boolean(key, v)?,
             _ => {
                 return Err(ConfigError {
                     key: Some(key.to_string()),
@@ -603,6 +615,7 @@ impl Config {
                 split_threshold: self.split_threshold.unwrap_or(defaults.split_threshold),
                 split_slack: self.split_slack.unwrap_or(defaults.split_slack),
                 spill: self.spill,
+                unpin: self.unpin,
                 ..defaults
             },
             caching,
@@ -629,6 +642,7 @@ impl Config {
             ("split_slack_mb", opt(self.split_slack, MIB)),
             ("release_threshold_mb", opt(self.release_threshold, MIB)),
             ("spill", self.spill.to_string()),
+            ("unpin", self.unpin.to_string()),
             (
                 "capacity_gb",
                 match self.device {
@@ -851,6 +865,14 @@ mod tests {
             default.expandable.split_slack,
             vmmalloc_alloc::expandable::DEFAULT_SPLIT_SLACK
         );
+        assert!(default.expandable.unpin);
+        let off = Config::parse("unpin:false").unwrap();
+        assert!(!off.policy_options().unwrap().expandable.unpin);
+        assert!(off
+            .settings()
+            .iter()
+            .any(|(k, v)| *k == "unpin" && v == "false"));
+        assert!(Config::parse("unpin:maybe").is_err());
         assert_eq!(o.expandable.max_chunk, Some(64 * MIB));
         assert_eq!(o.expandable.split_threshold, 0.25);
         assert_eq!(o.expandable.page_size, Some(4 * MIB));

@@ -133,7 +133,10 @@ pub struct CostModel {
     pub free: CallCost,
     /// A stream, device or event synchronization.
     pub sync: CallCost,
-    /// Any other call (events, queries, streams, info, copies).
+    /// A copy between device and host memory (`cuMemcpyHtoD` /
+    /// `cuMemcpyDtoH`; bytes = the copy).
+    pub copy: CallCost,
+    /// Any other call (events, queries, streams, info).
     pub other: CallCost,
 }
 
@@ -149,7 +152,7 @@ impl CostModel {
     pub const PRESETS: [&'static str; 2] = ["a100", "linear"];
 
     /// The call kinds of a cost file and of overrides, in file order.
-    pub const KEYS: [&'static str; 11] = [
+    pub const KEYS: [&'static str; 12] = [
         "reserve",
         "address_free",
         "create",
@@ -160,8 +163,23 @@ impl CostModel {
         "alloc",
         "free",
         "sync",
+        "copy",
         "other",
     ];
+
+    /// Keys of [`CostModel::KEYS`] a cost file may leave out (files written
+    /// before they existed): they keep the [`CostModel::a100`] figures.
+    pub const OPTIONAL_KEYS: [&'static str; 1] = ["copy"];
+
+    /// Host-device copies over PCIe 4.0 x16 (an A100's link: 31.5 GB/s per
+    /// direction, PCI-SIG), of which page-locked copies reach about 80 %
+    /// (~25 GB/s, what CUDA's `bandwidthTest` sample reports on such links):
+    /// 40 µs per MiB, plus ~10 µs per call (launch and completion).
+    pub const PCIE4_COPY: CallCost = CallCost {
+        fixed_us: 10.0,
+        per_mib_us: 40.0,
+        per_handle_us: 0.0,
+    };
 
     /// The parts of a kind in a cost file (`KIND.PART=us` in overrides, where
     /// the `_us` suffix may be left out).
@@ -206,6 +224,7 @@ impl CostModel {
             alloc: create.plus(map).plus(set_access),
             free: one_handle_unmap.plus(release).plus(sync),
             sync,
+            copy: Self::PCIE4_COPY,
             other: CallCost::flat(0.0),
         }
     }
@@ -233,6 +252,7 @@ impl CostModel {
             alloc: CallCost::flat(100.0),
             free: CallCost::flat(50.0),
             sync: CallCost::flat(50.0),
+            copy: Self::PCIE4_COPY,
             other: CallCost::flat(0.0),
         }
     }
@@ -247,7 +267,7 @@ impl CostModel {
     }
 
     /// The cost of a kind of call (syncs share one entry; events, streams,
-    /// queries and copies are `other`).
+    /// queries are `other`; host-device copies are `copy`).
     pub fn of_call(&self, call: Call) -> &CallCost {
         match call {
             Call::Reserve => &self.reserve,
@@ -260,6 +280,7 @@ impl CostModel {
             Call::Alloc => &self.alloc,
             Call::Free => &self.free,
             Call::StreamSync | Call::DeviceSync | Call::EventSync => &self.sync,
+            Call::CopyHtoD | Call::CopyDtoH => &self.copy,
             _ => &self.other,
         }
     }
@@ -288,6 +309,7 @@ impl CostModel {
             "alloc" => &self.alloc,
             "free" => &self.free,
             "sync" => &self.sync,
+            "copy" => &self.copy,
             "other" => &self.other,
             _ => return None,
         })
@@ -305,6 +327,7 @@ impl CostModel {
             "alloc" => &mut self.alloc,
             "free" => &mut self.free,
             "sync" => &mut self.sync,
+            "copy" => &mut self.copy,
             "other" => &mut self.other,
             _ => return None,
         })
@@ -357,7 +380,8 @@ impl CostModel {
     /// { "costs_us": { "create": {"fixed_us": 193, "per_mib_us": 0.7, "per_handle_us": 0}, ... } }
     /// ```
     ///
-    /// Every kind of [`CostModel::KEYS`] must be present with all three parts,
+    /// Every kind of [`CostModel::KEYS`] must be present with all three parts
+    /// (except [`CostModel::OPTIONAL_KEYS`], which default to `a100`'s figures),
     /// each a non-negative number; unknown kinds or parts are errors.
     pub fn from_json(text: &str, file: &str) -> Result<Self, CostError> {
         let err = |message: String| CostError::File {
@@ -382,6 +406,11 @@ impl CostModel {
         }
         let mut model = CostModel::linear();
         for kind in Self::KEYS {
+            if !costs.contains_key(kind) && Self::OPTIONAL_KEYS.contains(&kind) {
+                let a100 = *CostModel::a100().kind(kind).expect("a key of KEYS");
+                *model.kind_mut(kind).expect("a key of KEYS") = a100;
+                continue;
+            }
             let entry = costs
                 .get(kind)
                 .ok_or_else(|| err(format!("missing key `costs_us.{kind}`")))?

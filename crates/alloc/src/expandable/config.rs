@@ -57,10 +57,22 @@ pub struct ExpandableConfig {
     /// they move back to device memory at a quiet point. Default `false`.
     /// See docs/expandable.md, "Spill and pressure".
     pub spill: bool,
+    /// When an allocation still lacks pages after the pool, new handles and
+    /// a targeted reclaim, give back the free pages of chunks that live
+    /// blocks hold only in part (*unpin*): the live pages get exact chunks of
+    /// their own at the same addresses (their bytes copied through host
+    /// memory, after a device-wide synchronize) and the old chunk is
+    /// unmapped. Default `true`. Off: such pages stay pinned until their
+    /// blocks are freed. See docs/expandable.md, "Unpinning".
+    pub unpin: bool,
 }
 
-/// The default [`ExpandableConfig::split_threshold`]: 2/5 of the limit.
-pub const DEFAULT_SPLIT_THRESHOLD: f64 = 0.4;
+/// The default [`ExpandableConfig::split_threshold`]: 1, never split. With
+/// unpinning ([`ExpandableConfig::unpin`]) the free pages a pin holds come
+/// back when memory runs short, so splitting ahead of need only costs calls
+/// (docs/expandable.md, "Chunks: the trade-off", measures 0.4, the default
+/// before unpinning, against it).
+pub const DEFAULT_SPLIT_THRESHOLD: f64 = 1.0;
 
 /// The default [`ExpandableConfig::split_slack`]: 4 MiB, two pages of the
 /// 2 MiB granularity of current GPUs (the ablation in docs/results.md,
@@ -84,6 +96,7 @@ impl Default for ExpandableConfig {
             split_threshold: DEFAULT_SPLIT_THRESHOLD,
             split_slack: DEFAULT_SPLIT_SLACK,
             spill: false,
+            unpin: true,
         }
     }
 }

@@ -68,6 +68,7 @@ mod snapshot;
 mod spill;
 pub mod tags;
 mod teardown;
+mod unpin;
 mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
@@ -108,6 +109,8 @@ pub(crate) struct Inner {
     split_above: u64,
     /// `split_threshold` (kept to recompute `split_above` when the fraction changes).
     split_threshold: f64,
+    /// Whether partly live chunks are unpinned when memory runs short (`unpin.rs`).
+    unpin: bool,
     /// All blocks.
     slab: Slab,
     /// Allocated blocks by address.
@@ -218,6 +221,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 release_threshold: config.release_threshold,
                 split_above: layout.split_above(config.memory_fraction, config.split_threshold),
                 split_threshold: config.split_threshold,
+                unpin: config.unpin,
                 slab: Slab::with_capacity(INITIAL_BLOCKS),
                 live: LiveMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
                 streams: Vec::new(),

@@ -60,7 +60,7 @@ use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
 
 /// Plans tried for one request before it counts as out of memory (each after
 /// a reclaim or a driver out-of-memory).
-const MAX_ATTEMPTS: u32 = 4;
+const MAX_ATTEMPTS: u32 = 8;
 
 /// Why pages could not be provided.
 #[derive(Debug)]
@@ -444,6 +444,21 @@ impl Inner {
                     0
                 };
                 if reclaimable < lack {
+                    // Whole free chunks are not enough: take them, and
+                    // give back the free pages of partly live chunks
+                    // (unpin.rs), then plan again.
+                    if attempt + 1 < MAX_ATTEMPTS && self.unpin {
+                        let r = if reclaimable > 0 {
+                            self.reclaim(dev, reclaimable, exclude)
+                        } else {
+                            0
+                        };
+                        let u = self.unpin(dev, lack.saturating_sub(r), exclude);
+                        if r + u > 0 {
+                            self.stats.num_alloc_retries += 1;
+                            continue;
+                        }
+                    }
                     self.trim_pool(dev);
                     return Err(Backing::Short(lack - reclaimable));
                 }

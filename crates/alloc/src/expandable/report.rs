@@ -87,6 +87,13 @@ impl Inner {
                 format_bytes(mapped),
                 format_bytes(active)
             ));
+            let unpinnable = self.unpinnable_pages();
+            if !self.unpin && unpinnable > 0 {
+                hint.push_str(&format!(
+                    " {} of free pages sit in chunks that live tensors hold in part: unpin:true would give them back.",
+                    format_bytes(unpinnable * page)
+                ));
+            }
         }
         if pending_bytes > 0 {
             hint.push_str(&format!(

@@ -15,7 +15,7 @@ use super::blocks::{BlockState, NIL};
 use super::Inner;
 use crate::stats::StatArray;
 use std::collections::HashSet;
-use vmmalloc_device::Device;
+use vmmalloc_device::{Call, Device};
 
 /// Recounted values per pool: `[small, large]`.
 #[derive(Default)]
@@ -372,6 +372,13 @@ impl Inner {
         )?;
         if st.num_sync_all_streams != 0 {
             return Err("a device-wide synchronize was counted".into());
+        }
+        if st.driver_calls.get(Call::DeviceSync) != st.unpin_device_syncs {
+            return Err(format!(
+                "{} device-wide synchronizes, {} of them before unpinning",
+                st.driver_calls.get(Call::DeviceSync),
+                st.unpin_device_syncs
+            ));
         }
         self.arenas.check(&bases, self.layout.slice)?;
         if let Some(m) = model {
