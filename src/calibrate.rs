@@ -12,8 +12,8 @@
 //! - `cuMemAlloc` / `cuMemFree` of 2, 20, 64, 256 and 1024 MiB;
 //! - `cuMemAddressReserve` / `cuMemAddressFree`, an idle stream synchronize
 //!   (`sync`) and an event query (`other`);
-//! - `cuMemcpyDtoH` / `cuMemcpyHtoD` of 2, 20, 64 and 256 MiB through
-//!   page-locked host memory (`copy`, what unpinning and spill migration pay).
+//! - `cuMemcpyDtoH` / `cuMemcpyHtoD` of 2, 20, 64 and 256 MiB to and from
+//!   pageable host memory (`copy`, what unpinning and spill migration pay).
 //!
 //! Each kind is then fitted by least squares on relative error (so that the
 //! fixed part of a small call weighs as much as the slope of a large one),
@@ -472,14 +472,15 @@ fn measure(dev: &CudaDevice, iterations: usize) -> Result<Vec<Point>> {
         }
         dev.free_reservation(va, len)?;
     }
-    // Copies between device memory and page-locked host memory, each way.
+    // Copies between device memory and pageable host memory, each way (what
+    // unpinning and spill migration use).
     for mib in COPY_MIB {
         let size = round_up(mib * MIB, g);
         if dev.mem_info()?.free < size + page {
             eprintln!("note: skipping {mib} MiB copies: not enough free device memory");
             continue;
         }
-        let mut buf = dev.alloc_host_buffer(size)?;
+        let mut buf = vec![0u8; size as usize];
         let va = dev.reserve(size, 0)?;
         let h = dev.create(size)?;
         dev.map(va, size, h)?;

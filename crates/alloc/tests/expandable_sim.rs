@@ -854,14 +854,15 @@ fn edge_pages_are_not_cut_while_memory_is_loose() {
     a.validate().unwrap();
 }
 
-/// A large block of whole pages starts on a page boundary: after a 3.5 MiB
+/// While chunks are split (`split_threshold` below 1), a large block of
+/// whole pages starts on a page boundary: after a 3.5 MiB
 /// block (which ends mid-page), an 8 MiB block goes at 4 MiB, not 3.5 MiB,
 /// so it covers exactly four pages. Freed and asked for again, the same
 /// size finds its chunks as they are: no driver call. The 0.5 MiB before it
 /// stays a free block of its own, which merges back once its neighbours go.
 #[test]
 fn a_block_of_whole_pages_starts_on_a_page_boundary() {
-    let (dev, a) = setup(4 * GIB, ExpandableConfig::default());
+    let (dev, a) = setup(4 * GIB, splitting());
     let x = a.malloc(3 * MIB + 512 * 1024, Stream::DEFAULT).unwrap();
     let y = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(y.ptr, x.ptr + 4 * MIB);
@@ -881,6 +882,17 @@ fn a_block_of_whole_pages_starts_on_a_page_boundary() {
     a.free(x.ptr).unwrap();
     a.validate().unwrap();
     assert_eq!(a.stats().inactive_split.all().current, 0);
+}
+
+/// Without splitting (the default) blocks pack at 512 B: the 8 MiB block
+/// goes right after the 3.5 MiB one, so a loop's layout does not drift.
+#[test]
+fn without_splitting_whole_page_blocks_pack_at_512_bytes() {
+    let (_dev, a) = setup(4 * GIB, ExpandableConfig::default());
+    let x = a.malloc(3 * MIB + 512 * 1024, Stream::DEFAULT).unwrap();
+    let y = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(y.ptr, x.ptr + 3 * MIB + 512 * 1024);
+    a.validate().unwrap();
 }
 
 /// The split slack: with memory tight, a freed 20 MiB chunk (10 pages) that

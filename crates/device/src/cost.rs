@@ -171,13 +171,16 @@ impl CostModel {
     /// before they existed): they keep the [`CostModel::a100`] figures.
     pub const OPTIONAL_KEYS: [&'static str; 1] = ["copy"];
 
-    /// Host-device copies over PCIe 4.0 x16 (an A100's link: 31.5 GB/s per
-    /// direction, PCI-SIG), of which page-locked copies reach about 80 %
-    /// (~25 GB/s, what CUDA's `bandwidthTest` sample reports on such links):
-    /// 40 µs per MiB, plus ~10 µs per call (launch and completion).
+    /// Host-device copies of pageable host memory over PCIe 4.0 x16 (an
+    /// A100's link: 31.5 GB/s per direction, PCI-SIG). Page-locked copies
+    /// reach ~25 GB/s (CUDA's `bandwidthTest`); the driver stages pageable
+    /// ones through its own page-locked buffers (NVIDIA, "How to Optimize
+    /// Data Transfers in CUDA C/C++"), which we take to halve that:
+    /// ~12.5 GB/s, 80 µs per MiB, plus ~10 µs per call. `vmmalloc
+    /// calibrate` measures it.
     pub const PCIE4_COPY: CallCost = CallCost {
         fixed_us: 10.0,
-        per_mib_us: 40.0,
+        per_mib_us: 80.0,
         per_handle_us: 0.0,
     };
 
@@ -596,6 +599,30 @@ mod tests {
         let doc = serde_json::json!({ "name": "x", "costs_us": m.to_json() });
         let back = CostModel::from_json(&doc.to_string(), "x.json").unwrap();
         assert_eq!(back, m);
+    }
+
+    #[test]
+    fn copies_are_priced_and_older_files_without_them_still_load() {
+        let m = CostModel::a100();
+        assert_eq!(m.of_call(Call::CopyDtoH), &CostModel::PCIE4_COPY);
+        assert_eq!(m.of_call(Call::CopyHtoD), &CostModel::PCIE4_COPY);
+        // 64 MiB: 10 + 64 × 80 µs.
+        assert_eq!(m.call_us(Call::CopyDtoH, 64 * MIB, 0), 5130.0);
+        assert_eq!(CostModel::linear().copy, CostModel::PCIE4_COPY);
+        let mut old = serde_json::json!({ "costs_us": CostModel::linear().to_json() });
+        old["costs_us"].as_object_mut().unwrap().remove("copy");
+        let back = CostModel::from_json(&old.to_string(), "old.json").unwrap();
+        assert_eq!(back, CostModel::linear());
+        let mut m = CostModel::a100();
+        m.set("copy.per_mib", 20.0).unwrap();
+        let doc = serde_json::json!({ "costs_us": m.to_json() });
+        assert_eq!(
+            CostModel::from_json(&doc.to_string(), "x.json")
+                .unwrap()
+                .copy
+                .per_mib_us,
+            20.0
+        );
     }
 
     #[test]

@@ -13,8 +13,8 @@
 //!
 //! One chunk:
 //!
-//! 1. the bytes of its live runs are copied to host memory
-//!    (`cuMemcpyDtoH`; [`Device::alloc_host_buffer`], page-locked on a GPU);
+//! 1. the bytes of its live runs are copied to (pageable) host memory
+//!    (`cuMemcpyDtoH`);
 //! 2. with room beside it (pool or limit): new chunks are obtained, the old
 //!    chunk is unmapped, the new ones are mapped and made accessible, the
 //!    bytes copied back (`cuMemcpyHtoD`), the old handle pooled. A failure
@@ -237,8 +237,14 @@ impl Inner {
     ) -> Result<HostBuffer, DeviceError> {
         let page = self.layout.page;
         let base = self.seg(p.seg).base;
-        self.stats.driver_calls.add(Call::HostAlloc);
-        let mut buf = dev.alloc_host_buffer(p.live_pages * page)?;
+        // Pageable memory: page-locking a buffer of this size
+        // (`cuMemHostAlloc`) would cost more than the copy it speeds up.
+        let mut buf = HostBuffer::heap(p.live_pages * page).ok_or(DeviceError::OutOfMemory {
+            call: Call::HostAlloc,
+            requested: p.live_pages * page,
+            free: 0,
+            total: 0,
+        })?;
         let mut at = 0usize;
         for &(f, n) in &p.live {
             let len = (n * page) as usize;
