@@ -458,6 +458,65 @@ fn fragmented_device_serves_a_block_larger_than_any_gap() {
     );
 }
 
+/// Unpinning through the real backend: the allocator capped at 1 GiB (a
+/// memory fraction; chunks of at most 128 MiB), six 128 MiB blocks live, a
+/// freed 128 MiB chunk with a 16 MiB block carved from it (pinning it). A
+/// 200 MiB block on another stream needs the pinned chunk's free pages: the
+/// 16 MiB block's page move to a chunk of their own (device synchronize,
+/// copies through host memory, unmap, map, set access) and every live byte
+/// survives.
+fn unpinning(dev: &Arc<CudaDevice>) {
+    let total = dev.caps().total_memory;
+    let cfg = ExpandableConfig {
+        memory_fraction: ((1024 * MIB + MIB) as f64 / total as f64).min(1.0),
+        max_chunk: Some(128 * MIB),
+        ..ExpandableConfig::default()
+    };
+    let a = ExpandableAllocator::new(Arc::clone(dev), cfg).unwrap();
+    let s1 = dev.create_stream().unwrap();
+    let s2 = dev.create_stream().unwrap();
+    let live: Vec<Block> = (0..6)
+        .map(|i| Block::fill(dev, a.malloc(128 * MIB, s1).unwrap(), i))
+        .collect();
+    let big = a.malloc(128 * MIB, s1).unwrap();
+    a.free(big.ptr).unwrap();
+    let small = Block::fill(dev, a.malloc(16 * MIB, s1).unwrap(), 10);
+    assert_eq!(small.alloc.ptr, big.ptr);
+    validate(&a, "pinned");
+    let y = a
+        .malloc(200 * MIB, s2)
+        .unwrap_or_else(|e| panic!("the pinned chunk's free pages come back: {e}"));
+    let y = Block::fill(dev, y, 11);
+    assert_eq!(a.stats().chunk_unpins, 1);
+    validate(&a, "unpinned");
+    small.verify(dev);
+    for b in &live {
+        b.verify(dev);
+    }
+    for b in live.into_iter().chain([small, y]) {
+        b.verify_and_free(dev, &a);
+    }
+    a.empty_cache().unwrap();
+    validate(&a, "empty_cache");
+    assert_empty(&a);
+}
+
+#[test]
+fn unpinning_over_the_fake() {
+    in_child(
+        "unpinning_over_the_fake",
+        &[("FAKE_CUDA_CAPACITY_MB", "1024")],
+        || {
+            let fake = FakeCuda::attach();
+            let dev = open_fake();
+            unpinning(&dev);
+            fake.assert_clean(0);
+            drop(dev);
+            assert_all_gone(&fake);
+        },
+    );
+}
+
 /// How an injected fault may surface.
 #[derive(Debug, Clone, Copy)]
 enum Surfaces {
@@ -621,4 +680,12 @@ fn workload_on_gpu() {
 fn integrity_on_gpu() {
     let dev = open_gpu();
     integrity(&dev);
+}
+
+/// [`unpinning_over_the_fake`] on a real GPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn unpinning_on_gpu() {
+    let dev = open_gpu();
+    unpinning(&dev);
 }
