@@ -166,7 +166,7 @@ fn parse_bool(value: &str) -> Result<bool, String> {
 /// (the text as written, trimmed) names its row in reports.
 ///
 /// Options by policy (an unknown option is an error naming it):
-/// - `expandable`: `max_chunk`, `split_threshold`, `split_slack`, `page_size`, `arena_size`, `release_threshold`, `spill`, `unpin`
+/// - `expandable`: `max_chunk`, `split_threshold`, `split_slack`, `page_size`, `arena_size`, `release_threshold`, `spill`, `unpin`, `grow_granule`
 ///   (sizes: bytes or e.g. `20MiB`), `memory_fraction` (in (0, 1]).
 /// - `caching`, `torch-es`: the `PYTORCH_CUDA_ALLOC_CONF` keys
 ///   [`crate::caching::CachingConfig::parse`] accepts, e.g. `max_split_size_mb=128`,
@@ -228,10 +228,13 @@ impl PolicySpec {
             }
             (Policy::Expandable, "spill") => o.expandable.spill = parse_bool(value).map_err(bad)?,
             (Policy::Expandable, "unpin") => o.expandable.unpin = parse_bool(value).map_err(bad)?,
+            (Policy::Expandable, "grow_granule") => {
+                o.expandable.grow_granule = parse_size_or_zero(value).map_err(bad)?
+            }
             _ => {
                 let valid = match self.policy {
                     Policy::Expandable => {
-                        "max_chunk, split_threshold, split_slack, page_size, arena_size, release_threshold, memory_fraction, spill, unpin"
+                        "max_chunk, split_threshold, split_slack, page_size, arena_size, release_threshold, memory_fraction, spill, unpin, grow_granule"
                     }
                     _ => "none",
                 };
@@ -398,6 +401,8 @@ mod tests {
         );
         let q: PolicySpec = "expandable:unpin=0".parse().unwrap();
         assert!(!q.options.expandable.unpin);
+        let q: PolicySpec = "expandable:grow_granule=0".parse().unwrap();
+        assert_eq!(q.options.expandable.grow_granule, 0);
         assert_eq!(p.options.expandable.page_size, Some(4 * MIB));
         assert_eq!(p.options.expandable.memory_fraction, 0.5);
         let p: PolicySpec = "caching:max_split_size_mb=128,garbage_collection_threshold=0.6"
@@ -419,6 +424,7 @@ mod tests {
             ("expandable:split_slack=lots", "split_slack"),
             ("expandable:split_slack=-4MiB", "split_slack"),
             ("expandable:unpin=maybe", "unpin"),
+            ("expandable:grow_granule=big", "grow_granule"),
             ("expandable:max_chunk", "max_chunk"),
             ("expandable:memory_fraction=2", "memory_fraction"),
             ("native:max_chunk=2MiB", "max_chunk"),

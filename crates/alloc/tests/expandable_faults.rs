@@ -13,6 +13,16 @@ use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Call, Device, Introspect, MIB};
 
+/// The default options without mapping ahead (`grow_granule: 0`): each
+/// block maps exactly the pages it needs, so the layouts these tests
+/// count are exact.
+fn exact() -> ExpandableConfig {
+    ExpandableConfig {
+        grow_granule: 0,
+        ..ExpandableConfig::default()
+    }
+}
+
 type Dev = FaultInjecting<Arc<SimDevice>>;
 
 /// A workload that makes every kind of call the allocator uses: growth,
@@ -69,7 +79,7 @@ fn split_cfg() -> ExpandableConfig {
 fn edge_cfg() -> ExpandableConfig {
     ExpandableConfig {
         split_threshold: 0.4,
-        ..ExpandableConfig::default()
+        ..exact()
     }
 }
 
@@ -139,7 +149,7 @@ fn run_script(plan: FaultPlan, cfg: ExpandableConfig, ops: &[Op]) -> Result<Dev,
 
 #[test]
 fn every_failed_call_is_survived_and_nothing_leaks() {
-    let clean = run(FaultPlan::None, ExpandableConfig::default()).expect("clean run");
+    let clean = run(FaultPlan::None, exact()).expect("clean run");
     let kinds: Vec<(Call, u64)> = Call::ALL
         .iter()
         .filter(|c| **c != Call::StreamCreate)
@@ -173,7 +183,7 @@ fn every_failed_call_is_survived_and_nothing_leaks() {
         for n in 1..=seen {
             for kind in [FaultKind::Driver(999), FaultKind::OutOfMemory] {
                 let plan = FaultPlan::Nth { call, n, kind };
-                let dev = run(plan.clone(), ExpandableConfig::default())
+                let dev = run(plan.clone(), exact())
                     .unwrap_or_else(|e| panic!("{call} #{n} failing with {kind:?}: {e}"));
                 assert_eq!(dev.hook().injected(), 1, "{plan:?} was delivered");
                 runs += 1;
@@ -188,7 +198,7 @@ fn faults_with_a_zero_release_threshold_and_big_pages() {
     let cfg = ExpandableConfig {
         page_size: Some(4 * MIB),
         release_threshold: 0,
-        ..ExpandableConfig::default()
+        ..exact()
     };
     let clean = run(FaultPlan::None, cfg.clone()).expect("clean run");
     for call in [
@@ -226,7 +236,7 @@ fn a_failed_map_rolls_back_and_pools_the_pages() {
     // 8 MiB chunks: the 64 MiB block is backed by 8 handles.
     let cfg = ExpandableConfig {
         max_chunk: Some(8 * MIB),
-        ..ExpandableConfig::default()
+        ..exact()
     };
     let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
     let e = a.malloc(64 * MIB, Stream::DEFAULT).unwrap_err();
@@ -256,7 +266,7 @@ fn a_zero_release_threshold_releases_rolled_back_pages() {
     });
     let cfg = ExpandableConfig {
         release_threshold: 0,
-        ..ExpandableConfig::default()
+        ..exact()
     };
     let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
     assert!(a.malloc(16 * MIB, Stream::DEFAULT).is_err());
@@ -275,7 +285,7 @@ fn create_out_of_memory_reclaims_instead_of_failing() {
     // The driver reports out-of-memory once while free pages sit in another
     // stream's segment: the allocator moves them instead of failing.
     let dev = sim_with(FaultPlan::None);
-    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
     let s1 = dev.create_stream().unwrap();
     let x = a.malloc(32 * MIB, Stream::DEFAULT).unwrap();
     a.free(x.ptr).unwrap();
@@ -309,7 +319,7 @@ fn a_double_fault_leaves_pages_unready_until_access_is_granted() {
         seed: 1,
         kind: FaultKind::Driver(999),
     });
-    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
     assert!(a.malloc(4 * MIB, Stream::DEFAULT).is_err());
     a.validate().unwrap();
     assert_eq!(a.stats().pages_mapped, 2, "the pages could not be unmapped");
@@ -329,7 +339,7 @@ fn a_failed_event_record_falls_back_to_a_stream_wait() {
         n: 1,
         kind: FaultKind::Driver(999),
     });
-    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
     let s1 = dev.create_stream().unwrap();
     let x = a.malloc(MIB, Stream::DEFAULT).unwrap();
     a.record_stream(x.ptr, s1).unwrap();

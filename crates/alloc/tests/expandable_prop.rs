@@ -98,6 +98,7 @@ proptest! {
             split_slack: 0,
             spill: false,
             unpin: true,
+            grow_granule: 0,
         };
         run(Arc::new(SimDevice::with_capacity(2 * GIB)), cfg, &ops)?;
     }

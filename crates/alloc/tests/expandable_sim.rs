@@ -7,6 +7,16 @@ use vmmalloc_alloc::{AllocError, Allocator, BlockState, StatType, Stream};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Call, CallCounts, Device, Introspect, GIB, MIB};
 
+/// The default options without mapping ahead (`grow_granule: 0`): each
+/// block maps exactly the pages it needs, so the layouts these tests
+/// count are exact.
+fn exact() -> ExpandableConfig {
+    ExpandableConfig {
+        grow_granule: 0,
+        ..ExpandableConfig::default()
+    }
+}
+
 type Alloc = ExpandableAllocator<Arc<SimDevice>>;
 
 fn setup(capacity: u64, cfg: ExpandableConfig) -> (Arc<SimDevice>, Alloc) {
@@ -21,7 +31,7 @@ fn since(dev: &SimDevice, before: &CallCounts) -> CallCounts {
 
 #[test]
 fn cache_hit_reuses_the_block_without_device_calls() {
-    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (dev, a) = setup(GIB, exact());
     let x = a.malloc(MIB, Stream::DEFAULT).unwrap();
     assert_eq!(x.size, MIB);
     a.free(x.ptr).unwrap();
@@ -39,7 +49,7 @@ fn cache_hit_reuses_the_block_without_device_calls() {
 
 #[test]
 fn blocks_split_and_merge_at_512_bytes() {
-    let (_dev, a) = setup(GIB, ExpandableConfig::default());
+    let (_dev, a) = setup(GIB, exact());
     let s = Stream::DEFAULT;
     let x = a.malloc(1, s).unwrap();
     let y = a.malloc(513, s).unwrap();
@@ -79,7 +89,7 @@ fn blocks_split_and_merge_at_512_bytes() {
 /// synchronize, no create, no release.
 #[test]
 fn fragmentation_scenario_succeeds_without_device_sync() {
-    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (dev, a) = setup(GIB, exact());
     let s = dev.create_stream().unwrap();
     let blocks: Vec<_> = (0..128).map(|_| a.malloc(8 * MIB, s).unwrap()).collect();
     assert_eq!(dev.mem_info().unwrap().free, 0, "the device is full");
@@ -181,7 +191,7 @@ fn iteration(a: &Alloc, streams: [Stream; 2], step: u64) -> Vec<u64> {
 
 #[test]
 fn steady_state_second_iteration_makes_no_device_calls() {
-    let (dev, a) = setup(80 * GIB, ExpandableConfig::default());
+    let (dev, a) = setup(80 * GIB, exact());
     let streams = [Stream::DEFAULT, dev.create_stream().unwrap()];
     let first = iteration(&a, streams, 0);
     for p in first {
@@ -209,7 +219,7 @@ fn steady_state_second_iteration_makes_no_device_calls() {
 /// warm-up did.
 #[test]
 fn no_creep_over_1000_iterations_of_varying_sizes() {
-    let (dev, a) = setup(16 * GIB, ExpandableConfig::default());
+    let (dev, a) = setup(16 * GIB, exact());
     let s = Stream::DEFAULT;
     let weights: Vec<u64> = (0..8)
         .map(|i| a.malloc((i + 1) * 37 * MIB, s).unwrap().ptr)
@@ -278,7 +288,7 @@ fn no_creep_over_1000_iterations_of_varying_sizes() {
 /// not stall stream C, which owns none of those pages.
 #[test]
 fn reclaim_waits_only_for_the_stream_that_used_the_pages() {
-    let (dev, a) = setup(256 * MIB, ExpandableConfig::default());
+    let (dev, a) = setup(256 * MIB, exact());
     let (sa, sb, sc) = (
         dev.create_stream().unwrap(),
         dev.create_stream().unwrap(),
@@ -318,7 +328,7 @@ fn reclaim_waits_only_for_the_stream_that_used_the_pages() {
 
 #[test]
 fn record_stream_delays_reuse_until_the_event_completes() {
-    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (dev, a) = setup(GIB, exact());
     let (sa, sb) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     let x = a.malloc(MIB, sa).unwrap();
     a.record_stream(x.ptr, sb).unwrap();
@@ -359,7 +369,7 @@ fn record_stream_delays_reuse_until_the_event_completes() {
 
 #[test]
 fn pending_frees_are_waited_for_before_giving_up() {
-    let (dev, a) = setup(64 * MIB, ExpandableConfig::default());
+    let (dev, a) = setup(64 * MIB, exact());
     let (sa, sb) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     let x = a.malloc(48 * MIB, sa).unwrap();
     a.record_stream(x.ptr, sb).unwrap();
@@ -376,7 +386,7 @@ fn pending_frees_are_waited_for_before_giving_up() {
 
 #[test]
 fn out_of_memory_explains_itself() {
-    let (dev, a) = setup(64 * MIB, ExpandableConfig::default());
+    let (dev, a) = setup(64 * MIB, exact());
     let s = dev.create_stream().unwrap();
     let live = a.malloc(40 * MIB, s).unwrap();
     let small = a.malloc(1000, Stream::DEFAULT).unwrap();
@@ -424,7 +434,7 @@ fn out_of_memory_explains_itself() {
 fn memory_fraction_caps_mapped_plus_pooled_pages() {
     let cfg = ExpandableConfig {
         memory_fraction: 0.5,
-        ..ExpandableConfig::default()
+        ..exact()
     };
     let (dev, a) = setup(GIB, cfg);
     let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
@@ -458,7 +468,7 @@ fn memory_fraction_caps_mapped_plus_pooled_pages() {
 
 #[test]
 fn one_set_access_per_contiguous_run_and_page_size_option() {
-    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (dev, a) = setup(GIB, exact());
     let x = a.malloc(64 * MIB, Stream::DEFAULT).unwrap();
     let c = dev.counts();
     assert_eq!(
@@ -476,7 +486,7 @@ fn one_set_access_per_contiguous_run_and_page_size_option() {
         GIB,
         ExpandableConfig {
             max_chunk: Some(2 * MIB),
-            ..ExpandableConfig::default()
+            ..exact()
         },
     );
     let y = a2.malloc(64 * MIB, Stream::DEFAULT).unwrap();
@@ -493,7 +503,7 @@ fn one_set_access_per_contiguous_run_and_page_size_option() {
 
     let cfg = ExpandableConfig {
         page_size: Some(8 * MIB),
-        ..ExpandableConfig::default()
+        ..exact()
     };
     let (dev, a) = setup(GIB, cfg);
     assert_eq!(a.page_size(), 8 * MIB);
@@ -546,7 +556,7 @@ fn bad_options_and_inputs_are_errors_that_change_nothing() {
             Ok(_) => panic!("accepted a bad {key}"),
         }
     }
-    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
     assert!(matches!(
         a.malloc(0, Stream::DEFAULT),
         Err(AllocError::InvalidSize { .. })
@@ -580,7 +590,7 @@ fn bad_options_and_inputs_are_errors_that_change_nothing() {
 
 #[test]
 fn a_fragmented_slice_opens_another_segment() {
-    let (dev, a) = setup(64 * MIB, ExpandableConfig::default());
+    let (dev, a) = setup(64 * MIB, exact());
     let s = Stream::DEFAULT;
     let b: Vec<_> = (0..3).map(|_| a.malloc(16 * MIB, s).unwrap()).collect();
     a.free(b[1].ptr).unwrap();
@@ -611,7 +621,7 @@ fn a_fragmented_slice_opens_another_segment() {
 fn address_space_runs_out_only_into_another_arena() {
     let cfg = ExpandableConfig {
         arena_size: Some(GIB),
-        ..ExpandableConfig::default()
+        ..exact()
     };
     let (dev, a) = setup(GIB, cfg);
     let mut ptrs = Vec::new();
@@ -634,7 +644,7 @@ fn address_space_runs_out_only_into_another_arena() {
 
 #[test]
 fn empty_cache_keeps_live_blocks_and_releases_the_rest() {
-    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (dev, a) = setup(GIB, exact());
     let s = dev.create_stream().unwrap();
     let keep = a.malloc(10 * MIB, s).unwrap();
     let gone = a.malloc(100 * MIB, s).unwrap();
@@ -659,7 +669,7 @@ fn empty_cache_keeps_live_blocks_and_releases_the_rest() {
 
 #[test]
 fn drop_gives_back_everything_even_with_live_and_pending_blocks() {
-    let (dev, a) = setup(GIB, ExpandableConfig::default());
+    let (dev, a) = setup(GIB, exact());
     let (sa, sb) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     let x = a.malloc(5 * MIB, sa).unwrap();
     let _y = a.malloc(700, sb).unwrap();
@@ -674,7 +684,7 @@ fn drop_gives_back_everything_even_with_live_and_pending_blocks() {
 
 #[test]
 fn gib_sized_requests_on_a_141_gib_device() {
-    let (dev, a) = setup(141 * GIB, ExpandableConfig::default());
+    let (dev, a) = setup(141 * GIB, exact());
     let x = a.malloc(100 * GIB, Stream::DEFAULT).unwrap();
     let y = a.malloc(40 * GIB, Stream::DEFAULT).unwrap();
     assert!(a
@@ -695,7 +705,7 @@ fn gib_sized_requests_on_a_141_gib_device() {
 /// blocks still serve, as PyTorch's limit applies to new device memory).
 #[test]
 fn memory_fraction_zero_allows_nothing() {
-    let (_dev, a) = setup(GIB, ExpandableConfig::default());
+    let (_dev, a) = setup(GIB, exact());
     let x = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
     a.free(x.ptr).unwrap();
     a.set_memory_fraction(0.0).unwrap();
@@ -723,7 +733,7 @@ fn memory_fraction_zero_allows_nothing() {
 /// costs memory nobody needs).
 #[test]
 fn a_free_chunk_is_reused_whole_while_memory_is_loose() {
-    let (dev, a) = setup(4 * GIB, ExpandableConfig::default());
+    let (dev, a) = setup(4 * GIB, exact());
     let before = dev.counts();
     let big = a.malloc(256 * MIB, Stream::DEFAULT).unwrap();
     let c = since(&dev, &before);
@@ -749,7 +759,7 @@ fn a_free_chunk_is_reused_whole_while_memory_is_loose() {
 fn splitting() -> ExpandableConfig {
     ExpandableConfig {
         split_threshold: 0.4,
-        ..ExpandableConfig::default()
+        ..exact()
     }
 }
 
@@ -846,7 +856,7 @@ fn a_shared_last_page_gets_a_chunk_of_its_own_when_memory_is_tight() {
 /// While memory is loose nothing is cut: the same 101 MiB block is one chunk.
 #[test]
 fn edge_pages_are_not_cut_while_memory_is_loose() {
-    let (dev, a) = setup(4 * GIB, ExpandableConfig::default());
+    let (dev, a) = setup(4 * GIB, exact());
     let before = dev.counts();
     let b = a.malloc(101 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(since(&dev, &before).get(Call::Create), 1);
@@ -884,11 +894,58 @@ fn a_block_of_whole_pages_starts_on_a_page_boundary() {
     assert_eq!(a.stats().inactive_split.all().current, 0);
 }
 
+/// The default grows a segment's tail to 20 MiB boundaries while memory has
+/// room: a 3 MiB block maps one 20 MiB chunk (one create, map and set
+/// access), and the 5 MiB block after it costs no call. Near the limit
+/// (mapped + pooled at 4/5 of it or more) a block maps just its own pages.
+#[test]
+fn a_growing_tail_maps_ahead_to_20_mib_while_memory_has_room() {
+    let (dev, a) = setup(4 * GIB, ExpandableConfig::default());
+    let before = dev.counts();
+    let x = a.malloc(3 * MIB, Stream::DEFAULT).unwrap();
+    let c = since(&dev, &before);
+    assert_eq!(
+        (
+            c.get(Call::Create),
+            c.get(Call::Map),
+            c.get(Call::SetAccess)
+        ),
+        (1, 1, 1)
+    );
+    assert_eq!(a.stats().pages_mapped * 2 * MIB, 20 * MIB);
+    let before = dev.counts();
+    let y = a.malloc(5 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(y.ptr, x.ptr + 3 * MIB);
+    assert_eq!(since(&dev, &before).total(), 0, "already mapped ahead");
+    a.validate().unwrap();
+
+    let (dev, a) = setup(64 * MIB, ExpandableConfig::default());
+    let big = a.malloc(50 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(
+        a.stats().pages_mapped * 2 * MIB,
+        60 * MIB,
+        "ahead to 60 MiB"
+    );
+    let _rest: Vec<_> = (0..5)
+        .map(|_| a.malloc(2 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    let before = dev.counts();
+    let last = a.malloc(2 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(last.ptr, big.ptr + 60 * MIB);
+    assert_eq!(since(&dev, &before).get(Call::Create), 1);
+    assert_eq!(
+        a.stats().pages_mapped * 2 * MIB,
+        62 * MIB,
+        "at 60 of 64 MiB nothing is mapped ahead"
+    );
+    a.validate().unwrap();
+}
+
 /// Without splitting (the default) blocks pack at 512 B: the 8 MiB block
 /// goes right after the 3.5 MiB one, so a loop's layout does not drift.
 #[test]
 fn without_splitting_whole_page_blocks_pack_at_512_bytes() {
-    let (_dev, a) = setup(4 * GIB, ExpandableConfig::default());
+    let (_dev, a) = setup(4 * GIB, exact());
     let x = a.malloc(3 * MIB + 512 * 1024, Stream::DEFAULT).unwrap();
     let y = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(y.ptr, x.ptr + 3 * MIB + 512 * 1024);

@@ -14,6 +14,16 @@ use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Call, Device, Introspect, MIB};
 
+/// The default options without mapping ahead (`grow_granule: 0`): each
+/// block maps exactly the pages it needs, so the layouts these tests
+/// count are exact.
+fn exact() -> ExpandableConfig {
+    ExpandableConfig {
+        grow_granule: 0,
+        ..ExpandableConfig::default()
+    }
+}
+
 /// On a 1 GiB device: six 128 MiB blocks live, a freed 128 MiB chunk (one
 /// handle) with a 16 MiB block carved from its start. Without splitting
 /// (the default) the 16 MiB block pins the whole chunk and costs no call.
@@ -24,7 +34,7 @@ use vmmalloc_device::{Call, Device, Introspect, MIB};
 #[test]
 fn a_pinned_chunk_gives_its_free_pages_back_when_memory_runs_short() {
     let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
-    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
     let s = dev.create_stream().unwrap();
     let live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
     let big = a.malloc(128 * MIB, s).unwrap();
@@ -77,7 +87,7 @@ fn without_unpinning_the_pinned_pages_stay_out_of_reach() {
     let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
     let cfg = ExpandableConfig {
         unpin: false,
-        ..ExpandableConfig::default()
+        ..exact()
     };
     let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
     let s = dev.create_stream().unwrap();
@@ -104,7 +114,7 @@ fn without_unpinning_the_pinned_pages_stay_out_of_reach() {
 #[test]
 fn blocks_used_on_other_streams_are_never_moved() {
     let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
-    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
     let s = dev.create_stream().unwrap();
     let other = dev.create_stream().unwrap();
     let _live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
@@ -126,7 +136,7 @@ fn blocks_used_on_other_streams_are_never_moved() {
 #[test]
 fn nothing_moves_during_a_graph_capture() {
     let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
-    let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
     let s = dev.create_stream().unwrap();
     let _live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
     let big = a.malloc(128 * MIB, s).unwrap();
@@ -159,7 +169,7 @@ fn nothing_moves_during_a_graph_capture() {
 fn unpinning_keeps_every_live_byte_with_and_without_room() {
     for (live, request, released) in [(48 * MIB, 12 * MIB, 0), (56 * MIB, 6 * MIB, 1)] {
         let dev = Arc::new(HostDevice::new(HostConfig::with_capacity(64 * MIB)).unwrap());
-        let a = ExpandableAllocator::new(dev.clone(), ExpandableConfig::default()).unwrap();
+        let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
         let x = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
         let c = a.malloc(live, Stream::DEFAULT).unwrap();
         a.free(x.ptr).unwrap();
@@ -218,8 +228,7 @@ fn run_faulty<D: Device + Introspect + 'static>(
 ) -> Result<FaultInjecting<Arc<D>>, String> {
     let dev = FaultInjecting::with_plan(inner, FaultPlan::None);
     {
-        let a = ExpandableAllocator::new(&dev, ExpandableConfig::default())
-            .map_err(|e| e.to_string())?;
+        let a = ExpandableAllocator::new(&dev, exact()).map_err(|e| e.to_string())?;
         // The harness fills and checks bytes through the device itself:
         // only the allocator's calls fail.
         let mut h = Harness::new(&a, &**dev.inner(), 2)?;

@@ -35,7 +35,7 @@ pub struct KeyDoc {
 }
 
 /// Every key `VMMALLOC_CONF` accepts, in documentation order.
-pub const KEYS: [KeyDoc; 22] = [
+pub const KEYS: [KeyDoc; 23] = [
     KeyDoc {
         name: "backend",
         default: "expandable",
@@ -91,6 +91,12 @@ pub const KEYS: [KeyDoc; 22] = [
                   chunks that live tensors hold in part: after one device synchronize, the live pages move to \
                   chunks of their own at the same addresses (bytes copied through host memory). Tensors used \
                   on other streams (record_stream) never move. Stats: vmmalloc.chunk_unpins",
+    },
+    KeyDoc {
+        name: "grow_mb",
+        default: "20",
+        meaning: "expandable: MiB to which a segment's tail grows at a time while mapped + pooled memory is \
+                  under 4/5 of the limit (PyTorch's 20 MiB large-pool page); 0 maps exactly what each block needs",
     },
     KeyDoc {
         name: "release_threshold_mb",
@@ -318,6 +324,8 @@ pub struct Config {
     pub spill: bool,
     /// `unpin`: expandable unpins partly live chunks when memory runs short.
     pub unpin: bool,
+    /// `grow_mb`: expandable tail growth granule in bytes (`None`: the default).
+    pub grow_granule: Option<u64>,
 }
 
 impl Default for Config {
@@ -346,6 +354,7 @@ impl Default for Config {
             ipc: false,
             spill: false,
             unpin: true,
+            grow_granule: None,
         }
     }
 }
@@ -508,6 +517,7 @@ impl Config {
             "ipc" => self.ipc = boolean(key, v)?,
             "spill" => self.spill = boolean(key, v)?,
             "unpin" => self.unpin = boolean(key, v)?,
+            "grow_mb" => self.grow_granule = Some(int(key, v)? * MIB),
             _ => {
                 return Err(ConfigError {
                     key: Some(key.to_string()),
@@ -616,6 +626,7 @@ impl Config {
                 split_slack: self.split_slack.unwrap_or(defaults.split_slack),
                 spill: self.spill,
                 unpin: self.unpin,
+                grow_granule: self.grow_granule.unwrap_or(defaults.grow_granule),
                 ..defaults
             },
             caching,
@@ -643,6 +654,7 @@ impl Config {
             ("release_threshold_mb", opt(self.release_threshold, MIB)),
             ("spill", self.spill.to_string()),
             ("unpin", self.unpin.to_string()),
+            ("grow_mb", opt(self.grow_granule, MIB)),
             (
                 "capacity_gb",
                 match self.device {
@@ -873,6 +885,13 @@ mod tests {
             .iter()
             .any(|(k, v)| *k == "unpin" && v == "false"));
         assert!(Config::parse("unpin:maybe").is_err());
+        assert_eq!(
+            default.expandable.grow_granule,
+            vmmalloc_alloc::expandable::DEFAULT_GROW_GRANULE
+        );
+        let flat = Config::parse("grow_mb:0").unwrap();
+        assert_eq!(flat.policy_options().unwrap().expandable.grow_granule, 0);
+        assert!(Config::parse("grow_mb:-2").is_err());
         assert_eq!(o.expandable.max_chunk, Some(64 * MIB));
         assert_eq!(o.expandable.split_threshold, 0.25);
         assert_eq!(o.expandable.page_size, Some(4 * MIB));

@@ -8,6 +8,10 @@ use crate::{AllocError, AllocResult, Allocation};
 use bitvec::vec::BitVec;
 use vmmalloc_device::{round_up, Device, Stream};
 
+/// Mapped + pooled memory, as a fraction of the limit, under which a
+/// growing tail maps ahead to the next `grow_granule` boundary.
+const AHEAD_BELOW: f64 = 0.8;
+
 impl Inner {
     /// Index of the entry of (`stream`, tag `tag`), created on first use.
     #[inline]
@@ -117,7 +121,18 @@ impl Inner {
                     !(addr + rounded - base).is_multiple_of(page),
                 )
             };
-            match self.back_pages(dev, seg, p0, p1, shared, room, freed_at) {
+            // Growing the segment's tail while memory has room: map up to the
+            // next `grow_granule` boundary (one chunk), so that the next
+            // small blocks carved from the tail find their pages mapped.
+            let ahead = self.grow_to(seg, idx, p1, room.1);
+            let mut backed = Err(Backing::Short(0));
+            if ahead > p1 {
+                backed = self.back_pages(dev, seg, p0, ahead, (shared.0, false), room, freed_at);
+            }
+            if ahead == p1 || matches!(backed, Err(Backing::Short(_))) {
+                backed = self.back_pages(dev, seg, p0, p1, shared, room, freed_at);
+            }
+            match backed {
                 Ok(()) => {
                     let idx = self.carve_at(idx, addr);
                     return Ok(self.take_block(idx, size, rounded, stream));
@@ -147,6 +162,30 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// The last page to map for a block whose last page is `p1`, carved from
+    /// free block `idx` of `seg` (whose whole pages end before page `end`):
+    /// `p1` itself, or, when `idx` is the segment's tail and mapped + pooled
+    /// memory is under [`AHEAD_BELOW`] of the limit, the page before the next
+    /// `grow_granule` boundary. PyTorch's expandable segments grow the large
+    /// pool in 20 MiB pages (`CUDACachingAllocator.cpp`, `ExpandableSegment`,
+    /// `kLargeBuffer`): a run of small tensors then costs one map and one
+    /// `cuMemSetAccess` per 20 MiB, not one per tensor. Here the pages ahead
+    /// join the block's own chunk (one handle). A chunk so shared is pinned
+    /// by whichever of its blocks lives longest; near the limit nothing is
+    /// mapped ahead, and unpinning gives such pages back when memory runs
+    /// short (`unpin.rs`).
+    fn grow_to(&self, seg: u32, idx: u32, p1: u64, end: u64) -> u64 {
+        let granule = self.layout.grow_pages;
+        if granule <= 1 || self.seg(seg).tail != idx {
+            return p1;
+        }
+        let held = (self.mapped_pages() + self.pool.pages()) as f64;
+        if held >= AHEAD_BELOW * self.limit_pages as f64 {
+            return p1;
+        }
+        ((p1 + 1).next_multiple_of(granule).min(end)).max(p1 + 1) - 1
     }
 
     /// Where a large request of `rounded` bytes, a whole number of pages,

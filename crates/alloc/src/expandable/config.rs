@@ -65,7 +65,19 @@ pub struct ExpandableConfig {
     /// unmapped. Default `true`. Off: such pages stay pinned until their
     /// blocks are freed. See docs/expandable.md, "Unpinning".
     pub unpin: bool,
+    /// Bytes to which a segment's tail grows at a time while mapped + pooled
+    /// memory stays under 4/5 of the limit: a block that extends the tail
+    /// maps up to the next multiple of this (in one chunk with its own
+    /// pages), so the small blocks after it find their pages mapped. Default
+    /// [`DEFAULT_GROW_GRANULE`] (PyTorch's 20 MiB large-pool page); 0 (or at
+    /// most the page size) maps exactly what each block needs.
+    pub grow_granule: u64,
 }
+
+/// The default [`ExpandableConfig::grow_granule`]: 20 MiB, the page in which
+/// PyTorch's expandable segments grow the large pool
+/// (`CUDACachingAllocator.cpp`, `ExpandableSegment`, `kLargeBuffer`).
+pub const DEFAULT_GROW_GRANULE: u64 = 20 << 20;
 
 /// The default [`ExpandableConfig::split_threshold`]: 1, never split. With
 /// unpinning ([`ExpandableConfig::unpin`]) the free pages a pin holds come
@@ -97,6 +109,7 @@ impl Default for ExpandableConfig {
             split_slack: DEFAULT_SPLIT_SLACK,
             spill: false,
             unpin: true,
+            grow_granule: DEFAULT_GROW_GRANULE,
         }
     }
 }
@@ -119,6 +132,9 @@ pub(crate) struct Layout {
     /// Uncovered pages a partly covered free chunk may keep and still be
     /// pinned rather than split (`split_slack` in pages).
     pub slack_pages: u64,
+    /// Pages to which a growing tail maps ahead (`grow_granule` in pages,
+    /// rounded down; 1 or 0: no mapping ahead).
+    pub grow_pages: u64,
 }
 
 impl Layout {
@@ -223,6 +239,7 @@ impl ExpandableConfig {
             total: caps.total_memory,
             max_chunk_pages,
             slack_pages: self.split_slack / page,
+            grow_pages: self.grow_granule / page,
         })
     }
 }

@@ -73,7 +73,8 @@ mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
 pub use config::{
-    ExpandableConfig, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_SLACK, DEFAULT_SPLIT_THRESHOLD,
+    ExpandableConfig, DEFAULT_GROW_GRANULE, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_SLACK,
+    DEFAULT_SPLIT_THRESHOLD,
 };
 pub use growable::GrowableInfo;
 pub use sleep::{tag_summary, TagStats};
