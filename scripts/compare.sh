@@ -20,12 +20,13 @@ if [[ -n $ABLATION ]]; then
   ./target/release/vmmalloc compare --policies "$ABLATION" --out docs/results/ablation \
     --json docs/results/ablation/results.json "$@"
 fi
-# Second ablation: unpinning against splitting. The default pins freely and
-# unpins when memory runs short; `unpin=0` never moves a live tensor (pins stay
-# until freed); `split_threshold=0.4,unpin=0` splits free chunks ahead of need
-# once live bytes pass 2/5 of the limit (the default before unpinning);
-# `split_threshold=0.4` does both.
-SPLITS=${SPLITS-expandable,expandable:unpin=0,expandable:split_threshold=0.4,unpin=0,expandable:split_threshold=0.4}
+# Second ablation: unpinning, mapping ahead and splitting. The default pins
+# freely, maps a growing tail ahead to 20 MiB and unpins when memory runs
+# short; `grow_granule=0` maps exactly what each block needs; `unpin=0` never
+# moves a live tensor (pins stay until freed); `split_threshold=0.4` splits
+# free chunks ahead of need once live bytes pass 2/5 of the limit; with
+# `unpin=0,grow_granule=0` that is the default before unpinning.
+SPLITS=${SPLITS-expandable,expandable:grow_granule=0,expandable:unpin=0,expandable:split_threshold=0.4,expandable:split_threshold=0.4,unpin=0,grow_granule=0}
 if [[ -n $SPLITS ]]; then
   ./target/release/vmmalloc compare --policies "$SPLITS" --out docs/results/splits \
     --json docs/results/splits/results.json "$@"
@@ -58,15 +59,17 @@ LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
   fi
   if [[ -n $SPLITS ]]; then
     echo
-    echo "## Ablation: unpinning and splitting"
+    echo "## Ablation: unpinning, mapping ahead and splitting"
     echo
     echo "\`vmmalloc compare --policies $SPLITS\` on the built-in set. \`expandable\` (the default)"
-    echo "reuses a free chunk whole even when a new block covers only part of it (pins it) and, when an"
-    echo "allocation runs short, unpins: the live pages move to chunks of their own at the same addresses"
-    echo "and the chunk's free pages come back (docs/expandable.md, \"Unpinning\"). \`unpin=0\` never moves a"
-    echo "live tensor (pins stay until their blocks are freed); \`split_threshold=0.4\` splits a partly"
-    echo "covered free chunk ahead of need once live bytes pass 2/5 of the limit (with \`unpin=0\`: the"
-    echo "default before unpinning). Full report: [results/splits/report.md](results/splits/report.md)."
+    echo "reuses a free chunk whole even when a new block covers only part of it (pins it), maps a"
+    echo "growing segment tail ahead to 20 MiB boundaries while memory has room, and, when an allocation"
+    echo "runs short, unpins: the live pages move to chunks of their own at the same addresses and the"
+    echo "chunk's free pages come back (docs/expandable.md, \"Unpinning\"). \`grow_granule=0\` maps exactly"
+    echo "what each block needs; \`unpin=0\` never moves a live tensor (pins stay until their blocks are"
+    echo "freed); \`split_threshold=0.4\` splits a partly covered free chunk ahead of need once live bytes"
+    echo "pass 2/5 of the limit; \`split_threshold=0.4,unpin=0,grow_granule=0\` is the default before"
+    echo "unpinning. Full report: [results/splits/report.md](results/splits/report.md)."
     echo
     sed -n '/^## Ablation: expandable options/,/^## Traces/p' docs/results/splits/report.md | sed '1,2d;/^## Traces/d;/^!\[/d'
   fi

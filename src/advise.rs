@@ -51,9 +51,9 @@ pub struct Candidate {
 /// processes where live tensors must never move (docs/expandable.md,
 /// "Unpinning": other host threads launching work on a tensor's memory
 /// while an allocation runs): no unpinning (pins stay until their blocks
-/// are freed: fewest calls), and no unpinning with free chunks split ahead
-/// of need once live bytes pass 2/5 of the limit (the default before
-/// unpinning: no pins, more calls).
+/// are freed: fewest calls), and the default before unpinning (free chunks
+/// split ahead of need once live bytes pass 2/5 of the limit, no mapping
+/// ahead: no pins, more calls).
 pub const CANDIDATES: [Candidate; 10] = [
     Candidate {
         spec: "expandable",
@@ -68,10 +68,10 @@ pub const CANDIDATES: [Candidate; 10] = [
         also: "run under the plug-in: VMMALLOC_CONF=backend:expandable,unpin:false python -m vmmalloc train.py",
     },
     Candidate {
-        spec: "expandable:split_threshold=0.4,unpin=0",
+        spec: "expandable:split_threshold=0.4,unpin=0,grow_granule=0",
         pytorch: false,
-        env: "VMMALLOC_CONF=backend:expandable,split_threshold:0.4,unpin:false",
-        also: "run under the plug-in: VMMALLOC_CONF=backend:expandable,split_threshold:0.4,unpin:false python -m vmmalloc train.py",
+        env: "VMMALLOC_CONF=backend:expandable,split_threshold:0.4,unpin:false,grow_mb:0",
+        also: "run under the plug-in: VMMALLOC_CONF=backend:expandable,split_threshold:0.4,unpin:false,grow_mb:0 python -m vmmalloc train.py",
     },
     Candidate {
         spec: "caching",
@@ -444,15 +444,22 @@ mod tests {
                         "split_threshold" => want.split_threshold = v.parse().unwrap(),
                         "split_slack_mb" => want.split_slack = v.parse::<u64>().unwrap() << 20,
                         "unpin" => want.unpin = v.parse().unwrap(),
+                        "grow_mb" => want.grow_granule = v.parse::<u64>().unwrap() << 20,
                         other => panic!("{}: key {other} not checked here", c.spec),
                     }
                 }
                 assert_eq!(
-                    (want.split_threshold, want.split_slack, want.unpin),
+                    (
+                        want.split_threshold,
+                        want.split_slack,
+                        want.unpin,
+                        want.grow_granule
+                    ),
                     (
                         spec.options.expandable.split_threshold,
                         spec.options.expandable.split_slack,
-                        spec.options.expandable.unpin
+                        spec.options.expandable.unpin,
+                        spec.options.expandable.grow_granule
                     ),
                     "{}",
                     c.spec

@@ -634,7 +634,10 @@ mod tests {
     fn pinned_pool_pages_never_move() {
         let dev = Arc::new(SimDevice::new(SimConfig::with_capacity(64 * MIB)));
         let device: Arc<dyn Device> = dev.clone();
-        let options = PolicyOptions::default();
+        // Exact mappings (no mapping ahead), so that the sizes below fill
+        // the 64 MiB device exactly.
+        let mut options = PolicyOptions::default();
+        options.expandable.grow_granule = 0;
         let policy = Policy::Expandable;
         let main = build(policy, device.clone(), &options).unwrap();
         let main_free = |p: u64| main.free(p);

@@ -1112,14 +1112,21 @@ fn env_config_is_read_once_at_first_use() {
 #[test]
 fn options_reach_the_policies() {
     let _g = serial();
-    // Expandable: page_size_mb sets the page, so a 1 MiB request maps one 4 MiB page.
-    fresh("device:host,capacity_gb:1,log:off,backend:expandable,page_size_mb:4");
+    // Expandable: page_size_mb sets the page, so a 1 MiB request maps one
+    // 4 MiB page (grow_mb:0: no mapping ahead).
+    fresh("device:host,capacity_gb:1,log:off,backend:expandable,page_size_mb:4,grow_mb:0");
     let p = malloc(MIB, 0);
     assert!(!p.is_null(), "{:?}", last_error());
     let st = stats(0);
     assert_eq!(st["reserved_bytes.all.current"], 4 * MIB as i64);
     assert_eq!(st["vmmalloc.pages_mapped"], 1);
     assert!(summary(0).unwrap().contains("1 pages (4.00 MiB)"));
+    free(p, MIB, 0);
+    // By default a growing tail maps ahead to 20 MiB: five 4 MiB pages.
+    fresh("device:host,capacity_gb:1,log:off,backend:expandable,page_size_mb:4");
+    let p = malloc(MIB, 0);
+    assert!(!p.is_null(), "{:?}", last_error());
+    assert_eq!(stats(0)["vmmalloc.pages_mapped"], 5);
     free(p, MIB, 0);
     // A page size the device cannot map fails the first allocation, naming it.
     fresh("device:host,capacity_gb:1,log:off,backend:expandable,page_size_mb:3");
