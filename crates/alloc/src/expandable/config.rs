@@ -38,9 +38,11 @@ pub struct ExpandableConfig {
     /// Live bytes, as a fraction of the memory limit, above which a free
     /// chunk that a new block would cover only in part is split (unmapped and
     /// re-backed by exact chunks) instead of pinned; in [0, 1]. Default
-    /// [`DEFAULT_SPLIT_THRESHOLD`]. 1 never splits (fewest driver calls, but
-    /// free memory pinned inside chunks can cause avoidable out-of-memory); 0
-    /// always splits. See docs/expandable.md, "Chunks: the trade-off".
+    /// [`DEFAULT_SPLIT_THRESHOLD`] (1: never split; the pinned pages come
+    /// back by unpinning when memory runs short, see [`Self::unpin`]; without
+    /// unpinning, free memory pinned inside chunks can cause avoidable
+    /// out-of-memory); 0 always splits. See docs/expandable.md, "Chunks: the
+    /// trade-off".
     pub split_threshold: f64,
     /// Bytes a partly covered free chunk may leave uncovered and still be
     /// reused whole (pinned) rather than split, when memory is tight; rounded

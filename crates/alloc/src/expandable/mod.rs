@@ -22,14 +22,21 @@
 //!   (or the memory-fraction limit is reached) only as many whole free chunks
 //!   as the request lacks are unmapped, least recently freed first, after
 //!   waiting for the streams that last used them — never a device-wide sync.
-//! - **Splits** (`pages.rs`): once live bytes pass `split_threshold` of the
-//!   limit, a free chunk a new block would cover only in part (leaving more
-//!   than `split_slack` uncovered) is unmapped and re-backed by exact chunks,
-//!   so no free memory stays pinned; a request's page shared with another
-//!   block gets a chunk of its own (where the rest of its run is longer than
-//!   `split_slack`), and large blocks of whole pages start on
-//!   a page boundary, so no neighbour pins a freed block's chunk ("Edge
-//!   pages" in `pages.rs`).
+//! - **Unpinning** (`unpin.rs`): a free chunk a new block covers only in
+//!   part is reused as it is (pinned); when an allocation still lacks pages
+//!   after reclaim, the live pages of such chunks move to chunks of their
+//!   own at the same addresses and the free pages come back.
+//! - **Mapping ahead** (`alloc.rs`, `grow_to`): a block that extends its
+//!   segment's tail maps on to the next `grow_granule` (20 MiB) boundary
+//!   while mapped + pooled memory is under 4/5 of the limit.
+//! - **Splits** (`pages.rs`, off by default): with `split_threshold` below
+//!   1, once live bytes pass that fraction of the limit, a free chunk a new
+//!   block would cover only in part (leaving more than `split_slack`
+//!   uncovered) is unmapped and re-backed by exact chunks ahead of need; a
+//!   request's page shared with another block gets a chunk of its own
+//!   (where the rest of its run is longer than `split_slack`), and large
+//!   blocks of whole pages start on a page boundary ("Edge pages" in
+//!   `pages.rs`).
 //! - **Stream safety** (`events.rs`): a freed block is reused at once on its own
 //!   stream; blocks used on other streams (`record_stream`) wait for events.
 //!

@@ -19,8 +19,11 @@
 //! A chunk sized to the block that first needed it is wholly used by it, and
 //! wholly free once it is freed. The danger is a later, smaller block carved
 //! out of such a free chunk: it *pins* the whole chunk, and the rest of it is
-//! free memory nothing else can have. So when memory is tight (live bytes above
-//! 2/5 of the limit) such a chunk is **split**:
+//! free memory nothing else can have. By default that is allowed, and the
+//! pinned pages come back by unpinning when an allocation needs them
+//! (`unpin.rs`, the last step of [`Inner::acquire_device`]). With
+//! `split_threshold` below 1, when memory is tight (live bytes above that
+//! fraction of the limit) such a chunk is **split** ahead of need instead:
 //! unmapped (after waiting for its stream) and the block gets exact chunks of
 //! its own, from the pool or new ones, unless the block would leave at most
 //! `split_slack` (default 4 MiB) of it uncovered: a split costs a stream
@@ -36,8 +39,10 @@
 //! Blocks are packed at 512-byte granularity, so a block usually ends inside
 //! a page whose other bytes the next block takes. If that page were part of
 //! the block's big chunk, the neighbour would pin the whole chunk after the
-//! block is freed: a 1 GiB chunk held by a few bytes of a small tensor. When
-//! memory is tight the shared first or last page of a request therefore gets
+//! block is freed: a 1 GiB chunk held by a few bytes of a small tensor. While
+//! splitting (`split_threshold` below 1; by default unpinning frees such
+//! pages instead) and memory is tight, the shared first or last page of a
+//! request therefore gets
 //! a one-page chunk of its own (one more `cuMemCreate` for the block) —
 //! unless the rest of its run is at most `split_slack`, which a neighbour may
 //! pin as a split may leave it pinned — and
