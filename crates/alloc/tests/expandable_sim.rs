@@ -941,6 +941,31 @@ fn a_growing_tail_maps_ahead_to_20_mib_while_memory_has_room() {
     a.validate().unwrap();
 }
 
+/// Pages mapped ahead come only from memory to spare: with a 40 MiB
+/// granule on a 64 MiB device, a freed 40 MiB chunk on one stream and
+/// 24 MiB unmapped, a 4 MiB block on another stream would need 40 MiB to
+/// map ahead. It maps just its own 4 MiB rather than reclaim the freed
+/// chunk for pages nobody asked for.
+#[test]
+fn mapping_ahead_never_reclaims() {
+    let cfg = ExpandableConfig {
+        grow_granule: 40 * MIB,
+        ..ExpandableConfig::default()
+    };
+    let (dev, a) = setup(64 * MIB, cfg);
+    let x = a.malloc(20 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(a.stats().pages_mapped * 2 * MIB, 40 * MIB);
+    a.free(x.ptr).unwrap();
+    let s = dev.create_stream().unwrap();
+    let before = dev.counts();
+    let _y = a.malloc(4 * MIB, s).unwrap();
+    let c = since(&dev, &before);
+    assert_eq!((c.get(Call::Unmap), c.get(Call::StreamSync)), (0, 0));
+    assert_eq!(a.stats().reclaims, 0);
+    assert_eq!(a.stats().pages_mapped * 2 * MIB, 44 * MIB);
+    a.validate().unwrap();
+}
+
 /// Without splitting (the default) blocks pack at 512 B: the 8 MiB block
 /// goes right after the 3.5 MiB one, so a loop's layout does not drift.
 #[test]

@@ -124,10 +124,14 @@ impl Inner {
             // Growing the segment's tail while memory has room: map up to the
             // next `grow_granule` boundary (one chunk), so that the next
             // small blocks carved from the tail find their pages mapped.
+            // Only from memory to spare: no reclaim, unpin or release for
+            // pages nobody asked for yet.
             let ahead = self.grow_to(seg, idx, p1, room.1);
             let mut backed = Err(Backing::Short(0));
             if ahead > p1 {
+                self.speculative = true;
                 backed = self.back_pages(dev, seg, p0, ahead, (shared.0, false), room, freed_at);
+                self.speculative = false;
             }
             if ahead == p1 || matches!(backed, Err(Backing::Short(_))) {
                 backed = self.back_pages(dev, seg, p0, p1, shared, room, freed_at);

@@ -119,6 +119,10 @@ pub(crate) struct Inner {
     split_threshold: f64,
     /// Whether partly live chunks are unpinned when memory runs short (`unpin.rs`).
     unpin: bool,
+    /// Set while backing pages mapped ahead of need (`alloc.rs`, `grow_to`):
+    /// they are taken only from the pool and new handles within the limit,
+    /// never by reclaim, unpinning or releasing pooled handles.
+    speculative: bool,
     /// All blocks.
     slab: Slab,
     /// Allocated blocks by address.
@@ -230,6 +234,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 split_above: layout.split_above(config.memory_fraction, config.split_threshold),
                 split_threshold: config.split_threshold,
                 unpin: config.unpin,
+                speculative: false,
                 slab: Slab::with_capacity(INITIAL_BLOCKS),
                 live: LiveMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
                 streams: Vec::new(),

@@ -439,6 +439,10 @@ impl Inner {
                 self.limit_pages.saturating_sub(held)
             };
             let spare = self.pool.pages() - used_pool;
+            if self.speculative && (create > free || driver_full) {
+                // Pages mapped ahead of need come only from memory to spare.
+                return Err(Backing::Short(create.saturating_sub(free).max(1)));
+            }
             if create > free + spare {
                 // Not enough even after releasing the pool the plan cannot
                 // use: reclaim whole free chunks, then plan again.
