@@ -119,8 +119,11 @@ impl Inner {
                 if near.is_empty() || near.iter().any(|sp| !sp.2) {
                     continue;
                 }
+                // Not the request's own pages, not host memory (spill), not
+                // a chunk whose access may be missing (unready).
                 if x.is_some_and(|(x0, x1)| f <= x1 && end > x0)
                     || self.spill.host.contains(&c.handle.0)
+                    || self.unready.contains(&(si as u32, f))
                 {
                     continue;
                 }
