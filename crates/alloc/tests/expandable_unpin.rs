@@ -290,3 +290,36 @@ fn sweep<D: Device + Introspect + 'static>(
     }
     Ok(runs)
 }
+
+/// The one case that loses bytes: with no room, the old chunk is released
+/// first, and then the device refuses every create (the new chunk, the old
+/// size again, and host memory). The request fails with the driver's error,
+/// the lost pages are recorded as unmapped (so `validate()` names the live
+/// block left without memory instead of a bookkeeping mismatch), and
+/// nothing leaks at drop.
+#[test]
+fn a_device_that_refuses_every_create_after_the_release_loses_only_that_chunk() {
+    let inner = Arc::new(SimDevice::with_capacity(64 * MIB));
+    let dev = FaultInjecting::with_plan(inner.clone(), FaultPlan::None);
+    {
+        let a = ExpandableAllocator::new(&dev, exact()).unwrap();
+        let x = a.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+        let _c = a.malloc(56 * MIB, Stream::DEFAULT).unwrap();
+        a.free(x.ptr).unwrap();
+        let _b = a.malloc(2 * MIB, Stream::DEFAULT).unwrap();
+        a.validate().unwrap();
+        let s = dev.create_stream().unwrap();
+        dev.hook().set_plan(FaultPlan::Random {
+            calls: vec![Call::Create],
+            p: 1.0,
+            seed: 1,
+            kind: FaultKind::OutOfMemory,
+        });
+        assert!(a.malloc(6 * MIB, s).is_err());
+        dev.hook().set_plan(FaultPlan::None);
+        let e = a.validate().unwrap_err();
+        assert!(e.contains("is not fully mapped"), "{e}");
+        assert_eq!(a.stats().chunk_unpins, 0);
+    }
+    assert!(inner.live().is_empty(), "{:?}", inner.live());
+}

@@ -89,8 +89,9 @@ pub const DEFAULT_GROW_GRANULE: u64 = 20 << 20;
 pub const DEFAULT_SPLIT_THRESHOLD: f64 = 1.0;
 
 /// The default [`ExpandableConfig::split_slack`]: 4 MiB, two pages of the
-/// 2 MiB granularity of current GPUs (the ablation in docs/results.md,
-/// "Ablation: pinned slack", measures 0, 2, 4, 8 and 20 MiB).
+/// 2 MiB granularity of current GPUs (docs/results.md at commit e2520b3,
+/// "Ablation: pinned slack", measured 0, 2, 4, 8 and 20 MiB while splitting
+/// was the default). Used only while splitting (`split_threshold` below 1).
 pub const DEFAULT_SPLIT_SLACK: u64 = 4 << 20;
 
 /// The largest chunk when [`ExpandableConfig::max_chunk`] is `None`: 1 GiB.

@@ -207,7 +207,7 @@ impl Inner {
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    eprintln!("vmmalloc: unpinning a chunk failed (rolled back): {e}");
+                    eprintln!("vmmalloc: unpinning a chunk failed: {e}");
                     break;
                 }
             }
@@ -504,7 +504,17 @@ impl Inner {
                 "vmmalloc: unpinning failed and no memory was left to put {} MiB of live tensors back at {addr:#x}",
                 len >> 20
             );
-            self.seg_mut(p.seg).chunks.remove(&p.first);
+            // The pages are gone from the device: record them unmapped.
+            let page = self.layout.page;
+            let before = self.seg(p.seg).inactive_split(page);
+            self.seg_mut(p.seg).remove_chunk(p.first);
+            self.split_changed(p.seg, before);
+            let k = self.seg(p.seg).kind as usize;
+            self.counters
+                .reserved_bytes
+                .add(k, -((p.chunk.pages * page) as i64));
+            self.stats.pages_mapped -= p.chunk.pages;
+            self.stats.handles_mapped -= 1;
             return;
         };
         self.seg_mut(p.seg).chunks.insert(
