@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
 use vmmalloc_alloc::testing::{pattern_check, pattern_fill, Harness, Op};
-use vmmalloc_alloc::{AllocError, Allocator, Stream};
+use vmmalloc_alloc::{AllocError, Allocation, Allocator, Stream};
 use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::SimDevice;
@@ -24,6 +24,27 @@ fn exact() -> ExpandableConfig {
     }
 }
 
+/// The pinned scenario on a 1 GiB `sim` device under `cfg`: six 128 MiB
+/// blocks live on a new stream, a 128 MiB block freed, and a 16 MiB block
+/// carved from its chunk (pinning it). Returns the device, the allocator,
+/// the stream, the live blocks and the 16 MiB block.
+fn pinned(cfg: ExpandableConfig) -> (Arc<SimDevice>, Sim, Stream, Vec<Allocation>, Allocation) {
+    let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
+    let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
+    let s = dev.create_stream().unwrap();
+    let live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
+    let big = a.malloc(128 * MIB, s).unwrap();
+    a.free(big.ptr).unwrap();
+    let before = dev.counts();
+    let small = a.malloc(16 * MIB, s).unwrap();
+    assert_eq!(small.ptr, big.ptr);
+    assert_eq!(dev.counts().since(&before).total(), 0, "pinned: no call");
+    (dev, a, s, live, small)
+}
+
+/// The allocator of [`pinned`].
+type Sim = ExpandableAllocator<Arc<SimDevice>>;
+
 /// On a 1 GiB device: six 128 MiB blocks live, a freed 128 MiB chunk (one
 /// handle) with a 16 MiB block carved from its start. Without splitting
 /// (the default) the 16 MiB block pins the whole chunk and costs no call.
@@ -33,16 +54,7 @@ fn exact() -> ExpandableConfig {
 /// 128 MiB handle, whose 112 free MiB serve the request.
 #[test]
 fn a_pinned_chunk_gives_its_free_pages_back_when_memory_runs_short() {
-    let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
-    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
-    let s = dev.create_stream().unwrap();
-    let live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
-    let big = a.malloc(128 * MIB, s).unwrap();
-    a.free(big.ptr).unwrap();
-    let before = dev.counts();
-    let small = a.malloc(16 * MIB, s).unwrap();
-    assert_eq!(small.ptr, big.ptr);
-    assert_eq!(dev.counts().since(&before).total(), 0, "pinned: no call");
+    let (dev, a, s, live, small) = pinned(exact());
     // Kernels still queued on `s` use the small block: the device model
     // refuses to unmap its pages until they are waited for.
     dev.streams().submit(s, small.ptr, small.size).unwrap();
@@ -84,17 +96,10 @@ fn a_pinned_chunk_gives_its_free_pages_back_when_memory_runs_short() {
 /// With `unpin: false` the same request fails, and the report says so.
 #[test]
 fn without_unpinning_the_pinned_pages_stay_out_of_reach() {
-    let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
-    let cfg = ExpandableConfig {
+    let (dev, a, _s, _live, _small) = pinned(ExpandableConfig {
         unpin: false,
         ..exact()
-    };
-    let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
-    let s = dev.create_stream().unwrap();
-    let _live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
-    let big = a.malloc(128 * MIB, s).unwrap();
-    a.free(big.ptr).unwrap();
-    let _small = a.malloc(16 * MIB, s).unwrap();
+    });
     let other = dev.create_stream().unwrap();
     let e = a.malloc(200 * MIB, other).unwrap_err();
     assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
@@ -113,14 +118,8 @@ fn without_unpinning_the_pinned_pages_stay_out_of_reach() {
 /// stays pinned and the request fails.
 #[test]
 fn blocks_used_on_other_streams_are_never_moved() {
-    let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
-    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
-    let s = dev.create_stream().unwrap();
+    let (dev, a, _s, _live, small) = pinned(exact());
     let other = dev.create_stream().unwrap();
-    let _live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
-    let big = a.malloc(128 * MIB, s).unwrap();
-    a.free(big.ptr).unwrap();
-    let small = a.malloc(16 * MIB, s).unwrap();
     a.record_stream(small.ptr, other).unwrap();
     assert!(matches!(
         a.malloc(200 * MIB, other),
@@ -135,13 +134,7 @@ fn blocks_used_on_other_streams_are_never_moved() {
 /// once the capture has ended.
 #[test]
 fn nothing_moves_during_a_graph_capture() {
-    let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
-    let a = ExpandableAllocator::new(dev.clone(), exact()).unwrap();
-    let s = dev.create_stream().unwrap();
-    let _live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
-    let big = a.malloc(128 * MIB, s).unwrap();
-    a.free(big.ptr).unwrap();
-    let _small = a.malloc(16 * MIB, s).unwrap();
+    let (dev, a, _s, _live, _small) = pinned(exact());
     let other = dev.create_stream().unwrap();
     let _warm = a.malloc(MIB + 512, other).unwrap();
     dev.begin_capture(other).unwrap();
