@@ -13,7 +13,9 @@
 //! - `cuMemAddressReserve` / `cuMemAddressFree`, an idle stream synchronize
 //!   (`sync`) and an event query (`other`);
 //! - `cuMemcpyDtoH` / `cuMemcpyHtoD` of 2, 20, 64 and 256 MiB to and from
-//!   pageable host memory (`copy`, what unpinning and spill migration pay).
+//!   pageable host memory (`copy`, what unpinning without room and spill
+//!   migration pay), and `cuMemcpyDtoD` + its wait between two handles
+//!   (`copy_device`, what unpinning with room pays).
 //!
 //! Each kind is then fitted by least squares on relative error (so that the
 //! fixed part of a small call weighs as much as the slope of a large one),
@@ -472,29 +474,41 @@ fn measure(dev: &CudaDevice, iterations: usize) -> Result<Vec<Point>> {
         }
         dev.free_reservation(va, len)?;
     }
-    // Copies between device memory and pageable host memory, each way (what
-    // unpinning and spill migration use).
+    // Copies between device memory and pageable host memory, each way, and
+    // between two handles on the device (what unpinning and spill migration
+    // use).
     for mib in COPY_MIB {
         let size = round_up(mib * MIB, g);
-        if dev.mem_info()?.free < size + page {
+        if dev.mem_info()?.free < 2 * size + page {
             eprintln!("note: skipping {mib} MiB copies: not enough free device memory");
             continue;
         }
         let mut buf = vec![0u8; size as usize];
-        let va = dev.reserve(size, 0)?;
+        let va = dev.reserve(2 * size, 0)?;
         let h = dev.create(size)?;
         dev.map(va, size, h)?;
-        dev.set_access(va, size)?;
+        let h2 = dev.create(size)?;
+        dev.map(va + size, size, h2)?;
+        dev.set_access(va, 2 * size)?;
         // Fewer rounds for large copies (each 256 MiB one takes ~10 ms).
         let rounds = WARMUP + (iterations / (mib as usize / 16).max(1)).max(3);
         for round in 0..rounds {
             let rec = round >= WARMUP;
             timed!(s, rec, "copy", size, 0, dev.copy_from_device(va, &mut buf));
             timed!(s, rec, "copy", size, 0, dev.copy_to_device(va, &buf));
+            timed!(
+                s,
+                rec,
+                "copy_device",
+                size,
+                0,
+                dev.copy_device(va + size, va, size)
+            );
         }
-        dev.unmap(va, size)?;
+        dev.unmap(va, 2 * size)?;
         dev.release(h)?;
-        dev.free_reservation(va, size)?;
+        dev.release(h2)?;
+        dev.free_reservation(va, 2 * size)?;
     }
     dev.destroy_event(event)?;
     dev.synchronize_stream(Stream::DEFAULT)?;

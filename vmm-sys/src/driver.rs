@@ -137,6 +137,8 @@ entry_points! {
     fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize);
     /// `CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)`.
     fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize);
+    /// `CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)`.
+    fn cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize);
     /// `CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)`.
     fn cuStreamCreate(stream: *mut CUstream, flags: c_uint);
     /// `CUresult cuStreamSynchronize(CUstream hStream)`.
@@ -653,6 +655,29 @@ impl Driver {
         // (function contract).
         check("cuMemcpyDtoH_v2", unsafe {
             (self.fns.cuMemcpyDtoH_v2)(dst.as_mut_ptr().cast::<c_void>(), src, dst.len())
+        })
+    }
+
+    /// `cuMemcpyDtoD_v2`: copies `bytes` bytes from device address `src` to
+    /// device address `dst`, on the legacy default stream. Not synchronous
+    /// with the host for device-to-device copies (CUDA Driver API, "API
+    /// synchronization behavior": "no host-side synchronization is
+    /// performed"): wait (e.g. [`Driver::ctx_synchronize`]) before the
+    /// source is unmapped or the destination read.
+    ///
+    /// # Safety
+    /// Both ranges are device memory the caller may read and write (mapped
+    /// and accessible) and do not overlap.
+    pub unsafe fn memcpy_dtod(
+        &self,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        bytes: usize,
+    ) -> Result<(), CuError> {
+        // SAFETY: both ranges are the caller's device memory (function
+        // contract); no host memory is touched.
+        check("cuMemcpyDtoD_v2", unsafe {
+            (self.fns.cuMemcpyDtoD_v2)(dst, src, bytes)
         })
     }
 

@@ -325,6 +325,7 @@ fn symbol_table_is_the_issue_list() {
         "cuMemFree_v2",
         "cuMemcpyHtoD_v2",
         "cuMemcpyDtoH_v2",
+        "cuMemcpyDtoD_v2",
         "cuStreamCreate",
         "cuStreamSynchronize",
         "cuEventCreate",
@@ -359,7 +360,8 @@ fn symbol_table_is_the_issue_list() {
                 "cuMemAlloc_v2",
                 "cuMemFree_v2",
                 "cuMemcpyHtoD_v2",
-                "cuMemcpyDtoH_v2"
+                "cuMemcpyDtoH_v2",
+                "cuMemcpyDtoD_v2"
             ]
             .contains(s),
             "{s}"

@@ -73,9 +73,18 @@ fn a_pinned_chunk_gives_its_free_pages_back_when_memory_runs_short() {
     assert_eq!(c.get(Call::DeviceSync), 1);
     assert_eq!(c.get(Call::StreamSync), 0, "the device sync waited for all");
     assert_eq!(
-        (c.get(Call::CopyDtoH), c.get(Call::CopyHtoD)),
+        (
+            c.get(Call::CopyDtoD),
+            c.get(Call::CopyDtoH),
+            c.get(Call::CopyHtoD)
+        ),
+        (1, 0, 0),
+        "with room, the live run is copied on the device (charged; `sim` holds no bytes)"
+    );
+    assert_eq!(
+        (c.get(Call::Reserve), c.get(Call::AddressFree)),
         (1, 1),
-        "the live run out and back (charged; `sim` holds no bytes)"
+        "through a scratch reservation"
     );
     a.validate().unwrap();
     assert_eq!(
@@ -178,6 +187,12 @@ fn unpinning_keeps_every_live_byte_with_and_without_room() {
         let calls = dev.counts().since(&before);
         assert_eq!(a.stats().chunk_unpins, 1, "{live} live");
         assert_eq!(calls.get(Call::Release), released, "{live} live: {calls:?}");
+        // With room the bytes move on the device, without it through the host.
+        assert_eq!(
+            (calls.get(Call::CopyDtoD), calls.get(Call::CopyDtoH)),
+            if released == 0 { (1, 0) } else { (0, 1) },
+            "{live} live: {calls:?}"
+        );
         pattern_check(&*dev, 1, b.ptr, b.size).unwrap();
         pattern_check(&*dev, 2, c.ptr, c.size).unwrap();
         pattern_fill(&*dev, 3, y.ptr, y.size).unwrap();

@@ -142,6 +142,9 @@ impl<D: Device, H: CallHook> Device for Hooked<D, H> {
         let n = dst.len() as u64;
         self.run(Call::CopyDtoH, n, |d| d.copy_from_device(src, dst))
     }
+    fn copy_device(&self, dst: u64, src: u64, len: u64) -> DeviceResult<()> {
+        self.run_range(Call::CopyDtoD, dst, len, |d| d.copy_device(dst, src, len))
+    }
     fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
         self.run(Call::HostAlloc, len, |d| d.alloc_host_buffer(len))
     }
@@ -601,6 +604,9 @@ impl<D: Device> Device for CapacityLimit<D> {
     }
     fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
         self.inner.copy_from_device(src, dst)
+    }
+    fn copy_device(&self, dst: u64, src: u64, len: u64) -> DeviceResult<()> {
+        self.inner.copy_device(dst, src, len)
     }
     /// Host memory is not device capacity: forwarded uncharged.
     fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {

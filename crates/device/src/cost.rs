@@ -136,6 +136,9 @@ pub struct CostModel {
     /// A copy between device and host memory (`cuMemcpyHtoD` /
     /// `cuMemcpyDtoH`; bytes = the copy).
     pub copy: CallCost,
+    /// A device-to-device copy and the wait for it (`cuMemcpyDtoD` +
+    /// `cuCtxSynchronize`; bytes = the copy).
+    pub copy_device: CallCost,
     /// Any other call (events, queries, streams, info).
     pub other: CallCost,
 }
@@ -152,7 +155,7 @@ impl CostModel {
     pub const PRESETS: [&'static str; 2] = ["a100", "linear"];
 
     /// The call kinds of a cost file and of overrides, in file order.
-    pub const KEYS: [&'static str; 12] = [
+    pub const KEYS: [&'static str; 13] = [
         "reserve",
         "address_free",
         "create",
@@ -164,12 +167,23 @@ impl CostModel {
         "free",
         "sync",
         "copy",
+        "copy_device",
         "other",
     ];
 
     /// Keys of [`CostModel::KEYS`] a cost file may leave out (files written
     /// before they existed): they keep the [`CostModel::a100`] figures.
-    pub const OPTIONAL_KEYS: [&'static str; 1] = ["copy"];
+    pub const OPTIONAL_KEYS: [&'static str; 2] = ["copy", "copy_device"];
+
+    /// Device-to-device copies on an A100 and the wait for them: `memcpy`
+    /// moves ~1219 GiB/s of reads plus writes (GPUInspector.jl's
+    /// `memory_bandwidth` on a DGX A100), so ~610 GiB/s of copied bytes,
+    /// 1.6 µs per MiB; plus a synchronization (50 µs, as `sync`).
+    pub const A100_DEVICE_COPY: CallCost = CallCost {
+        fixed_us: 50.0,
+        per_mib_us: 1.6,
+        per_handle_us: 0.0,
+    };
 
     /// Host-device copies of pageable host memory over PCIe 4.0 x16 (an
     /// A100's link: 31.5 GB/s per direction, PCI-SIG). Page-locked copies
@@ -228,6 +242,7 @@ impl CostModel {
             free: one_handle_unmap.plus(release).plus(sync),
             sync,
             copy: Self::PCIE4_COPY,
+            copy_device: Self::A100_DEVICE_COPY,
             other: CallCost::flat(0.0),
         }
     }
@@ -256,6 +271,7 @@ impl CostModel {
             free: CallCost::flat(50.0),
             sync: CallCost::flat(50.0),
             copy: Self::PCIE4_COPY,
+            copy_device: Self::A100_DEVICE_COPY,
             other: CallCost::flat(0.0),
         }
     }
@@ -270,7 +286,8 @@ impl CostModel {
     }
 
     /// The cost of a kind of call (syncs share one entry; events, streams,
-    /// queries are `other`; host-device copies are `copy`).
+    /// queries are `other`; host-device copies are `copy`, device-to-device
+    /// ones `copy_device`).
     pub fn of_call(&self, call: Call) -> &CallCost {
         match call {
             Call::Reserve => &self.reserve,
@@ -284,6 +301,7 @@ impl CostModel {
             Call::Free => &self.free,
             Call::StreamSync | Call::DeviceSync | Call::EventSync => &self.sync,
             Call::CopyHtoD | Call::CopyDtoH => &self.copy,
+            Call::CopyDtoD => &self.copy_device,
             _ => &self.other,
         }
     }
@@ -313,6 +331,7 @@ impl CostModel {
             "free" => &self.free,
             "sync" => &self.sync,
             "copy" => &self.copy,
+            "copy_device" => &self.copy_device,
             "other" => &self.other,
             _ => return None,
         })
@@ -331,6 +350,7 @@ impl CostModel {
             "free" => &mut self.free,
             "sync" => &mut self.sync,
             "copy" => &mut self.copy,
+            "copy_device" => &mut self.copy_device,
             "other" => &mut self.other,
             _ => return None,
         })
@@ -609,8 +629,14 @@ mod tests {
         // 64 MiB: 10 + 64 × 80 µs.
         assert_eq!(m.call_us(Call::CopyDtoH, 64 * MIB, 0), 5130.0);
         assert_eq!(CostModel::linear().copy, CostModel::PCIE4_COPY);
+        assert_eq!(m.of_call(Call::CopyDtoD), &CostModel::A100_DEVICE_COPY);
+        assert_eq!(m.call_us(Call::CopyDtoD, 64 * MIB, 0), 50.0 + 64.0 * 1.6);
         let mut old = serde_json::json!({ "costs_us": CostModel::linear().to_json() });
         old["costs_us"].as_object_mut().unwrap().remove("copy");
+        old["costs_us"]
+            .as_object_mut()
+            .unwrap()
+            .remove("copy_device");
         let back = CostModel::from_json(&old.to_string(), "old.json").unwrap();
         assert_eq!(back, CostModel::linear());
         let mut m = CostModel::a100();

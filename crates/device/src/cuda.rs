@@ -1266,6 +1266,29 @@ impl Device for CudaDevice {
         })
     }
 
+    /// `cuMemcpyDtoD_v2`, then `cuCtxSynchronize`: a device-to-device copy
+    /// does not synchronize with the host (CUDA Driver API, "API
+    /// synchronization behavior"), and the caller may unmap the source next.
+    fn copy_device(&self, dst: u64, src: u64, len: u64) -> DeviceResult<()> {
+        let _ctx = self.enter(Call::CopyDtoD)?;
+        let ranges = self.ranges.read();
+        for at in [dst, src] {
+            if !ranges.contains(at, len) {
+                return Err(Self::outside(Call::CopyDtoD, at, len as usize));
+            }
+        }
+        // SAFETY: both ranges lie in reservations or allocations of this
+        // device, held while `ranges` is: device memory, never host memory;
+        // the driver rejects unmapped or inaccessible addresses.
+        unsafe { self.driver.memcpy_dtod(dst, src, len as usize) }
+            .and_then(|()| self.driver.ctx_synchronize())
+            .map_err(|e| {
+                self.fail(Call::CopyDtoD, e, 0, || {
+                    format!("dst {dst:#x}, src {src:#x}, {len} bytes")
+                })
+            })
+    }
+
     /// `cuMemHostAlloc(&p, len, 0)` in the primary context: page-locked
     /// memory the driver copies by DMA (CUDA C Programming Guide,
     /// "Page-Locked Host Memory"), freed with `cuMemFreeHost` on drop. The

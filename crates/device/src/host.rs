@@ -756,6 +756,27 @@ impl Device for HostDevice {
         Ok(())
     }
 
+    fn copy_device(&self, dst: u64, src: u64, len: u64) -> DeviceResult<()> {
+        self.count(Call::CopyDtoD);
+        let st = self.state.lock();
+        st.space.check_accessible(Call::CopyDtoD, src, len)?;
+        st.space.check_accessible(Call::CopyDtoD, dst, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: as in `copy_to_device`: both ranges are inside accessible
+        // mappings this device made read-write, kept mapped by the lock;
+        // `copy` allows overlap.
+        unsafe {
+            std::ptr::copy(
+                as_ptr(src).cast::<u8>().cast_const(),
+                as_ptr(dst).cast::<u8>(),
+                len as usize,
+            )
+        };
+        Ok(())
+    }
+
     fn create_stream(&self) -> DeviceResult<Stream> {
         self.count(Call::StreamCreate);
         Ok(self.streams.create_stream())

@@ -165,11 +165,13 @@ pub enum Call {
     /// `cuMemHostAlloc` (page-locked host memory for copies:
     /// [`Device::alloc_host_buffer`]).
     HostAlloc,
+    /// `cuMemcpyDtoD` (device to device, [`Device::copy_device`]).
+    CopyDtoD,
 }
 
 impl Call {
     /// Every kind, in declaration order.
-    pub const ALL: [Call; 23] = [
+    pub const ALL: [Call; 24] = [
         Call::Reserve,
         Call::AddressFree,
         Call::Create,
@@ -193,6 +195,7 @@ impl Call {
         Call::EventSync,
         Call::EventDestroy,
         Call::HostAlloc,
+        Call::CopyDtoD,
     ];
 
     /// Number of kinds.
@@ -229,6 +232,7 @@ impl Call {
             Call::EventSync => "event_sync",
             Call::EventDestroy => "event_destroy",
             Call::HostAlloc => "host_alloc",
+            Call::CopyDtoD => "copy_dtod",
         }
     }
 
@@ -258,6 +262,7 @@ impl Call {
             Call::EventSync => "cuEventSynchronize",
             Call::EventDestroy => "cuEventDestroy_v2",
             Call::HostAlloc => "cuMemHostAlloc",
+            Call::CopyDtoD => "cuMemcpyDtoD_v2",
         }
     }
 
@@ -413,6 +418,11 @@ pub trait Device: Send + Sync {
     fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()>;
     /// Copies mapped, accessible device memory to host bytes.
     fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()>;
+    /// Copies `len` bytes of mapped, accessible device memory from `src` to
+    /// `dst` (same device, not overlapping) and returns once the copy has
+    /// completed. A device that holds no bytes checks both ranges and
+    /// answers [`DeviceError::Unsupported`].
+    fn copy_device(&self, dst: u64, src: u64, len: u64) -> DeviceResult<()>;
     /// `len` bytes of host memory for [`Device::copy_to_device`] /
     /// [`Device::copy_from_device`]: page-locked where the device can provide
     /// it (`cuda`: `cuMemHostAlloc`, falling back to pageable memory when
@@ -541,6 +551,9 @@ macro_rules! impl_device_for_pointer {
             }
             fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
                 (**self).copy_from_device(src, dst)
+            }
+            fn copy_device(&self, dst: u64, src: u64, len: u64) -> DeviceResult<()> {
+                (**self).copy_device(dst, src, len)
             }
             fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
                 (**self).alloc_host_buffer(len)

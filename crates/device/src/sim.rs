@@ -418,6 +418,17 @@ impl Device for SimDevice {
         })
     }
 
+    fn copy_device(&self, dst: u64, src: u64, len: u64) -> DeviceResult<()> {
+        self.charge(Call::CopyDtoD, len, 0);
+        let space = self.space.lock();
+        space.check_accessible(Call::CopyDtoD, src, len)?;
+        space.check_accessible(Call::CopyDtoD, dst, len)?;
+        Err(DeviceError::Unsupported {
+            call: Call::CopyDtoD,
+            what: "the sim device holds no bytes".into(),
+        })
+    }
+
     fn create_stream(&self) -> DeviceResult<Stream> {
         self.charge(Call::StreamCreate, 0, 0);
         Ok(self.streams.create_stream())

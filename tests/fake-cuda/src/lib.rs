@@ -43,7 +43,7 @@ use vmmalloc_device::DeviceError;
 
 /// Every CUDA entry point the fake exports, in vmm-sys's order (a unit test
 /// checks that this is exactly `vmm_sys::SYMBOLS`). `FAKE_CUDA_FAIL` names them.
-pub const ENTRY_POINTS: [&str; 48] = [
+pub const ENTRY_POINTS: [&str; 49] = [
     "cuInit",
     "cuDriverGetVersion",
     "cuDeviceGet",
@@ -71,6 +71,7 @@ pub const ENTRY_POINTS: [&str; 48] = [
     "cuMemFree_v2",
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
+    "cuMemcpyDtoD_v2",
     "cuStreamCreate",
     "cuStreamSynchronize",
     "cuEventCreate",

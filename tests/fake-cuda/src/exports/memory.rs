@@ -136,6 +136,31 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2(
     })
 }
 
+/// `CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice,
+/// size_t ByteCount)`: copies between mapped, accessible device ranges
+/// (each checked as `cuMemcpyDtoH_v2` / `cuMemcpyHtoD_v2` check theirs).
+/// The fake completes it before returning; the real driver may still be
+/// copying (docs/fake-cuda.md).
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoD_v2(
+    dstDevice: CUdeviceptr,
+    srcDevice: CUdeviceptr,
+    ByteCount: usize,
+) -> CUresult {
+    run("cuMemcpyDtoD_v2", || {
+        let f = fake()?;
+        f.current()?;
+        if ByteCount == 0 {
+            return Ok(());
+        }
+        let mut buf = vec![0u8; ByteCount];
+        let (_, from) = f.judge(srcDevice);
+        from.copy_from_device(srcDevice, &mut buf)?;
+        let (_, to) = f.judge(dstDevice);
+        Ok(to.copy_to_device(dstDevice, &buf)?)
+    })
+}
+
 /// The `CU_MEMHOSTALLOC_*` flags cuda.h defines: `PORTABLE` (0x01),
 /// `DEVICEMAP` (0x02), `WRITECOMBINED` (0x04). Any other bit is
 /// `CUDA_ERROR_INVALID_VALUE`, as the driver answers.
