@@ -193,6 +193,31 @@ fn every_failed_call_is_survived_and_nothing_leaks() {
     eprintln!("{runs} faulty runs survived");
 }
 
+/// The same sweep with the default options: blocks that grow a tail map
+/// ahead to 20 MiB, the script's 60 MiB request unpins, and every call of
+/// both paths fails once.
+#[test]
+fn every_failed_call_with_the_defaults_is_survived() {
+    let cfg = ExpandableConfig::default;
+    let clean = run(FaultPlan::None, cfg()).expect("clean run");
+    assert!(
+        clean.hook().seen(Call::DeviceSync) > 0 && clean.hook().seen(Call::CopyDtoD) > 0,
+        "the script must unpin"
+    );
+    let mut runs = 0;
+    for &call in Call::ALL.iter().filter(|c| **c != Call::StreamCreate) {
+        for n in 1..=clean.hook().seen(call) {
+            for kind in [FaultKind::Driver(999), FaultKind::OutOfMemory] {
+                let plan = FaultPlan::Nth { call, n, kind };
+                run(plan, cfg())
+                    .unwrap_or_else(|e| panic!("{call} #{n} failing with {kind:?}: {e}"));
+                runs += 1;
+            }
+        }
+    }
+    assert!(runs > 50, "{runs}");
+}
+
 #[test]
 fn faults_with_a_zero_release_threshold_and_big_pages() {
     let cfg = ExpandableConfig {
