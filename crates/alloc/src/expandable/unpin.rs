@@ -202,13 +202,12 @@ impl Inner {
                 break;
             }
             match self.unpin_chunk(dev, &p) {
-                Ok(true) => {
+                Ok(()) => {
                     got += p.free_pages();
                     self.stats.chunk_unpins += 1;
                     self.stats.unpinned_bytes += p.free_pages() * self.layout.page;
                     self.stats.unpin_copied_bytes += p.live_pages * self.layout.page;
                 }
-                Ok(false) => {}
                 Err(e) => {
                     eprintln!("vmmalloc: unpinning a chunk failed: {e}");
                     break;
@@ -218,14 +217,10 @@ impl Inner {
         got
     }
 
-    /// Moves the live runs of `p` to exact chunks and frees the old one.
-    /// `Ok(false)`: there was no memory for the new chunks, nothing changed.
-    /// On an error the chunk is as it was (see the module docs).
-    fn unpin_chunk<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        p: &Pinned,
-    ) -> Result<bool, DeviceError> {
+    /// Moves the live runs of `p` to exact chunks and frees the old one
+    /// (beside it when there is room, else in its place). On an error the
+    /// chunk is as it was (see the module docs).
+    fn unpin_chunk<D: Device + ?Sized>(&mut self, dev: &D, p: &Pinned) -> Result<(), DeviceError> {
         match self.room_handles(dev, p)? {
             Some(handles) => self.swap_beside(dev, p, handles),
             None => {
@@ -336,7 +331,7 @@ impl Inner {
         dev: &D,
         p: &Pinned,
         handles: Vec<PhysHandle>,
-    ) -> Result<bool, DeviceError> {
+    ) -> Result<(), DeviceError> {
         let (addr, len) = self.chunk_range(p);
         let pool_new = |me: &mut Self, hs: &[PhysHandle]| {
             for (&h, &(_, n)) in hs.iter().zip(&p.live) {
@@ -361,7 +356,7 @@ impl Inner {
         self.commit_unpin(p, &handles);
         self.pool_put(p.chunk.handle, p.chunk.pages);
         self.sync_pool_stats();
-        Ok(true)
+        Ok(())
     }
 
     /// Copies `p`'s live runs into `handles` on the device: the handles are
@@ -453,7 +448,7 @@ impl Inner {
         dev: &D,
         p: &Pinned,
         saved: &HostBuffer,
-    ) -> Result<bool, DeviceError> {
+    ) -> Result<(), DeviceError> {
         let page = self.layout.page;
         let (addr, len) = self.chunk_range(p);
         self.stats.driver_calls.add(Call::Unmap);
@@ -482,7 +477,7 @@ impl Inner {
                 Ok(()) => {
                     self.commit_unpin(p, &handles);
                     self.sync_pool_stats();
-                    return Ok(true);
+                    return Ok(());
                 }
                 Err(e) => fail = Some(e),
             }
