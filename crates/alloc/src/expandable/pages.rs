@@ -64,7 +64,7 @@ use crate::AllocError;
 use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
 
 /// Plans tried for one request before it counts as out of memory (each after
-/// a reclaim or a driver out-of-memory).
+/// a reclaim, an unpin or a driver out-of-memory).
 const MAX_ATTEMPTS: u32 = 8;
 
 /// Why pages could not be provided.
