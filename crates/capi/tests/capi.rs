@@ -883,12 +883,17 @@ fn out_of_memory_under_a_memory_fraction_names_the_limit_as_allowed() {
         if !setup(backend, "") {
             continue;
         }
-        fresh(&format!("device:host,capacity_gb:0.0625,log:off,backend:{backend}"));
+        fresh(&format!(
+            "device:host,capacity_gb:0.0625,log:off,backend:{backend}"
+        ));
         // SAFETY: the library's exported hook, called as PyTorch calls it.
         unsafe { (api().set_memory_fraction)(0.5, 0) };
         let a = malloc(24 * MIB, 0);
         assert!(!a.is_null(), "{backend}: {:?}", last_error());
-        assert!(malloc(24 * MIB, 0).is_null(), "{backend}: 48 MiB fit in 32 allowed");
+        assert!(
+            malloc(24 * MIB, 0).is_null(),
+            "{backend}: 48 MiB fit in 32 allowed"
+        );
         let e = last_error().unwrap();
         for needle in [
             "GPU 0 has a total capacity of 64.00 MiB of which ",
