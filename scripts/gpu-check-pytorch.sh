@@ -16,7 +16,7 @@
 #                  byte intact; vmmalloc's caching / torch-es replicas end
 #                  as the real default allocator / real expandable segments
 #                  do (replica fidelity), whatever that is.
-#   serving        scripts/torch_serving.py under an 8.5 GiB cap: growing KV
+#   serving        scripts/torch_serving.py under a 7 GiB cap: growing KV
 #                  caches and 1.5-3 GiB prefill transients. Verdict: vmmalloc
 #                  expandable has no out-of-memory error and no lost byte;
 #                  PyTorch's figures are reported.
@@ -195,7 +195,7 @@ if wants fragmentation; then
 fi
 
 if wants serving; then
-    echo "=== serving loop under an 8.5 GiB cap"
+    echo "=== serving loop under a 7 GiB cap"
     run_py pytorch torch_serving.py || true
     run_py pytorch-es torch_serving.py || true
     verdict "serving: vmmalloc expandable, no out-of-memory, bytes intact" \

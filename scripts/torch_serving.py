@@ -23,10 +23,12 @@ Live memory never exceeds the KV budget + the largest transient + one
 growth copy, which fits the cap: an allocator that serves the loop without
 out-of-memory errors has no fragmentation problem on it. PyTorch's default
 allocator splits the large cached transient segments to serve KV caches,
-which then pin them: the next, larger transient finds no segment free
-(measured 2026-12-04 on an H200 with a loop of this kind: 10 out-of-memory
-errors under the default allocator, none under expandable segments or
-vmmalloc).
+which then pin them: the next, larger transient finds no segment free.
+Measured on an H200 on 2026-12-04 (docs/results-gpu.md): at the defaults (a
+7 GiB cap, caches under half of it) PyTorch's default allocator failed 16
+prefills, PyTorch's expandable segments and vmmalloc none; at an 8.5 GiB cap
+with caches under 55 % the default allocator failed none (that is why the
+defaults are these).
 
 An out-of-memory error does not stop the loop: the request (or the prefill)
 is dropped and counted, as a server would.
@@ -51,9 +53,9 @@ from torch_common import GIB, MIB, OutOfMemory, allocator_label, cap_memory, emp
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit-gb", type=float, default=8.5, help="memory cap in GiB (default 8.5)")
+    ap.add_argument("--limit-gb", type=float, default=7.0, help="memory cap in GiB (default 7)")
     ap.add_argument("--requests", type=int, default=600, help="iterations, one arrival each (default 600)")
-    ap.add_argument("--kv-budget", type=float, default=0.55, help="KV caches' share of the cap (default 0.55)")
+    ap.add_argument("--kv-budget", type=float, default=0.5, help="KV caches' share of the cap (default 0.5)")
     ap.add_argument("--grow-every", type=int, default=8)
     ap.add_argument("--prefill-every", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
