@@ -130,9 +130,7 @@ def allocator():
             _lib.load(path)
             _lib.check_version(vmmalloc.__version__)
             _lib.check_config()
-            from torch.cuda.memory import CUDAPluggableAllocator
-
-            _allocator = CUDAPluggableAllocator(path, REGION_MALLOC, FREE)
+            _allocator = torch.cuda.memory.CUDAPluggableAllocator(path, REGION_MALLOC, FREE)
         return _allocator
 
 
@@ -205,8 +203,11 @@ class Region:
                 f"{', '.join(k + ':true' for k in moving)} may move pages under live blocks: set "
                 f"{','.join(k + ':false' for k in moving)} in VMMALLOC_CONF")
         torch = _torch()
-        import torch.distributed as dist
+        dist = getattr(torch, "distributed", None)
+        if dist is None:
+            import importlib
 
+            dist = importlib.import_module("torch.distributed")
         pg = group if group is not None else dist.group.WORLD
         backend = pg._get_backend(torch.device("cuda", self.device))
         backend.register_mem_pool(self.pool)
@@ -321,10 +322,11 @@ def region(tag, device=None, pool=None):
     modes). Yields the :class:`Region` in pool mode, else the tag."""
     if pool is None:
         pool = pool_mode_available()
+    elif pool and not pool_mode_available():
+        raise _lib.VmmallocError(
+            "vmmalloc is PyTorch's current allocator (enable()): every allocation is vmmalloc's already; use "
+            "region(tag) without pool=True" if _torch() is not None and _vmmalloc_enabled() else
+            "region(pool=True) needs PyTorch imported and a CUDA device (torch.cuda.is_available())")
     if pool:
-        if _vmmalloc_enabled():
-            raise _lib.VmmallocError(
-                "vmmalloc is PyTorch's current allocator (enable()): every allocation is vmmalloc's already; "
-                "use region(tag) without pool=True")
         return _pool_region(tag, device)
     return _tag_region(tag)
