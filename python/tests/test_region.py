@@ -402,3 +402,22 @@ def test_real_torch_without_a_gpu_keeps_the_tag_mode(lib, fresh, monkeypatch):
     with pytest.raises(vmmalloc.VmmallocError, match="needs PyTorch imported and a CUDA device"):
         vmmalloc.region("py-cpu", pool=True)
     assert vmmalloc.regions() == []
+
+
+def test_the_rl_colocation_example_runs_on_the_host_backend(lib, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import PACKAGE_PARENT, REPO
+
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT))
+    env.pop("VMMALLOC_CONF", None)
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "rl_colocate.py"), "--host", "--rounds", "2"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.rstrip().endswith("rl_colocate: ok"), out.stdout
+    phases = {line.split()[1] + line.split()[2]: line for line in out.stdout.splitlines() if line.startswith("phase")}
+    # Each phase holds its own regions only: training 96 MiB, inference 32 + 128 MiB, in a 224 MiB "GPU".
+    assert "holds     96 MiB (train 96 MiB, infer_weights 0 MiB, kv_cache 0 MiB)" in phases["train1"], phases
+    assert "holds    160 MiB (train 0 MiB, infer_weights 32 MiB, kv_cache 128 MiB)" in phases["infer1"], phases
