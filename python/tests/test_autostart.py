@@ -304,3 +304,15 @@ def test_bad_conf_same_error_in_every_spawned_child(lib, cache, tmp_path):
     assert len(lines) == 2 and lines[0] == lines[1], out.stderr
     parent = py("import torch", env, tmp_path)
     assert _last_bad_line(parent.stderr) == lines[:1], parent.stderr
+
+
+def test_the_startup_bench_runs_and_sees_the_hook_only_when_asked(tmp_path):
+    # The measurement itself is quoted in docs/pytorch.md; here it must only keep working.
+    from conftest import REPO
+
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_startup.py"), "--runs", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("not installed: False (False); installed: False (False); installed, VMMALLOC_CONF set: True (False)"
+            in out.stdout), out.stdout
+    assert "median of 1 interleaved runs" in out.stdout and out.stdout.count(" ms ") == 3, out.stdout
