@@ -316,3 +316,12 @@ def test_the_startup_bench_runs_and_sees_the_hook_only_when_asked(tmp_path):
     assert ("not installed: False (False); installed: False (False); installed, VMMALLOC_CONF set: True (False)"
             in out.stdout), out.stdout
     assert "median of 1 interleaved runs" in out.stdout and out.stdout.count(" ms ") == 3, out.stdout
+
+
+def test_the_self_check_reports_a_bad_conf_under_the_hook(lib, cache, tmp_path):
+    # `python -m vmmalloc --check` imports torch: the hook must let the diagnosis report the key.
+    out = subprocess.run([sys.executable, "-m", "vmmalloc", "--check"], env=hook_env(cache, conf=BAD), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "verdict: not usable: VMMALLOC_CONF does not parse (VMMALLOC_CONF: unknown key `colour`" in out.stdout

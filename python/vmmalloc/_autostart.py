@@ -36,7 +36,10 @@ never a silent fall-back (DESIGN: configuration errors name the key). When
 
 ``state`` records what happened (``status``: ``None`` before torch was
 imported, then ``"enabled"``, ``"fallback"`` (PyTorch's allocator stays,
-``reason`` says why) or ``"deferred"`` (an explicit ``enable()`` was running)).
+``reason`` says why), ``"deferred"`` (an explicit ``enable()`` was running) or
+``"error"`` (a bad configuration; raised, except when ``vmmalloc.check()``
+imported torch: a diagnosis reports it rather than dying of it, and
+``VMMALLOC_STRICT`` does not apply there either)).
 """
 
 import os
@@ -62,15 +65,26 @@ def _say(line):
         pass
 
 
-def _enable_running():
-    """Whether ``vmmalloc.enable()`` is on this thread's stack (it imports
-    torch itself: ``python -m vmmalloc``, an explicit ``enable(conf)``)."""
+def _on_stack(module, *functions):
+    """Whether one of ``functions`` of vmmalloc module ``module`` is on this thread's stack."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "enable" and str(frame.f_globals.get("__name__", "")).startswith("vmmalloc"):
+        if frame.f_code.co_name in functions and frame.f_globals.get("__name__") == module:
             return True
         frame = frame.f_back
     return False
+
+
+def _enable_running():
+    """Whether ``vmmalloc.enable()`` is on this thread's stack (it imports
+    torch itself: ``python -m vmmalloc``, an explicit ``enable(conf)``)."""
+    return _on_stack("vmmalloc", "enable")
+
+
+def _check_running():
+    """Whether ``vmmalloc.check()`` (``python -m vmmalloc --check``) imported
+    torch: a diagnosis reports a bad configuration, it must not die of it."""
+    return _on_stack("vmmalloc._check", "check", "_check_torch")
 
 
 class StrictError(RuntimeError):
@@ -78,9 +92,9 @@ class StrictError(RuntimeError):
     enabled and ``VMMALLOC_STRICT=1`` (or the configuration is invalid)."""
 
 
-def _fallback(reason):
+def _fallback(reason, diagnosing=False):
     state.update(status="fallback", reason=reason)
-    if _strict():
+    if _strict() and not diagnosing:
         raise StrictError(f"vmmalloc: VMMALLOC_CONF is set but vmmalloc cannot be PyTorch's allocator: {reason} "
                           f"(VMMALLOC_STRICT=1 makes this an error)")
     _say(f"vmmalloc: warning: VMMALLOC_CONF is set but vmmalloc is not enabled: {reason}; PyTorch's own "
@@ -96,24 +110,27 @@ def activate():
     if _enable_running():
         state.update(status="deferred", reason="vmmalloc.enable() imported torch itself")
         return state
+    diagnosing = _check_running()
     try:
         import vmmalloc
         from vmmalloc import _lib
         # The package sees this module under its own name (see install()).
         setattr(vmmalloc, "_autostart", sys.modules[__name__])
     except Exception as e:  # a broken install: the environment, not the user
-        _fallback(f"the vmmalloc package cannot be imported ({type(e).__name__}: {e})")
+        _fallback(f"the vmmalloc package cannot be imported ({type(e).__name__}: {e})", diagnosing)
         return state
     try:
         _lib.load()
     except Exception as e:  # FileNotFoundError, OSError (dlopen), VmmallocError (already loaded elsewhere)
-        _fallback(f"libvmmalloc.so cannot be loaded ({e})".replace("\n", " "))
+        _fallback(f"libvmmalloc.so cannot be loaded ({e})".replace("\n", " "), diagnosing)
         return state
     try:
         _lib.check_config()
     except _lib.VmmallocError as e:
-        # The user's input: an error in every process, never a fall-back.
+        # The user's input: an error in every process, never a fall-back (vmmalloc.check() reports it).
         state.update(status="error", reason=str(e))
+        if diagnosing:
+            return state
         raise _lib.VmmallocError(f"vmmalloc: {e}") from None
     import warnings
 
@@ -129,7 +146,7 @@ def activate():
             warnings.simplefilter("always")
             vmmalloc.enable()
     except Exception as e:
-        _fallback(str(e))
+        _fallback(str(e), diagnosing)
         return state
     finally:
         if saved is None:
