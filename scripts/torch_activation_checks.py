@@ -39,7 +39,6 @@ hook without an install (docs/pytorch.md, "Selected by the environment").
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -141,9 +140,8 @@ report("RANK" + os.environ["RANK"])
 def check_torchrun(env, cwd):
     with open(os.path.join(cwd, "rank.py"), "w") as f:
         f.write(RANK)
-    exe = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
-    cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    out, took = run(cmd + ["--standalone", "--nproc_per_node=2", "rank.py"], env, cwd, VMMALLOC_CONF="")
+    # `torchrun` is torch.distributed.run:main; through this interpreter, whatever PATH holds.
+    out, took = run([sys.executable, "-m", "torch.distributed.run"] + ["--standalone", "--nproc_per_node=2", "rank.py"], env, cwd, VMMALLOC_CONF="")
     expect_lines("torchrun", out, took, ["RANK0", "RANK1"], "status=enabled current=True backend=pluggable")
 
 

@@ -14,7 +14,6 @@ is ``"pluggable"`` (it is ``"native"`` for PyTorch's own); neither needs CUDA.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -224,8 +223,9 @@ def test_a_bad_conf_is_an_error_at_import_torch(lib, cache, tmp_path):
 
 
 def torchrun():
-    exe = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    # The `torchrun` console script is `torch.distributed.run:main`; through this interpreter, so that a
+    # venv's (run.sh --installed) is the one that starts the workers, not whatever `torchrun` PATH finds.
+    return [sys.executable, "-m", "torch.distributed.run"]
 
 
 RANK_SCRIPT = REPORT + '''

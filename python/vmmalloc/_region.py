@@ -25,13 +25,14 @@ else the tag only (allocations through the C ABI carry it). ``pool=True`` or
 The pool-mode caveats and what is done about each:
 
 - **expandable segments** cannot be combined with a pool that has a custom
-  allocator (pytorch#147851; PyTorch 2.7 raised, pytorch#148378; later
-  versions silently use plain segments for such pools). When
+  allocator (pytorch#147851; PyTorch raised since pytorch#148378; newer
+  code uses plain segments for such pools: the ``active_user_pool`` test
+  quoted in pytorch#185818). When
   ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) turns them on, a
   region turns them off while it is entered and back on at its exit, as
   vLLM's CuMemAllocator does (vllm#40812): PyTorch's allocator keeps them
   outside regions.
-- **lifetime** (pytorch#146431, fixed by pytorch#171962): a pool's segments
+- **lifetime** (pytorch#146431; addressed by pytorch#171962): a pool's segments
   outliving its allocator were freed with ``cudaFree`` or through a dead
   allocator. The allocator and every region's pool are kept for the life of
   the process (module globals, never dropped).
@@ -276,6 +277,17 @@ def regions():
     return list(_regions.values())
 
 
+def _set_allocator_settings(torch, text):
+    """PyTorch's allocator settings (``PYTORCH_CUDA_ALLOC_CONF`` syntax) at run
+    time: ``torch._C._accelerator_setAllocatorSettings`` where it exists
+    (``torch.cuda.memory._set_allocator_settings`` calls it, with a
+    FutureWarning, in PyTorch 2.15), else the older function."""
+    setter = getattr(getattr(torch, "_C", None), "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(text)
+
+
 @contextlib.contextmanager
 def _pool_region(tag, device):
     torch = _torch()
@@ -290,7 +302,7 @@ def _pool_region(tag, device):
     try:
         if _expandable_requested():
             # pytorch#147851: not with a custom-allocator pool; off inside, back on at exit (vllm#40812).
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+            _set_allocator_settings(torch, "expandable_segments:False")
             toggled = True
         with _lock:
             region._inside += 1
@@ -302,7 +314,7 @@ def _pool_region(tag, device):
                 region._inside -= 1
     finally:
         if toggled:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            _set_allocator_settings(torch, "expandable_segments:True")
         _sleep.set_tag(previous)
 
 
