@@ -69,18 +69,23 @@ def say(name, verdict):
 def package_env():
     """(environment for the children, how the hook gets in)."""
     import importlib.util
+    import site
 
     spec = importlib.util.find_spec("vmmalloc")
     if spec is None:
         return None, "the vmmalloc package is neither installed nor on PYTHONPATH"
-    pkg = list(spec.submodule_search_locations)[0]
+    pkg = os.path.abspath(list(spec.submodule_search_locations)[0])
     parent = os.path.dirname(pkg)
     env = {k: v for k, v in os.environ.items() if k not in ("VMMALLOC_CONF", "VMMALLOC_STRICT")}
     env["PYTHONUNBUFFERED"] = "1"
-    if os.path.isfile(os.path.join(parent, "vmmalloc-autostart.pth")):
+    # Installed: the package sits in a directory `site` processes, with the .pth beside it.
+    site_dirs = [os.path.abspath(d) for d in site.getsitepackages() + [site.getusersitepackages()]]
+    if parent in site_dirs and os.path.isfile(os.path.join(parent, "vmmalloc-autostart.pth")):
         return env, f"installed package ({parent}, vmmalloc-autostart.pth)"
-    paths = [os.path.join(pkg, "_site"), parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
+    rest = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(pkg, "_site"), parent] + rest)
+    if env.get("VMMALLOC_LIBRARY"):
+        env["VMMALLOC_LIBRARY"] = os.path.abspath(env["VMMALLOC_LIBRARY"])
     return env, f"PYTHONPATH package ({parent}), hook through {os.path.join(pkg, '_site')}/sitecustomize.py"
 
 
@@ -96,7 +101,8 @@ def run(args, env, cwd, timeout=120, **extra):
 
 
 def py(code, env, cwd, **extra):
-    return run([sys.executable, "-c", textwrap.dedent(code)], env, cwd, **extra)
+    code = REPORT + textwrap.dedent(code[len(REPORT):]) if code.startswith(REPORT) else textwrap.dedent(code)
+    return run([sys.executable, "-c", code], env, cwd, **extra)
 
 
 def tail(out):
