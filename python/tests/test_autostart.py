@@ -325,3 +325,22 @@ def test_the_self_check_reports_a_bad_conf_under_the_hook(lib, cache, tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert "verdict: not usable: VMMALLOC_CONF does not parse (VMMALLOC_CONF: unknown key `colour`" in out.stdout
+
+
+def test_the_gpu_activation_checks_skip_cleanly_without_a_gpu(lib, tmp_path):
+    # scripts/torch_activation_checks.py runs on the GPU box; here it must parse, find the package
+    # and say SKIP for every check, one line each, exit 0.
+    from conftest import REPO
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: scripts/torch_activation_checks.py runs for real")
+    script = REPO / "scripts" / "torch_activation_checks.py"
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    names = ["env-only", "torchrun", "spawn", "fallback", "bad-conf", "region", "region-graph", "rl-colocate"]
+    assert lines == [f"CHECK {n}: SKIP no CUDA device" for n in names], out.stdout
+    bad = subprocess.run([sys.executable, str(script), "nope"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage:" in bad.stderr
