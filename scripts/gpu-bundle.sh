@@ -13,7 +13,6 @@
 #                           --message-format=json`; run with `-- --ignored`)
 #   python/vmmalloc/        the Python package
 #   scripts/                gpu-check.sh, gpu-check-pytorch.sh, torch_*.py
-#   examples/               examples/*.py (torch_activation_checks.py runs rl_colocate.py)
 #   manifest.txt            format, versions, git commit, the newest glibc
 #                           symbol version the executables need, the scripts' hash
 #                           (scripts_sha256, which gpu-check.sh compares), and
@@ -130,9 +129,6 @@ done <<<"$artifacts"
 # The check scripts.
 check_scripts=(scripts/gpu-check.sh scripts/gpu-check-pytorch.sh scripts/torch_*.py)
 cp "${check_scripts[@]}" "$dest/scripts/"
-# The examples torch_activation_checks.py runs (examples/rl_colocate.py).
-mkdir -p "$dest/examples"
-cp examples/*.py "$dest/examples/"
 
 # ---------------------------------------------------------------------------
 # Manifest
