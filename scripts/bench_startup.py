@@ -30,9 +30,14 @@ PYTHON_DIR = os.path.join(ROOT, "python")
 
 def user_site(python, base):
     env = dict(os.environ, PYTHONUSERBASE=base)
-    out = subprocess.run([python, "-c", "import site; print(site.getusersitepackages())"], env=env,
-                         capture_output=True, text=True, check=True)
-    return out.stdout.strip()
+    env.pop("PYTHONNOUSERSITE", None)
+    out = subprocess.run([python, "-c", "import site; print(site.ENABLE_USER_SITE, site.getusersitepackages())"],
+                         env=env, capture_output=True, text=True, check=True)
+    enabled, path = out.stdout.split(maxsplit=1)
+    if enabled != "True":
+        raise SystemExit(f"bench_startup: {python} has no user site directory (a virtual environment without "
+                         f"--system-site-packages?): run it with another --python")
+    return path.strip()
 
 
 def install_into(site_dir):
