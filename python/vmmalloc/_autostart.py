@@ -163,6 +163,19 @@ def activate():
     return state
 
 
+def _activate_safely():
+    """:func:`activate`, where only the intended errors (a bad configuration,
+    ``VMMALLOC_STRICT``) escape: anything else, a bug of the hook included, is
+    a fall-back with its one line."""
+    try:
+        activate()
+    except Exception as e:
+        if isinstance(e, StrictError) or state["status"] == "error":
+            raise
+        _fallback(f"the start-up hook failed ({type(e).__name__}: {e})")
+    return state
+
+
 class _Loader:
     """torch's own loader, which calls :func:`activate` once torch's module
     has executed. Everything else is the real loader's."""
@@ -185,7 +198,7 @@ class _Loader:
             module.__loader__ = self._loader
         self._loader.exec_module(module)
         _uninstall_finder()
-        activate()
+        _activate_safely()
 
 
 class _TorchFinder:
@@ -245,8 +258,7 @@ def install():
     # already; make `import vmmalloc._autostart` find this very module, whichever way it came.
     sys.modules.setdefault("vmmalloc._autostart", sys.modules[__name__])
     if "torch" in sys.modules:
-        activate()
-        return state
+        return _activate_safely()
     _finder = _TorchFinder()
     sys.meta_path.insert(0, _finder)
     return state
