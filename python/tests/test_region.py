@@ -421,3 +421,26 @@ def test_the_rl_colocation_example_runs_on_the_host_backend(lib, tmp_path):
     # Each phase holds its own regions only: training 96 MiB, inference 32 + 128 MiB, in a 224 MiB "GPU".
     assert "holds     96 MiB (train 96 MiB, infer_weights 0 MiB, kv_cache 0 MiB)" in phases["train1"], phases
     assert "holds    160 MiB (train 0 MiB, infer_weights 32 MiB, kv_cache 128 MiB)" in phases["infer1"], phases
+
+
+def test_pausing_everything_leaves_paused_regions_alone(lib, torch_pool, monkeypatch):
+    a, torch = torch_pool()
+    with vmmalloc.region("py-a") as ra:
+        x = torch.empty(MIB)
+    with vmmalloc.region("py-b"):
+        y = torch.empty(MIB)
+    a.write(x.ptr, b"a" * 64)
+    assert vmmalloc.pause("py-a", backup=True) > 0
+    emptied = []
+    monkeypatch.setattr(ra, "empty_cache", lambda: emptied.append("py-a"))
+    # pause() of every tag: py-a is paused already; its pool's cache is not touched (its memory is unmapped).
+    try:
+        vmmalloc.pause()
+    except vmmalloc.VmmallocError as e:  # the library may refuse a paused tag among "all"; nothing changes then
+        assert "paused" in str(e), e
+        vmmalloc.pause("py-b")
+    assert emptied == []
+    assert tag_of("py-b")["paused"]
+    vmmalloc.resume()
+    assert a.read(x.ptr, 64) == b"a" * 64 and y.ptr
+    vmmalloc.validate(0)

@@ -226,7 +226,9 @@ def before_pause(tags):
     registered with NCCL, then returns each one's cached free segments
     (:meth:`Region.empty_cache`), so that they are given back rather than
     backed up or kept."""
-    chosen = [r for r in list(_regions.values()) if not tags or r.tag in tags]
+    # A region already paused is left alone (the library refuses to pause it again, or skips it for
+    # no tags); its pool's cached segments must not be freed while their memory is unmapped.
+    chosen = [r for r in list(_regions.values()) if (not tags or r.tag in tags) and not r.paused()]
     for r in chosen:
         r._before_pause()
     for r in chosen:
