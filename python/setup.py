@@ -12,10 +12,14 @@ import shutil
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py as _build_py
 from setuptools_rust import Binding, RustExtension
 from setuptools_rust.build import build_rust as _build_rust
 
 LIBRARY_NAME = "libvmmalloc.so"
+# The start-up hook's .pth (vmmalloc/_autostart.py): installed at the root of
+# site-packages, where the site module runs its `import` line at start-up.
+PTH_NAME = "vmmalloc-autostart.pth"
 MANIFEST = "../crates/capi/Cargo.toml"
 NO_CARGO = ("vmmalloc: building libvmmalloc.so needs the Rust toolchain (cargo), which is not on PATH: "
             "install it with `curl https://sh.rustup.rs -sSf | sh` (https://rustup.rs) or your "
@@ -41,6 +45,19 @@ class build_rust(_build_rust):
         return os.path.join(os.path.dirname(path), LIBRARY_NAME)
 
 
+class build_py(_build_py):
+    """setuptools' build_py, plus vmmalloc-autostart.pth at the root of the
+    build (hence of the wheel, hence of site-packages)."""
+
+    def run(self):
+        super().run()
+        here = Path(__file__).resolve().parent
+        self.copy_file(str(here / PTH_NAME), os.path.join(self.build_lib, PTH_NAME), preserve_mode=False)
+
+    def get_outputs(self, include_bytecode=1):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH_NAME)]
+
+
 setup(
     rust_extensions=[
         RustExtension(
@@ -50,6 +67,6 @@ setup(
             debug=False,
         )
     ],
-    cmdclass={"build_rust": build_rust},
+    cmdclass={"build_rust": build_rust, "build_py": build_py},
     zip_safe=False,
 )

@@ -41,6 +41,7 @@ from ._check import check
 from ._sleep import get_tag, pause, region, resume, set_tag, tag_stats
 from . import _lib
 from ._growable import GrowableTensor, growable, on_memory_pressure
+from ._region import get_region, regions
 
 __all__ = [
     "VmmallocError",
@@ -70,6 +71,9 @@ __all__ = [
     "resume",
     "set_tag",
     "tag_stats",
+    # Region mode (_region.py)
+    "get_region",
+    "regions",
 ]
 
 __version__ = "0.1.0"

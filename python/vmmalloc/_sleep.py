@@ -12,7 +12,6 @@ at the same addresses (docs/guide.md, "Sleep and wake").
 Tags are per thread. Only the ``expandable`` backend can sleep.
 """
 
-import contextlib
 import ctypes
 import json
 
@@ -60,16 +59,15 @@ def get_tag():
     return _lib._take_string(_load().vmmalloc_get_tag(), "vmmalloc_get_tag")
 
 
-@contextlib.contextmanager
-def region(tag):
+def region(tag, device=None, pool=None):
     """``with vmmalloc.region("kv_cache"):`` tags the allocations this thread
-    makes inside the block; the previous tag is restored on exit."""
-    previous = get_tag()
-    set_tag(tag)
-    try:
-        yield tag
-    finally:
-        set_tag(previous)
+    makes inside the block; the previous tag is restored on exit. When
+    vmmalloc is not PyTorch's current allocator and torch sees a GPU, the
+    block also routes them to vmmalloc through a ``torch.cuda.MemPool``
+    (region mode, see ``_region``)."""
+    from . import _region
+
+    return _region.region(tag, device=device, pool=pool)
 
 
 def _tag_list(tags):
@@ -82,6 +80,9 @@ def pause(*tags, backup=False):
     ``backup=True`` their contents are copied to host memory first. Returns
     the bytes given back. Raises VmmallocError (unknown or already paused
     tag, graph capture underway, driver failure)."""
+    from . import _region
+
+    _region.before_pause(tags)
     n = _load().vmmalloc_pause(_tag_list(tags), 1 if backup else 0)
     if n < 0:
         raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_pause failed")

@@ -10,6 +10,8 @@
 //! void  vmmalloc_free(void* ptr, size_t size, int device, void* stream);
 //! // The same without exceptions: 0 ok, 1 out of memory, 2 other failure.
 //! int   vmmalloc_try_malloc(size_t size, int device, void* stream, void** out);
+//! // Region mode (region.rs): a torch.cuda.MemPool's allocator; NULL on failure, never throws.
+//! void* vmmalloc_region_malloc(size_t size, int device, void* stream);
 //! // CUDA graph pools (PyTorch's hooks are the shim's C++ vmmalloc_begin_allocate_to_pool,
 //! // vmmalloc_end_allocate_to_pool, vmmalloc_release_pool, which call these).
 //! int   vmmalloc_pool_begin(int device, uint64_t pool_hi, uint64_t pool_lo);
@@ -81,6 +83,7 @@ mod fork;
 mod growable;
 mod history;
 mod pools;
+mod region;
 mod runtime;
 pub mod sleep;
 
@@ -89,6 +92,7 @@ pub use growable::{
     vmmalloc_growable_create, vmmalloc_growable_destroy, vmmalloc_growable_info,
     vmmalloc_growable_resize, vmmalloc_set_pressure_callback, PressureCallback,
 };
+pub use region::vmmalloc_region_malloc;
 pub use runtime::MAX_DEVICES;
 
 use config::LogLevel::{Error as LError, Info as LInfo};
