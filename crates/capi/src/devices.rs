@@ -1,6 +1,7 @@
 //! Opening the device behind one ordinal, as `device:` selects.
 
 use crate::config::{Config, DeviceKind, MODEL_GRANULARITY};
+use crate::error::Error;
 use std::sync::Arc;
 use vmmalloc_device::cuda::{CudaDevice, CudaOptions};
 use vmmalloc_device::host::{HostConfig, HostDevice};
@@ -10,7 +11,7 @@ use vmmalloc_device::{Device, GIB};
 /// Opens device `ordinal` of the configured kind: `CudaDevice::open_configured`
 /// with `peers:` and `ipc:` on `cuda`; a fresh host or sim device of
 /// `capacity_gb` per ordinal otherwise.
-pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
+pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, Error> {
     let capacity = config.model_capacity();
     let name = |kind: &str| format!("{kind}{ordinal} ({} GiB)", capacity as f64 / GIB as f64);
     match config.device {
@@ -20,7 +21,7 @@ pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
                 d.accept_external_streams(true);
                 Arc::new(d) as Arc<dyn Device>
             })
-            .map_err(|e| format!("cannot open CUDA device {ordinal}: {e}")),
+            .map_err(|e| Error::from(e).context(format!("cannot open CUDA device {ordinal}"))),
         DeviceKind::Host => HostDevice::new(HostConfig {
             name: name("host"),
             capacity,
@@ -28,7 +29,7 @@ pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
             ordinal,
         })
         .map(|d| Arc::new(d) as Arc<dyn Device>)
-        .map_err(|e| format!("cannot create host device {ordinal}: {e}")),
+        .map_err(|e| Error::from(e).context(format!("cannot create host device {ordinal}"))),
         DeviceKind::Sim => Ok(Arc::new(SimDevice::new(SimConfig {
             name: name("sim"),
             ordinal,

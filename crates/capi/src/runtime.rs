@@ -11,6 +11,7 @@
 
 use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
 use crate::diag;
+use crate::error::Error;
 use crate::history::History;
 use crate::pools::{GraphPools, PoolHook, PoolId};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
@@ -88,17 +89,21 @@ impl DeviceState {
 
     /// `beginAllocateToPool`: creates the pool's allocator (same policy and
     /// options, same device) on first use.
-    pub fn pool_begin(&self, id: PoolId) -> Result<(), String> {
+    pub fn pool_begin(&self, id: PoolId) -> Result<(), Error> {
         self.pools.begin(id, |guard| {
             let device: Arc<dyn Device> =
                 Arc::new(Hooked::new(self.device.clone(), PoolHook(guard)));
-            vmmalloc_alloc::build(self.policy, device, &self.options)
-                .map_err(|e| format!("cannot create the pool's {} allocator: {e}", self.policy))
+            vmmalloc_alloc::build(self.policy, device, &self.options).map_err(|e| {
+                Error::from(e).context(format!(
+                    "cannot create the pool's {} allocator",
+                    self.policy
+                ))
+            })
         })
     }
 
     /// `releasePool`: one graph using pool `id` is gone (see [`GraphPools::release`]).
-    pub fn pool_release(&self, id: PoolId) -> Result<(), String> {
+    pub fn pool_release(&self, id: PoolId) -> Result<(), Error> {
         self.pools.release(id, &|p| self.free_main(p))
     }
 
@@ -236,16 +241,17 @@ pub fn runtime() -> Arc<Runtime> {
 
 /// Sets the configuration text used instead of `VMMALLOC_CONF`. Fails if it
 /// does not parse, or if an allocator exists already.
-pub fn configure(text: &str) -> Result<(), String> {
+pub fn configure(text: &str) -> Result<(), Error> {
     // Labelled by its origin: this text, not the environment variable.
-    let parsed = Config::parse(text).map_err(|e| format!("vmmalloc_configure: {}", e.message))?;
+    let parsed = Config::parse(text)
+        .map_err(|e| Error::invalid(format!("vmmalloc_configure: {}", e.message)))?;
     let mut g = write_global();
     if let Some(rt) = &g.runtime {
         if rt.active_devices().next().is_some() {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "vmmalloc_configure: allocators exist already (devices {}); configure before the first allocation",
                 rt.active_devices().map(|d| d.ordinal.to_string()).collect::<Vec<_>>().join(", ")
-            ));
+            )));
         }
     }
     g.conf_override = Some(text.to_string());
@@ -282,23 +288,23 @@ impl Runtime {
     }
 
     /// The configuration, or its error (logged the first time only).
-    pub fn config(&self) -> Result<&Config, String> {
+    pub fn config(&self) -> Result<&Config, Error> {
         match &self.config {
             Ok(c) => Ok(c),
             Err(e) => {
-                let m = e.to_string();
+                let e = Error::from(e.clone());
                 if !self.config_error_logged.swap(true, Ordering::Relaxed) {
-                    diag::log(self.log, LogLevel::Error, &m);
+                    diag::log(self.log, LogLevel::Error, e.message());
                 }
-                Err(m)
+                Err(e)
             }
         }
     }
 
     /// The configuration, or its error, without logging it: for callers
     /// that report the error themselves ([`crate::vmmalloc_check_config`]).
-    pub fn config_unlogged(&self) -> Result<&Config, String> {
-        self.config.as_ref().map_err(|e| e.to_string())
+    pub fn config_unlogged(&self) -> Result<&Config, Error> {
+        self.config.as_ref().map_err(|e| Error::from(e.clone()))
     }
 
     /// Records PyTorch's device count (from the init hook).
@@ -307,7 +313,7 @@ impl Runtime {
     }
 
     /// Checks that `device` is a valid ordinal; returns it as an index.
-    pub fn check_ordinal(&self, device: i32) -> Result<u32, String> {
+    pub fn check_ordinal(&self, device: i32) -> Result<u32, Error> {
         let config = self.config()?;
         let init = self.init_count.load(Ordering::Relaxed);
         let mut limit = MAX_DEVICES as u32;
@@ -325,7 +331,9 @@ impl Runtime {
         }
         match u32::try_from(device) {
             Ok(d) if d < limit => Ok(d),
-            _ => Err(format!("invalid device ordinal {device}: {why}")),
+            _ => Err(Error::invalid(format!(
+                "invalid device ordinal {device}: {why}"
+            ))),
         }
     }
 
@@ -340,7 +348,7 @@ impl Runtime {
     }
 
     /// The allocator of `device`, created on first use.
-    pub fn device(&self, device: i32) -> Result<&Arc<DeviceState>, String> {
+    pub fn device(&self, device: i32) -> Result<&Arc<DeviceState>, Error> {
         let ordinal = self.check_ordinal(device)?;
         let slot = &self.slots[ordinal as usize];
         if let Some(s) = slot.get() {
@@ -353,9 +361,11 @@ impl Runtime {
         let config = self.config()?;
         let dev = crate::devices::open(config, ordinal)?;
         let policy = config.effective_policy();
-        let options = config.policy_options().map_err(|e| e.to_string())?;
+        let options = config.policy_options()?;
         let allocator = vmmalloc_alloc::build(policy, dev.clone(), &options).map_err(|e| {
-            format!("cannot create the {policy} allocator on device {ordinal}: {e}")
+            Error::from(e).context(format!(
+                "cannot create the {policy} allocator on device {ordinal}"
+            ))
         })?;
         let caps = dev.caps();
         diag::log(

@@ -181,7 +181,7 @@ pub extern "C" fn vmmalloc_tag_stats_json(device: c_int) -> *mut c_char {
                 .existing(o)
                 .map(|d| d.allocator.tag_stats())
                 .unwrap_or_default();
-            serde_json::to_string(&stats).map_err(|e| e.to_string())
+            serde_json::to_string(&stats).map_err(super::json_error)
         });
         match r {
             Ok(j) => owned_c_string(&j),
