@@ -29,6 +29,9 @@ fn settings(config: &Config) -> Vec<(&'static str, Setting)> {
 /// Writes the snapshot pickle of every active device to `path`.
 pub fn dump(rt: &Runtime, path: &Path) -> Result<(), Error> {
     let config = rt.config()?;
+    for d in rt.active_devices() {
+        d.check()?;
+    }
     let snaps: Vec<_> = rt
         .active_devices()
         .map(|d| {

@@ -181,6 +181,7 @@ impl From<AllocError> for Error {
             | AllocError::InvalidOption(_)
             | AllocError::Sleep(_) => ErrorKind::InvalidArgument,
             AllocError::Device(d) => device_kind(d),
+            AllocError::Failed(_) => ErrorKind::Failed,
         };
         Error::new(kind, e.to_string())
     }

@@ -36,13 +36,23 @@ pub(crate) fn capturing(d: &DeviceState, stream: Stream) -> bool {
 /// The device whose allocator holds region `ptr`, with its growable view.
 fn owner(rt: &runtime::Runtime, ptr: u64) -> Option<(&Arc<DeviceState>, &dyn Growable)> {
     rt.active_devices().find_map(|d| {
+        if d.check().is_err() {
+            return None;
+        }
         let g = d.allocator.as_growable()?;
         g.growable_info(ptr).ok().map(|_| (d, g))
     })
 }
 
-fn not_a_region(ptr: u64) -> String {
-    format!("{ptr:#x} is not a growable region of this process (never created, or destroyed)")
+/// Why `ptr` has no owner: a failed device (whose regions are not looked
+/// at) or not a region at all.
+fn not_a_region(rt: &runtime::Runtime, ptr: u64) -> String {
+    match rt.active_devices().find_map(|d| d.check().err()) {
+        Some(e) => format!("{ptr:#x} is not a region of a working device: {e}"),
+        None => format!(
+            "{ptr:#x} is not a growable region of this process (never created, or destroyed)"
+        ),
+    }
 }
 
 /// Reserves a growable region of up to `max_bytes` on `device` and returns
@@ -89,7 +99,7 @@ pub extern "C" fn vmmalloc_growable_resize(ptr: *mut c_void, bytes: usize) -> c_
             let p = addr(ptr);
             let call = format!("vmmalloc_growable_resize(ptr={ptr:p}, bytes={bytes})");
             let Some((d, g)) = owner(&rt, p) else {
-                fail(&rt, LError, format!("{call}: {}", not_a_region(p)));
+                fail(&rt, LError, format!("{call}: {}", not_a_region(&rt, p)));
                 return VMMALLOC_E_INVALID;
             };
             let r = PRESSURE.retry(
@@ -119,7 +129,7 @@ pub extern "C" fn vmmalloc_growable_destroy(ptr: *mut c_void) -> c_int {
         let call = format!("vmmalloc_growable_destroy(ptr={ptr:p})");
         let r = match owner(&rt, p) {
             Some((_, g)) => g.growable_destroy(p).map_err(|e| e.to_string()),
-            None => Err(not_a_region(p)),
+            None => Err(not_a_region(&rt, p)),
         };
         match r {
             Ok(()) => 0,
@@ -153,7 +163,10 @@ pub unsafe extern "C" fn vmmalloc_growable_info(
                 fail(
                     &rt,
                     LError,
-                    format!("vmmalloc_growable_info(ptr={ptr:p}): {}", not_a_region(p)),
+                    format!(
+                        "vmmalloc_growable_info(ptr={ptr:p}): {}",
+                        not_a_region(&rt, p)
+                    ),
                 );
                 None
             }

@@ -55,6 +55,11 @@
 //!
 //! No Rust frame is unwound: every entry point catches panics, and only the
 //! C++ shim's `vmmalloc_malloc` throws, after `vmmalloc_try_malloc` returned.
+//! A panic fails the device the call was working on for good: every later
+//! call on it fails with [`VMMALLOC_E_FAILED`], naming the panic (its state
+//! may be half-updated, so nothing is handed out from it again). Every
+//! failure is an [`Error`] whose [`ErrorKind`] is its `VMMALLOC_E_*` code
+//! and its exception ([`error`]).
 //! In a child forked from a process that used the library every call fails
 //! at once, taking no lock (`fork.rs`). A
 //! failure returns NULL or -1 (or nothing, for the `void` hooks), sets the
@@ -87,6 +92,8 @@ mod runtime;
 pub mod sleep;
 
 pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
+#[doc(hidden)]
+pub use devices::{wrap_devices_for_tests, DeviceWrapper};
 pub use error::{Error, ErrorKind};
 pub use growable::{
     vmmalloc_growable_create, vmmalloc_growable_destroy, vmmalloc_growable_info,
@@ -117,7 +124,10 @@ static KEEP_SHIM: unsafe extern "C-unwind" fn(usize, c_int, *mut c_void) -> *mut
 const MAX_REQUEST: u64 = 1 << 50;
 
 /// Runs an entry point's body: clears the thread's last error, catches any
-/// panic (reported as an internal error, returning `on_panic`).
+/// panic (reported as an internal error, returning `on_panic`). A panic marks
+/// the device the call was working on failed for good (see `runtime.rs`,
+/// `fail_current`): its state may be half-updated, so every later call on it
+/// fails, naming this panic, and nothing is handed out from it again.
 fn entry<T>(name: &str, on_panic: T, body: impl FnOnce() -> T) -> T {
     entry_with(name, |_| on_panic, body)
 }
@@ -127,6 +137,7 @@ fn entry<T>(name: &str, on_panic: T, body: impl FnOnce() -> T) -> T {
 /// a panic.
 fn entry_with<T>(name: &str, on_error: impl FnOnce(ErrorKind) -> T, body: impl FnOnce() -> T) -> T {
     diag::clear_error();
+    runtime::clear_current();
     if fork::forked() {
         // No lock may be taken in a forked child (see fork.rs).
         let m = format!("{name}: {}", fork::MESSAGE);
@@ -139,10 +150,14 @@ fn entry_with<T>(name: &str, on_error: impl FnOnce(ErrorKind) -> T, body: impl F
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(v) => v,
         Err(p) => {
-            let m = format!(
-                "{name}: internal error (panic: {}); please report it",
-                panic_text(&*p)
-            );
+            let text = panic_text(&*p);
+            let m = match runtime::fail_current(&format!("a panic in {name}: {text}")) {
+                Some(d) => format!(
+                    "{name}: internal error (panic: {text}); device {d} is marked failed \
+                     and serves nothing any more; please report it"
+                ),
+                None => format!("{name}: internal error (panic: {text}); please report it"),
+            };
             diag::fail(LError, LError, &m);
             on_error(ErrorKind::Failed)
         }
@@ -263,7 +278,7 @@ fn try_malloc(
                     || growable::capturing(d, key),
                     || d.malloc(size as u64, key),
                 )
-                .map_err(Error::from)
+                .map_err(|e| d.error(e))
         };
         if result.is_ok() {
             growable::report_spill(&rt, d, spills, call);
@@ -364,7 +379,10 @@ fn pool_hook(
     entry(name, -1, || {
         let rt = runtime::runtime();
         let call = format!("{name}(device={device}, pool=({}, {}))", id.0, id.1);
-        match rt.device(device).and_then(|d| hook(d)) {
+        match rt.device(device).and_then(|d| {
+            d.check()?;
+            hook(d)
+        }) {
             Ok(()) => {
                 diag::log(rt.log_level(), LInfo, &call);
                 0
@@ -441,7 +459,14 @@ pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, st
             rt.active_devices()
                 .filter(|d| Some(d.ordinal) != hint.map(|h| h.ordinal)),
         );
+        // A failed device is never asked (its state cannot be trusted); its
+        // failure is the answer if no other device owns the pointer.
+        let mut failed = None;
         for d in candidates {
+            if let Some(why) = d.failure() {
+                failed.get_or_insert(why);
+                continue;
+            }
             match d.free(p) {
                 Ok(()) => {
                     if Some(d.ordinal) != hint.map(|h| h.ordinal) {
@@ -454,8 +479,11 @@ pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, st
                     return;
                 }
                 Err(AllocError::InvalidPointer { .. }) => continue,
-                Err(e) => return fail(&rt, LError, format!("{}: {e}", call())),
+                Err(e) => return fail(&rt, LError, format!("{}: {}", call(), d.error(e))),
             }
+        }
+        if let Some(e) = failed {
+            return fail(&rt, LError, format!("{}: {e}", call()));
         }
         fail(
             &rt,
@@ -508,6 +536,10 @@ pub extern "C" fn vmmalloc_empty_cache() {
     entry("vmmalloc_empty_cache", (), || {
         let rt = runtime::runtime();
         for d in rt.active_devices() {
+            if let Err(e) = d.check() {
+                fail(&rt, LError, format!("vmmalloc_empty_cache(): {e}"));
+                continue;
+            }
             if d.pools.capturing() {
                 // A capture is underway: releasing memory would unmap and
                 // release pages (illegal during capture); nothing is freed.
@@ -562,7 +594,12 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
         if let Err(m) = rt.config() {
             return fail(&rt, LError, format!("{call}: {m}"));
         }
+        let mut failed = None;
         for d in rt.active_devices() {
+            if let Err(e) = d.check() {
+                failed.get_or_insert(e);
+                continue;
+            }
             let r = match d
                 .allocator
                 .record_stream(addr(ptr), stream_key(addr(stream)))
@@ -578,6 +615,9 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
                 Err(e) => return fail(&rt, LError, format!("{call}: {e}")),
             }
         }
+        if let Some(e) = failed {
+            return fail(&rt, LError, format!("{call}: {e}"));
+        }
         fail(
             &rt,
             LError,
@@ -589,6 +629,9 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
 /// The stats of `device` (zeros for a device not used yet), or why not.
 fn stats_of(rt: &Runtime, device: c_int) -> Result<(u32, Stats), Error> {
     let ordinal = rt.check_ordinal(device)?;
+    if let Some(d) = rt.existing(ordinal) {
+        d.check()?;
+    }
     let stats = rt
         .existing(ordinal)
         .map(|d| {
@@ -737,13 +780,12 @@ pub unsafe extern "C" fn vmmalloc_dump_snapshot(path: *const c_char) -> c_int {
 pub extern "C" fn vmmalloc_reset_peak_stats(device: c_int) -> c_int {
     entry("vmmalloc_reset_peak_stats", -1, || {
         let rt = runtime::runtime();
-        match rt.check_ordinal(device) {
-            Ok(o) => {
-                if let Some(d) = rt.existing(o) {
-                    d.allocator.reset_peak_stats();
-                }
-                0
-            }
+        let r = rt.check_ordinal(device).and_then(|o| match rt.existing(o) {
+            Some(d) => d.check().map(|()| d.allocator.reset_peak_stats()),
+            None => Ok(()),
+        });
+        match r {
+            Ok(()) => 0,
             Err(m) => {
                 fail(
                     &rt,
@@ -766,6 +808,7 @@ pub extern "C" fn vmmalloc_validate(device: c_int) -> c_int {
         let r = rt.check_ordinal(device).and_then(|o| match rt.existing(o) {
             None => Ok(()),
             Some(d) => {
+                d.check()?;
                 d.allocator.validate().map_err(Error::failed)?;
                 d.device
                     .introspect()

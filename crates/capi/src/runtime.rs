@@ -14,6 +14,7 @@ use crate::diag;
 use crate::error::Error;
 use crate::history::History;
 use crate::pools::{GraphPools, PoolHook, PoolId};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use vmmalloc_alloc::{AllocError, Allocation, Allocator, Policy, PolicyOptions, Stream};
@@ -38,9 +39,88 @@ pub struct DeviceState {
     /// The policy and options a graph pool's allocator is built with.
     policy: Policy,
     options: PolicyOptions,
+    /// Why the device failed: a panic during a call on it (`crate::entry`).
+    /// Set once; from then on every call on the device fails with it.
+    failure: OnceLock<String>,
+}
+
+thread_local! {
+    /// The ordinal of the device the running call looked up last (or
+    /// `u32::MAX`): the device a panic in the call is blamed on. Loops over
+    /// devices look each one up before working on it.
+    static CURRENT: Cell<u32> = const { Cell::new(u32::MAX) };
+}
+
+/// Forgets the device of the previous call (at the start of each call).
+#[inline]
+pub(crate) fn clear_current() {
+    CURRENT.with(|c| c.set(u32::MAX));
+}
+
+#[inline]
+fn set_current(ordinal: u32) {
+    CURRENT.with(|c| c.set(ordinal));
+}
+
+/// After a panic in a call: marks the device that call looked up last as
+/// failed with `why` (the call's name and the panic's text). Returns its ordinal.
+pub(crate) fn fail_current(why: &str) -> Option<u32> {
+    let ordinal = CURRENT.with(Cell::get);
+    let rt = current_runtime()?;
+    rt.existing(ordinal)?.fail(why);
+    Some(ordinal)
 }
 
 impl DeviceState {
+    /// Marks the device failed (the first reason stays).
+    pub fn fail(&self, why: &str) {
+        let _ = self.failure.set(why.to_string());
+    }
+
+    /// The error every call on a failed device returns.
+    fn failed_error(&self, why: &str) -> Error {
+        Error::failed(format!(
+            "device {}: the allocator failed and serves nothing any more ({why}); \
+             its memory state cannot be trusted: restart the process, and please report it",
+            self.ordinal
+        ))
+    }
+
+    /// Why the device was marked failed after a panic during a call on it
+    /// (one atomic load: for the hot path; [`DeviceState::check`] also asks
+    /// the allocator).
+    #[inline]
+    pub fn failure(&self) -> Option<Error> {
+        self.failure.get().map(|why| self.failed_error(why))
+    }
+
+    /// The C ABI error of an error of this device's allocator. An allocator
+    /// that failed (a panic under its lock) fails the device too, so the
+    /// message names the device like every later one.
+    pub fn error(&self, e: AllocError) -> Error {
+        match &e {
+            AllocError::Failed(why) => {
+                self.fail(why);
+                self.check().err().unwrap_or_else(|| e.into())
+            }
+            _ => e.into(),
+        }
+    }
+
+    /// Fails if the device failed: after a panic during a call on it, or
+    /// (`expandable`) a panic under its allocator's lock.
+    pub fn check(&self) -> Result<(), Error> {
+        match self
+            .failure
+            .get()
+            .map(String::as_str)
+            .or_else(|| self.allocator.failure())
+        {
+            None => Ok(()),
+            Some(why) => Err(self.failed_error(why)),
+        }
+    }
+
     /// Allocates, recording the events when history is on.
     pub fn malloc(&self, size: u64, stream: Stream) -> Result<Allocation, AllocError> {
         let Some(h) = &self.history else {
@@ -190,6 +270,11 @@ pub fn on_oom() -> crate::config::OnOom {
         .unwrap_or(crate::config::OnOom::Raise)
 }
 
+/// The runtime if one exists (none is created).
+fn current_runtime() -> Option<Arc<Runtime>> {
+    read_global().runtime.clone()
+}
+
 /// The runtime, created on first use.
 pub fn runtime() -> Arc<Runtime> {
     if let Some(rt) = &read_global().runtime {
@@ -337,21 +422,31 @@ impl Runtime {
         }
     }
 
-    /// The allocator of `device` if it exists (no creation).
+    /// The allocator of `device` if it exists (no creation). Failed or not
+    /// (see [`DeviceState::check`]).
     pub fn existing(&self, device: u32) -> Option<&Arc<DeviceState>> {
-        self.slots.get(device as usize).and_then(OnceLock::get)
+        let d = self.slots.get(device as usize).and_then(OnceLock::get)?;
+        set_current(d.ordinal);
+        Some(d)
     }
 
-    /// Devices whose allocator exists, in ordinal order.
+    /// Devices whose allocator exists, in ordinal order, failed or not.
     pub fn active_devices(&self) -> impl Iterator<Item = &Arc<DeviceState>> {
-        self.slots.iter().filter_map(OnceLock::get)
+        self.slots
+            .iter()
+            .filter_map(OnceLock::get)
+            .inspect(|d| set_current(d.ordinal))
     }
 
     /// The allocator of `device`, created on first use.
     pub fn device(&self, device: i32) -> Result<&Arc<DeviceState>, Error> {
         let ordinal = self.check_ordinal(device)?;
+        set_current(ordinal);
         let slot = &self.slots[ordinal as usize];
         if let Some(s) = slot.get() {
+            if let Some(why) = s.failure.get() {
+                return Err(s.failed_error(why));
+            }
             return Ok(s);
         }
         let _g = self.creating.lock().unwrap_or_else(|e| e.into_inner());
@@ -386,6 +481,7 @@ impl Runtime {
             pools: GraphPools::new(config.log),
             policy,
             options,
+            failure: OnceLock::new(),
         });
         Ok(slot.get_or_init(|| state))
     }
