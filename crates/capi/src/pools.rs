@@ -387,7 +387,12 @@ impl GraphPools {
     /// main allocator), unless a capture is still underway. Errors (a pointer
     /// no allocator knows) are returned as text.
     pub fn flush_with(&self, main_free: &dyn Fn(u64) -> Result<(), AllocError>) -> Vec<String> {
-        if self.capturing() || !self.pending.swap(false, Ordering::AcqRel) {
+        // A plain load first: the hot malloc path finds nothing pending and
+        // makes no atomic read-modify-write.
+        if self.capturing()
+            || !self.pending.load(Ordering::Acquire)
+            || !self.pending.swap(false, Ordering::AcqRel)
+        {
             return Vec::new();
         }
         let queued = std::mem::take(&mut self.lock().deferred);

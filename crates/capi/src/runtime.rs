@@ -8,6 +8,13 @@
 //! Allocators live in a fixed array of [`MAX_DEVICES`] slots, each a
 //! `OnceLock` filled under a creation lock, so the hot path (malloc/free on an
 //! existing allocator) takes no lock of ours beyond the allocator's own.
+//!
+//! The runtime itself is reached through a once-set pointer ([`runtime`]:
+//! one acquire load, no lock, no reference count), so a cache-hit malloc +
+//! free through the C ABI costs the policy's own pair plus a few loads
+//! (docs/expandable.md, "Benchmarks"). A runtime is never freed while the
+//! process may use it: one replaced by `vmmalloc_configure` (which holds no
+//! allocator) is leaked, and only `vmmalloc_reset_for_tests` frees one.
 
 use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
 use crate::diag;
@@ -15,8 +22,8 @@ use crate::error::Error;
 use crate::history::History;
 use crate::pools::{GraphPools, PoolHook, PoolId};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use vmmalloc_alloc::{AllocError, Allocation, Allocator, Policy, PolicyOptions, Stream};
 use vmmalloc_device::adaptors::Hooked;
 use vmmalloc_device::Device;
@@ -66,8 +73,7 @@ fn set_current(ordinal: u32) {
 /// failed with `why` (the call's name and the panic's text). Returns its ordinal.
 pub(crate) fn fail_current(why: &str) -> Option<u32> {
     let ordinal = CURRENT.with(Cell::get);
-    let rt = current_runtime()?;
-    rt.existing(ordinal)?.fail(why);
+    current_runtime()?.existing(ordinal)?.fail(why);
     Some(ordinal)
 }
 
@@ -227,23 +233,23 @@ pub struct Runtime {
     creating: Mutex<()>,
 }
 
+/// State changed only by the slow paths, under [`GLOBAL`]'s lock.
 struct Global {
-    runtime: Option<Arc<Runtime>>,
     /// Text from `vmmalloc_configure`, used instead of `VMMALLOC_CONF`.
     conf_override: Option<String>,
 }
 
-static GLOBAL: RwLock<Global> = RwLock::new(Global {
-    runtime: None,
+static GLOBAL: Mutex<Global> = Mutex::new(Global {
     conf_override: None,
 });
 
-fn read_global() -> std::sync::RwLockReadGuard<'static, Global> {
-    GLOBAL.read().unwrap_or_else(|e| e.into_inner())
-}
+/// The current runtime: null until the first call that needs one (and after
+/// `vmmalloc_configure` or a reset), else a pointer from `Box::into_raw`,
+/// set under [`GLOBAL`]'s lock.
+static RUNTIME: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
 
-fn write_global() -> std::sync::RwLockWriteGuard<'static, Global> {
-    GLOBAL.write().unwrap_or_else(|e| e.into_inner())
+fn write_global() -> std::sync::MutexGuard<'static, Global> {
+    GLOBAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `on_oom` of the current runtime as a number (`OnOom` index; raise until
@@ -271,25 +277,48 @@ pub fn on_oom() -> crate::config::OnOom {
 }
 
 /// The runtime if one exists (none is created).
-fn current_runtime() -> Option<Arc<Runtime>> {
-    read_global().runtime.clone()
+fn current_runtime() -> Option<&'static Runtime> {
+    let p = RUNTIME.load(Ordering::Acquire);
+    // SAFETY: a non-null `RUNTIME` came from `Box::into_raw` (published with
+    // a release store after it was fully built) and is freed only by
+    // `reset`, whose contract is that no other call is running.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// The runtime as [`runtime`] hands it out: a plain shared reference (no
+/// reference count) that derefs to it.
+#[derive(Clone, Copy)]
+pub struct RuntimeRef(&'static Runtime);
+
+impl std::ops::Deref for RuntimeRef {
+    type Target = Runtime;
+    #[inline]
+    fn deref(&self) -> &Runtime {
+        self.0
+    }
 }
 
 /// The runtime, created on first use.
-pub fn runtime() -> Arc<Runtime> {
-    if let Some(rt) = &read_global().runtime {
-        return rt.clone();
-    }
-    let mut g = write_global();
-    if let Some(rt) = &g.runtime {
-        return rt.clone();
+#[inline]
+pub fn runtime() -> RuntimeRef {
+    RuntimeRef(match current_runtime() {
+        Some(rt) => rt,
+        None => create_runtime(),
+    })
+}
+
+#[cold]
+fn create_runtime() -> &'static Runtime {
+    let g = write_global();
+    if let Some(rt) = current_runtime() {
+        return rt;
     }
     let config = match &g.conf_override {
         Some(text) => Config::parse(text),
         None => Config::from_env(),
     };
     crate::fork::install();
-    let rt = Arc::new(Runtime::new(config));
+    let rt = Box::new(Runtime::new(config));
     let oom = rt
         .config
         .as_ref()
@@ -320,8 +349,11 @@ pub fn runtime() -> Arc<Runtime> {
             ),
         );
     }
-    g.runtime = Some(rt.clone());
-    rt
+    let rt = Box::into_raw(rt);
+    RUNTIME.store(rt, Ordering::Release);
+    drop(g);
+    // SAFETY: just built and published; freed only by `reset` (see `current_runtime`).
+    unsafe { &*rt }
 }
 
 /// Sets the configuration text used instead of `VMMALLOC_CONF`. Fails if it
@@ -331,7 +363,7 @@ pub fn configure(text: &str) -> Result<(), Error> {
     let parsed = Config::parse(text)
         .map_err(|e| Error::invalid(format!("vmmalloc_configure: {}", e.message)))?;
     let mut g = write_global();
-    if let Some(rt) = &g.runtime {
+    if let Some(rt) = current_runtime() {
         if rt.active_devices().next().is_some() {
             return Err(Error::invalid(format!(
                 "vmmalloc_configure: allocators exist already (devices {}); configure before the first allocation",
@@ -340,7 +372,9 @@ pub fn configure(text: &str) -> Result<(), Error> {
         }
     }
     g.conf_override = Some(text.to_string());
-    g.runtime = None;
+    // The next call builds a runtime from this text. The old one holds no
+    // allocator and another thread may still be reading it: it is leaked.
+    RUNTIME.store(std::ptr::null_mut(), Ordering::Release);
     diag::log(
         parsed.log,
         LogLevel::Info,
@@ -350,13 +384,20 @@ pub fn configure(text: &str) -> Result<(), Error> {
 }
 
 /// Drops every allocator and the configuration (tests only: pointers from
-/// before are invalid afterwards).
+/// before are invalid afterwards, and no other thread may be inside a
+/// `vmmalloc_*` call: the runtime it may be using is freed).
 pub fn reset() {
     ON_OOM.store(0, Ordering::Relaxed);
     LOG.store(1, Ordering::Relaxed);
     let mut g = write_global();
-    g.runtime = None;
     g.conf_override = None;
+    let old = RUNTIME.swap(std::ptr::null_mut(), Ordering::AcqRel);
+    drop(g);
+    if !old.is_null() {
+        // SAFETY: `old` came from `Box::into_raw` and is no longer published;
+        // by this function's contract no other call is using it.
+        drop(unsafe { Box::from_raw(old) });
+    }
 }
 
 impl Runtime {
@@ -398,9 +439,27 @@ impl Runtime {
     }
 
     /// Checks that `device` is a valid ordinal; returns it as an index.
+    /// Builds no text unless the ordinal is invalid.
+    #[inline]
     pub fn check_ordinal(&self, device: i32) -> Result<u32, Error> {
         let config = self.config()?;
         let init = self.init_count.load(Ordering::Relaxed);
+        let mut limit = MAX_DEVICES as u32;
+        if config.device != DeviceKind::Cuda {
+            limit = limit.min(config.device_count);
+        }
+        if init > 0 {
+            limit = limit.min(init);
+        }
+        match u32::try_from(device) {
+            Ok(d) if d < limit => Ok(d),
+            _ => Err(self.bad_ordinal(config, device, init)),
+        }
+    }
+
+    /// Why `device` is not a valid ordinal (the tightest bound's reason).
+    #[cold]
+    fn bad_ordinal(&self, config: &Config, device: i32, init: u32) -> Error {
         let mut limit = MAX_DEVICES as u32;
         let mut why = format!("vmmalloc serves ordinals 0..{}", MAX_DEVICES - 1);
         if config.device != DeviceKind::Cuda && config.device_count < limit {
@@ -411,15 +470,9 @@ impl Runtime {
             );
         }
         if init > 0 && init < limit {
-            limit = init;
             why = format!("vmmalloc_init reported {init} device(s)");
         }
-        match u32::try_from(device) {
-            Ok(d) if d < limit => Ok(d),
-            _ => Err(Error::invalid(format!(
-                "invalid device ordinal {device}: {why}"
-            ))),
-        }
+        Error::invalid(format!("invalid device ordinal {device}: {why}"))
     }
 
     /// The allocator of `device` if it exists (no creation). Failed or not
