@@ -330,6 +330,11 @@ pub enum AllocError {
     /// state, a policy that cannot sleep, or a pause/resume that failed.
     #[error("{0}")]
     Sleep(String),
+    /// The allocator failed: a panic while its state was being changed may
+    /// have left that state half-updated, so it serves nothing any more.
+    /// Every call after the panic returns this, naming the panic.
+    #[error("the allocator failed and serves nothing any more ({0}); please report it")]
+    Failed(String),
 }
 
 impl AllocError {

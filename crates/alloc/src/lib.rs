@@ -81,6 +81,14 @@ pub trait Allocator: Send + Sync {
     /// Checks every invariant; returns a description of the first broken one.
     fn validate(&self) -> Result<(), String>;
 
+    /// Why the allocator failed for good (a panic while its state was being
+    /// changed: every later call returns [`AllocError::Failed`]), or None
+    /// while it works. Only `expandable` detects this itself; the C ABI
+    /// marks a device failed after any panic (crates/capi).
+    fn failure(&self) -> Option<&str> {
+        None
+    }
+
     /// Sleep: gives the physical memory of the blocks tagged `tags` (none:
     /// every non-default tag) back to the driver, keeping their addresses;
     /// with `backup` their bytes are copied to host memory first. Returns the

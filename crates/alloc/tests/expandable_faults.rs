@@ -488,3 +488,89 @@ fn every_failed_call_of_an_edge_chunk_is_survived() {
     }
     assert!(runs > 20, "{runs}");
 }
+
+/// A host device behind a fault injector.
+type HostDev = FaultInjecting<Arc<vmmalloc_device::host::HostDevice>>;
+
+/// The allocator of [`split_script`]'s first steps over a 64 MiB host device
+/// (real memory) behind a fault injector: 28 MiB live, 24 MiB freed (three
+/// 8 MiB chunks), so that a 4 MiB block splits the first of them.
+fn host_split_setup() -> (
+    Arc<HostDev>,
+    ExpandableAllocator<Arc<HostDev>>,
+    vmmalloc_alloc::Allocation,
+) {
+    use vmmalloc_device::host::{HostConfig, HostDevice};
+    let host = HostDevice::new(HostConfig::with_capacity(64 * MIB)).expect("host device");
+    let dev = Arc::new(FaultInjecting::with_plan(Arc::new(host), FaultPlan::None));
+    let a = ExpandableAllocator::new(dev.clone(), split_cfg()).unwrap();
+    let live = a.malloc(28 * MIB, Stream::DEFAULT).unwrap();
+    let freed = a.malloc(24 * MIB, Stream::DEFAULT).unwrap();
+    a.free(freed.ptr).unwrap();
+    (dev, a, live)
+}
+
+/// A panic inside the device call of a chunk split (a bug between "unmap
+/// the old chunk" and "map its pieces") fails the allocator for good: that
+/// call and every later one return `AllocError::Failed` naming the panic, no
+/// memory is handed out, and what the panic left stays readable.
+#[test]
+fn a_panic_inside_a_split_fails_the_allocator_for_good() {
+    // Without the fault the 4 MiB request splits, and creates a handle.
+    let (dev, a, _) = host_split_setup();
+    let creates = dev.hook().seen(Call::Create);
+    let x = a.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(a.stats().chunk_splits, 1);
+    assert!(dev.hook().seen(Call::Create) > creates, "the split creates");
+    a.free(x.ptr).unwrap();
+    a.validate().unwrap();
+    assert_eq!(a.failure(), None);
+    drop(a);
+
+    let (dev, a, live) = host_split_setup();
+    let n = dev.hook().seen(Call::Create) + 1;
+    dev.hook().set_plan(FaultPlan::Nth {
+        call: Call::Create,
+        n,
+        kind: FaultKind::Panic,
+    });
+    let e = a.malloc(4 * MIB, Stream::DEFAULT).unwrap_err();
+    assert_eq!(
+        dev.hook().injected(),
+        1,
+        "the panic came from the split's create"
+    );
+    let why = "a panic in malloc: injected panic in create";
+    assert!(matches!(&e, AllocError::Failed(m) if m == why), "{e}");
+    assert_eq!(a.failure(), Some(why));
+    dev.hook().set_plan(FaultPlan::None);
+    // Every later call fails the same way and hands nothing out.
+    let calls_before = dev.hook().seen(Call::Map) + dev.hook().seen(Call::Unmap);
+    for r in [
+        a.malloc(512, Stream::DEFAULT).map(|_| ()),
+        a.malloc(64 * MIB, Stream::DEFAULT).map(|_| ()),
+        a.free(live.ptr),
+        a.record_stream(live.ptr, Stream::DEFAULT),
+        a.empty_cache(),
+        a.set_memory_fraction(0.5),
+        a.pause(&[], false).map(|_| ()),
+    ] {
+        match r {
+            Err(AllocError::Failed(m)) => assert_eq!(m, why),
+            other => panic!("a failed allocator answered {other:?}"),
+        }
+    }
+    assert_eq!(
+        dev.hook().seen(Call::Map) + dev.hook().seen(Call::Unmap),
+        calls_before,
+        "a failed allocator touches no mapping"
+    );
+    let v = a.validate().unwrap_err();
+    assert!(v.contains(why), "{v}");
+    // What the panic left is readable: the live block is still counted.
+    assert_eq!(a.stats().allocation.all().current, 1);
+    assert!(!a.snapshot().segments.is_empty());
+    a.reset_peak_stats();
+    // Dropping it does not panic (its teardown is tried under catch_unwind).
+    drop(a);
+}

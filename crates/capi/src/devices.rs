@@ -1,7 +1,8 @@
 //! Opening the device behind one ordinal, as `device:` selects.
 
 use crate::config::{Config, DeviceKind, MODEL_GRANULARITY};
-use std::sync::Arc;
+use crate::error::Error;
+use std::sync::{Arc, Mutex};
 use vmmalloc_device::cuda::{CudaDevice, CudaOptions};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::{SimConfig, SimDevice};
@@ -10,7 +11,29 @@ use vmmalloc_device::{Device, GIB};
 /// Opens device `ordinal` of the configured kind: `CudaDevice::open_configured`
 /// with `peers:` and `ipc:` on `cuda`; a fresh host or sim device of
 /// `capacity_gb` per ordinal otherwise.
-pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
+pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, Error> {
+    let dev = open_plain(config, ordinal)?;
+    let wrap = WRAP.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(match &*wrap {
+        Some(f) => f(dev, ordinal),
+        None => dev,
+    })
+}
+
+/// A wrapper put around every device opened from now on.
+pub type DeviceWrapper = Box<dyn Fn(Arc<dyn Device>, u32) -> Arc<dyn Device> + Send + Sync>;
+
+static WRAP: Mutex<Option<DeviceWrapper>> = Mutex::new(None);
+
+/// Tests only: wraps every device opened from now on (with a fault-injecting
+/// adaptor, say) before its allocator is built over it; `None` stops.
+/// Devices opened before keep what they had.
+#[doc(hidden)]
+pub fn wrap_devices_for_tests(wrapper: Option<DeviceWrapper>) {
+    *WRAP.lock().unwrap_or_else(|e| e.into_inner()) = wrapper;
+}
+
+fn open_plain(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, Error> {
     let capacity = config.model_capacity();
     let name = |kind: &str| format!("{kind}{ordinal} ({} GiB)", capacity as f64 / GIB as f64);
     match config.device {
@@ -20,7 +43,7 @@ pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
                 d.accept_external_streams(true);
                 Arc::new(d) as Arc<dyn Device>
             })
-            .map_err(|e| format!("cannot open CUDA device {ordinal}: {e}")),
+            .map_err(|e| Error::from(e).context(format!("cannot open CUDA device {ordinal}"))),
         DeviceKind::Host => HostDevice::new(HostConfig {
             name: name("host"),
             capacity,
@@ -28,7 +51,7 @@ pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
             ordinal,
         })
         .map(|d| Arc::new(d) as Arc<dyn Device>)
-        .map_err(|e| format!("cannot create host device {ordinal}: {e}")),
+        .map_err(|e| Error::from(e).context(format!("cannot create host device {ordinal}"))),
         DeviceKind::Sim => Ok(Arc::new(SimDevice::new(SimConfig {
             name: name("sim"),
             ordinal,

@@ -6,6 +6,7 @@
 //! `expandable_segments` as PyTorch writes it).
 
 use crate::config::Config;
+use crate::error::Error;
 use crate::runtime::Runtime;
 use std::path::Path;
 use vmmalloc_alloc::pickle_snapshot::{self, DeviceDump, Setting};
@@ -26,8 +27,11 @@ fn settings(config: &Config) -> Vec<(&'static str, Setting)> {
 }
 
 /// Writes the snapshot pickle of every active device to `path`.
-pub fn dump(rt: &Runtime, path: &Path) -> Result<(), String> {
+pub fn dump(rt: &Runtime, path: &Path) -> Result<(), Error> {
     let config = rt.config()?;
+    for d in rt.active_devices() {
+        d.check()?;
+    }
     let snaps: Vec<_> = rt
         .active_devices()
         .map(|d| {
@@ -47,5 +51,6 @@ pub fn dump(rt: &Runtime, path: &Path) -> Result<(), String> {
             frames: None,
         })
         .collect();
-    pickle_snapshot::write(path, &parts, &settings(config))
+    // The path is the caller's: a file that cannot be written is a bad argument.
+    pickle_snapshot::write(path, &parts, &settings(config)).map_err(Error::invalid)
 }

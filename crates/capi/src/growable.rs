@@ -3,7 +3,7 @@
 //!
 //! ```c
 //! void* vmmalloc_growable_create(int device, size_t max_bytes); // NULL on failure
-//! int   vmmalloc_growable_resize(void* ptr, size_t bytes);      // 0 ok, 1 out of memory, 2 other
+//! int   vmmalloc_growable_resize(void* ptr, size_t bytes);      // 0 ok, else a VMMALLOC_E_* code
 //! int   vmmalloc_growable_destroy(void* ptr);                    // 0 ok, -1 failure
 //! int   vmmalloc_growable_info(void* ptr, size_t* size, size_t* max_bytes, size_t* mapped);
 //! // size_t fn(size_t size, int device): bytes the callback freed. NULL clears it.
@@ -15,13 +15,14 @@
 //! that says so. Failures set [`crate::vmmalloc_last_error`] and log one line.
 
 use crate::config::LogLevel::Error as LError;
+use crate::error::Error;
 use crate::runtime::{self, DeviceState};
-use crate::{addr, entry, fail, VMMALLOC_E_FAIL, VMMALLOC_E_OOM, VMMALLOC_OK};
+use crate::{addr, entry, entry_with, fail, VMMALLOC_E_INVALID, VMMALLOC_OK};
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use vmmalloc_alloc::growable::Growable;
 use vmmalloc_alloc::pressure::Pressure;
-use vmmalloc_alloc::{AllocError, Stream};
+use vmmalloc_alloc::Stream;
 
 /// The process's pressure callback.
 pub(crate) static PRESSURE: Pressure = Pressure::new();
@@ -35,13 +36,23 @@ pub(crate) fn capturing(d: &DeviceState, stream: Stream) -> bool {
 /// The device whose allocator holds region `ptr`, with its growable view.
 fn owner(rt: &runtime::Runtime, ptr: u64) -> Option<(&Arc<DeviceState>, &dyn Growable)> {
     rt.active_devices().find_map(|d| {
+        if d.check().is_err() {
+            return None;
+        }
         let g = d.allocator.as_growable()?;
         g.growable_info(ptr).ok().map(|_| (d, g))
     })
 }
 
-fn not_a_region(ptr: u64) -> String {
-    format!("{ptr:#x} is not a growable region of this process (never created, or destroyed)")
+/// Why `ptr` has no owner: a failed device (whose regions are not looked
+/// at) or not a region at all.
+fn not_a_region(rt: &runtime::Runtime, ptr: u64) -> String {
+    match rt.active_devices().find_map(|d| d.check().err()) {
+        Some(e) => format!("{ptr:#x} is not a region of a working device: {e}"),
+        None => format!(
+            "{ptr:#x} is not a growable region of this process (never created, or destroyed)"
+        ),
+    }
 }
 
 /// Reserves a growable region of up to `max_bytes` on `device` and returns
@@ -54,13 +65,13 @@ pub extern "C" fn vmmalloc_growable_create(device: c_int, max_bytes: usize) -> *
         let call = format!("vmmalloc_growable_create(device={device}, max_bytes={max_bytes})");
         let r = rt.device(device).and_then(|d| {
             let g = d.allocator.as_growable().ok_or_else(|| {
-                format!(
+                Error::unsupported(format!(
                     "the {} backend has no growable regions (backend:expandable has)",
                     d.allocator.name()
-                )
+                ))
             })?;
             g.growable_create(max_bytes as u64, Stream::DEFAULT)
-                .map_err(|e| e.to_string())
+                .map_err(Error::from)
         });
         match r {
             Ok(p) => std::ptr::with_exposed_provenance_mut(p as usize),
@@ -75,37 +86,37 @@ pub extern "C" fn vmmalloc_growable_create(device: c_int, max_bytes: usize) -> *
 /// Makes region `ptr` `bytes` long: maps or unmaps whole chunks at its end
 /// (a shrink first waits for the default stream; a grow is immediate).
 /// Returns 0, 1 (out of memory, after the pressure callback if one is set)
-/// or 2 (anything else: not a region, beyond `max_bytes`, driver error).
+/// or the code of another kind (2 not a region or beyond `max_bytes`,
+/// 3 driver error, ...: see [`crate::error`]).
 /// On failure the region keeps its old size.
 #[no_mangle]
 pub extern "C" fn vmmalloc_growable_resize(ptr: *mut c_void, bytes: usize) -> c_int {
-    entry("vmmalloc_growable_resize", VMMALLOC_E_FAIL, || {
-        let rt = runtime::runtime();
-        let p = addr(ptr);
-        let call = format!("vmmalloc_growable_resize(ptr={ptr:p}, bytes={bytes})");
-        let Some((d, g)) = owner(&rt, p) else {
-            fail(&rt, LError, format!("{call}: {}", not_a_region(p)));
-            return VMMALLOC_E_FAIL;
-        };
-        let r = PRESSURE.retry(
-            bytes as u64,
-            d.ordinal as i32,
-            || capturing(d, Stream::DEFAULT),
-            || g.growable_resize(p, bytes as u64),
-        );
-        match r {
-            Ok(()) => VMMALLOC_OK,
-            Err(e) => {
-                let oom = matches!(e, AllocError::OutOfMemory(_));
-                fail(&rt, LError, format!("{call}: {e}"));
-                if oom {
-                    VMMALLOC_E_OOM
-                } else {
-                    VMMALLOC_E_FAIL
+    entry_with(
+        "vmmalloc_growable_resize",
+        |k| k.code(),
+        || {
+            let rt = runtime::runtime();
+            let p = addr(ptr);
+            let call = format!("vmmalloc_growable_resize(ptr={ptr:p}, bytes={bytes})");
+            let Some((d, g)) = owner(&rt, p) else {
+                fail(&rt, LError, format!("{call}: {}", not_a_region(&rt, p)));
+                return VMMALLOC_E_INVALID;
+            };
+            let r = PRESSURE.retry(
+                bytes as u64,
+                d.ordinal as i32,
+                || capturing(d, Stream::DEFAULT),
+                || g.growable_resize(p, bytes as u64),
+            );
+            match r {
+                Ok(()) => VMMALLOC_OK,
+                Err(e) => {
+                    fail(&rt, LError, format!("{call}: {e}"));
+                    Error::from(e).code()
                 }
             }
-        }
-    })
+        },
+    )
 }
 
 /// Unmaps and unreserves region `ptr` (waiting for the default stream).
@@ -118,7 +129,7 @@ pub extern "C" fn vmmalloc_growable_destroy(ptr: *mut c_void) -> c_int {
         let call = format!("vmmalloc_growable_destroy(ptr={ptr:p})");
         let r = match owner(&rt, p) {
             Some((_, g)) => g.growable_destroy(p).map_err(|e| e.to_string()),
-            None => Err(not_a_region(p)),
+            None => Err(not_a_region(&rt, p)),
         };
         match r {
             Ok(()) => 0,
@@ -152,7 +163,10 @@ pub unsafe extern "C" fn vmmalloc_growable_info(
                 fail(
                     &rt,
                     LError,
-                    format!("vmmalloc_growable_info(ptr={ptr:p}): {}", not_a_region(p)),
+                    format!(
+                        "vmmalloc_growable_info(ptr={ptr:p}): {}",
+                        not_a_region(&rt, p)
+                    ),
                 );
                 None
             }

@@ -8,7 +8,8 @@
 //! // vmmalloc_malloc is C++ (src/shim.cpp): it throws on failure unless on_oom:null.
 //! void* vmmalloc_malloc(size_t size, int device, void* stream);
 //! void  vmmalloc_free(void* ptr, size_t size, int device, void* stream);
-//! // The same without exceptions: 0 ok, 1 out of memory, 2 other failure.
+//! // The same without exceptions: 0 ok, else a VMMALLOC_E_* code: 1 out of memory,
+//! // 2 invalid argument, 3 driver error, 4 allocator failed, 5 unsupported (error.rs).
 //! int   vmmalloc_try_malloc(size_t size, int device, void* stream, void** out);
 //! // Region mode (region.rs): a torch.cuda.MemPool's allocator; NULL on failure, never throws.
 //! void* vmmalloc_region_malloc(size_t size, int device, void* stream);
@@ -44,7 +45,7 @@
 //! void  vmmalloc_free_string(char* s);
 //! // Growable regions and the memory-pressure callback (growable.rs).
 //! void* vmmalloc_growable_create(int device, size_t max_bytes);
-//! int   vmmalloc_growable_resize(void* ptr, size_t bytes);      // 0 ok, 1 out of memory, 2 other
+//! int   vmmalloc_growable_resize(void* ptr, size_t bytes);      // 0 ok, else a VMMALLOC_E_* code
 //! int   vmmalloc_growable_destroy(void* ptr);
 //! int   vmmalloc_growable_info(void* ptr, size_t* size, size_t* max_bytes, size_t* mapped);
 //! int   vmmalloc_set_pressure_callback(size_t (*fn)(size_t size, int device));
@@ -56,6 +57,11 @@
 //!
 //! No Rust frame is unwound: every entry point catches panics, and only the
 //! C++ shim's `vmmalloc_malloc` throws, after `vmmalloc_try_malloc` returned.
+//! A panic fails the device the call was working on for good: every later
+//! call on it fails with [`VMMALLOC_E_FAILED`], naming the panic (its state
+//! may be half-updated, so nothing is handed out from it again). Every
+//! failure is an [`Error`] whose [`ErrorKind`] is its `VMMALLOC_E_*` code
+//! and its exception ([`error`]).
 //! In a child forked from a process that used the library every call fails
 //! at once, taking no lock (`fork.rs`). A
 //! failure returns NULL or -1 (or nothing, for the `void` hooks), sets the
@@ -79,6 +85,7 @@ pub mod config;
 mod devices;
 mod diag;
 mod dump;
+pub mod error;
 mod fork;
 mod growable;
 mod history;
@@ -88,6 +95,9 @@ mod runtime;
 pub mod sleep;
 
 pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
+#[doc(hidden)]
+pub use devices::{wrap_devices_for_tests, DeviceWrapper};
+pub use error::{Error, ErrorKind};
 pub use growable::{
     vmmalloc_growable_create, vmmalloc_growable_destroy, vmmalloc_growable_info,
     vmmalloc_growable_resize, vmmalloc_set_pressure_callback, PressureCallback,
@@ -118,9 +128,20 @@ static KEEP_SHIM: unsafe extern "C-unwind" fn(usize, c_int, *mut c_void) -> *mut
 const MAX_REQUEST: u64 = 1 << 50;
 
 /// Runs an entry point's body: clears the thread's last error, catches any
-/// panic (reported as an internal error, returning `on_panic`).
+/// panic (reported as an internal error, returning `on_panic`). A panic marks
+/// the device the call was working on failed for good (see `runtime.rs`,
+/// `fail_current`): its state may be half-updated, so every later call on it
+/// fails, naming this panic, and nothing is handed out from it again.
 fn entry<T>(name: &str, on_panic: T, body: impl FnOnce() -> T) -> T {
+    entry_with(name, |_| on_panic, body)
+}
+
+/// [`entry`] whose result on failure depends on the error's kind:
+/// [`ErrorKind::Unsupported`] in a forked child, [`ErrorKind::Failed`] after
+/// a panic.
+fn entry_with<T>(name: &str, on_error: impl FnOnce(ErrorKind) -> T, body: impl FnOnce() -> T) -> T {
     diag::clear_error();
+    runtime::clear_current();
     if fork::forked() {
         // No lock may be taken in a forked child (see fork.rs).
         let m = format!("{name}: {}", fork::MESSAGE);
@@ -128,17 +149,21 @@ fn entry<T>(name: &str, on_panic: T, body: impl FnOnce() -> T) -> T {
         if runtime::log_level_unlocked() != LogLevel::Off {
             diag::log_unlocked(&m);
         }
-        return on_panic;
+        return on_error(ErrorKind::Unsupported);
     }
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(v) => v,
         Err(p) => {
-            let m = format!(
-                "{name}: internal error (panic: {}); please report it",
-                panic_text(&*p)
-            );
+            let text = panic_text(&*p);
+            let m = match runtime::fail_current(&format!("a panic in {name}: {text}")) {
+                Some(d) => format!(
+                    "{name}: internal error (panic: {text}); device {d} is marked failed \
+                     and serves nothing any more; please report it"
+                ),
+                None => format!("{name}: internal error (panic: {text}); please report it"),
+            };
             diag::fail(LError, LError, &m);
-            on_panic
+            on_error(ErrorKind::Failed)
         }
     }
 }
@@ -157,6 +182,11 @@ fn fail(rt: &Runtime, level: LogLevel, message: String) {
     diag::fail(rt.log_level(), level, &message);
 }
 
+/// A JSON serialisation failure (of figures we built: a bug).
+fn json_error(e: serde_json::Error) -> Error {
+    Error::failed(format!("internal error: cannot write JSON: {e}"))
+}
+
 fn owned_c_string(s: &str) -> *mut c_char {
     diag::c_string_lossy(s).into_raw()
 }
@@ -168,10 +198,23 @@ fn addr(p: *const c_void) -> u64 {
 /// `vmmalloc_try_malloc`'s result: success (`*out` is the pointer; NULL for size 0).
 pub const VMMALLOC_OK: c_int = 0;
 /// `vmmalloc_try_malloc`'s result: out of memory (the report in [`vmmalloc_last_error`]).
+/// [`ErrorKind::OutOfMemory`]; the codes below are the other kinds (see [`error`]).
 pub const VMMALLOC_E_OOM: c_int = 1;
-/// `vmmalloc_try_malloc`'s result: any other failure (bad configuration,
-/// ordinal, pool; driver error; forked child), reason in [`vmmalloc_last_error`].
-pub const VMMALLOC_E_FAIL: c_int = 2;
+/// A bad argument or a call at the wrong time (ordinal, size, pointer, pool,
+/// configuration): [`ErrorKind::InvalidArgument`].
+pub const VMMALLOC_E_INVALID: c_int = 2;
+/// The driver failed a call, or the device could not be opened: [`ErrorKind::Driver`].
+pub const VMMALLOC_E_DRIVER: c_int = 3;
+/// The device's allocator failed (a panic inside it) and serves nothing any
+/// more: [`ErrorKind::Failed`].
+pub const VMMALLOC_E_FAILED: c_int = 4;
+/// The backend or this process cannot do it (a forked child; a policy without
+/// the feature): [`ErrorKind::Unsupported`].
+pub const VMMALLOC_E_UNSUPPORTED: c_int = 5;
+/// The old name of "any failure but out of memory", now
+/// [`VMMALLOC_E_INVALID`]; failures return 2 to 5 by kind, so test `rc >= 2`
+/// for "failed, not out of memory".
+pub const VMMALLOC_E_FAIL: c_int = VMMALLOC_E_INVALID;
 
 /// Allocates for [`vmmalloc_try_malloc`] and [`vmmalloc_pool_try_malloc`]:
 /// `pool` routes the request to a CUDA graph pool of the device.
@@ -185,9 +228,10 @@ fn try_malloc(
 ) -> c_int {
     if out.is_null() {
         diag::fail(LError, LError, &format!("{name}: out is NULL"));
-        return VMMALLOC_E_FAIL;
+        return VMMALLOC_E_INVALID;
     }
-    let (rc, ptr) = entry(name, (VMMALLOC_E_FAIL, std::ptr::null_mut()), || {
+    let on_error = |kind: ErrorKind| (kind.code(), std::ptr::null_mut());
+    let (rc, ptr) = entry_with(name, on_error, || {
         let rt = runtime::runtime();
         let call = || match pool {
             None => format!("{name}(size={size}, device={device}, stream={stream:p})"),
@@ -197,9 +241,9 @@ fn try_malloc(
         };
         let d = match rt.device(device) {
             Ok(d) => d,
-            Err(m) => {
-                fail(&rt, LError, format!("{}: {m}", call()));
-                return (VMMALLOC_E_FAIL, std::ptr::null_mut());
+            Err(e) => {
+                fail(&rt, LError, format!("{}: {e}", call()));
+                return (e.code(), std::ptr::null_mut());
             }
         };
         if size == 0 {
@@ -221,14 +265,11 @@ fn try_malloc(
         let spills = growable::spills_before(&rt, d);
         let result = if size as u64 > MAX_REQUEST {
             d.record_oom(size as u64, stream_key(addr(stream)));
-            Err((
-                true,
-                format!(
-                    "out of memory: tried to allocate {} on device {device}, beyond any device ({} of memory here)",
-                    vmmalloc_alloc::summary::format_bytes(size as u64),
-                    vmmalloc_alloc::summary::format_bytes(d.device.caps().total_memory)
-                ),
-            ))
+            Err(Error::out_of_memory(format!(
+                "out of memory: tried to allocate {} on device {device}, beyond any device ({} of memory here)",
+                vmmalloc_alloc::summary::format_bytes(size as u64),
+                vmmalloc_alloc::summary::format_bytes(d.device.caps().total_memory)
+            )))
         } else if let Some(id) = pool {
             d.pools.malloc(id, size as u64, stream_key(addr(stream)))
         } else {
@@ -241,7 +282,7 @@ fn try_malloc(
                     || growable::capturing(d, key),
                     || d.malloc(size as u64, key),
                 )
-                .map_err(|e| (e.is_out_of_memory(), e.to_string()))
+                .map_err(|e| d.error(e))
         };
         if result.is_ok() {
             growable::report_spill(&rt, d, spills, call);
@@ -251,14 +292,13 @@ fn try_malloc(
                 VMMALLOC_OK,
                 std::ptr::with_exposed_provenance_mut(a.ptr as usize),
             ),
-            Err((oom, m)) => {
-                fail(&rt, LError, format!("{}: {m}", call()));
-                if oom && runtime::on_oom() == OnOom::Abort {
+            Err(e) => {
+                fail(&rt, LError, format!("{}: {e}", call()));
+                if e.is_out_of_memory() && runtime::on_oom() == OnOom::Abort {
                     diag::log(LError, LError, "aborting (on_oom:abort)");
                     std::process::abort();
                 }
-                let rc = if oom { VMMALLOC_E_OOM } else { VMMALLOC_E_FAIL };
-                (rc, std::ptr::null_mut())
+                (e.code(), std::ptr::null_mut())
             }
         }
     });
@@ -270,8 +310,8 @@ fn try_malloc(
 /// Allocates `size` bytes on device `device` for use on `stream` (a
 /// `cudaStream_t`; NULL is the default stream), never throwing: returns
 /// [`VMMALLOC_OK`] with the pointer in `*out` (NULL for size 0), or
-/// [`VMMALLOC_E_OOM`] / [`VMMALLOC_E_FAIL`] with `*out` NULL and the reason in
-/// [`vmmalloc_last_error`]. With `on_oom:abort`, out-of-memory aborts the
+/// an error code (out of memory [`VMMALLOC_E_OOM`], or another kind: see
+/// [`error`]) with `*out` NULL and the reason in [`vmmalloc_last_error`]. With `on_oom:abort`, out-of-memory aborts the
 /// process after logging the report.
 ///
 /// `vmmalloc_malloc` (PyTorch's `alloc_fn`, in the C++ shim `shim.cpp`) calls
@@ -338,12 +378,15 @@ fn pool_hook(
     name: &str,
     device: c_int,
     id: pools::PoolId,
-    hook: impl FnOnce(&runtime::DeviceState) -> Result<(), String>,
+    hook: impl FnOnce(&runtime::DeviceState) -> Result<(), Error>,
 ) -> c_int {
     entry(name, -1, || {
         let rt = runtime::runtime();
         let call = format!("{name}(device={device}, pool=({}, {}))", id.0, id.1);
-        match rt.device(device).and_then(|d| hook(d)) {
+        match rt.device(device).and_then(|d| {
+            d.check()?;
+            hook(d)
+        }) {
             Ok(()) => {
                 diag::log(rt.log_level(), LInfo, &call);
                 0
@@ -420,7 +463,14 @@ pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, st
             rt.active_devices()
                 .filter(|d| Some(d.ordinal) != hint.map(|h| h.ordinal)),
         );
+        // A failed device is never asked (its state cannot be trusted); its
+        // failure is the answer if no other device owns the pointer.
+        let mut failed = None;
         for d in candidates {
+            if let Some(why) = d.failure() {
+                failed.get_or_insert(why);
+                continue;
+            }
             match d.free(p) {
                 Ok(()) => {
                     if Some(d.ordinal) != hint.map(|h| h.ordinal) {
@@ -433,8 +483,11 @@ pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, st
                     return;
                 }
                 Err(AllocError::InvalidPointer { .. }) => continue,
-                Err(e) => return fail(&rt, LError, format!("{}: {e}", call())),
+                Err(e) => return fail(&rt, LError, format!("{}: {}", call(), d.error(e))),
             }
+        }
+        if let Some(e) = failed {
+            return fail(&rt, LError, format!("{}: {e}", call()));
         }
         fail(
             &rt,
@@ -487,6 +540,10 @@ pub extern "C" fn vmmalloc_empty_cache() {
     entry("vmmalloc_empty_cache", (), || {
         let rt = runtime::runtime();
         for d in rt.active_devices() {
+            if let Err(e) = d.check() {
+                fail(&rt, LError, format!("vmmalloc_empty_cache(): {e}"));
+                continue;
+            }
             if d.pools.capturing() {
                 // A capture is underway: releasing memory would unmap and
                 // release pages (illegal during capture); nothing is freed.
@@ -523,7 +580,7 @@ pub extern "C" fn vmmalloc_set_memory_fraction(fraction: c_double, device: c_int
         match rt.device(device).and_then(|d| {
             d.allocator
                 .set_memory_fraction(fraction)
-                .map_err(|e| e.to_string())
+                .map_err(Error::from)
         }) {
             Ok(()) => diag::log(rt.log_level(), LInfo, &call),
             Err(m) => fail(&rt, LError, format!("{call}: {m}")),
@@ -541,7 +598,12 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
         if let Err(m) = rt.config() {
             return fail(&rt, LError, format!("{call}: {m}"));
         }
+        let mut failed = None;
         for d in rt.active_devices() {
+            if let Err(e) = d.check() {
+                failed.get_or_insert(e);
+                continue;
+            }
             let r = match d
                 .allocator
                 .record_stream(addr(ptr), stream_key(addr(stream)))
@@ -557,6 +619,9 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
                 Err(e) => return fail(&rt, LError, format!("{call}: {e}")),
             }
         }
+        if let Some(e) = failed {
+            return fail(&rt, LError, format!("{call}: {e}"));
+        }
         fail(
             &rt,
             LError,
@@ -566,8 +631,11 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
 }
 
 /// The stats of `device` (zeros for a device not used yet), or why not.
-fn stats_of(rt: &Runtime, device: c_int) -> Result<(u32, Stats), String> {
+fn stats_of(rt: &Runtime, device: c_int) -> Result<(u32, Stats), Error> {
     let ordinal = rt.check_ordinal(device)?;
+    if let Some(d) = rt.existing(ordinal) {
+        d.check()?;
+    }
     let stats = rt
         .existing(ordinal)
         .map(|d| {
@@ -591,7 +659,7 @@ pub extern "C" fn vmmalloc_memory_stats_json(device: c_int) -> *mut c_char {
     entry("vmmalloc_memory_stats_json", std::ptr::null_mut(), || {
         let rt = runtime::runtime();
         match stats_of(&rt, device).and_then(|(ordinal, s)| {
-            let mut map = serde_json::to_value(s.to_map()).map_err(|e| e.to_string())?;
+            let mut map = serde_json::to_value(s.to_map()).map_err(json_error)?;
             // CUDA graph pools (their memory is not in the figures above).
             let (pools, deferred) = rt.existing(ordinal).map_or((0, 0), |d| d.pools.counts());
             if let Some(m) = map.as_object_mut() {
@@ -608,7 +676,7 @@ pub extern "C" fn vmmalloc_memory_stats_json(device: c_int) -> *mut c_char {
                 m.insert("vmmalloc.graph_pool_refused_calls".into(), refused.into());
                 sleep::add_stats(m, rt.existing(ordinal));
             }
-            serde_json::to_string(&map).map_err(|e| e.to_string())
+            serde_json::to_string(&map).map_err(json_error)
         }) {
             Ok(json) => owned_c_string(&json),
             Err(m) => {
@@ -716,13 +784,12 @@ pub unsafe extern "C" fn vmmalloc_dump_snapshot(path: *const c_char) -> c_int {
 pub extern "C" fn vmmalloc_reset_peak_stats(device: c_int) -> c_int {
     entry("vmmalloc_reset_peak_stats", -1, || {
         let rt = runtime::runtime();
-        match rt.check_ordinal(device) {
-            Ok(o) => {
-                if let Some(d) = rt.existing(o) {
-                    d.allocator.reset_peak_stats();
-                }
-                0
-            }
+        let r = rt.check_ordinal(device).and_then(|o| match rt.existing(o) {
+            Some(d) => d.check().map(|()| d.allocator.reset_peak_stats()),
+            None => Ok(()),
+        });
+        match r {
+            Ok(()) => 0,
             Err(m) => {
                 fail(
                     &rt,
@@ -745,8 +812,12 @@ pub extern "C" fn vmmalloc_validate(device: c_int) -> c_int {
         let r = rt.check_ordinal(device).and_then(|o| match rt.existing(o) {
             None => Ok(()),
             Some(d) => {
-                d.allocator.validate()?;
-                d.device.introspect().map_or(Ok(()), |i| i.check())
+                d.check()?;
+                d.allocator.validate().map_err(Error::failed)?;
+                d.device
+                    .introspect()
+                    .map_or(Ok(()), |i| i.check())
+                    .map_err(Error::failed)
             }
         });
         match r {
@@ -789,10 +860,10 @@ pub unsafe extern "C" fn vmmalloc_configure(conf: *const c_char) -> c_int {
         };
         match runtime::configure(&text) {
             Ok(()) => 0,
-            Err(m) => {
+            Err(e) => {
                 // Returned, not logged: the caller has the code and
                 // vmmalloc_last_error(), and prints it once (issue 15).
-                diag::set_error(&m);
+                diag::set_error(e.message());
                 -1
             }
         }
@@ -807,8 +878,8 @@ pub extern "C" fn vmmalloc_check_config() -> c_int {
         // Not logged: the caller asked, and reports the error itself.
         match runtime::runtime().config_unlogged() {
             Ok(_) => 0,
-            Err(m) => {
-                diag::set_error(&m);
+            Err(e) => {
+                diag::set_error(e.message());
                 -1
             }
         }

@@ -39,6 +39,7 @@
 //! may still hold a graph's output tensors.
 
 use crate::config::LogLevel;
+use crate::error::Error;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -166,12 +167,15 @@ impl GraphPools {
     pub fn begin(
         &self,
         id: PoolId,
-        make: impl FnOnce(Arc<PoolGuard>) -> Result<Box<dyn Allocator>, String>,
-    ) -> Result<(), String> {
+        make: impl FnOnce(Arc<PoolGuard>) -> Result<Box<dyn Allocator>, Error>,
+    ) -> Result<(), Error> {
         let mut s = self.lock();
         match s.pools.get_mut(&id) {
             Some(p) if p.capturing => {
-                return Err(format!("pool {} is already being captured into", name(id)))
+                return Err(Error::invalid(format!(
+                    "pool {} is already being captured into",
+                    name(id)
+                )))
             }
             Some(p) => {
                 p.use_count += 1;
@@ -206,7 +210,7 @@ impl GraphPools {
     /// `endAllocateToPool`: the capture into `id` ends. Errors: no capture
     /// into it is underway (PyTorch: "endAllocatePool: not currently recording
     /// to mempool_id").
-    pub fn end(&self, id: PoolId) -> Result<(), String> {
+    pub fn end(&self, id: PoolId) -> Result<(), Error> {
         let mut s = self.lock();
         match s.pools.get_mut(&id) {
             Some(p) if p.capturing => {
@@ -215,7 +219,10 @@ impl GraphPools {
                 self.capturing.fetch_sub(1, Ordering::AcqRel);
                 Ok(())
             }
-            Some(_) => Err(format!("no capture into pool {} is underway", name(id))),
+            Some(_) => Err(Error::invalid(format!(
+                "no capture into pool {} is underway",
+                name(id)
+            ))),
             None => Err(unknown(&s, id)),
         }
     }
@@ -227,7 +234,7 @@ impl GraphPools {
         &self,
         id: PoolId,
         main_free: &dyn Fn(u64) -> Result<(), AllocError>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Error> {
         for e in self.flush_with(main_free) {
             crate::diag::log(self.log, LogLevel::Error, &e);
         }
@@ -237,13 +244,16 @@ impl GraphPools {
             None => return Err(unknown(&s, id)),
         };
         if p.capturing {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "pool {} is still being captured into (endAllocateToPool first)",
                 name(id)
-            ));
+            )));
         }
         if p.use_count == 0 {
-            return Err(format!("pool {} was released already", name(id)));
+            return Err(Error::invalid(format!(
+                "pool {} was released already",
+                name(id)
+            )));
         }
         p.use_count -= 1;
         if p.use_count > 0 {
@@ -266,13 +276,14 @@ impl GraphPools {
         if self.capturing() || self.count.load(Ordering::Acquire) == 0 {
             return Vec::new();
         }
-        self.sweep(&mut self.lock())
+        let errors = self.sweep(&mut self.lock());
+        errors.iter().map(Error::to_string).collect()
     }
 
     /// Returns the cache of every pool no graph uses, and drops those with
     /// nothing live (their allocator gives all their memory back). Not
     /// during capture. Returns the failures.
-    fn sweep(&self, s: &mut State) -> Vec<String> {
+    fn sweep(&self, s: &mut State) -> Vec<Error> {
         let mut errors = Vec::new();
         let mut gone = Vec::new();
         for (id, p) in s.pools.iter() {
@@ -280,7 +291,7 @@ impl GraphPools {
                 continue;
             }
             if let Err(e) = p.allocator.empty_cache() {
-                errors.push(format!("pool {}: {e}", name(*id)));
+                errors.push(Error::from(e).context(format!("pool {}", name(*id))));
             }
             if p.live() == 0 {
                 gone.push(*id);
@@ -295,20 +306,11 @@ impl GraphPools {
     }
 
     /// Allocates in pool `id` (routed here by the shim's capture filter).
-    /// The error says whether it is an out-of-memory, and why.
-    pub fn malloc(
-        &self,
-        id: PoolId,
-        size: u64,
-        stream: Stream,
-    ) -> Result<Allocation, (bool, String)> {
+    pub fn malloc(&self, id: PoolId, size: u64, stream: Stream) -> Result<Allocation, Error> {
         let s = self.lock();
         match s.pools.get(&id) {
-            Some(p) => p
-                .allocator
-                .malloc(size, stream)
-                .map_err(|e| (e.is_out_of_memory(), e.to_string())),
-            None => Err((false, unknown(&s, id))),
+            Some(p) => p.allocator.malloc(size, stream).map_err(Error::from),
+            None => Err(unknown(&s, id)),
         }
     }
 
@@ -385,7 +387,12 @@ impl GraphPools {
     /// main allocator), unless a capture is still underway. Errors (a pointer
     /// no allocator knows) are returned as text.
     pub fn flush_with(&self, main_free: &dyn Fn(u64) -> Result<(), AllocError>) -> Vec<String> {
-        if self.capturing() || !self.pending.swap(false, Ordering::AcqRel) {
+        // A plain load first: the hot malloc path finds nothing pending and
+        // makes no atomic read-modify-write.
+        if self.capturing()
+            || !self.pending.load(Ordering::Acquire)
+            || !self.pending.swap(false, Ordering::AcqRel)
+        {
             return Vec::new();
         }
         let queued = std::mem::take(&mut self.lock().deferred);
@@ -398,7 +405,8 @@ impl GraphPools {
             })
             .collect();
         if self.count.load(Ordering::Acquire) > 0 {
-            errors.extend(self.sweep(&mut self.lock()));
+            let swept = self.sweep(&mut self.lock());
+            errors.extend(swept.iter().map(Error::to_string));
         }
         errors
     }
@@ -431,12 +439,12 @@ impl GraphPools {
     }
 }
 
-fn unknown(s: &State, id: PoolId) -> String {
-    if s.released.contains(&id) {
+fn unknown(s: &State, id: PoolId) -> Error {
+    Error::invalid(if s.released.contains(&id) {
         format!("pool {} was released already", name(id))
     } else {
         format!("unknown pool {} (no beginAllocateToPool for it)", name(id))
-    }
+    })
 }
 
 #[cfg(test)]
@@ -502,7 +510,7 @@ mod tests {
         let pools = GraphPools::new(LogLevel::Off);
         let make = |guard| {
             let d: Arc<dyn Device> = Arc::new(Hooked::new(device.clone(), PoolHook(guard)));
-            build(policy, d, &options).map_err(|e| e.to_string())
+            build(policy, d, &options).map_err(Error::from)
         };
         let st: Vec<Stream> = (0..4).map(|_| device.create_stream().unwrap()).collect();
         let s = st[3];
@@ -576,14 +584,20 @@ mod tests {
         assert!(pools
             .begin((1, 1), make)
             .unwrap_err()
+            .message()
             .contains("already being captured"));
         pools.end((1, 1)).unwrap();
-        assert!(pools.end((1, 1)).unwrap_err().contains("no capture"));
+        assert!(pools
+            .end((1, 1))
+            .unwrap_err()
+            .message()
+            .contains("no capture"));
         pools.release((1, 1), &main_free).unwrap();
         pools.release((1, 1), &main_free).unwrap();
         assert!(pools
             .release((1, 1), &main_free)
             .unwrap_err()
+            .message()
             .contains("released already"));
         assert_eq!(pools.counts().0, 1, "{policy}: live outputs keep the pool");
         for (p, _) in graph {
@@ -593,15 +607,17 @@ mod tests {
         assert!(pools
             .release((1, 1), &main_free)
             .unwrap_err()
+            .message()
             .contains("released already"));
         assert!(pools
             .end((4, 2))
             .unwrap_err()
+            .message()
             .contains("unknown pool (4, 2)"));
         assert!(pools
             .malloc((4, 2), 8, s)
             .unwrap_err()
-            .1
+            .message()
             .contains("unknown pool"));
         // Everything the pool had is back on the device.
         for a in &before[4..] {
@@ -644,7 +660,7 @@ mod tests {
         let pools = GraphPools::new(LogLevel::Off);
         let make = |guard| {
             let d: Arc<dyn Device> = Arc::new(Hooked::new(device.clone(), PoolHook(guard)));
-            build(policy, d, &options).map_err(|e| e.to_string())
+            build(policy, d, &options).map_err(Error::from)
         };
         let s = device.create_stream().unwrap();
         pools.begin((0, 7), make).unwrap();
@@ -673,8 +689,11 @@ mod tests {
                 let g = (big.ptr, big.size);
                 assert!(overlaps(g, (a.ptr, a.size)) || overlaps(g, (b.ptr, b.size)));
             }
-            Err((oom, e)) => {
-                assert!(oom || e.contains("CUDA graph pool"), "{e}");
+            Err(e) => {
+                assert!(
+                    e.is_out_of_memory() || e.message().contains("CUDA graph pool"),
+                    "{e}"
+                );
                 eprintln!(
                     "40 MiB in the pinned pool: {e} ({} refused)",
                     pools.refused()

@@ -8,13 +8,22 @@
 //! Allocators live in a fixed array of [`MAX_DEVICES`] slots, each a
 //! `OnceLock` filled under a creation lock, so the hot path (malloc/free on an
 //! existing allocator) takes no lock of ours beyond the allocator's own.
+//!
+//! The runtime itself is reached through a once-set pointer ([`runtime`]:
+//! one acquire load, no lock, no reference count), so a cache-hit malloc +
+//! free through the C ABI costs the policy's own pair plus a few loads
+//! (docs/expandable.md, "Benchmarks"). A runtime is never freed while the
+//! process may use it: one replaced by `vmmalloc_configure` (which holds no
+//! allocator) is leaked, and only `vmmalloc_reset_for_tests` frees one.
 
 use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
 use crate::diag;
+use crate::error::Error;
 use crate::history::History;
 use crate::pools::{GraphPools, PoolHook, PoolId};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use vmmalloc_alloc::{AllocError, Allocation, Allocator, Policy, PolicyOptions, Stream};
 use vmmalloc_device::adaptors::Hooked;
 use vmmalloc_device::Device;
@@ -37,9 +46,87 @@ pub struct DeviceState {
     /// The policy and options a graph pool's allocator is built with.
     policy: Policy,
     options: PolicyOptions,
+    /// Why the device failed: a panic during a call on it (`crate::entry`).
+    /// Set once; from then on every call on the device fails with it.
+    failure: OnceLock<String>,
+}
+
+thread_local! {
+    /// The ordinal of the device the running call looked up last (or
+    /// `u32::MAX`): the device a panic in the call is blamed on. Loops over
+    /// devices look each one up before working on it.
+    static CURRENT: Cell<u32> = const { Cell::new(u32::MAX) };
+}
+
+/// Forgets the device of the previous call (at the start of each call).
+#[inline]
+pub(crate) fn clear_current() {
+    CURRENT.with(|c| c.set(u32::MAX));
+}
+
+#[inline]
+fn set_current(ordinal: u32) {
+    CURRENT.with(|c| c.set(ordinal));
+}
+
+/// After a panic in a call: marks the device that call looked up last as
+/// failed with `why` (the call's name and the panic's text). Returns its ordinal.
+pub(crate) fn fail_current(why: &str) -> Option<u32> {
+    let ordinal = CURRENT.with(Cell::get);
+    current_runtime()?.existing(ordinal)?.fail(why);
+    Some(ordinal)
 }
 
 impl DeviceState {
+    /// Marks the device failed (the first reason stays).
+    pub fn fail(&self, why: &str) {
+        let _ = self.failure.set(why.to_string());
+    }
+
+    /// The error every call on a failed device returns.
+    fn failed_error(&self, why: &str) -> Error {
+        Error::failed(format!(
+            "device {}: the allocator failed and serves nothing any more ({why}); \
+             its memory state cannot be trusted: restart the process, and please report it",
+            self.ordinal
+        ))
+    }
+
+    /// Why the device was marked failed after a panic during a call on it
+    /// (one atomic load: for the hot path; [`DeviceState::check`] also asks
+    /// the allocator).
+    #[inline]
+    pub fn failure(&self) -> Option<Error> {
+        self.failure.get().map(|why| self.failed_error(why))
+    }
+
+    /// The C ABI error of an error of this device's allocator. An allocator
+    /// that failed (a panic under its lock) fails the device too, so the
+    /// message names the device like every later one.
+    pub fn error(&self, e: AllocError) -> Error {
+        match &e {
+            AllocError::Failed(why) => {
+                self.fail(why);
+                self.check().err().unwrap_or_else(|| e.into())
+            }
+            _ => e.into(),
+        }
+    }
+
+    /// Fails if the device failed: after a panic during a call on it, or
+    /// (`expandable`) a panic under its allocator's lock.
+    pub fn check(&self) -> Result<(), Error> {
+        match self
+            .failure
+            .get()
+            .map(String::as_str)
+            .or_else(|| self.allocator.failure())
+        {
+            None => Ok(()),
+            Some(why) => Err(self.failed_error(why)),
+        }
+    }
+
     /// Allocates, recording the events when history is on.
     pub fn malloc(&self, size: u64, stream: Stream) -> Result<Allocation, AllocError> {
         let Some(h) = &self.history else {
@@ -88,17 +175,21 @@ impl DeviceState {
 
     /// `beginAllocateToPool`: creates the pool's allocator (same policy and
     /// options, same device) on first use.
-    pub fn pool_begin(&self, id: PoolId) -> Result<(), String> {
+    pub fn pool_begin(&self, id: PoolId) -> Result<(), Error> {
         self.pools.begin(id, |guard| {
             let device: Arc<dyn Device> =
                 Arc::new(Hooked::new(self.device.clone(), PoolHook(guard)));
-            vmmalloc_alloc::build(self.policy, device, &self.options)
-                .map_err(|e| format!("cannot create the pool's {} allocator: {e}", self.policy))
+            vmmalloc_alloc::build(self.policy, device, &self.options).map_err(|e| {
+                Error::from(e).context(format!(
+                    "cannot create the pool's {} allocator",
+                    self.policy
+                ))
+            })
         })
     }
 
     /// `releasePool`: one graph using pool `id` is gone (see [`GraphPools::release`]).
-    pub fn pool_release(&self, id: PoolId) -> Result<(), String> {
+    pub fn pool_release(&self, id: PoolId) -> Result<(), Error> {
         self.pools.release(id, &|p| self.free_main(p))
     }
 
@@ -142,23 +233,23 @@ pub struct Runtime {
     creating: Mutex<()>,
 }
 
+/// State changed only by the slow paths, under [`GLOBAL`]'s lock.
 struct Global {
-    runtime: Option<Arc<Runtime>>,
     /// Text from `vmmalloc_configure`, used instead of `VMMALLOC_CONF`.
     conf_override: Option<String>,
 }
 
-static GLOBAL: RwLock<Global> = RwLock::new(Global {
-    runtime: None,
+static GLOBAL: Mutex<Global> = Mutex::new(Global {
     conf_override: None,
 });
 
-fn read_global() -> std::sync::RwLockReadGuard<'static, Global> {
-    GLOBAL.read().unwrap_or_else(|e| e.into_inner())
-}
+/// The current runtime: null until the first call that needs one (and after
+/// `vmmalloc_configure` or a reset), else a pointer from `Box::into_raw`,
+/// set under [`GLOBAL`]'s lock.
+static RUNTIME: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
 
-fn write_global() -> std::sync::RwLockWriteGuard<'static, Global> {
-    GLOBAL.write().unwrap_or_else(|e| e.into_inner())
+fn write_global() -> std::sync::MutexGuard<'static, Global> {
+    GLOBAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `on_oom` of the current runtime as a number (`OnOom` index; raise until
@@ -185,21 +276,49 @@ pub fn on_oom() -> crate::config::OnOom {
         .unwrap_or(crate::config::OnOom::Raise)
 }
 
-/// The runtime, created on first use.
-pub fn runtime() -> Arc<Runtime> {
-    if let Some(rt) = &read_global().runtime {
-        return rt.clone();
+/// The runtime if one exists (none is created).
+fn current_runtime() -> Option<&'static Runtime> {
+    let p = RUNTIME.load(Ordering::Acquire);
+    // SAFETY: a non-null `RUNTIME` came from `Box::into_raw` (published with
+    // a release store after it was fully built) and is freed only by
+    // `reset`, whose contract is that no other call is running.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// The runtime as [`runtime`] hands it out: a plain shared reference (no
+/// reference count) that derefs to it.
+#[derive(Clone, Copy)]
+pub struct RuntimeRef(&'static Runtime);
+
+impl std::ops::Deref for RuntimeRef {
+    type Target = Runtime;
+    #[inline]
+    fn deref(&self) -> &Runtime {
+        self.0
     }
-    let mut g = write_global();
-    if let Some(rt) = &g.runtime {
-        return rt.clone();
+}
+
+/// The runtime, created on first use.
+#[inline]
+pub fn runtime() -> RuntimeRef {
+    RuntimeRef(match current_runtime() {
+        Some(rt) => rt,
+        None => create_runtime(),
+    })
+}
+
+#[cold]
+fn create_runtime() -> &'static Runtime {
+    let g = write_global();
+    if let Some(rt) = current_runtime() {
+        return rt;
     }
     let config = match &g.conf_override {
         Some(text) => Config::parse(text),
         None => Config::from_env(),
     };
     crate::fork::install();
-    let rt = Arc::new(Runtime::new(config));
+    let rt = Box::new(Runtime::new(config));
     let oom = rt
         .config
         .as_ref()
@@ -230,26 +349,32 @@ pub fn runtime() -> Arc<Runtime> {
             ),
         );
     }
-    g.runtime = Some(rt.clone());
-    rt
+    let rt = Box::into_raw(rt);
+    RUNTIME.store(rt, Ordering::Release);
+    drop(g);
+    // SAFETY: just built and published; freed only by `reset` (see `current_runtime`).
+    unsafe { &*rt }
 }
 
 /// Sets the configuration text used instead of `VMMALLOC_CONF`. Fails if it
 /// does not parse, or if an allocator exists already.
-pub fn configure(text: &str) -> Result<(), String> {
+pub fn configure(text: &str) -> Result<(), Error> {
     // Labelled by its origin: this text, not the environment variable.
-    let parsed = Config::parse(text).map_err(|e| format!("vmmalloc_configure: {}", e.message))?;
+    let parsed = Config::parse(text)
+        .map_err(|e| Error::invalid(format!("vmmalloc_configure: {}", e.message)))?;
     let mut g = write_global();
-    if let Some(rt) = &g.runtime {
+    if let Some(rt) = current_runtime() {
         if rt.active_devices().next().is_some() {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "vmmalloc_configure: allocators exist already (devices {}); configure before the first allocation",
                 rt.active_devices().map(|d| d.ordinal.to_string()).collect::<Vec<_>>().join(", ")
-            ));
+            )));
         }
     }
     g.conf_override = Some(text.to_string());
-    g.runtime = None;
+    // The next call builds a runtime from this text. The old one holds no
+    // allocator and another thread may still be reading it: it is leaked.
+    RUNTIME.store(std::ptr::null_mut(), Ordering::Release);
     diag::log(
         parsed.log,
         LogLevel::Info,
@@ -259,13 +384,20 @@ pub fn configure(text: &str) -> Result<(), String> {
 }
 
 /// Drops every allocator and the configuration (tests only: pointers from
-/// before are invalid afterwards).
+/// before are invalid afterwards, and no other thread may be inside a
+/// `vmmalloc_*` call: the runtime it may be using is freed).
 pub fn reset() {
     ON_OOM.store(0, Ordering::Relaxed);
     LOG.store(1, Ordering::Relaxed);
     let mut g = write_global();
-    g.runtime = None;
     g.conf_override = None;
+    let old = RUNTIME.swap(std::ptr::null_mut(), Ordering::AcqRel);
+    drop(g);
+    if !old.is_null() {
+        // SAFETY: `old` came from `Box::into_raw` and is no longer published;
+        // by this function's contract no other call is using it.
+        drop(unsafe { Box::from_raw(old) });
+    }
 }
 
 impl Runtime {
@@ -282,23 +414,23 @@ impl Runtime {
     }
 
     /// The configuration, or its error (logged the first time only).
-    pub fn config(&self) -> Result<&Config, String> {
+    pub fn config(&self) -> Result<&Config, Error> {
         match &self.config {
             Ok(c) => Ok(c),
             Err(e) => {
-                let m = e.to_string();
+                let e = Error::from(e.clone());
                 if !self.config_error_logged.swap(true, Ordering::Relaxed) {
-                    diag::log(self.log, LogLevel::Error, &m);
+                    diag::log(self.log, LogLevel::Error, e.message());
                 }
-                Err(m)
+                Err(e)
             }
         }
     }
 
     /// The configuration, or its error, without logging it: for callers
     /// that report the error themselves ([`crate::vmmalloc_check_config`]).
-    pub fn config_unlogged(&self) -> Result<&Config, String> {
-        self.config.as_ref().map_err(|e| e.to_string())
+    pub fn config_unlogged(&self) -> Result<&Config, Error> {
+        self.config.as_ref().map_err(|e| Error::from(e.clone()))
     }
 
     /// Records PyTorch's device count (from the init hook).
@@ -307,9 +439,27 @@ impl Runtime {
     }
 
     /// Checks that `device` is a valid ordinal; returns it as an index.
-    pub fn check_ordinal(&self, device: i32) -> Result<u32, String> {
+    /// Builds no text unless the ordinal is invalid.
+    #[inline]
+    pub fn check_ordinal(&self, device: i32) -> Result<u32, Error> {
         let config = self.config()?;
         let init = self.init_count.load(Ordering::Relaxed);
+        let mut limit = MAX_DEVICES as u32;
+        if config.device != DeviceKind::Cuda {
+            limit = limit.min(config.device_count);
+        }
+        if init > 0 {
+            limit = limit.min(init);
+        }
+        match u32::try_from(device) {
+            Ok(d) if d < limit => Ok(d),
+            _ => Err(self.bad_ordinal(config, device, init)),
+        }
+    }
+
+    /// Why `device` is not a valid ordinal (the tightest bound's reason).
+    #[cold]
+    fn bad_ordinal(&self, config: &Config, device: i32, init: u32) -> Error {
         let mut limit = MAX_DEVICES as u32;
         let mut why = format!("vmmalloc serves ordinals 0..{}", MAX_DEVICES - 1);
         if config.device != DeviceKind::Cuda && config.device_count < limit {
@@ -320,30 +470,36 @@ impl Runtime {
             );
         }
         if init > 0 && init < limit {
-            limit = init;
             why = format!("vmmalloc_init reported {init} device(s)");
         }
-        match u32::try_from(device) {
-            Ok(d) if d < limit => Ok(d),
-            _ => Err(format!("invalid device ordinal {device}: {why}")),
-        }
+        Error::invalid(format!("invalid device ordinal {device}: {why}"))
     }
 
-    /// The allocator of `device` if it exists (no creation).
+    /// The allocator of `device` if it exists (no creation). Failed or not
+    /// (see [`DeviceState::check`]).
     pub fn existing(&self, device: u32) -> Option<&Arc<DeviceState>> {
-        self.slots.get(device as usize).and_then(OnceLock::get)
+        let d = self.slots.get(device as usize).and_then(OnceLock::get)?;
+        set_current(d.ordinal);
+        Some(d)
     }
 
-    /// Devices whose allocator exists, in ordinal order.
+    /// Devices whose allocator exists, in ordinal order, failed or not.
     pub fn active_devices(&self) -> impl Iterator<Item = &Arc<DeviceState>> {
-        self.slots.iter().filter_map(OnceLock::get)
+        self.slots
+            .iter()
+            .filter_map(OnceLock::get)
+            .inspect(|d| set_current(d.ordinal))
     }
 
     /// The allocator of `device`, created on first use.
-    pub fn device(&self, device: i32) -> Result<&Arc<DeviceState>, String> {
+    pub fn device(&self, device: i32) -> Result<&Arc<DeviceState>, Error> {
         let ordinal = self.check_ordinal(device)?;
+        set_current(ordinal);
         let slot = &self.slots[ordinal as usize];
         if let Some(s) = slot.get() {
+            if let Some(why) = s.failure.get() {
+                return Err(s.failed_error(why));
+            }
             return Ok(s);
         }
         let _g = self.creating.lock().unwrap_or_else(|e| e.into_inner());
@@ -353,9 +509,11 @@ impl Runtime {
         let config = self.config()?;
         let dev = crate::devices::open(config, ordinal)?;
         let policy = config.effective_policy();
-        let options = config.policy_options().map_err(|e| e.to_string())?;
+        let options = config.policy_options()?;
         let allocator = vmmalloc_alloc::build(policy, dev.clone(), &options).map_err(|e| {
-            format!("cannot create the {policy} allocator on device {ordinal}: {e}")
+            Error::from(e).context(format!(
+                "cannot create the {policy} allocator on device {ordinal}"
+            ))
         })?;
         let caps = dev.caps();
         diag::log(
@@ -376,6 +534,7 @@ impl Runtime {
             pools: GraphPools::new(config.log),
             policy,
             options,
+            failure: OnceLock::new(),
         });
         Ok(slot.get_or_init(|| state))
     }

@@ -45,7 +45,8 @@ typedef std::pair<CaptureId_t, CaptureId_t> MempoolId_t;
 typedef std::function<bool(cudaStream_t)> StreamFilter;
 
 extern "C" {
-// The Rust side (lib.rs). Codes: 0 ok, 1 out of memory, 2 other failure.
+// The Rust side (lib.rs). Codes (error.rs): 0 ok, 1 out of memory, 2 invalid
+// argument, 3 driver error, 4 allocator failed, 5 unsupported.
 int vmmalloc_try_malloc(size_t size, int device, void* stream, void** out);
 int vmmalloc_pool_try_malloc(size_t size, int device, void* stream, CaptureId_t pool_hi,
                              CaptureId_t pool_lo, void** out);
@@ -135,6 +136,21 @@ struct RelaxedCaptureMode {
   }
 };
 
+// The kind's name for a code other than out of memory (error.rs, ErrorKind::name).
+const char* kind_name(int code) {
+  switch (code) {
+    case 2: return "invalid argument";
+    case 3: return "driver error";
+    case 4: return "allocator failed";
+    case 5: return "unsupported";
+    default: return "error";
+  }
+}
+
+// One exception per kind (error.rs has the table): out of memory is
+// c10::OutOfMemoryError (companion) or std::runtime_error starting "CUDA out
+// of memory."; every other kind a std::runtime_error "vmmalloc: <kind>: ...",
+// which PyTorch raises as RuntimeError.
 [[noreturn]] void raise(int code) {
   if (code == 1) {
     std::string what = "CUDA out of memory. vmmalloc: " + last_error_text();
@@ -143,7 +159,7 @@ struct RelaxedCaptureMode {
     }
     throw std::runtime_error(what);
   }
-  throw std::runtime_error("vmmalloc: " + last_error_text());
+  throw std::runtime_error(std::string("vmmalloc: ") + kind_name(code) + ": " + last_error_text());
 }
 
 }  // namespace

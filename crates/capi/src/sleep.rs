@@ -144,6 +144,10 @@ fn run(
         }
         let mut total: u64 = 0;
         for d in rt.active_devices() {
+            if let Err(e) = d.check() {
+                fail(&rt, LError, format!("{call}: {e}"));
+                return -1;
+            }
             if d.pools.capturing() {
                 fail(
                     &rt,
@@ -177,11 +181,14 @@ pub extern "C" fn vmmalloc_tag_stats_json(device: c_int) -> *mut c_char {
     entry("vmmalloc_tag_stats_json", std::ptr::null_mut(), || {
         let rt = runtime::runtime();
         let r = rt.check_ordinal(device).and_then(|o| {
-            let stats = rt
-                .existing(o)
-                .map(|d| d.allocator.tag_stats())
-                .unwrap_or_default();
-            serde_json::to_string(&stats).map_err(|e| e.to_string())
+            let stats = match rt.existing(o) {
+                Some(d) => {
+                    d.check()?;
+                    d.allocator.tag_stats()
+                }
+                None => Vec::new(),
+            };
+            serde_json::to_string(&stats).map_err(super::json_error)
         });
         match r {
             Ok(j) => owned_c_string(&j),

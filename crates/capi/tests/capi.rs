@@ -117,6 +117,14 @@ fn malloc(size: usize, device: i32) -> *mut c_void {
     out
 }
 
+/// `vmmalloc_try_malloc`'s code and pointer.
+fn malloc_rc(size: usize, device: i32) -> (c_int, *mut c_void) {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: `out` is valid for a write; the stream is opaque.
+    let rc = unsafe { (api().malloc)(size, device, std::ptr::null_mut(), &mut out) };
+    (rc, out)
+}
+
 fn free(ptr: *mut c_void, size: usize, device: i32) {
     // SAFETY: vmmalloc_free accepts any pointer value (unknown ones are reported).
     unsafe { (api().free)(ptr, size, device, std::ptr::null_mut()) }
@@ -817,9 +825,13 @@ fn bad_inputs_are_reported_and_change_nothing() {
         }
         // Bad ordinals.
         for d in [-1, 2, 64, i32::MAX, i32::MIN] {
-            assert!(malloc(16, d).is_null());
+            let (rc, p) = malloc_rc(16, d);
+            assert!(p.is_null());
+            assert_eq!(rc, 2, "{backend}: VMMALLOC_E_INVALID for ordinal {d}");
             expect_err("bad ordinal", &format!("invalid device ordinal {d}"));
         }
+        // Beyond any device: out of memory (VMMALLOC_E_OOM).
+        assert_eq!(malloc_rc((1 << 50) + 1, 0).0, 1, "{backend}");
         // Wrong device hint on free: found anyway.
         let q = malloc(4096, 1);
         assert!(!q.is_null(), "{backend}: {:?}", last_error());
@@ -1343,7 +1355,8 @@ fn child_checks() -> bool {
     // SAFETY: `out` is valid for a write.
     let rc = unsafe { (api().malloc)(4096, 0, std::ptr::null_mut(), &mut out) };
     let forked = |e: Option<String>| e.is_some_and(|e| e.contains("forked"));
-    let mut ok = rc == 2 && out.is_null() && forked(last_error());
+    // VMMALLOC_E_UNSUPPORTED: a forked child cannot use the allocator.
+    let mut ok = rc == 5 && out.is_null() && forked(last_error());
     free(0x1000 as *mut c_void, 0, 0);
     ok &= forked(last_error());
     // SAFETY: no preconditions.

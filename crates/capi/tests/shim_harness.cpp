@@ -115,7 +115,8 @@ int main(int argc, char** argv) {
   } catch (const std::runtime_error& e) {
     thrown = true;
     std::string what = e.what();
-    CHECK(what.rfind("vmmalloc: ", 0) == 0 && what.find("invalid device ordinal 77") != std::string::npos,
+    CHECK(what.rfind("vmmalloc: invalid argument: ", 0) == 0 &&
+              what.find("invalid device ordinal 77") != std::string::npos,
           "%s", what.c_str());
   }
   CHECK(thrown, "a bad ordinal did not throw");

@@ -187,6 +187,9 @@ pub enum FaultKind {
     OutOfMemory,
     /// Any other driver code (e.g. 999 `CUDA_ERROR_UNKNOWN`).
     Driver(u32),
+    /// No error: the call panics (`injected panic in <call>`), standing in
+    /// for a bug in the code around a device call (tests of panic safety).
+    Panic,
 }
 
 /// When to fail.
@@ -268,6 +271,7 @@ impl FaultInjector {
                 name: "injected".into(),
                 detail: "fault injected by FaultInjector".into(),
             },
+            FaultKind::Panic => panic!("injected panic in {call}"),
         }
     }
 }

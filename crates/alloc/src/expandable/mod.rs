@@ -262,41 +262,68 @@ impl<D: Device> ExpandableAllocator<D> {
         &self.device
     }
 
+    /// Runs `f` under the lock. A panic in it fails the allocator (see
+    /// `lock.rs`): this call and every later one return
+    /// [`crate::AllocError::Failed`] naming the panic.
+    #[inline]
+    fn call<T>(
+        &self,
+        op: &str,
+        f: impl FnOnce(&mut Inner, &D) -> AllocResult<T>,
+    ) -> AllocResult<T> {
+        match self.inner.run(op, |inner| f(inner, &self.device)) {
+            Ok(r) => r,
+            Err(why) => Err(crate::AllocError::Failed(why.to_string())),
+        }
+    }
+
+    /// Reads the state under the lock; once the allocator has failed, reads
+    /// the state as the panic left it (statistics and snapshots stay
+    /// available to explain the failure; nothing is handed out).
+    fn read<T>(&self, op: &str, f: impl Fn(&Inner) -> T) -> T {
+        match self.inner.run(op, |inner| f(inner)) {
+            Ok(v) => v,
+            Err(_) => f(self
+                .inner
+                .frozen()
+                .expect("a lock that refuses a guard has failed")),
+        }
+    }
+
     /// Bytes of one physical page.
     pub fn page_size(&self) -> u64 {
-        self.inner.lock().layout.page
+        self.read("page_size", |i| i.layout.page)
     }
 
     /// Bytes of the largest physical chunk (one `cuMemCreate` handle).
     pub fn max_chunk(&self) -> u64 {
-        let l = self.inner.lock().layout;
-        l.max_chunk_pages * l.page
+        self.read("max_chunk", |i| i.layout.max_chunk_pages * i.layout.page)
     }
 
     /// Bytes of address space per segment.
     pub fn segment_slice(&self) -> u64 {
-        self.inner.lock().layout.slice
+        self.read("segment_slice", |i| i.layout.slice)
     }
 
     /// Reserves a growable region of up to `max_bytes` for work on `stream`
     /// and returns its address, which never changes; maps nothing
     /// (docs/expandable.md, "Growable regions").
     pub fn growable_create(&self, max_bytes: u64, stream: Stream) -> AllocResult<u64> {
-        self.inner
-            .lock()
-            .growable_create(&self.device, max_bytes, stream)
+        self.call("growable_create", |i, d| {
+            i.growable_create(d, max_bytes, stream)
+        })
     }
 
     /// Makes growable region `ptr` `bytes` long, mapping or unmapping whole
     /// chunks at its end (a shrink first waits for the region's stream). On
     /// error the region keeps its old size.
     pub fn growable_resize(&self, ptr: u64, bytes: u64) -> AllocResult<()> {
-        self.inner.lock().growable_resize(&self.device, ptr, bytes)
+        self.call("growable_resize", |i, d| i.growable_resize(d, ptr, bytes))
     }
 
     /// Unmaps and unreserves growable region `ptr`.
     pub fn growable_destroy(&self, ptr: u64) -> AllocResult<()> {
-        self.inner.lock().growable_destroy(&self.device, ptr)
+        self.call("growable_destroy", |i, d| i.growable_destroy(d, ptr))
     }
 
     /// Spill's quiet point (docs/expandable.md, "Spill and pressure"):
@@ -304,15 +331,14 @@ impl<D: Device> ExpandableAllocator<D> {
     /// live blocks back to device memory while the limit has room (waiting
     /// only for the owning streams). `empty_cache` runs it too.
     pub fn migrate_spilled(&self) -> AllocResult<()> {
-        self.inner
-            .lock()
-            .migrate_spilled(&self.device)
-            .map_err(crate::AllocError::Device)
+        self.call("migrate_spilled", |i, d| {
+            i.migrate_spilled(d).map_err(crate::AllocError::Device)
+        })
     }
 
     /// Size, maximum and mapping of growable region `ptr`.
     pub fn growable_info(&self, ptr: u64) -> AllocResult<GrowableInfo> {
-        self.inner.lock().growable_info(ptr)
+        self.call("growable_info", |i, _| i.growable_info(ptr))
     }
 }
 
@@ -322,56 +348,70 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
     }
 
     fn malloc(&self, size: u64, stream: Stream) -> AllocResult<Allocation> {
-        self.inner.lock().malloc(&self.device, size, stream)
+        self.call("malloc", |i, d| i.malloc(d, size, stream))
     }
 
     fn free(&self, ptr: u64) -> AllocResult<()> {
-        self.inner.lock().free(&self.device, ptr)
+        self.call("free", |i, d| i.free(d, ptr))
     }
 
     fn record_stream(&self, ptr: u64, stream: Stream) -> AllocResult<()> {
-        self.inner.lock().record_stream(ptr, stream)
+        self.call("record_stream", |i, _| i.record_stream(ptr, stream))
     }
 
     fn empty_cache(&self) -> AllocResult<()> {
-        self.inner.lock().empty_cache(&self.device)
+        self.call("empty_cache", |i, d| i.empty_cache(d))
     }
 
     fn set_memory_fraction(&self, fraction: f64) -> AllocResult<()> {
-        self.inner
-            .lock()
-            .set_memory_fraction(&self.device, fraction)
+        self.call("set_memory_fraction", |i, d| {
+            i.set_memory_fraction(d, fraction)
+        })
     }
 
+    /// Once the allocator has failed: the statistics as the panic left them.
     fn stats(&self) -> Stats {
-        self.inner.lock().stats()
+        self.read("stats", Inner::stats)
     }
 
+    /// Does nothing once the allocator has failed.
     fn reset_peak_stats(&self) {
-        let mut g = self.inner.lock();
-        g.stats.reset_peak();
-        g.counters.reset_peak();
+        let _ = self.inner.run("reset_peak_stats", |g| {
+            g.stats.reset_peak();
+            g.counters.reset_peak();
+        });
     }
 
+    /// Once the allocator has failed: the state as the panic left it.
     fn snapshot(&self) -> Snapshot {
         let ordinal = self.device.caps().ordinal;
-        self.inner.lock().snapshot(ordinal)
+        self.read("snapshot", |i| i.snapshot(ordinal))
     }
 
+    /// Once the allocator has failed: the failure.
     fn validate(&self) -> Result<(), String> {
-        self.inner.lock().validate(&self.device)
+        match self.inner.run("validate", |i| i.validate(&self.device)) {
+            Ok(r) => r,
+            Err(why) => Err(format!("the allocator failed: {why}")),
+        }
     }
 
     fn pause(&self, tags: &[String], backup: bool) -> AllocResult<u64> {
-        self.inner.lock().pause(&self.device, tags, backup)
+        self.call("pause", |i, d| i.pause(d, tags, backup))
     }
 
     fn resume(&self, tags: &[String]) -> AllocResult<u64> {
-        self.inner.lock().resume(&self.device, tags)
+        self.call("resume", |i, d| i.resume(d, tags))
     }
 
+    /// Once the allocator has failed: the tags as the panic left them.
     fn tag_stats(&self) -> Vec<TagStats> {
-        self.inner.lock().tag_stats()
+        self.read("tag_stats", Inner::tag_stats)
+    }
+
+    /// Set by a panic under the lock (`lock.rs`).
+    fn failure(&self) -> Option<&str> {
+        self.inner.failure()
     }
 
     fn as_growable(&self) -> Option<&dyn crate::growable::Growable> {
@@ -382,8 +422,22 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
 impl<D: Device> Drop for ExpandableAllocator<D> {
     /// Waits for the streams that own segments, unmaps every page, releases
     /// every handle, destroys events and frees the arenas. Errors are logged
-    /// (each call is retried once), never raised.
+    /// (each call is retried once), never raised. A failed allocator's state
+    /// may be half-updated: its teardown is tried, and a panic in it is
+    /// logged and leaks what was left (never a panic out of `drop`).
     fn drop(&mut self) {
-        self.inner.get_mut().teardown(&self.device);
+        if self.inner.failure().is_none() {
+            self.inner.get_mut().teardown(&self.device);
+            return;
+        }
+        let (inner, device) = (self.inner.get_mut(), &self.device);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.teardown(device)));
+        if let Err(p) = r {
+            eprintln!(
+                "vmmalloc: expandable: dropping a failed allocator: its teardown panicked too ({}); \
+                 what it held is leaked",
+                lock::panic_text(&*p)
+            );
+        }
     }
 }
