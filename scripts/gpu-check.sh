@@ -439,10 +439,12 @@ if ((!dry_run)) && command -v nvidia-smi >/dev/null 2>&1; then
     driver_version="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader -i "$device" 2>/dev/null | head -n 1)"
 fi
 ((dry_run)) && gpu_name="none (dry run on the fake libcuda)"
-"$PY" "$here/gpu_report.py" markdown "$out_dir/results-gpu.md" --results "$RESULTS_JSONL" \
+# (In sessions of their own too: nothing the python leaves behind survives.)
+py_version="$(in_session 20 "$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null | tail -n 1)"
+in_session 60 "$PY" "$here/gpu_report.py" markdown "$out_dir/results-gpu.md" --results "$RESULTS_JSONL" \
     --summary "$summary" --log "$log" --manifest "$manifest" \
     --env "date=$(date -u +%Y-%m-%d)" --env "gpu=${gpu_name:-?}" --env "driver=${driver_version:-?}" \
-    --env "torch=${torch_version:-not run}" --env "python=$("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo '?')" ||
+    --env "torch=${torch_version:-not run}" --env "python=${py_version:-?}" ||
     echo "gpu-check: results-gpu.md not written"
 
 section "summary ($((SECONDS - started)) s; $out_dir)"
