@@ -250,7 +250,7 @@ done
 wants sleep && verdict "plugin: sleep" check_script sleep vmmalloc torch_sleep_checks.py sleep
 wants unpin-threads && verdict "unpin with threads" check_script unpin-threads vmmalloc torch_unpin_threads.py
 wants complete && verdict "complete allocator" check_script complete vmmalloc torch_complete_checks.py
-wants ipc && verdict "ipc" check_script ipc vmmalloc torch_ipc_checks.py
+wants ipc && verdict "ipc" check_script ipc plain torch_ipc_checks.py
 wants activation && verdict "activation" check_script activation plain torch_activation_checks.py
 
 if ((${#failures[@]} > 0)); then

@@ -39,6 +39,7 @@ from ._lib import (
 )
 from ._check import check
 from ._sleep import get_tag, pause, region, resume, set_tag, tag_stats
+from ._ipc import ipc_close, ipc_export, ipc_import
 from . import _lib
 from ._growable import GrowableTensor, growable, on_memory_pressure
 from ._region import get_region, regions
@@ -74,6 +75,10 @@ __all__ = [
     # Region mode (_region.py)
     "get_region",
     "regions",
+    # IPC without PyTorch (_ipc.py)
+    "ipc_close",
+    "ipc_export",
+    "ipc_import",
 ]
 
 __version__ = "0.1.0"

@@ -335,6 +335,9 @@ pub enum AllocError {
     /// Every call after the panic returns this, naming the panic.
     #[error("the allocator failed and serves nothing any more ({0}); please report it")]
     Failed(String),
+    /// IPC: an allocation that cannot be exported (see [`crate::ipc`]).
+    #[error("{0}")]
+    Ipc(String),
 }
 
 impl AllocError {

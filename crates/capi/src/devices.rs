@@ -64,6 +64,7 @@ fn open_plain(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, Error> {
 fn cuda_options(config: &Config) -> CudaOptions {
     CudaOptions {
         peers: config.peers.clone(),
-        ipc: config.ipc,
+        ipc: config.ipc == Some(true),
+        ipc_auto: config.ipc.is_none(),
     }
 }

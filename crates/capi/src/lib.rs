@@ -49,6 +49,11 @@
 //! int   vmmalloc_growable_destroy(void* ptr);
 //! int   vmmalloc_growable_info(void* ptr, size_t* size, size_t* max_bytes, size_t* mapped);
 //! int   vmmalloc_set_pressure_callback(size_t (*fn)(size_t size, int device));
+//! // IPC (ipc/mod.rs): share an allocation with another process, without PyTorch.
+//! int   vmmalloc_ipc_export(void* ptr, void* buf, size_t cap, size_t* len);
+//! int   vmmalloc_ipc_import(const void* handle, size_t len, void** out);
+//! int   vmmalloc_ipc_import_device(const void* handle, size_t len, int device, void** out);
+//! int   vmmalloc_ipc_close(void* ptr);
 //! ```
 //!
 //! `int` results are 0 on success and -1 on failure.
@@ -89,6 +94,7 @@ pub mod error;
 mod fork;
 mod growable;
 mod history;
+pub mod ipc;
 mod pools;
 mod region;
 mod runtime;
@@ -927,5 +933,8 @@ pub unsafe extern "C" fn vmmalloc_free_string(s: *mut c_char) {
 #[doc(hidden)]
 #[no_mangle]
 pub extern "C" fn vmmalloc_reset_for_tests() {
-    entry("vmmalloc_reset_for_tests", (), runtime::reset)
+    entry("vmmalloc_reset_for_tests", (), || {
+        ipc::reset();
+        runtime::reset()
+    })
 }
