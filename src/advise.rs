@@ -14,11 +14,12 @@
 //! `torch.cuda.set_per_process_memory_fraction` is set).
 
 use crate::compare::{gib, unlimited_capacity, TightCapacity};
+use crate::replay_cmd::format_bytes;
 use anyhow::{bail, Context, Result};
 use std::sync::Mutex;
-use vmmalloc_alloc::{parse_size, PolicySpec};
+use vmmalloc_alloc::PolicySpec;
 use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig};
-use vmmalloc_trace::{DeviceTrace, Input};
+use vmmalloc_trace::DeviceTrace;
 
 /// Arguments of `vmmalloc advise`.
 #[derive(clap::Args, Debug)]
@@ -27,7 +28,7 @@ pub struct AdviseArgs {
     pub input: String,
     /// The GPU memory to fit in, e.g. `24GiB` or `80GiB` (default: the
     /// tightest device `compare` uses, 1.05 × peak live).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub gpu: Option<String>,
     /// The simulated device: cost model and granularity.
     #[command(flatten)]
@@ -245,7 +246,7 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     let base = args.sim.base_config()?;
     let gpu = match &args.gpu {
         Some(s) => {
-            let b = parse_size(s).map_err(|e| anyhow::anyhow!("--gpu: {e}"))?;
+            let b = crate::replay_cmd::parse_capacity("--gpu", s)?;
             let r = b / base.granularity * base.granularity;
             if r == 0 {
                 bail!(
@@ -257,13 +258,7 @@ pub fn run(args: AdviseArgs) -> Result<()> {
         }
         None => None,
     };
-    let input: Input = args
-        .input
-        .parse()
-        .with_context(|| format!("input `{}`", args.input))?;
-    let trace = input
-        .load()
-        .with_context(|| format!("loading `{}`", args.input))?;
+    let trace = crate::input::load_input(&args.input)?;
     let devices: Vec<&DeviceTrace> = trace.devices.iter().collect();
     if devices.iter().all(|d| d.replay_ops().is_empty()) {
         bail!(
@@ -275,16 +270,16 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     for dt in &devices {
         let peak = dt.peak_live_bytes();
         println!(
-            "{} device {}: {} events, peak live {} GiB; judged on {}",
+            "{} device {}: {} events, peak live {}; judged on {}",
             trace.name,
             dt.device(),
             dt.events().len(),
-            gib(peak),
+            format_bytes(peak),
             match gpu {
-                Some(g) => format!("a {} GiB GPU (--gpu)", gib(g)),
+                Some(g) => format!("a {} GPU (--gpu)", format_bytes(g)),
                 None => format!(
-                    "a {} GiB device, 1.05 x peak live (give --gpu SIZE for your card)",
-                    gib(TightCapacity::default().bytes(peak, base.granularity))
+                    "a {} device, 1.05 x peak live (give --gpu SIZE for your card)",
+                    format_bytes(TightCapacity::default().bytes(peak, base.granularity))
                 ),
             }
         );
@@ -356,9 +351,9 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     let tie = (gpu_ref / 100).max(base.granularity);
     let say = |who: &str, v: &Verdict| {
         println!(
-            "{who}: {} — headroom {} GiB, driver time {:.1} ms cold, {} ms per further pass.",
+            "{who}: {} — headroom {}, driver time {:.1} ms cold, {} ms per further pass.",
             v.candidate.spec,
-            v.headroom.map_or("-".into(), gib),
+            v.headroom.map_or("-".into(), format_bytes),
             v.cold_ms,
             ms(v.steady_ms)
         );
@@ -386,9 +381,9 @@ pub fn run(args: AdviseArgs) -> Result<()> {
             .min_by_key(|(m, _)| *m)
         {
             Some((m, v)) => println!(
-                "Keeping PyTorch's allocator: no setting of it fits; the closest, {}, needs {} GiB.",
+                "Keeping PyTorch's allocator: no setting of it fits; the closest, {}, needs {}.",
                 v.candidate.spec,
-                gib(m)
+                format_bytes(m)
             ),
             None => println!("Keeping PyTorch's allocator: no setting of it fits."),
         },
@@ -409,14 +404,14 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                 .min_by_key(|(m, _)| *m);
             match closest {
                 Some((m, v)) => bail!(
-                    "nothing fits on {} GiB; the closest, {}, needs {} GiB",
-                    gib(gpu_ref),
+                    "nothing fits on {}; the closest, {}, needs {}",
+                    format_bytes(gpu_ref),
                     v.candidate.spec,
-                    gib(m)
+                    format_bytes(m)
                 ),
                 None => bail!(
-                    "nothing fits on {} GiB, nor on any device up to 8 x peak live",
-                    gib(gpu_ref)
+                    "nothing fits on {}, nor on any device up to 8 x peak live",
+                    format_bytes(gpu_ref)
                 ),
             }
         }

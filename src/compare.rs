@@ -1,6 +1,7 @@
 //! `vmmalloc compare`: replay traces against every policy, find each one's
 //! smallest device, and report overhead and driver cost.
 
+use crate::input::{load_inputs, resolve_input};
 use crate::report;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -12,13 +13,7 @@ use vmmalloc_alloc::{split_policy_specs, Policy, PolicySpec};
 use vmmalloc_device::cost::CostModel;
 use vmmalloc_device::{round_up, Call, CallCounts, GIB, MIB};
 use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig, ReplayResult, SteadyResult};
-use vmmalloc_trace::{DeviceTrace, Input, Trace};
-
-/// The built-in set: the bundled real snapshot plus the three workloads.
-pub const BUILTIN_FIXTURE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/tests/fixtures/cs336_lm_step.pickle"
-);
+use vmmalloc_trace::DeviceTrace;
 
 /// Arguments of `vmmalloc compare`.
 #[derive(clap::Args, Debug)]
@@ -92,7 +87,10 @@ impl TightCapacity {
         match self {
             TightCapacity::Factor(f) => format!("{f} x peak live"),
             TightCapacity::Fixed(b) => {
-                format!("{} GiB (--capacity)", gib(round_up(b, granularity)))
+                format!(
+                    "{} (--capacity)",
+                    crate::replay_cmd::format_bytes(round_up(b, granularity))
+                )
             }
         }
     }
@@ -492,43 +490,6 @@ pub fn table(rows: &[TraceRow]) -> String {
     out
 }
 
-/// The built-in snapshot's name: an input naming it (and no file of that
-/// name) loads [`BUILTIN_FIXTURE`].
-pub const BUILTIN_FIXTURE_NAME: &str = "cs336_lm_step";
-
-/// Resolves an input as written: [`BUILTIN_FIXTURE_NAME`] is the bundled
-/// snapshot unless a file of that name exists; anything else is unchanged.
-pub fn resolve_input(s: &str) -> String {
-    let t = s.trim();
-    if (t == BUILTIN_FIXTURE_NAME || t == "cs336_lm_step.pickle")
-        && !std::path::Path::new(t).exists()
-    {
-        BUILTIN_FIXTURE.to_string()
-    } else {
-        s.to_string()
-    }
-}
-
-/// Loads the inputs (or the built-in set).
-pub fn load_inputs(inputs: &[String]) -> Result<Vec<Trace>> {
-    let specs: Vec<String> = if inputs.is_empty() {
-        let mut v = vec![BUILTIN_FIXTURE.to_string()];
-        v.extend(vmmalloc_trace::WORKLOADS.iter().map(|s| s.to_string()));
-        v
-    } else {
-        inputs.iter().map(|s| resolve_input(s)).collect()
-    };
-    specs
-        .iter()
-        .map(|s| {
-            let input: Input = s.parse().with_context(|| {
-                format!("input `{s}` (the built-in snapshot is `{BUILTIN_FIXTURE_NAME}`)")
-            })?;
-            input.load().with_context(|| format!("loading `{s}`"))
-        })
-        .collect()
-}
-
 /// Prints the reader's warnings about one device trace, each with its text,
 /// on standard error (`warning: TRACE device D: TEXT`).
 pub fn print_reader_warnings(trace: &str, dt: &DeviceTrace) {
@@ -612,7 +573,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
     let policies = parse_policy_specs(&args.policies)?;
     let base = args.sim.base_config()?;
     let tight = match &args.capacity {
-        Some(c) => TightCapacity::Fixed(crate::replay_cmd::parse_size(c).context("--capacity")?),
+        Some(c) => TightCapacity::Fixed(crate::replay_cmd::parse_capacity("--capacity", c)?),
         None => {
             let f = args.tight_factor;
             if !(f.is_finite() && f >= 1.0) {
@@ -719,11 +680,11 @@ pub fn run(args: CompareArgs) -> Result<()> {
             let ooms = p.tight.ooms + p.tight.steady.as_ref().map_or(0, |st| st.ooms);
             if args.fail_on_oom && ooms > 0 {
                 failures.push(format!(
-                    "{} on {} device {}: {ooms} out-of-memory errors at {} GiB (--fail-on-oom)",
+                    "{} on {} device {}: {ooms} out-of-memory errors at {} (--fail-on-oom)",
                     p.label(),
                     t.name,
                     t.device,
-                    gib(t.tight_capacity)
+                    crate::replay_cmd::format_bytes(t.tight_capacity)
                 ));
             }
         }
@@ -744,9 +705,7 @@ pub fn metadata_json(
     tight: TightCapacity,
 ) -> Map<String, Value> {
     let specs: Vec<String> = if inputs.is_empty() {
-        let mut v = vec![BUILTIN_FIXTURE.to_string()];
-        v.extend(vmmalloc_trace::WORKLOADS.iter().map(|s| s.to_string()));
-        v
+        crate::input::default_inputs()
     } else {
         inputs.to_vec()
     };

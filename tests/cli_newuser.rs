@@ -1,0 +1,169 @@
+//! What a new user tripped over (issue 26): the same inputs everywhere,
+//! one-line errors, refused absurd capacities, the out-of-memory "Why",
+//! one option syntax, and a terminal-width `compare`.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The CLI with `RUST_BACKTRACE=1`, as many Rust users (and some machines)
+/// have it set: user errors must stay one line anyway.
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_vmmalloc"));
+    c.env("RUST_BACKTRACE", "1");
+    c
+}
+
+fn run(args: &[&str]) -> Output {
+    bin().args(args).output().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = run(args);
+    assert!(
+        o.status.success(),
+        "vmmalloc {args:?} failed:\n{}\n{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+/// Runs a command that must fail with a user error: a non-zero exit and
+/// exactly one line on standard error, `Error: ...`, no backtrace.
+fn user_error(args: &[&str]) -> String {
+    let o = run(args);
+    let err = stderr(&o);
+    assert!(
+        !o.status.success(),
+        "vmmalloc {args:?} succeeded:\n{}",
+        stdout(&o)
+    );
+    assert_eq!(o.status.code(), Some(1), "vmmalloc {args:?}: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.starts_with("note: ")).collect();
+    assert_eq!(lines.len(), 1, "vmmalloc {args:?}: not one line:\n{err}");
+    assert!(lines[0].starts_with("Error: "), "vmmalloc {args:?}: {err}");
+    assert!(!err.contains("backtrace"), "vmmalloc {args:?}: {err}");
+    lines[0].to_string()
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("vmmalloc-newuser-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn every_command_takes_the_bundled_snapshot_by_name() {
+    let dir = tmpdir("bundled");
+    let snap = dir.join("s.pickle");
+    for args in [
+        vec!["replay", "cs336_lm_step", "--capacity", "16GiB"],
+        vec!["summary", "cs336_lm_step", "--capacity", "16GiB"],
+        vec![
+            "snapshot",
+            "cs336_lm_step",
+            "--capacity",
+            "16GiB",
+            "--out",
+            snap.to_str().unwrap(),
+        ],
+        vec!["compare", "cs336_lm_step", "--policies", "expandable"],
+        vec!["advise", "cs336_lm_step", "--gpu", "16GiB"],
+    ] {
+        let out = ok(&args);
+        assert!(out.contains("cs336_lm_step"), "{args:?}:\n{out}");
+    }
+    assert!(snap.is_file());
+    // And an input that is nothing is the same error for every command.
+    for cmd in ["replay", "summary", "advise", "compare"] {
+        let e = user_error(&[cmd, "cs336_lm_stop"]);
+        assert!(
+            e.contains("neither a file nor a workload") && e.contains("cs336_lm_step"),
+            "{cmd}: {e}"
+        );
+    }
+}
+
+#[test]
+fn user_errors_are_one_line_even_with_rust_backtrace_set() {
+    let dir = tmpdir("errors");
+    let empty = dir.join("empty.trace");
+    std::fs::write(&empty, "").unwrap();
+    let missing = dir.join("missing.pickle");
+    for args in [
+        vec!["replay", "no-such-workload"],
+        vec!["replay", missing.to_str().unwrap()],
+        vec!["replay", empty.to_str().unwrap()],
+        vec!["replay", "train-varlen", "--policy", "bogus"],
+        vec!["replay", "train-varlen", "--capacity", "-5GiB"],
+        vec!["compare", "train-varlen", "--capacity", "0"],
+        vec!["advise", "train-varlen", "--gpu", "-5GiB"],
+        vec!["summary", "train-varlen", "--capacity", "lots"],
+    ] {
+        user_error(&args);
+    }
+    // The cause is said once, not repeated by the error chain.
+    let e = user_error(&["replay", missing.to_str().unwrap()]);
+    assert_eq!(e.matches("No such file").count(), 1, "{e}");
+    // --gpu takes a negative size to refuse it, as --capacity does.
+    let e = user_error(&["advise", "train-varlen", "--gpu", "-5GiB"]);
+    assert!(e.contains("--gpu") && e.contains("negative"), "{e}");
+    let e = user_error(&["compare", "train-varlen", "--capacity", "0"]);
+    assert!(e.contains("--capacity") && e.contains("`0`"), "{e}");
+}
+
+#[test]
+fn capacities_beyond_the_simulated_device_are_refused_up_front() {
+    for args in [
+        vec![
+            "replay",
+            "cs336_lm_step",
+            "--policy",
+            "expandable",
+            "--capacity",
+            "4TiB",
+        ],
+        vec![
+            "replay",
+            "cs336_lm_step",
+            "--policy",
+            "torch-es",
+            "--capacity",
+            "64TiB",
+        ],
+        vec!["summary", "train-varlen", "--capacity", "2TiB"],
+        vec!["compare", "train-varlen", "--capacity", "1025GiB"],
+        vec!["advise", "train-varlen", "--gpu", "1.5TiB"],
+    ] {
+        let e = user_error(&args);
+        assert!(
+            e.contains("larger than the simulated device can model")
+                && e.contains("at most 1.00 TiB"),
+            "{args:?}: {e}"
+        );
+    }
+    // The limit itself is modelled, by every policy.
+    for policy in ["expandable", "caching", "torch-es", "native"] {
+        let out = ok(&[
+            "replay",
+            "train-varlen",
+            "--policy",
+            policy,
+            "--capacity",
+            "1TiB",
+        ]);
+        assert!(
+            out.contains("result                 ok"),
+            "{policy}:\n{out}"
+        );
+    }
+}
