@@ -167,3 +167,76 @@ fn capacities_beyond_the_simulated_device_are_refused_up_front() {
         );
     }
 }
+
+/// The first out-of-memory message of a replay (its text runs to the next
+/// line that is not part of it).
+fn first_oom(out: &str) -> String {
+    let at = out
+        .find("first out-of-memory")
+        .unwrap_or_else(|| panic!("no out-of-memory:\n{out}"));
+    out[at..]
+        .lines()
+        .take_while(|l| !l.starts_with("  error") && !l.starts_with("  steady"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn caching_oom_says_first_that_live_plus_request_exceed_the_device() {
+    // 12.36 GiB live + a 312.50 MiB request > 12.5 GiB: not fragmentation.
+    for policy in ["caching", "torch-es"] {
+        let out = ok(&[
+            "replay",
+            "cs336_lm_step",
+            "--policy",
+            policy,
+            "--capacity",
+            "12.5GiB",
+        ]);
+        let oom = first_oom(&out);
+        let why = oom.split("\nWhy: ").nth(1).expect("a Why line");
+        assert!(
+            why.starts_with("live tensors hold 12.36 GiB and the request needs 312.50 MiB more")
+                && why.contains("more than the 12.50 GiB device"),
+            "{policy}:\n{oom}"
+        );
+        // The rounded size PyTorch's wording names is said to be the same request.
+        assert!(
+            oom.contains("Tried to allocate 314.00 MiB")
+                && why.contains(
+                    "the 314.00 MiB above is the segment asked of the driver for it, rounded up"
+                ),
+            "{policy}:\n{oom}"
+        );
+        assert!(
+            !why.contains("largest is") && !oom.contains("Pinning"),
+            "{policy}: fragmentation blamed:\n{oom}"
+        );
+    }
+    // At 13 GiB the request fits beside the live tensors: fragmentation is
+    // the cause, and every pinning allocation is named, not a bare address.
+    let out = ok(&[
+        "replay",
+        "cs336_lm_step",
+        "--policy",
+        "caching",
+        "--capacity",
+        "13GiB",
+    ]);
+    let oom = first_oom(&out);
+    assert!(
+        oom.contains("Why: live tensors plus the request fit in the 13.00 GiB, but")
+            && oom.contains("too small for the 312.50 MiB request"),
+        "{oom}"
+    );
+    let pins: Vec<&str> = oom
+        .lines()
+        .skip_while(|l| !l.starts_with("Pinning"))
+        .skip(1)
+        .collect();
+    assert!(!pins.is_empty(), "{oom}");
+    for p in pins {
+        let after_addr = p.split_once(" at 0x").unwrap().1;
+        assert!(after_addr.contains(" ("), "a bare address: {p}");
+    }
+}
