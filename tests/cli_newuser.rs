@@ -240,3 +240,114 @@ fn caching_oom_says_first_that_live_plus_request_exceed_the_device() {
         assert!(after_addr.contains(" ("), "a bare address: {p}");
     }
 }
+
+#[test]
+fn advise_keeps_pytorch_on_a_tie_and_prints_specs_the_cli_accepts() {
+    // The bundled snapshot on 16 GiB: expandable 3.03 GiB of headroom,
+    // caching 2.93 GiB (within 1 %), both 0.0 ms per further pass: a tie.
+    let text = ok(&["advise", "cs336_lm_step", "--gpu", "16GiB"]);
+    assert!(
+        text.contains("Best: caching —") && text.contains("expandable ties with it"),
+        "{text}"
+    );
+    assert_eq!(
+        text.trim_end().lines().last(),
+        Some("unset PYTORCH_CUDA_ALLOC_CONF"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("What the plug-in does not support"),
+        "{text}"
+    );
+    // Every setting advise printed replays as written, and every plug-in
+    // line it printed replays after `expandable:` too.
+    let specs: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("setting"))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert!(specs.len() >= 8, "{text}");
+    for spec in &specs {
+        ok(&["replay", "frag-adversary:rounds=1", "--policy", spec]);
+    }
+    let conf_text = ok(&["advise", "frag-adversary:rounds=1", "--gpu", "16GiB"]);
+    let confs: Vec<String> = conf_text
+        .lines()
+        .filter_map(|l| l.split("VMMALLOC_CONF=").nth(1))
+        .map(|c| c.split_whitespace().next().unwrap().to_string())
+        .collect();
+    assert!(!confs.is_empty(), "{conf_text}");
+    for conf in confs {
+        let opts = conf
+            .trim_start_matches("backend:expandable")
+            .trim_start_matches(',');
+        let spec = format!("expandable:{opts}");
+        ok(&[
+            "replay",
+            "frag-adversary:rounds=1",
+            "--policy",
+            spec.trim_end_matches(':'),
+        ]);
+    }
+}
+
+#[test]
+fn policy_specs_take_both_separators_and_both_option_names() {
+    // The two spellings the guide and VMMALLOC_CONF use, and mixtures.
+    let figures = |spec: &str| {
+        let out = ok(&[
+            "replay",
+            "train-varlen",
+            "--policy",
+            spec,
+            "--capacity",
+            "48GiB",
+        ]);
+        out.lines()
+            .filter(|l| {
+                l.contains("peak reserved")
+                    || l.contains("modeled driver time")
+                    || l.contains("cuMem")
+            })
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let want = figures("expandable:split_threshold=0.4,unpin=0,grow_granule=0");
+    for spec in [
+        "expandable:split_threshold:0.4,unpin:false,grow_mb:0",
+        "expandable:split_threshold=0.4,unpin=false,grow_mb=0",
+        "expandable:split_threshold:0.4,unpin=0,grow_granule:0",
+    ] {
+        assert_eq!(figures(spec), want, "{spec}");
+    }
+    assert_ne!(
+        figures("expandable"),
+        want,
+        "the options must change something"
+    );
+    assert_eq!(
+        figures("expandable:max_chunk_mb:20"),
+        figures("expandable:max_chunk=20MiB")
+    );
+    // compare's list splits between specs with either separator.
+    let out = ok(&[
+        "compare",
+        "frag-adversary:rounds=1",
+        "--policies",
+        "expandable:unpin:false,grow_mb:0,caching:max_split_size_mb:128",
+    ]);
+    assert!(
+        out.contains("expandable:unpin:false,grow_mb:0")
+            && out.contains("caching:max_split_size_mb:128"),
+        "{out}"
+    );
+    let e = user_error(&[
+        "replay",
+        "train-varlen",
+        "--policy",
+        "expandable:grow_mb=big",
+    ]);
+    assert!(e.contains("grow_mb"), "{e}");
+}
