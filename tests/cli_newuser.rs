@@ -351,3 +351,57 @@ fn policy_specs_take_both_separators_and_both_option_names() {
     ]);
     assert!(e.contains("grow_mb"), "{e}");
 }
+
+#[test]
+fn compare_fits_100_columns_and_ends_with_a_conclusion() {
+    let args = ["compare", "cs336_lm_step", "frag-adversary:rounds=1"];
+    let out = ok(&args);
+    for l in out.lines() {
+        assert!(
+            l.chars().count() <= 100,
+            "{} columns: {l}\n{out}",
+            l.chars().count()
+        );
+    }
+    // Every policy has its row under each trace's heading.
+    for p in ["expandable", "caching", "torch-es", "native"] {
+        assert_eq!(
+            out.lines()
+                .filter(|l| l.starts_with(&format!("{p} ")) && l.contains(" / "))
+                .count(),
+            2,
+            "{p}:\n{out}"
+        );
+    }
+    assert!(!out.contains("cold ms linear"), "{out}");
+    // The last paragraph answers "which allocator, and why", in 2-3 sentences.
+    let last = out
+        .trim_end()
+        .rsplit("\n\n")
+        .next()
+        .unwrap()
+        .replace('\n', " ");
+    assert!(
+        last.starts_with("Conclusion: expandable needs the smallest device"),
+        "{out}"
+    );
+    let sentences = last.matches(". ").count() + 1;
+    assert!(
+        (2..=3).contains(&sentences),
+        "{sentences} sentences: {last}"
+    );
+    // --wide prints every column, and explains the linear one.
+    let mut wide = args.to_vec();
+    wide.push("--wide");
+    let out = ok(&wide);
+    assert!(
+        out.lines()
+            .any(|l| l.contains("cold ms linear") && l.chars().count() > 100),
+        "{out}"
+    );
+    assert!(
+        out.contains("cold ms linear = the same cold calls priced by"),
+        "{out}"
+    );
+    assert!(out.contains("Conclusion: "), "{out}");
+}
