@@ -89,7 +89,8 @@ pub const KEYS: [KeyDoc; 23] = [
         default: "true",
         meaning: "expandable: when an allocation still lacks memory after reclaim, give back the free pages of \
                   chunks that live tensors hold in part: after one device synchronize, the live pages move to \
-                  chunks of their own at the same addresses (bytes copied through host memory). Tensors used \
+                  chunks of their own at the same addresses (bytes copied on the device where it has room for \
+                  the new chunks, else through host memory). Tensors used \
                   on other streams (record_stream) never move. Stats: vmmalloc.chunk_unpins",
     },
     KeyDoc {
