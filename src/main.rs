@@ -60,6 +60,14 @@ enum Command {
 /// with `{:?}`. Bugs still panic, with the standard hook's message (and a
 /// backtrace when asked).
 fn main() -> ExitCode {
+    // Output piped into `head` ends quietly, as other command-line tools do:
+    // Rust ignores SIGPIPE, which turns the closed pipe into a panic at the
+    // next `println!`.
+    // SAFETY: signal(2) with SIG_DFL installs no handler; it runs before any
+    // thread is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -405,3 +405,21 @@ fn compare_fits_100_columns_and_ends_with_a_conclusion() {
     );
     assert!(out.contains("Conclusion: "), "{out}");
 }
+
+#[test]
+fn output_into_a_closed_pipe_ends_quietly() {
+    // `vmmalloc replay ... | head -1`: the reader is gone before the output.
+    let mut child = bin()
+        .args(["replay", "train-varlen"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(
+        !err.contains("panicked") && !err.contains("Broken pipe"),
+        "{err}"
+    );
+}
