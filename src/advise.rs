@@ -271,7 +271,7 @@ pub fn ties(a: &Verdict, b: &Verdict, tie: u64) -> bool {
 /// plug-in and PyTorch's best setting [`ties`] with it, PyTorch's own
 /// setting (nothing to install, no plug-in limits). The flag says a tie
 /// decided.
-pub fn recommend<'a>(verdicts: &'a [Verdict], tie: u64) -> Option<(&'a Verdict, bool)> {
+pub fn recommend(verdicts: &[Verdict], tie: u64) -> Option<(&Verdict, bool)> {
     let overall = best(verdicts.iter(), tie)?;
     if overall.candidate.pytorch {
         return Some((overall, false));

@@ -281,7 +281,7 @@ mod tests {
         use vmmalloc_device::model::{VA_BASE, VA_END};
         // expandable's first arena (4 x) plus torch-es's segments for a few
         // streams (1.125 x each) fit with room to spare.
-        assert!(MAX_CAPACITY * 15 <= VA_END - VA_BASE);
+        const { assert!(MAX_CAPACITY * 15 <= VA_END - VA_BASE) };
         assert_eq!(parse_capacity("--capacity", "1TiB").unwrap(), MAX_CAPACITY);
         let e = parse_capacity("--capacity", "4TiB")
             .unwrap_err()
