@@ -30,6 +30,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
 dest="${1:-gpu-bundle}"
+# Relative to the repository root, or absolute (issue 25: an absolute DIR).
+case $dest in /*) ;; *) dest="$root/$dest" ;; esac
 max_mib="${MAX_MIB:-60}"
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
@@ -124,10 +126,18 @@ while read -r kind name path; do
     cp "$path" "$out"
     "${strip_cmd[@]}" "$out"
 done <<<"$artifacts"
-# The Python package, without caches.
-(cd python && find vmmalloc -name '*.py' -print0 | xargs -0 -I{} cp --parents {} "$root/$dest/python/")
+# The Python package (its modules, the companion's C++ sources, the start-up
+# hook), without caches.
+(cd python && find vmmalloc -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 |
+    xargs -0 -I{} cp --parents {} "$dest/python/")
+# The start-up hook's .pth and the examples, where they exist.
+for f in python/*.pth; do [[ -f $f ]] && cp "$f" "$dest/python/"; done
+if [[ -d examples ]]; then
+    mkdir -p "$dest/examples"
+    find examples -maxdepth 1 -type f -name '*.py' -exec cp {} "$dest/examples/" \;
+fi
 # The check scripts.
-check_scripts=(scripts/gpu-check.sh scripts/gpu-check-pytorch.sh scripts/torch_*.py)
+check_scripts=(scripts/gpu-check.sh scripts/gpu-check-pytorch.sh scripts/gpu_report.py scripts/torch_*.py)
 cp "${check_scripts[@]}" "$dest/scripts/"
 
 # ---------------------------------------------------------------------------
@@ -135,7 +145,7 @@ cp "${check_scripts[@]}" "$dest/scripts/"
 # ---------------------------------------------------------------------------
 # The scripts' hash: sha256 over "SHA256  NAME" of each check script, sorted by
 # name. gpu-check.sh computes the same over the scripts it runs with.
-scripts_sha="$(cd scripts && sha256sum gpu-check.sh gpu-check-pytorch.sh torch_*.py | LC_ALL=C sort -k2 | sha256sum | cut -d' ' -f1)"
+scripts_sha="$(cd scripts && sha256sum gpu-check.sh gpu-check-pytorch.sh gpu_report.py torch_*.py | LC_ALL=C sort -k2 | sha256sum | cut -d' ' -f1)"
 commit="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 dirty=no
 [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] && dirty=yes

@@ -1,59 +1,73 @@
 #!/usr/bin/env bash
-# gpu-check-pytorch.sh — the PyTorch plug-in (issue 6) on a real GPU, in one
-# call of at most ~8 minutes on an H100/H200. Called at the end of
-# scripts/gpu-check.sh; runs on its own too.
-#
-#   1. Builds target/release/libvmmalloc.so (cargo build --release -p vmmalloc-capi),
-#      unless VMMALLOC_LIBRARY names one (a bundle's).
-#   2. scripts/torch_fragmentation.py under a memory limit (LIMIT_GB, default 8):
-#      PyTorch's default allocator and vmmalloc's caching replica must run out
-#      of memory from fragmentation; vmmalloc expandable, torch-es and native
-#      must complete, with every tensor's contents checked.
-#   3. scripts/torch_train_varlen.py (variable sequence lengths) under PyTorch's
-#      allocator and each vmmalloc backend: peak reserved and step time side by side.
-#   4. scripts/torch_plugin_checks.py (issue 11), under vmmalloc expandable:
-#      non-contiguous tensors copied across two GPUs (skipped, with the reason,
-#      on a one-GPU box), a CUDA graph replayed 100 times, out-of-memory caught
-#      as torch.cuda.OutOfMemoryError with vmmalloc's text,
-#      torch.cuda.memory_allocated() matching vmmalloc's stats, a growable
-#      tensor's zero-copy torch view and the pressure callback (issue 13).
-#   5. scripts/torch_sleep_checks.py sleep (issue 12), under vmmalloc expandable:
-#      pause gives back >= 95 % of the tagged bytes (cuMemGetInfo), resume
-#      restores the data in place, a captured graph replays after resume.
+# gpu-check-pytorch.sh — PyTorch on a real GPU under PyTorch's own allocators
+# and under vmmalloc, side by side (issues 6, 11, 12, 25). Called by
+# scripts/gpu-check.sh, one PART per step; runs on its own too.
 #
 # usage: scripts/gpu-check-pytorch.sh [PART...]   (default: all of them)
-#   PART: fragmentation, train, or one check of torch_plugin_checks.py
-#   (peer-copy, graph-replay, oom-exception, memory-allocated, growable), or sleep; scripts/gpu-check.sh
-#   runs them as separate steps.
+#
+# Workloads (each run under PyTorch's default allocator, real PyTorch
+# expandable segments — PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True —
+# and vmmalloc expandable, plus vmmalloc's replicas where they add something;
+# one side-by-side table per part, printed when the part ends; every RESULT
+# line is printed, and appended to $RESULTS_JSONL, as soon as it exists):
+#   fragmentation  scripts/torch_fragmentation.py under a LIMIT_GB cap: fill
+#                  90 % with 4 MiB tensors, free four of five, ask for large
+#                  tensors. Verdicts: vmmalloc expandable completes with every
+#                  byte intact; vmmalloc's caching / torch-es replicas end
+#                  as the real default allocator / real expandable segments
+#                  do (replica fidelity), whatever that is.
+#   serving        scripts/torch_serving.py under a 7 GiB cap: growing KV
+#                  caches and 1.5-3 GiB prefill transients. Verdict: vmmalloc
+#                  expandable has no out-of-memory error and no lost byte;
+#                  PyTorch's figures are reported.
+#   train          scripts/torch_train_varlen.py (STEPS steps, default 22):
+#                  peak reserved and step time. Verdict: every run completes.
+#   hot-path       scripts/torch_hot_path.py: torch.empty + free from Python,
+#                  µs per pair (reported; a run must complete).
+# Checks of the plug-in under vmmalloc expandable (exit 3 from a script is a
+# skip with its reason):
+#   peer-copy, graph-replay, oom-exception, memory-allocated, growable
+#                  scripts/torch_plugin_checks.py CHECK (issues 11, 13)
+#   sleep          scripts/torch_sleep_checks.py (issue 12)
+#   unpin-threads  scripts/torch_unpin_threads.py: unpinning with a second
+#                  writing thread, and with forward/backward threads (issue 25)
+#   complete       scripts/torch_complete_checks.py: torch.compile's CUDA
+#                  graphs, NCCL (with and without the register hook), MemPool
+#                  under vmmalloc (issue 28)
+#   ipc            scripts/torch_ipc_checks.py: CUDA IPC both ways (issue 28)
+#   activation     scripts/torch_activation_checks.py: VMMALLOC_CONF alone
+#                  selects vmmalloc (torchrun, spawn), region mode (issue 24)
 #
 # Runs from a bundle (scripts/gpu-bundle.sh) when VMMALLOC_LIBRARY names its
 # libvmmalloc.so and PYTHONPATH its python/ (scripts/gpu-check.sh sets both);
 # otherwise builds target/release/libvmmalloc.so with cargo.
 #
-# Needs python3 with a CUDA build of PyTorch. Exit status: 0 when every check
-# passed, 1 otherwise (each check still runs), 3 with one clear line (the
-# last) when it cannot run: no python, no PyTorch, no CUDA device, a PyTorch
-# without the pluggable-allocator hooks.
+# Needs python3 with a CUDA build of PyTorch. Exit status: 0 when every
+# verdict passed, 1 otherwise (each run still happens), 3 with one clear line
+# (the last) when it cannot run: no python, no PyTorch, no CUDA device, a
+# PyTorch without the pluggable-allocator hooks, a part whose script is
+# missing.
 #
-# Environment: LIMIT_GB (fragmentation limit, default 8), STEPS (training
-# steps, default 60), PYTHON (default python3), CARGO_FLAGS (e.g. "--offline"),
-# VMMALLOC_LIBRARY (a built libvmmalloc.so: no cargo build).
+# Environment: LIMIT_GB (fragmentation cap, default 8), STEPS (training
+# steps, default 22), PYTHON (default python3), CARGO_FLAGS (e.g.
+# "--offline"), VMMALLOC_LIBRARY (a built libvmmalloc.so: no cargo build),
+# RESULTS_JSONL (append every RESULT line there), TORCH_CHECKED=1 (the
+# caller already checked PyTorch: skip the ~3 s probe).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here/.."
 
 PY="${PYTHON:-python3}"
 LIMIT_GB="${LIMIT_GB:-8}"
-STEPS="${STEPS:-60}"
+STEPS="${STEPS:-22}"
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
+plugin_checks=(peer-copy graph-replay oom-exception memory-allocated growable)
+all_parts=(fragmentation serving train hot-path "${plugin_checks[@]}" sleep unpin-threads complete ipc activation)
 parts=("$@")
-((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated growable sleep)
+((${#parts[@]} > 0)) || parts=("${all_parts[@]}")
 for part in "${parts[@]}"; do
-    case $part in
-        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated | growable | sleep) ;;
-        *) echo "gpu-check-pytorch: unknown part $part" >&2; exit 2 ;;
-    esac
+    [[ " ${all_parts[*]} " == *" $part "* ]] || { echo "gpu-check-pytorch: unknown part $part" >&2; exit 2; }
 done
 wants() {
     local p
@@ -67,18 +81,21 @@ skip() {
     exit 3
 }
 command -v "$PY" >/dev/null 2>&1 || skip "$PY is not installed"
-torch_info="$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())' 2>&1)" \
-    || skip "PyTorch is not installed for $PY ($(tail -n 1 <<<"$torch_info"))"
-torch_info="$(tail -n 1 <<<"$torch_info")" # after any warnings
-[[ $torch_info == *True ]] || skip "PyTorch has no usable CUDA device (torch, cuda, available: $torch_info)"
-echo "PyTorch: $torch_info"
-# The hook CUDAPluggableAllocator needs (torch/cuda/memory.py,
-# change_current_allocator; PyTorch >= 2.0).
-"$PY" -c 'import torch.cuda.memory as m; m.CUDAPluggableAllocator; m.change_current_allocator' >/dev/null 2>&1 \
-    || skip "this PyTorch has no torch.cuda.memory.CUDAPluggableAllocator / change_current_allocator"
+if [[ ${TORCH_CHECKED:-0} != 1 ]]; then
+    torch_info="$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())' 2>&1)" \
+        || skip "PyTorch is not installed for $PY ($(tail -n 1 <<<"$torch_info"))"
+    torch_info="$(tail -n 1 <<<"$torch_info")" # after any warnings
+    [[ $torch_info == *True ]] || skip "PyTorch has no usable CUDA device (torch, cuda, available: $torch_info)"
+    echo "PyTorch: $torch_info"
+    # The hook CUDAPluggableAllocator needs (torch/cuda/memory.py,
+    # change_current_allocator; PyTorch >= 2.0).
+    "$PY" -c 'import torch.cuda.memory as m; m.CUDAPluggableAllocator; m.change_current_allocator' >/dev/null 2>&1 \
+        || skip "this PyTorch has no torch.cuda.memory.CUDAPluggableAllocator / change_current_allocator"
+fi
 
 failures=()
-step() {
+# verdict NAME CMD...: runs CMD, records a failure.
+verdict() {
     local name=$1
     shift
     echo "--- $name"
@@ -96,100 +113,148 @@ if [[ -n ${VMMALLOC_LIBRARY:-} ]]; then
     echo "plug-in: $VMMALLOC_LIBRARY"
 else
     command -v cargo >/dev/null 2>&1 || skip "no VMMALLOC_LIBRARY and no cargo to build libvmmalloc.so"
-    step "build libvmmalloc.so" cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-capi
+    verdict "build libvmmalloc.so" cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} -p vmmalloc-capi
     export VMMALLOC_LIBRARY="$PWD/target/release/libvmmalloc.so"
     export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
-results="$(mktemp)"
-trap 'rm -f "$results"' EXIT
+results="${RESULTS_JSONL:-}"
+if [[ -z $results ]]; then
+    results="$(mktemp)"
+    trap 'rm -f "$results"' EXIT
+fi
+touch "$results"
+part_results="$(mktemp)"
+trap 'rm -f "$part_results"; [[ -n ${RESULTS_JSONL:-} ]] || rm -f "$results"' EXIT
 
-# run_py LABEL CONF SCRIPT ARGS...: runs SCRIPT (under `python -m vmmalloc` with
-# VMMALLOC_CONF=CONF, or plainly when CONF is empty), collects its RESULT line.
+# run_py ALLOCATOR SCRIPT ARGS...: runs SCRIPT under ALLOCATOR and prints its
+# RESULT line at once (and appends it to the results). ALLOCATOR: pytorch
+# (the default allocator), pytorch-es (PYTORCH_CUDA_ALLOC_CONF=
+# expandable_segments:True), or a VMMALLOC_CONF (python -m vmmalloc).
+# Returns the script's exit status.
 run_py() {
-    local label=$1 conf=$2
+    local alloc=$1 script=$2
     shift 2
-    local out rc=0
-    if [[ -z $conf ]]; then
-        out="$(timeout 150 "$PY" "$@" 2>&1)" || rc=$?
-    else
-        out="$(VMMALLOC_CONF="$conf" timeout 150 "$PY" -m vmmalloc "$@" 2>&1)" || rc=$?
-    fi
-    printf '%s\n' "$out" | grep -v '^RESULT ' | tail -n 5 | sed "s/^/    [$label] /"
-    printf '%s\n' "$out" | grep '^RESULT ' | sed "s/^RESULT //" >>"$results" || true
+    local out rc=0 label
+    case $alloc in
+        pytorch) label=pytorch
+            out="$(env -u PYTORCH_CUDA_ALLOC_CONF timeout -k 5 150 "$PY" "$here/$script" "$@" 2>&1)" || rc=$? ;;
+        pytorch-es) label=pytorch-es
+            out="$(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 5 150 "$PY" "$here/$script" "$@" 2>&1)" || rc=$? ;;
+        *) label="vmmalloc ${alloc}"
+            out="$(env -u PYTORCH_CUDA_ALLOC_CONF VMMALLOC_CONF="$alloc" timeout -k 5 150 "$PY" -m vmmalloc "$here/$script" "$@" 2>&1)" || rc=$? ;;
+    esac
+    printf '%s\n' "$out" | grep -v '^RESULT ' | tail -n 4 | sed "s/^/    [$label] /"
+    local line
+    while IFS= read -r line; do
+        echo "    result: ${line#RESULT }"
+        printf '%s\n' "${line#RESULT }" >>"$results"
+        printf '%s\n' "${line#RESULT }" >>"$part_results"
+    done < <(printf '%s\n' "$out" | grep '^RESULT ' || true)
+    ((rc == 124 || rc == 137)) && echo "    [$label] timed out"
     return "$rc"
 }
 
+# outcome_of SCRIPT ALLOCATOR_LABEL: the "outcome" field of that run's RESULT.
+outcome_of() {
+    "$PY" - "$part_results" "$1" "$2" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+hit = [r for r in rows if r.get("script") == sys.argv[2] and r.get("allocator") == sys.argv[3]]
+print(hit[-1].get("outcome", "none") if hit else "none")
+EOF
+}
+
+# table SCRIPT: the side-by-side table of this part's runs.
+table() {
+    "$PY" "$here/gpu_report.py" table "$1" "$part_results" || true
+    : >"$part_results"
+}
+
 if wants fragmentation; then
-echo "=== fragmentation under a ${LIMIT_GB} GiB limit"
-step "fragmentation: pytorch default (expect oom)" \
-    run_py pytorch "" "$here"/torch_fragmentation.py --limit-gb "$LIMIT_GB" --expect oom
-for spec in caching:oom expandable:ok torch-es:ok native:ok; do
-    backend=${spec%%:*} expect=${spec##*:}
-    step "fragmentation: vmmalloc $backend (expect $expect)" \
-        run_py "$backend" "backend:$backend" "$here"/torch_fragmentation.py --limit-gb "$LIMIT_GB" --expect "$expect"
-done
+    echo "=== fragmentation under a ${LIMIT_GB} GiB cap"
+    frag=(torch_fragmentation.py --limit-gb "$LIMIT_GB")
+    run_py pytorch "${frag[@]}" || true
+    run_py pytorch-es "${frag[@]}" || true
+    verdict "fragmentation: vmmalloc expandable completes, bytes intact" \
+        run_py backend:expandable "${frag[@]}" --expect ok
+    run_py backend:torch-es "${frag[@]}" || true
+    run_py backend:caching "${frag[@]}" || true
+    # Replica fidelity: vmmalloc's replicas end as the real allocators do.
+    same_outcome() {
+        local real replica
+        real="$(outcome_of torch_fragmentation "$1")"
+        replica="$(outcome_of torch_fragmentation "$2")"
+        echo "    $1: $real; $2: $replica"
+        [[ $real != none && $real == "$replica" ]]
+    }
+    verdict "fragmentation: vmmalloc torch-es ends as real expandable segments" \
+        same_outcome pytorch-es vmmalloc:torch-es
+    verdict "fragmentation: vmmalloc caching ends as PyTorch's default" \
+        same_outcome pytorch vmmalloc:caching
+    table torch_fragmentation
+fi
+
+if wants serving; then
+    echo "=== serving loop under a 7 GiB cap"
+    run_py pytorch torch_serving.py || true
+    run_py pytorch-es torch_serving.py || true
+    verdict "serving: vmmalloc expandable, no out-of-memory, bytes intact" \
+        run_py backend:expandable torch_serving.py --expect-no-oom
+    table torch_serving
 fi
 
 if wants train; then
-echo "=== training with variable sequence lengths ($STEPS steps)"
-step "train_varlen: pytorch default" run_py pytorch "" "$here"/torch_train_varlen.py --steps "$STEPS"
-for backend in expandable torch-es caching native; do
-    step "train_varlen: vmmalloc $backend" \
-        run_py "$backend" "backend:$backend,on_oom:abort" "$here"/torch_train_varlen.py --steps "$STEPS"
-done
+    echo "=== training with variable sequence lengths ($STEPS steps)"
+    for alloc in pytorch pytorch-es backend:expandable,on_oom:abort; do
+        verdict "train_varlen: $alloc" run_py "$alloc" torch_train_varlen.py --steps "$STEPS"
+    done
+    table torch_train_varlen
 fi
 
-echo "=== PyTorch-process checks (issue 11)"
-# plugin_check NAME: exit 3 from the script is a skip (its reason printed), not a failure.
-plugin_check() {
-    local out rc=0
-    out="$(VMMALLOC_CONF="backend:expandable" timeout 300 "$PY" -m vmmalloc "$here"/torch_plugin_checks.py "$1" 2>&1)" \
-        || rc=$?
-    printf '%s\n' "$out" | tail -n 8 | sed "s/^/    [$1] /"
+if wants hot-path; then
+    echo "=== torch.empty + free from Python"
+    for alloc in pytorch pytorch-es backend:expandable; do
+        verdict "hot-path: $alloc" run_py "$alloc" torch_hot_path.py
+    done
+    table torch_hot_path
+fi
+
+# check_script NAME MODE SCRIPT ARGS...: a check script; MODE vmmalloc runs it
+# under `python -m vmmalloc` with backend:expandable, plain as it is. Its
+# CHECK lines are printed as they come; exit 3 is a skip.
+check_script() {
+    local name=$1 mode=$2 script=$3
+    shift 3
+    if [[ ! -f $here/$script ]]; then
+        echo "    [$name] SKIP: $script is not in this bundle"
+        return 0
+    fi
+    local rc=0
+    if [[ $mode == vmmalloc ]]; then
+        VMMALLOC_CONF="${CHECK_CONF:-backend:expandable}" PYTHONUNBUFFERED=1 timeout -k 5 300 \
+            "$PY" -m vmmalloc "$here/$script" "$@" 2>&1 | sed -u "s/^/    [$name] /" || rc=${PIPESTATUS[0]}
+    else
+        PYTHONUNBUFFERED=1 timeout -k 5 300 "$PY" "$here/$script" "$@" 2>&1 | sed -u "s/^/    [$name] /" || rc=${PIPESTATUS[0]}
+    fi
     if ((rc == 3)); then
-        echo "    [$1] skipped"
+        echo "    [$name] skipped"
         return 0
     fi
     return "$rc"
 }
-for check in peer-copy graph-replay oom-exception memory-allocated growable; do
-    wants "$check" || continue
-    step "plugin: $check" plugin_check "$check"
-done
-if wants sleep; then
-    echo "=== sleep and wake (issue 12)"
-    sleep_check() {
-        local out rc=0
-        out="$(VMMALLOC_CONF="backend:expandable" timeout 300 "$PY" -m vmmalloc "$here"/torch_sleep_checks.py sleep 2>&1)" \
-            || rc=$?
-        printf '%s\n' "$out" | tail -n 8 | sed "s/^/    [sleep] /"
-        if ((rc == 3)); then
-            echo "    [sleep] skipped"
-            return 0
-        fi
-        return "$rc"
-    }
-    step "plugin: sleep" sleep_check
-fi
 
-echo "=== side by side"
-"$PY" - "$results" <<'EOF'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-frag = [r for r in rows if r["script"] == "torch_fragmentation"]
-train = [r for r in rows if r["script"] == "torch_train_varlen"]
-print(f"{'fragmentation':<22} {'outcome':>8} {'peak reserved MiB':>18} {'seconds':>8}")
-for r in frag:
-    print(f"{r['allocator']:<22} {r['outcome']:>8} {r['peak_reserved_bytes'] / 2**20:>18.1f} {r['seconds']:>8}")
-print()
-print(f"{'train_varlen':<22} {'peak reserved MiB':>18} {'peak alloc MiB':>15} {'step ms':>9} {'max ms':>9} {'loss':>8}")
-for r in train:
-    print(f"{r['allocator']:<22} {r['peak_reserved_mib']:>18} {r['peak_allocated_mib']:>15} "
-          f"{r['step_ms_mean']:>9} {r['step_ms_max']:>9} {r['final_loss']:>8}")
-EOF
+for check in "${plugin_checks[@]}"; do
+    wants "$check" || continue
+    verdict "plugin: $check" check_script "$check" vmmalloc torch_plugin_checks.py "$check"
+done
+wants sleep && verdict "plugin: sleep" check_script sleep vmmalloc torch_sleep_checks.py sleep
+wants unpin-threads && verdict "unpin with threads" check_script unpin-threads vmmalloc torch_unpin_threads.py
+wants complete && verdict "complete allocator" check_script complete vmmalloc torch_complete_checks.py
+wants ipc && verdict "ipc" check_script ipc vmmalloc torch_ipc_checks.py
+wants activation && verdict "activation" check_script activation plain torch_activation_checks.py
 
 if ((${#failures[@]} > 0)); then
     echo "gpu-check-pytorch: FAILED: ${failures[*]}"
     exit 1
 fi
-echo "gpu-check-pytorch: all PyTorch plug-in checks passed"
+echo "gpu-check-pytorch: all passed (${parts[*]})"

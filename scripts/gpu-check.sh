@@ -24,8 +24,12 @@
 #   suite:NAME   every other bundled #[ignore] suite (-- --ignored)
 #   calibrate    `vmmalloc calibrate`: the cost model's size sweep, as JSON
 #   python       the Python package loads libvmmalloc.so (no GPU needed)
-#   fragmentation, train, graphs, plugin-checks, sleep
-#                PyTorch under the plug-in (scripts/gpu-check-pytorch.sh)
+#   fragmentation, serving, train, hot-path
+#                PyTorch workloads under PyTorch's default allocator, real
+#                PyTorch expandable segments and vmmalloc, side by side
+#   graphs, plugin-checks, sleep, unpin-threads, complete, ipc, activation
+#                PyTorch features under the plug-in
+#                (all of them: scripts/gpu-check-pytorch.sh, one part a step)
 #   two-gpus     vmm-check on device 1 and the peer-copy check, where there
 #                are two GPUs
 #
@@ -33,6 +37,12 @@
 #   gpu-check.log            everything printed
 #   gpu-calibration.json     the calibration (`vmmalloc compare --cost-file`)
 #   gpu-check-summary.txt    one verdict line per step: NAME: PASS|FAIL|SKIP (why)
+#   results.jsonl            every RESULT line of the PyTorch workloads
+#   results-gpu.md           GPU, driver, PyTorch, commit, the verdicts and the
+#                            side-by-side tables (copy it to docs/results-gpu.md)
+#
+# Every step runs in a session of its own; whatever it leaves running is
+# killed when it ends or times out.
 #
 # --dry-run (CI, scripts/gpu-dry-run.sh): no nvidia-smi needed and the PyTorch
 # steps that need a GPU are skipped; VMMALLOC_CUDA_LIBRARY must name a driver
@@ -40,11 +50,12 @@
 #
 # Environment:
 #   OUT                    output folder (see above)
-#   BUDGET_S               time budget of the whole check in seconds (default 450)
+#   BUDGET_S               time budget of the whole check in seconds (default 420)
 #   ITERATIONS             calibrate: timed calls per point (default 200, min 100)
 #   VMMALLOC_TEST_DEVICE   GPU ordinal to test and calibrate (default 0)
 #   VMMALLOC_CUDA_LIBRARY  driver library to load instead of libcuda.so.1
 #   SKIP_PYTORCH=1         skip the PyTorch steps
+#   ONLY="NAME ..."        run only these steps (the others SKIP, "not selected")
 #   PYTHON                 python with PyTorch (default python3)
 #
 # Exit status: 0 when no step failed (skips allowed), 1 otherwise.
@@ -80,7 +91,7 @@ exec > >(tee "$log") 2>&1
 tee_pid=$!
 
 started=$SECONDS
-budget="${BUDGET_S:-450}"
+budget="${BUDGET_S:-420}"
 device="${VMMALLOC_TEST_DEVICE:-0}"
 iterations="${ITERATIONS:-200}"
 PY="${PYTHON:-python3}"
@@ -97,11 +108,43 @@ verdict() {
     return 0
 }
 left() { echo $((budget - (SECONDS - started))); }
+# in_session LIMIT CMD...: runs CMD in a session of its own (setsid) and, when
+# it ends or after LIMIT seconds, kills every process left in that session:
+# a step's grandchildren (Python under a nested `timeout`, which makes a
+# process group of its own) never outlive it (issue 25, defect 3: a timed-out
+# step's Python child kept 66 GiB of the GPU). Exit status: CMD's, or 124
+# when LIMIT ran out.
+in_session() {
+    local limit=$1
+    shift
+    setsid "$@" </dev/null &
+    local pid=$! ticks=0 rc=0
+    while kill -0 "$pid" 2>/dev/null; do
+        if ((ticks >= limit * 5)); then
+            echo "(timed out after $limit s: killing the step's processes)"
+            pkill -TERM -s "$pid" 2>/dev/null
+            sleep 3
+            pkill -KILL -s "$pid" 2>/dev/null
+            wait "$pid" 2>/dev/null
+            return 124
+        fi
+        sleep 0.2
+        ticks=$((ticks + 1))
+    done
+    wait "$pid" || rc=$?
+    # Whatever the step left behind (a background child, a daemon) goes too.
+    pkill -KILL -s "$pid" 2>/dev/null
+    return "$rc"
+}
 # step NAME TIMEOUT CMD...: runs CMD under min(TIMEOUT, time left); exit 3
 # from CMD is a skip (its last line the reason).
 step() {
     local name=$1 limit=$2
     shift 2
+    if [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]]; then
+        verdict "$name" SKIP "not selected (ONLY=$ONLY)"
+        return 0
+    fi
     local remaining
     remaining=$(left)
     if ((remaining < 5)); then
@@ -114,9 +157,9 @@ step() {
     tmp="$(mktemp)"
     # Functions run through an exported-function bash (`timeout` runs programs).
     if [[ $(type -t "$1") == function ]]; then
-        timeout -k 10 "$limit" bash -c '"$@"' bash "$@" 2>&1 | tee "$tmp"
+        in_session "$limit" bash -c '"$@"' bash "$@" 2>&1 | tee "$tmp"
     else
-        timeout -k 10 "$limit" "$@" 2>&1 | tee "$tmp"
+        in_session "$limit" "$@" 2>&1 | tee "$tmp"
     fi
     rc=${PIPESTATUS[0]}
     local why
@@ -165,7 +208,7 @@ lib=$bundle/lib/libvmmalloc.so
 
 # The hash gpu-bundle.sh writes: over the check scripts this run uses.
 scripts_sha() {
-    (cd "$here" && sha256sum gpu-check.sh gpu-check-pytorch.sh torch_*.py 2>/dev/null |
+    (cd "$here" && sha256sum gpu-check.sh gpu-check-pytorch.sh gpu_report.py torch_*.py 2>/dev/null |
         LC_ALL=C sort -k2 | sha256sum | cut -d' ' -f1)
 }
 # check_bundle: one line per problem; exit 1 when there is any.
@@ -218,7 +261,7 @@ check_bundle() {
     fi
     return "$bad"
 }
-export -f scripts_sha check_bundle
+export -f scripts_sha check_bundle in_session
 export here bundle manifest bin lib out_dir dry_run device iterations calibration PY
 step bundle 60 check_bundle
 
@@ -328,19 +371,46 @@ if need "$lib" python && need "$bundle/python/vmmalloc/__init__.py" python; then
     step python 30 python_check
 fi
 
-pytorch_steps=(fragmentation train graphs plugin-checks sleep)
+# One step per part of scripts/gpu-check-pytorch.sh, each with its own
+# timeout (seconds; the 2026-12-04 H200 run took 16-36 s for the parts that
+# existed then): PART:TIMEOUT[:PART2...].
+pytorch_steps=(
+    fragmentation:75 serving:60 train:110 hot-path:45
+    graphs:30:graph-replay plugin-checks:45:oom-exception:memory-allocated:growable sleep:30
+    unpin-threads:50 complete:75 ipc:50 activation:75
+)
 pt=$here/gpu-check-pytorch.sh
+export RESULTS_JSONL="$out_dir/results.jsonl"
+: >"$RESULTS_JSONL"
+torch_version=""
 if [[ ${SKIP_PYTORCH:-0} == 1 ]]; then
-    for s in "${pytorch_steps[@]}"; do verdict "$s" SKIP "SKIP_PYTORCH=1"; done
+    pytorch_skip="SKIP_PYTORCH=1"
 elif ((dry_run)); then
-    for s in "${pytorch_steps[@]}"; do verdict "$s" SKIP "dry run: needs PyTorch on a GPU"; done
+    pytorch_skip="dry run: needs PyTorch on a GPU"
 else
-    step fragmentation 200 "$pt" fragmentation
-    step train 150 "$pt" train
-    step graphs 90 "$pt" graph-replay
-    step plugin-checks 120 "$pt" oom-exception memory-allocated growable
-    step sleep 90 "$pt" sleep
+    # One probe for every PyTorch step (each would spend ~3 s on its own).
+    pytorch_skip=""
+    probe="$(in_session 60 "$PY" -c 'import torch, torch.cuda.memory as m; m.CUDAPluggableAllocator; m.change_current_allocator; print("torch", torch.__version__, torch.version.cuda, torch.cuda.is_available())' 2>&1)" ||
+        pytorch_skip="no usable PyTorch for $PY: $(tail -n 1 <<<"$probe" | cut -c1-200)"
+    if [[ -z $pytorch_skip ]]; then
+        probe="$(grep '^torch ' <<<"$probe" | tail -n 1)"
+        [[ $probe == *True ]] || pytorch_skip="PyTorch sees no CUDA device ($probe)"
+        torch_version="$(cut -d' ' -f2,3 <<<"$probe")"
+        echo "PyTorch: $probe"
+    fi
+    export TORCH_CHECKED=1
 fi
+for entry in "${pytorch_steps[@]}"; do
+    IFS=: read -r -a f <<<"$entry"
+    name=${f[0]} limit=${f[1]}
+    parts=("${f[@]:2}")
+    ((${#parts[@]})) || parts=("$name")
+    if [[ -n $pytorch_skip ]]; then
+        verdict "$name" SKIP "$pytorch_skip"
+    else
+        step "$name" "$limit" "$pt" "${parts[@]}"
+    fi
+done
 
 # ---------------------------------------------------------------------------
 # Two GPUs
@@ -361,8 +431,23 @@ elif need "$bin" two-gpus; then
     step two-gpus 90 two_gpus
 fi
 
+# results-gpu.md: the GPU, driver, PyTorch and commit, the verdicts, and the
+# side-by-side tables (docs/results-gpu.md holds a copy of the last real run).
+gpu_name="" driver_version=""
+if ((!dry_run)) && command -v nvidia-smi >/dev/null 2>&1; then
+    gpu_name="$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader -i "$device" 2>/dev/null | head -n 1)"
+    driver_version="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader -i "$device" 2>/dev/null | head -n 1)"
+fi
+((dry_run)) && gpu_name="none (dry run on the fake libcuda)"
+"$PY" "$here/gpu_report.py" markdown "$out_dir/results-gpu.md" --results "$RESULTS_JSONL" \
+    --summary "$summary" --log "$log" --manifest "$manifest" \
+    --env "date=$(date -u +%Y-%m-%d)" --env "gpu=${gpu_name:-?}" --env "driver=${driver_version:-?}" \
+    --env "torch=${torch_version:-not run}" --env "python=$("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo '?')" ||
+    echo "gpu-check: results-gpu.md not written"
+
 section "summary ($((SECONDS - started)) s; $out_dir)"
 cat "$summary"
+
 # Let tee finish the log before exiting.
 exec 1>&3 2>&4
 wait "$tee_pid" 2>/dev/null || true

@@ -53,13 +53,16 @@ check good gpu-bundle
 for s in bundle driver vmm conformance suite:device suite:vmmalloc-alloc.expandable_cuda suite:vmmalloc-alloc.expandable_sleep calibrate python two-gpus; do
     expect "$tmp/good" "^$s: PASS "
 done
-for s in fragmentation train graphs plugin-checks sleep; do
+for s in fragmentation serving train hot-path graphs plugin-checks sleep unpin-threads complete ipc activation; do
     expect "$tmp/good" "^$s: SKIP \(dry run: needs PyTorch on a GPU\)$"
 done
 [[ -s $tmp/good/gpu-check.log ]] || fail "good: no log"
 grep -q '"vmmalloc-cost-model/2"' "$tmp/good/gpu-calibration.json" 2>/dev/null || fail "good: no calibration JSON"
 n="$(find "$tmp/good" -type f | wc -l)"
-((n == 3)) || fail "good: $n files in the output folder, expected 3"
+((n == 5)) || fail "good: $n files in the output folder, expected 5"
+grep -q '^- GPU: none (dry run on the fake libcuda)$' "$tmp/good/results-gpu.md" 2>/dev/null ||
+    fail "good: results-gpu.md does not name the (absent) GPU"
+grep -q '^two-gpus: PASS ' "$tmp/good/results-gpu.md" || fail "good: results-gpu.md lacks the verdicts"
 
 # 3a. Built for other scripts: one line, the rest still runs.
 cp -r gpu-bundle "$tmp/stale"
@@ -106,6 +109,19 @@ expect "$tmp/nodriver" '^python: PASS '
 # on a GPU (this machine): SKIP with the reason (exit 3), not FAIL.
 check nopython gpu-bundle PYTHON="$tmp/no-such-python"
 expect "$tmp/nopython" '^python: SKIP \(.*no-such-python is not installed\)$'
+
+# 3d'. A step's leftovers die with it (issue 25, defect 3): a "python" that
+# leaves a grandchild in a process group of its own (a nested `timeout`, as
+# gpu-check-pytorch.sh's runs have) and exits; after the check it is gone.
+marker=$((600000 + RANDOM))
+printf '#!/usr/bin/env bash\ntimeout 600 sleep %s >/dev/null 2>&1 &\necho "stand-in python $*"\n' "$marker" >"$tmp/leaky-python"
+chmod +x "$tmp/leaky-python"
+check leaky gpu-bundle PYTHON="$tmp/leaky-python" SKIP_PYTORCH=1
+expect "$tmp/leaky" '^python: PASS '
+if pgrep -f "sleep $marker" >/dev/null; then
+    fail "leaky: a step's grandchild outlived the step"
+    pkill -f "sleep $marker" || true
+fi
 rc=0
 last="$(VMMALLOC_LIBRARY="$PWD/gpu-bundle/lib/libvmmalloc.so" PYTHONPATH="$PWD/gpu-bundle/python" \
     gpu-bundle/scripts/gpu-check-pytorch.sh graph-replay 2>&1 | tail -n 1)" || rc=$?

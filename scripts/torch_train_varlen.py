@@ -20,34 +20,17 @@ illegal-address error.
 """
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 
-MIB = 1 << 20
-
-
-def allocator_label():
-    try:
-        import vmmalloc
-    except ImportError:
-        return "pytorch", None
-    if vmmalloc.is_enabled():
-        backend = "expandable"
-        for item in os.environ.get("VMMALLOC_CONF", "").split(","):
-            k, _, v = item.partition(":")
-            if k.strip() == "backend":
-                backend = v.strip()
-        return f"vmmalloc:{backend}", vmmalloc
-    return "pytorch", None
+from torch_common import MIB, allocator_label, result
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
@@ -111,7 +94,7 @@ def main():
         peak_reserved = torch.cuda.max_memory_reserved(0)
         peak_allocated = torch.cuda.max_memory_allocated(0)
         extra = {"num_alloc_retries": torch.cuda.memory_stats(0).get("num_alloc_retries", 0)}
-    result = {
+    result({
         "script": "torch_train_varlen",
         "allocator": label,
         "steps": args.steps,
@@ -121,8 +104,7 @@ def main():
         "step_ms_max": round(1000 * max(times or [0.0]), 2),
         "final_loss": round(loss_v, 4),
         **extra,
-    }
-    print("RESULT " + json.dumps(result), flush=True)
+    })
     return 0 if math.isfinite(loss_v) else 1
 
 

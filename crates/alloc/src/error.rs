@@ -28,8 +28,12 @@ pub struct OomReport {
     pub requested: u64,
     /// Bytes the request needed after rounding.
     pub rounded: u64,
-    /// Device capacity (or the memory-fraction limit, if lower).
+    /// Device capacity: the driver's total (`cuMemGetInfo`), as in PyTorch's
+    /// message, never the memory-fraction limit (that is `allowed`).
     pub capacity: u64,
+    /// The memory-fraction limit (`set_per_process_memory_fraction`) when it
+    /// is below the capacity: PyTorch's "<allowed> allowed;".
+    pub allowed: Option<u64>,
     /// Free device memory as the driver reports it.
     pub device_free: u64,
     /// Bytes in live allocations.
@@ -76,8 +80,6 @@ pub struct Pin {
 pub struct CachingCause {
     /// The request after `round_size` (512 bytes, or the power-of-two divisions).
     pub round_size: u64,
-    /// The memory-fraction limit (`set_per_process_memory_fraction`), if set.
-    pub allowed: Option<u64>,
     /// Segments held (each one `cudaMalloc`, or one expandable segment).
     pub segments: usize,
     /// What is released whole: `segment`, or `page` for expandable segments.
@@ -112,6 +114,16 @@ pub fn format_bytes(b: u64) -> String {
 }
 
 impl OomReport {
+    /// Writes `<allowed> allowed; ` when a memory fraction caps the allocator
+    /// (PyTorch: "... of which <free> is free. <allowed> allowed; Of the
+    /// allocated memory ...", `DeviceCachingAllocator::malloc`).
+    fn write_allowed(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.allowed {
+            Some(a) => write!(f, "{} allowed; ", format_bytes(a)),
+            None => Ok(()),
+        }
+    }
+
     /// Writes ` [STREAM: live X, cached Y]` for every stream.
     fn write_streams(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for s in &self.per_stream {
@@ -145,9 +157,7 @@ impl OomReport {
             format_bytes(self.capacity),
             format_bytes(self.device_free),
         )?;
-        if let Some(a) = c.allowed {
-            write!(f, "{} allowed; ", format_bytes(a))?;
-        }
+        self.write_allowed(f)?;
         write!(
             f,
             "Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated.",
@@ -285,14 +295,14 @@ impl fmt::Display for OomReport {
             // Nothing is cached or pooled: only the figures that apply.
             write!(
                 f,
-                "out of memory (native). Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. \
-                 Live tensors hold {}.",
+                "out of memory (native). Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
                 format_bytes(self.requested),
                 self.device,
                 format_bytes(self.capacity),
                 format_bytes(self.device_free),
-                format_bytes(self.live),
             )?;
+            self.write_allowed(f)?;
+            write!(f, "Live tensors hold {}.", format_bytes(self.live))?;
             if !self.hint.is_empty() {
                 write!(f, " {}", self.hint)?;
             }
@@ -300,14 +310,18 @@ impl fmt::Display for OomReport {
         }
         write!(
             f,
-            "out of memory ({}). Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. \
-             Of the allocated memory {} is allocated by live tensors, {} is cached (mapped but free), {} is pooled \
-             (unmapped physical pages), and the largest free range is {}.",
+            "out of memory ({}). Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
             self.policy,
             format_bytes(self.requested),
             self.device,
             format_bytes(self.capacity),
             format_bytes(self.device_free),
+        )?;
+        self.write_allowed(f)?;
+        write!(
+            f,
+            "Of the allocated memory {} is allocated by live tensors, {} is cached (mapped but free), {} is pooled \
+             (unmapped physical pages), and the largest free range is {}.",
             format_bytes(self.live),
             format_bytes(self.cached),
             format_bytes(self.pooled),

@@ -511,9 +511,11 @@ fn set_memory_fraction_limits_allowed_memory_maximum() {
     let AllocError::OutOfMemory(r) = &e else {
         panic!("{e}")
     };
-    assert_eq!(r.capacity, 256 * MIB);
+    // The capacity is the device's (PyTorch: "total capacity of <device total>
+    // of which <free> is free. <limit> allowed;").
+    assert_eq!(r.capacity, GIB);
     // PyTorch puts the limit before "Of the allocated memory".
-    assert_eq!(r.caching.as_ref().unwrap().allowed, Some(256 * MIB));
+    assert_eq!(r.allowed, Some(256 * MIB));
     assert!(
         e.to_string()
             .contains("256.00 MiB allowed; Of the allocated memory"),

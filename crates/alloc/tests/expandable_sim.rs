@@ -442,7 +442,9 @@ fn memory_fraction_caps_mapped_plus_pooled_pages() {
     let AllocError::OutOfMemory(r) = e else {
         panic!()
     };
-    assert_eq!(r.capacity, 512 * MIB);
+    // PyTorch's wording: the device's capacity, then "<limit> allowed".
+    assert_eq!(r.capacity, GIB);
+    assert_eq!(r.allowed, Some(512 * MIB));
     assert!(r.hint.contains("memory fraction"), "{}", r.hint);
     let x = a.malloc(400 * MIB, s1).unwrap();
     a.free(x.ptr).unwrap();

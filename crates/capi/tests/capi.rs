@@ -871,6 +871,43 @@ fn bad_inputs_are_reported_and_change_nothing() {
     reset();
 }
 
+/// Under a memory fraction the message reads as PyTorch's: the device's total
+/// and free memory, then "<limit> allowed;" (`DeviceCachingAllocator::malloc`
+/// in c10/cuda/CUDACachingAllocator.cpp), never the limit as the capacity
+/// beside the device's free memory (issue 25: "a total capacity of 8.00 GiB
+/// of which 131.20 GiB is free").
+#[test]
+fn out_of_memory_under_a_memory_fraction_names_the_limit_as_allowed() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, "") {
+            continue;
+        }
+        fresh(&format!(
+            "device:host,capacity_gb:0.0625,log:off,backend:{backend}"
+        ));
+        // SAFETY: the library's exported hook, called as PyTorch calls it.
+        unsafe { (api().set_memory_fraction)(0.5, 0) };
+        let a = malloc(24 * MIB, 0);
+        assert!(!a.is_null(), "{backend}: {:?}", last_error());
+        assert!(
+            malloc(24 * MIB, 0).is_null(),
+            "{backend}: 48 MiB fit in 32 allowed"
+        );
+        let e = last_error().unwrap();
+        for needle in [
+            "GPU 0 has a total capacity of 64.00 MiB of which ",
+            " is free. 32.00 MiB allowed; ",
+        ] {
+            assert!(e.contains(needle), "{backend}: {e}");
+        }
+        assert!(!e.contains("total capacity of 32.00 MiB"), "{backend}: {e}");
+        free(a, 24 * MIB, 0);
+        validate(0);
+    }
+    reset();
+}
+
 #[test]
 fn out_of_memory_is_explained_in_pytorch_shape() {
     let _g = serial();

@@ -246,7 +246,6 @@ impl State {
         pins.truncate(CachingCause::MAX_PINS);
         let caching = Some(Box::new(CachingCause {
             round_size: super::sizes::round_size(orig_size, &self.config),
-            allowed: self.set_fraction.then_some(self.allowed_memory_maximum),
             segments: ranges.len(),
             unit: if self.expandable { "page" } else { "segment" },
             fragmented,
@@ -258,11 +257,9 @@ impl State {
             device: dev.caps().ordinal,
             requested: orig_size,
             rounded: alloc_size,
-            capacity: if self.set_fraction {
-                self.allowed_memory_maximum.min(total)
-            } else {
-                total
-            },
+            capacity: total,
+            allowed: (self.set_fraction && self.allowed_memory_maximum < total)
+                .then_some(self.allowed_memory_maximum),
             device_free: info.map_or(0, |i| i.free),
             live: allocated,
             cached: reserved.saturating_sub(allocated),

@@ -1,0 +1,104 @@
+"""What the GPU check's PyTorch workloads share (scripts/torch_*.py).
+
+- ``allocator_label()``: which allocator serves this process: ``pytorch``
+  (PyTorch's default caching allocator), ``pytorch-es`` (the same with
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), or
+  ``vmmalloc:BACKEND`` under the plug-in (``python -m vmmalloc``).
+- ``empty()``: ``torch.empty`` that raises ``OutOfMemory`` under any of them.
+  PyTorch raises ``torch.cuda.OutOfMemoryError``; vmmalloc raises the same
+  with its torch companion, ``RuntimeError("CUDA out of memory. ...")``
+  without it, and with ``on_oom:null`` hands PyTorch a NULL pointer that
+  PyTorch does not check (so the data pointer is checked too).
+- ``peak_reserved()``: the reserved-memory peak as the serving allocator
+  counts it.
+- ``result()``: prints the one ``RESULT {json}`` line that
+  scripts/gpu-check-pytorch.sh collects, at once (flushed), so that a step
+  that later runs out of time still reports what it measured.
+- ``verify()``: checks that a uint8 tensor holds one value everywhere without
+  a temporary the size of the tensor (``torch.sum(t, dtype=torch.int64)``
+  materialises an int64 copy eight times as large: issue 25, defect 1).
+"""
+
+import json
+import os
+import sys
+
+MIB = 1 << 20
+GIB = 1 << 30
+# verify() compares slices of this many bytes: a 16 MiB bool temporary at most.
+VERIFY_SLICE = 16 * MIB
+
+
+class OutOfMemory(Exception):
+    """An allocation failed for lack of memory, under any allocator."""
+
+
+def allocator_label():
+    """``(label, vmmalloc module or None)`` for the allocator serving this process."""
+    try:
+        import vmmalloc
+    except ImportError:
+        vmmalloc = None
+    if vmmalloc is not None and vmmalloc.is_enabled():
+        backend = "expandable"
+        for item in os.environ.get("VMMALLOC_CONF", "").split(","):
+            k, _, v = item.partition(":")
+            if k.strip() == "backend":
+                backend = v.strip()
+        return f"vmmalloc:{backend}", vmmalloc
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "")
+    if "expandable_segments:True" in conf:
+        return "pytorch-es", None
+    return "pytorch", None
+
+
+def is_oom(torch, e):
+    """True when ``e`` is an out-of-memory error of any allocator."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and str(e).startswith("CUDA out of memory.")
+
+
+def empty(torch, nbytes):
+    """``torch.empty(nbytes, uint8)`` on the GPU; raises OutOfMemory."""
+    try:
+        t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+        if not is_oom(torch, e):
+            raise
+        raise OutOfMemory(str(e).splitlines()[0]) from None
+    if nbytes > 0 and t.data_ptr() == 0:
+        raise OutOfMemory(f"NULL data pointer for {nbytes} bytes")
+    return t
+
+
+def verify(torch, t, value):
+    """True when every byte of the flat uint8 tensor ``t`` equals ``value``."""
+    for piece in t.split(VERIFY_SLICE):
+        if bool((piece != value).any()):
+            return False
+    return True
+
+
+def peak_reserved(torch, vm):
+    """Peak reserved bytes of device 0 under the serving allocator."""
+    if vm is not None:
+        return int(vm.memory_stats(0)["reserved_bytes.all.peak"])
+    return int(torch.cuda.max_memory_reserved(0))
+
+
+def cap_memory(torch, limit_gb):
+    """Caps device 0 at ``limit_gb`` GiB (set_per_process_memory_fraction);
+    returns the limit in bytes, or None when the GPU is not larger."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    limit = int(limit_gb * GIB)
+    if limit >= total:
+        return None
+    torch.cuda.set_per_process_memory_fraction(limit / total, 0)
+    return limit
+
+
+def result(fields):
+    """Prints ``RESULT {json}`` at once."""
+    print("RESULT " + json.dumps(fields), flush=True)
+    sys.stdout.flush()
