@@ -181,7 +181,9 @@ impl OomReport {
         // Nothing could fit: live tensors plus the request exceed the device
         // (or the memory-fraction limit). Fragmentation is then not the cause,
         // and the text says so first, as `expandable`'s does.
-        if self.live + c.round_size > self.capacity {
+        // The limit is the memory fraction where one is set, else the device.
+        let limit = self.allowed.map_or(self.capacity, |a| a.min(self.capacity));
+        if self.live + c.round_size > limit {
             write!(
                 f,
                 "\nWhy: live tensors hold {} and the request needs {} more{rounding}: together {}, more than the {} {}, \
@@ -190,8 +192,8 @@ impl OomReport {
                 format_bytes(self.live),
                 format_bytes(c.round_size),
                 format_bytes(self.live + c.round_size),
-                format_bytes(self.capacity),
-                if c.allowed.is_some() {
+                format_bytes(limit),
+                if self.allowed.is_some() {
                     "allowed (memory fraction)"
                 } else {
                     "device"
@@ -205,7 +207,7 @@ impl OomReport {
         write!(
             f,
             "\nWhy: live tensors plus the request fit in the {}, but {} is reserved across {} segment{}; ",
-            format_bytes(self.capacity),
+            format_bytes(limit),
             format_bytes(self.live + self.cached),
             c.segments,
             if c.segments == 1 { "" } else { "s" }
