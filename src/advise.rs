@@ -14,11 +14,12 @@
 //! `torch.cuda.set_per_process_memory_fraction` is set).
 
 use crate::compare::{gib, unlimited_capacity, TightCapacity};
+use crate::replay_cmd::format_bytes;
 use anyhow::{bail, Context, Result};
 use std::sync::Mutex;
-use vmmalloc_alloc::{parse_size, PolicySpec};
+use vmmalloc_alloc::PolicySpec;
 use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig};
-use vmmalloc_trace::{DeviceTrace, Input};
+use vmmalloc_trace::DeviceTrace;
 
 /// Arguments of `vmmalloc advise`.
 #[derive(clap::Args, Debug)]
@@ -27,7 +28,7 @@ pub struct AdviseArgs {
     pub input: String,
     /// The GPU memory to fit in, e.g. `24GiB` or `80GiB` (default: the
     /// tightest device `compare` uses, 1.05 × peak live).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub gpu: Option<String>,
     /// The simulated device: cost model and granularity.
     #[command(flatten)]
@@ -236,6 +237,51 @@ pub fn best<'a>(
         })
 }
 
+/// What the plug-in does not support yet (docs/pytorch.md, "Limits"),
+/// listed next to every recommendation of it.
+pub const PLUGIN_LIMITS: [&str; 4] = [
+    "torch.backends.cudnn.benchmark = True raises: CUDAPluggableAllocator has no cacheInfo hook",
+    "torch.cuda.memory._record_memory_history raises: set record_history:True in VMMALLOC_CONF (no stack frames)",
+    "CUDA graph pools are not counted in torch.cuda.memory_stats() (vmmalloc.graph_pool_* keys count them)",
+    "cudaIpcGetMemHandle on its memory is not supported (torch.multiprocessing shares CUDA tensors with it)",
+];
+
+/// Steady driver time within this many ms per further pass (or
+/// [`STEADY_TIE_FRACTION`] of the larger) counts as equal.
+pub const STEADY_TIE_MS: f64 = 1.0;
+
+/// See [`STEADY_TIE_MS`].
+pub const STEADY_TIE_FRACTION: f64 = 0.05;
+
+/// Whether `a` and `b` tie: both fit, headroom within `tie` bytes of each
+/// other and driver time per further pass within [`STEADY_TIE_MS`] or
+/// [`STEADY_TIE_FRACTION`] (cold time is paid once and does not count).
+pub fn ties(a: &Verdict, b: &Verdict, tie: u64) -> bool {
+    let (Some(ha), Some(hb)) = (a.headroom, b.headroom) else {
+        return false;
+    };
+    let (sa, sb) = (a.steady_ms.unwrap_or(0.0), b.steady_ms.unwrap_or(0.0));
+    a.fits
+        && b.fits
+        && ha.abs_diff(hb) <= tie
+        && (sa - sb).abs() <= STEADY_TIE_MS.max(STEADY_TIE_FRACTION * sa.max(sb))
+}
+
+/// The recommendation: the [`best`] overall, except that where it is the
+/// plug-in and PyTorch's best setting [`ties`] with it, PyTorch's own
+/// setting (nothing to install, no plug-in limits). The flag says a tie
+/// decided.
+pub fn recommend(verdicts: &[Verdict], tie: u64) -> Option<(&Verdict, bool)> {
+    let overall = best(verdicts.iter(), tie)?;
+    if overall.candidate.pytorch {
+        return Some((overall, false));
+    }
+    match best(verdicts.iter().filter(|v| v.candidate.pytorch), tie) {
+        Some(p) if ties(p, overall, tie) => Some((p, true)),
+        _ => Some((overall, false)),
+    }
+}
+
 fn ms(v: Option<f64>) -> String {
     v.map_or("-".into(), |m| format!("{m:.1}"))
 }
@@ -245,7 +291,7 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     let base = args.sim.base_config()?;
     let gpu = match &args.gpu {
         Some(s) => {
-            let b = parse_size(s).map_err(|e| anyhow::anyhow!("--gpu: {e}"))?;
+            let b = crate::replay_cmd::parse_capacity("--gpu", s)?;
             let r = b / base.granularity * base.granularity;
             if r == 0 {
                 bail!(
@@ -257,13 +303,7 @@ pub fn run(args: AdviseArgs) -> Result<()> {
         }
         None => None,
     };
-    let input: Input = args
-        .input
-        .parse()
-        .with_context(|| format!("input `{}`", args.input))?;
-    let trace = input
-        .load()
-        .with_context(|| format!("loading `{}`", args.input))?;
+    let trace = crate::input::load_input(&args.input)?;
     let devices: Vec<&DeviceTrace> = trace.devices.iter().collect();
     if devices.iter().all(|d| d.replay_ops().is_empty()) {
         bail!(
@@ -275,16 +315,16 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     for dt in &devices {
         let peak = dt.peak_live_bytes();
         println!(
-            "{} device {}: {} events, peak live {} GiB; judged on {}",
+            "{} device {}: {} events, peak live {}; judged on {}",
             trace.name,
             dt.device(),
             dt.events().len(),
-            gib(peak),
+            format_bytes(peak),
             match gpu {
-                Some(g) => format!("a {} GiB GPU (--gpu)", gib(g)),
+                Some(g) => format!("a {} GPU (--gpu)", format_bytes(g)),
                 None => format!(
-                    "a {} GiB device, 1.05 x peak live (give --gpu SIZE for your card)",
-                    gib(TightCapacity::default().bytes(peak, base.granularity))
+                    "a {} device, 1.05 x peak live (give --gpu SIZE for your card)",
+                    format_bytes(TightCapacity::default().bytes(peak, base.granularity))
                 ),
             }
         );
@@ -341,7 +381,9 @@ pub fn run(args: AdviseArgs) -> Result<()> {
         "\nneeds: the smallest device that replays the trace (bisection to {} MiB); headroom: the GPU minus that; \
          cold / steady ms: modeled driver time ({} cost model) of the first replay on the GPU and of a further one \
          (every later iteration). Each setting was replayed, not estimated. Best: the most headroom, where \
-         headroom within 1 % of the GPU counts as a tie and the lower driver time per further pass decides.",
+         headroom within 1 % of the GPU counts as a tie and the lower driver time per further pass decides; \
+         where PyTorch's best setting ties with the plug-in (headroom within 1 %, driver time per further pass \
+         within 1 ms or 5 %), stay with PyTorch's.",
         base.granularity >> 20,
         base.cost_label
     );
@@ -356,15 +398,15 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     let tie = (gpu_ref / 100).max(base.granularity);
     let say = |who: &str, v: &Verdict| {
         println!(
-            "{who}: {} — headroom {} GiB, driver time {:.1} ms cold, {} ms per further pass.",
+            "{who}: {} — headroom {}, driver time {:.1} ms cold, {} ms per further pass.",
             v.candidate.spec,
-            v.headroom.map_or("-".into(), gib),
+            v.headroom.map_or("-".into(), format_bytes),
             v.cold_ms,
             ms(v.steady_ms)
         );
     };
     let pytorch = best(verdicts.iter().filter(|v| v.candidate.pytorch), tie);
-    let overall = best(verdicts.iter(), tie);
+    let overall = recommend(&verdicts, tie);
     println!();
     match pytorch {
         Some(v) => {
@@ -386,18 +428,34 @@ pub fn run(args: AdviseArgs) -> Result<()> {
             .min_by_key(|(m, _)| *m)
         {
             Some((m, v)) => println!(
-                "Keeping PyTorch's allocator: no setting of it fits; the closest, {}, needs {} GiB.",
+                "Keeping PyTorch's allocator: no setting of it fits; the closest, {}, needs {}.",
                 v.candidate.spec,
-                gib(m)
+                format_bytes(m)
             ),
             None => println!("Keeping PyTorch's allocator: no setting of it fits."),
         },
     }
     match overall {
-        Some(v) => {
+        Some((v, tied)) => {
             say("Best", v);
+            if tied {
+                let plugin = best(verdicts.iter(), tie).expect("a best exists");
+                println!(
+                    "  {} ties with it (headroom {}, {} ms per further pass): staying with PyTorch's own allocator \
+                     needs no plug-in and keeps everything PyTorch supports.",
+                    plugin.candidate.spec,
+                    plugin.headroom.map_or("-".into(), format_bytes),
+                    ms(plugin.steady_ms)
+                );
+            }
             if !v.candidate.also.is_empty() {
                 println!("  {}", v.candidate.also);
+            }
+            if !v.candidate.pytorch {
+                println!("  What the plug-in does not support yet (docs/pytorch.md, \"Limits\"):");
+                for l in PLUGIN_LIMITS {
+                    println!("  - {l}");
+                }
             }
             println!("{}", v.candidate.env);
             Ok(())
@@ -409,14 +467,14 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                 .min_by_key(|(m, _)| *m);
             match closest {
                 Some((m, v)) => bail!(
-                    "nothing fits on {} GiB; the closest, {}, needs {} GiB",
-                    gib(gpu_ref),
+                    "nothing fits on {}; the closest, {}, needs {}",
+                    format_bytes(gpu_ref),
                     v.candidate.spec,
-                    gib(m)
+                    format_bytes(m)
                 ),
                 None => bail!(
-                    "nothing fits on {} GiB, nor on any device up to 8 x peak live",
-                    gib(gpu_ref)
+                    "nothing fits on {}, nor on any device up to 8 x peak live",
+                    format_bytes(gpu_ref)
                 ),
             }
         }
@@ -465,6 +523,14 @@ mod tests {
                     c.spec
                 );
                 assert!(c.also.contains(conf), "{}", c.spec);
+                // The same line after `expandable:` is a policy spec with the
+                // same options (one parser, both spellings).
+                let opts = conf.trim_start_matches("backend:expandable");
+                let as_spec: PolicySpec = format!("expandable:{}", opts.trim_start_matches(','))
+                    .trim_end_matches(':')
+                    .parse()
+                    .unwrap();
+                assert_eq!(as_spec.options, spec.options, "{}", c.spec);
             }
             if c.pytorch && spec.options.caching != Default::default() {
                 // The env line carries the same PyTorch options as the spec.
@@ -500,5 +566,31 @@ mod tests {
         assert_eq!(best(v.iter(), 0).unwrap().candidate.spec, "expandable");
         assert_eq!(best(v.iter(), 2).unwrap().candidate.spec, "caching");
         assert!(best(v[3..].iter(), 2).is_none());
+    }
+
+    #[test]
+    fn a_tie_with_pytorch_stays_with_pytorch() {
+        // Headroom within the tie and steady time within 1 ms: PyTorch's.
+        let v = [
+            verdict("expandable", true, Some(100), 0.5),
+            verdict("caching", true, Some(99), 1.0),
+        ];
+        let (r, tied) = recommend(&v, 2).unwrap();
+        assert_eq!((r.candidate.spec, tied), ("caching", true));
+        // Not a tie on headroom: ours.
+        let (r, tied) = recommend(&v, 0).unwrap();
+        assert_eq!((r.candidate.spec, tied), ("expandable", false));
+        // Not a tie on steady time (10 ms against 1 ms): ours.
+        let v = [
+            verdict("expandable", true, Some(100), 1.0),
+            verdict("caching", true, Some(100), 10.0),
+        ];
+        assert_eq!(recommend(&v, 2).unwrap().0.candidate.spec, "expandable");
+        // Only ours fits: ours.
+        let v = [
+            verdict("expandable", true, Some(100), 1.0),
+            verdict("caching", false, None, 0.0),
+        ];
+        assert_eq!(recommend(&v, 2).unwrap().0.candidate.spec, "expandable");
     }
 }

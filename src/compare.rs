@@ -1,6 +1,7 @@
 //! `vmmalloc compare`: replay traces against every policy, find each one's
 //! smallest device, and report overhead and driver cost.
 
+use crate::input::{load_inputs, resolve_input};
 use crate::report;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -12,13 +13,7 @@ use vmmalloc_alloc::{split_policy_specs, Policy, PolicySpec};
 use vmmalloc_device::cost::CostModel;
 use vmmalloc_device::{round_up, Call, CallCounts, GIB, MIB};
 use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig, ReplayResult, SteadyResult};
-use vmmalloc_trace::{DeviceTrace, Input, Trace};
-
-/// The built-in set: the bundled real snapshot plus the three workloads.
-pub const BUILTIN_FIXTURE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/tests/fixtures/cs336_lm_step.pickle"
-);
+use vmmalloc_trace::DeviceTrace;
 
 /// Arguments of `vmmalloc compare`.
 #[derive(clap::Args, Debug)]
@@ -58,7 +53,14 @@ pub struct CompareArgs {
     /// `--capacity`) device, or any replay stopped early (for scripts and CI).
     #[arg(long)]
     pub fail_on_oom: bool,
+    /// Print every column (one row per trace and policy, ~200 characters
+    /// wide) instead of the table that fits 100 columns.
+    #[arg(long)]
+    pub wide: bool,
 }
+
+/// The width the default output fits (table, wrapped notes, conclusion).
+pub const TERMINAL_WIDTH: usize = 100;
 
 /// The default tight capacity: 1.05 x peak live.
 pub const DEFAULT_TIGHT_FACTOR: f64 = 1.05;
@@ -92,7 +94,10 @@ impl TightCapacity {
         match self {
             TightCapacity::Factor(f) => format!("{f} x peak live"),
             TightCapacity::Fixed(b) => {
-                format!("{} GiB (--capacity)", gib(round_up(b, granularity)))
+                format!(
+                    "{} (--capacity)",
+                    crate::replay_cmd::format_bytes(round_up(b, granularity))
+                )
             }
         }
     }
@@ -407,7 +412,251 @@ pub fn gib(b: u64) -> String {
     format!("{:.2}", b as f64 / GIB as f64)
 }
 
-/// The comparison table (plain text, aligned).
+/// Wraps `text` at spaces so that no line is longer than `width` (a word
+/// longer than that stands alone); ends with a newline.
+pub fn wrap(text: &str, width: usize) -> String {
+    let mut out = String::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.chars().count() + 1 + word.chars().count() > width {
+            out.push_str(&line);
+            out.push('\n');
+            line.clear();
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    if !line.is_empty() {
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+/// Aligns `lines` (first: the header) in columns, the first left-aligned and
+/// the rest right-aligned, with a rule under the header.
+fn align(lines: &[Vec<String>], left: usize) -> String {
+    let widths: Vec<usize> = (0..lines[0].len())
+        .map(|i| {
+            lines
+                .iter()
+                .map(|l| l[i].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for (n, l) in lines.iter().enumerate() {
+        let cells: Vec<String> = l
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                if i < left {
+                    format!("{c:<w$}", w = widths[i])
+                } else {
+                    format!("{c:>w$}", w = widths[i])
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+        if n == 0 {
+            let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+            out.push_str(&rule.join("  "));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The default table, under 100 columns: one block per trace (a heading with
+/// its peak live and tight device), one row per policy, cold and steady side
+/// by side in one cell (`cold / steady`).
+pub fn narrow_table(rows: &[TraceRow]) -> String {
+    let mut out = String::new();
+    for (i, t) in rows.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        out.push_str(&format!(
+            "{} (device {}): peak live {}, tight device {}\n",
+            t.name,
+            t.device,
+            crate::replay_cmd::format_bytes(t.peak_live),
+            crate::replay_cmd::format_bytes(t.tight_capacity)
+        ));
+        let mut lines: Vec<Vec<String>> = vec![[
+            "policy",
+            "min cap GiB",
+            "overhead",
+            "tight",
+            "calls",
+            "driver ms",
+            "syncs",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()];
+        for p in &t.policies {
+            let steady = p.tight.steady.as_ref();
+            let tight = if p.tight.ok && steady.is_none_or(|s| s.ok) {
+                "ok".to_string()
+            } else {
+                format!(
+                    "no ({}/{} OOMs)",
+                    p.tight.ooms,
+                    steady.map_or("-".to_string(), |s| s.ooms.to_string())
+                )
+            };
+            let pair = |cold: String, st: Option<String>| {
+                format!("{cold} / {}", st.unwrap_or_else(|| "-".into()))
+            };
+            lines.push(vec![
+                p.label().to_string(),
+                p.min_capacity_cell(),
+                p.overhead_cell(t.peak_live),
+                tight,
+                pair(
+                    p.tight.memory_calls().to_string(),
+                    steady.map(|s| s.memory_calls().to_string()),
+                ),
+                pair(
+                    format!("{:.1}", p.tight.modeled_driver_us / 1000.0),
+                    steady.map(|s| format!("{:.1}", s.modeled_driver_us / 1000.0)),
+                ),
+                pair(
+                    p.tight.driver_calls.syncs().to_string(),
+                    steady.map(|s| s.driver_calls.syncs().to_string()),
+                ),
+            ]);
+        }
+        out.push_str(&align(&lines, 1));
+    }
+    out
+}
+
+/// Two or three sentences that answer "which allocator, and why" from the
+/// rows: which policy needs the smallest device on how many traces and by how
+/// much against PyTorch's allocators, what it pays per further pass, and the
+/// advice that follows. Empty without an `expandable` row and a PyTorch one.
+pub fn conclusion(rows: &[TraceRow]) -> String {
+    fn plain(t: &TraceRow, p: Policy) -> Option<&PolicyRow> {
+        t.policies
+            .iter()
+            .find(|r| r.policy == p && r.spec.is_plain())
+    }
+    let mut traces = 0usize;
+    let mut smallest = 0usize; // traces where expandable needs the least (within 1 %)
+    let mut best_gain: Option<(f64, String, &'static str)> = None; // % less than a PyTorch policy
+    let mut tie_everywhere = true;
+    let (mut e_ms, mut p_ms) = (0.0f64, Vec::<(&'static str, f64)>::new());
+    for t in rows {
+        let Some(e) = plain(t, Policy::Expandable) else {
+            continue;
+        };
+        let pytorch: Vec<&PolicyRow> = [Policy::Caching, Policy::TorchEs]
+            .into_iter()
+            .filter_map(|p| plain(t, p))
+            .collect();
+        if pytorch.is_empty() {
+            continue;
+        }
+        traces += 1;
+        let steady = |r: &PolicyRow| {
+            r.tight
+                .steady
+                .as_ref()
+                .map_or(0.0, |s| s.modeled_driver_us / 1000.0)
+        };
+        e_ms += steady(e);
+        for r in &pytorch {
+            match p_ms.iter_mut().find(|(n, _)| *n == r.policy.name()) {
+                Some((_, ms)) => *ms += steady(r),
+                None => p_ms.push((r.policy.name(), steady(r))),
+            }
+        }
+        let Some(ec) = e.min_capacity else {
+            tie_everywhere = false;
+            continue;
+        };
+        let mut least = true;
+        for r in &pytorch {
+            match r.min_capacity {
+                Some(c) if (ec as f64) > c as f64 * 1.01 => {
+                    least = false;
+                    tie_everywhere = false;
+                }
+                Some(c) => {
+                    let gain = (c as f64 - ec as f64) / c as f64 * 100.0;
+                    if gain > 1.0 {
+                        tie_everywhere = false;
+                    }
+                    if best_gain.as_ref().is_none_or(|(g, ..)| gain > *g) {
+                        best_gain = Some((gain, t.name.clone(), r.policy.name()));
+                    }
+                }
+                None => {
+                    tie_everywhere = false;
+                    if best_gain.as_ref().is_none_or(|(g, ..)| *g < f64::INFINITY) {
+                        best_gain = Some((f64::INFINITY, t.name.clone(), r.policy.name()));
+                    }
+                }
+            }
+        }
+        if least {
+            smallest += 1;
+        }
+    }
+    if traces == 0 {
+        return String::new();
+    }
+    let mut s = format!(
+        "Conclusion: expandable needs the smallest device (within 1 %) on {smallest} of {traces} trace{}",
+        if traces == 1 { "" } else { "s" }
+    );
+    match &best_gain {
+        Some((g, name, p)) if g.is_infinite() => {
+            s.push_str(&format!(
+                "; on {name}, {p} found no device that fits at all"
+            ));
+        }
+        Some((g, name, p)) if *g > 1.0 => {
+            s.push_str(&format!(
+                ", up to {g:.1} % less memory than {p} (on {name})"
+            ));
+        }
+        _ => {}
+    }
+    s.push_str(&format!(
+        ". Per further pass it spends {e_ms:.1} ms of modeled driver time, against {} (summed over the traces).",
+        p_ms.iter()
+            .map(|(n, ms)| format!("{ms:.1} ms for {n}"))
+            .collect::<Vec<_>>()
+            .join(" and ")
+    ));
+    let cheapest_pytorch = p_ms.iter().map(|(_, ms)| *ms).fold(f64::INFINITY, f64::min);
+    if tie_everywhere {
+        s.push_str(
+            " Memory does not decide here: where PyTorch's caching allocator fits as well, keep it \
+             (`vmmalloc advise` checks your trace and GPU).",
+        );
+    } else if smallest == traces && e_ms <= cheapest_pytorch + 1.0 {
+        s.push_str(" So expandable: it fits the tightest GPU and pays no more driver time for it.");
+    } else if smallest == traces {
+        s.push_str(
+            " So expandable where memory is tight; where PyTorch's allocators fit, they spend less driver time \
+             (`vmmalloc advise` weighs both for your GPU).",
+        );
+    } else {
+        s.push_str(" Neither wins everywhere: `vmmalloc advise` weighs memory and driver time for your trace and GPU.");
+    }
+    s.push('\n');
+    s
+}
+
+/// The comparison table with every column (plain text, aligned; `--wide`).
 pub fn table(rows: &[TraceRow]) -> String {
     let header = [
         "trace",
@@ -490,43 +739,6 @@ pub fn table(rows: &[TraceRow]) -> String {
         }
     }
     out
-}
-
-/// The built-in snapshot's name: an input naming it (and no file of that
-/// name) loads [`BUILTIN_FIXTURE`].
-pub const BUILTIN_FIXTURE_NAME: &str = "cs336_lm_step";
-
-/// Resolves an input as written: [`BUILTIN_FIXTURE_NAME`] is the bundled
-/// snapshot unless a file of that name exists; anything else is unchanged.
-pub fn resolve_input(s: &str) -> String {
-    let t = s.trim();
-    if (t == BUILTIN_FIXTURE_NAME || t == "cs336_lm_step.pickle")
-        && !std::path::Path::new(t).exists()
-    {
-        BUILTIN_FIXTURE.to_string()
-    } else {
-        s.to_string()
-    }
-}
-
-/// Loads the inputs (or the built-in set).
-pub fn load_inputs(inputs: &[String]) -> Result<Vec<Trace>> {
-    let specs: Vec<String> = if inputs.is_empty() {
-        let mut v = vec![BUILTIN_FIXTURE.to_string()];
-        v.extend(vmmalloc_trace::WORKLOADS.iter().map(|s| s.to_string()));
-        v
-    } else {
-        inputs.iter().map(|s| resolve_input(s)).collect()
-    };
-    specs
-        .iter()
-        .map(|s| {
-            let input: Input = s.parse().with_context(|| {
-                format!("input `{s}` (the built-in snapshot is `{BUILTIN_FIXTURE_NAME}`)")
-            })?;
-            input.load().with_context(|| format!("loading `{s}`"))
-        })
-        .collect()
 }
 
 /// Prints the reader's warnings about one device trace, each with its text,
@@ -612,7 +824,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
     let policies = parse_policy_specs(&args.policies)?;
     let base = args.sim.base_config()?;
     let tight = match &args.capacity {
-        Some(c) => TightCapacity::Fixed(crate::replay_cmd::parse_size(c).context("--capacity")?),
+        Some(c) => TightCapacity::Fixed(crate::replay_cmd::parse_capacity("--capacity", c)?),
         None => {
             let f = args.tight_factor;
             if !(f.is_finite() && f >= 1.0) {
@@ -660,16 +872,48 @@ pub fn run(args: CompareArgs) -> Result<()> {
     bar.finish_and_clear();
     let json_to_stdout = args.json.as_deref() == Some("-");
     if !json_to_stdout {
-        print!("{}", table(&rows));
-        println!(
+        let notes = format!(
             "cost model: {}. overhead = min capacity / peak live; memory calls, modeled driver time and syncs at the tight capacity \
-             ({}, rounded up to the {} MiB granularity): cold = first replay, steady = second replay after freeing what the first left live; \
-             cold ms linear = the cold calls priced by the linear preset; teardown excluded; {SYNCS_LEGEND}.",
+             ({}, rounded up to the {} MiB granularity): cold = first replay, steady = second replay after freeing what the first left live \
+             (what every later iteration pays); teardown excluded; {SYNCS_LEGEND}.",
             base.cost_label,
             tight.describe(base.granularity),
             base.granularity / MIB
         );
+        if args.wide {
+            print!("{}", table(&rows));
+            println!("{notes}");
+            println!(
+                "cold ms linear = the same cold calls priced by the older per-byte `linear` preset, a sensitivity check only: \
+                 it charges bytes where the real driver charges calls and handles, so it can rank policies differently \
+                 from the headline `cold ms`."
+            );
+        } else {
+            print!("{}", narrow_table(&rows));
+            println!();
+            print!("{}", wrap(&notes, TERMINAL_WIDTH));
+            print!(
+                "{}",
+                wrap(
+                    "tight: ok, or no (out-of-memory errors of the cold/steady replay); calls, ms and syncs: cold / steady. \
+                     --wide prints every column (syncs by kind, the cold calls priced by the linear preset).",
+                    TERMINAL_WIDTH
+                )
+            );
+        }
         print!("{sleep_section}");
+        let c = conclusion(&rows);
+        if !c.is_empty() {
+            println!();
+            print!(
+                "{}",
+                if args.wide {
+                    format!("{c}\n")
+                } else {
+                    wrap(&c, TERMINAL_WIDTH)
+                }
+            );
+        }
     }
     if let Some(j) = &args.json {
         let mut doc = to_json(&rows, &base.cost_label);
@@ -719,11 +963,11 @@ pub fn run(args: CompareArgs) -> Result<()> {
             let ooms = p.tight.ooms + p.tight.steady.as_ref().map_or(0, |st| st.ooms);
             if args.fail_on_oom && ooms > 0 {
                 failures.push(format!(
-                    "{} on {} device {}: {ooms} out-of-memory errors at {} GiB (--fail-on-oom)",
+                    "{} on {} device {}: {ooms} out-of-memory errors at {} (--fail-on-oom)",
                     p.label(),
                     t.name,
                     t.device,
-                    gib(t.tight_capacity)
+                    crate::replay_cmd::format_bytes(t.tight_capacity)
                 ));
             }
         }
@@ -744,9 +988,7 @@ pub fn metadata_json(
     tight: TightCapacity,
 ) -> Map<String, Value> {
     let specs: Vec<String> = if inputs.is_empty() {
-        let mut v = vec![BUILTIN_FIXTURE.to_string()];
-        v.extend(vmmalloc_trace::WORKLOADS.iter().map(|s| s.to_string()));
-        v
+        crate::input::default_inputs()
     } else {
         inputs.to_vec()
     };

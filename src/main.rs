@@ -7,6 +7,7 @@ mod calibrate;
 mod compare;
 mod html;
 mod info;
+mod input;
 mod point;
 mod replay_cmd;
 mod report;
@@ -18,6 +19,7 @@ mod workloads_cmd;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use std::process::ExitCode;
 
 /// vmmalloc — a GPU memory allocator on the CUDA virtual-memory API, and the tools to compare it.
 #[derive(Parser)]
@@ -51,8 +53,32 @@ enum Command {
     VmmCheck(vmm_check::VmmCheckArgs),
 }
 
-fn main() -> Result<()> {
+/// Runs the command; a user error (bad input, a size out of range, a replay
+/// that cannot finish) prints `Error: ` and its whole cause chain on one line
+/// and exits with status 1, whatever `RUST_BACKTRACE` says: anyhow captures a
+/// backtrace when that is set, and `main` returning `Result` would print it
+/// with `{:?}`. Bugs still panic, with the standard hook's message (and a
+/// backtrace when asked).
+fn main() -> ExitCode {
+    // Output piped into `head` ends quietly, as other command-line tools do:
+    // Rust ignores SIGPIPE, which turns the closed pipe into a panic at the
+    // next `println!`.
+    // SAFETY: signal(2) with SIG_DFL installs no handler; it runs before any
+    // thread is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Info(args) => info::run(args),
         Command::Compare(args) => compare::run(args),

@@ -2,7 +2,9 @@
 //! one policy on a simulated device and keep the allocator alive at a chosen
 //! point (the end, the peak of live bytes, or the first out-of-memory).
 
-use crate::compare::{gib, load_inputs, print_reader_warnings};
+use crate::compare::print_reader_warnings;
+use crate::input::load_inputs;
+use crate::replay_cmd::format_bytes;
 use crate::replay_cmd::ReplayArgs;
 use anyhow::{bail, Result};
 use std::sync::Arc;
@@ -143,13 +145,13 @@ impl Point {
             ),
         };
         format!(
-            "{} device {} — policy {} on a {} GiB simulated device, {where_}: {} live allocations, {} GiB ({} bytes) requested",
+            "{} device {} — policy {} on a {} simulated device, {where_}: {} live allocations, {} ({} bytes) requested",
             self.trace,
             self.device,
             self.config.policy,
-            gib(self.config.capacity),
+            format_bytes(self.config.capacity),
             r.final_live_allocs,
-            gib(r.final_live),
+            format_bytes(r.final_live),
             r.final_live,
         )
     }
@@ -171,10 +173,10 @@ pub fn check_points(args: &PointArgs, points: &[Point]) -> Result<()> {
         }
         if args.replay.fail_on_oom && p.result.ooms > 0 {
             failures.push(format!(
-                "{what}: {} out-of-memory errors with policy {} on a {} GiB device (--fail-on-oom)",
+                "{what}: {} out-of-memory errors with policy {} on a {} device (--fail-on-oom)",
                 p.result.ooms,
                 p.config.policy,
-                gib(p.config.capacity)
+                format_bytes(p.config.capacity)
             ));
         }
     }
@@ -221,8 +223,8 @@ pub fn replay_at(args: &PointArgs, record_events: bool) -> Result<Vec<Point>> {
                     match full.peak_live_op {
                         Some(op) => c.stop_after = Some(op),
                         None => bail!(
-                            "{what}: no allocation succeeded with policy {policy} on a {} GiB device, so there is no peak of live bytes",
-                            gib(cfg.capacity)
+                            "{what}: no allocation succeeded with policy {policy} on a {} device, so there is no peak of live bytes",
+                            format_bytes(cfg.capacity)
                         ),
                     }
                 }
@@ -247,9 +249,9 @@ pub fn replay_at(args: &PointArgs, record_events: bool) -> Result<Vec<Point>> {
             };
             if args.at == At::Oom && r.first_oom.is_none() {
                 bail!(
-                    "{what}: no out-of-memory with policy {policy} on a {} GiB device (peak live {} GiB), so --at oom has nothing to show; try a smaller --capacity",
-                    gib(cfg.capacity),
-                    gib(r.peak_live)
+                    "{what}: no out-of-memory with policy {policy} on a {} device (peak live {}), so --at oom has nothing to show; try a smaller --capacity",
+                    format_bytes(cfg.capacity),
+                    format_bytes(r.peak_live)
                 );
             }
             if let Some(e) = &r.error {

@@ -1,6 +1,7 @@
 //! `vmmalloc replay`: replay one input against one policy and print its stats.
 
-use crate::compare::{gib, load_inputs, print_reader_warnings};
+use crate::compare::print_reader_warnings;
+use crate::input::load_inputs;
 use anyhow::{bail, Result};
 use vmmalloc_alloc::PolicySpec;
 use vmmalloc_device::Call;
@@ -45,7 +46,10 @@ impl ReplayArgs {
         let mut cfg = self.sim.base_config()?;
         cfg.policy = spec.policy;
         cfg.options = spec.options;
-        cfg.capacity = vmmalloc_device::round_up(parse_size(&self.capacity)?, cfg.granularity);
+        cfg.capacity = vmmalloc_device::round_up(
+            parse_capacity("--capacity", &self.capacity)?,
+            cfg.granularity,
+        );
         Ok(cfg)
     }
 
@@ -69,21 +73,42 @@ impl ReplayArgs {
     }
 }
 
+/// The largest device capacity the simulated device models: 1 TiB. Its
+/// virtual address window (`vmmalloc_device::model::VA_BASE..VA_END`, just
+/// under 16 TiB) must hold what the policies reserve: `expandable` reserves
+/// an arena of 4 x the device (docs/expandable.md), more arenas when its
+/// slices run out, and `torch-es` 1.125 x the device per (stream, pool)
+/// segment (PyTorch's expandable segments). The largest GPUs have 288 GB.
+pub const MAX_CAPACITY: u64 = 1 << 40;
+
+/// Parses a device size given by `flag` (`--capacity`, `--gpu`) and refuses
+/// one beyond [`MAX_CAPACITY`] up front, in one line naming the limit.
+pub fn parse_capacity(flag: &str, s: &str) -> Result<u64> {
+    let b = vmmalloc_alloc::parse_size(s).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+    if b > MAX_CAPACITY {
+        bail!(
+            "{flag} {}: larger than the simulated device can model (at most {}: its {} virtual address window \
+             must hold the policies' reservations, up to 4 x the device for `expandable`)",
+            s.trim(),
+            format_bytes(MAX_CAPACITY),
+            format_bytes(vmmalloc_device::model::VA_END - vmmalloc_device::model::VA_BASE)
+        );
+    }
+    Ok(b)
+}
+
 /// Parses a size: bytes or a number with a binary (`KiB`..`TiB`, `Ki`..`Ti`)
 /// or decimal (`kB`..`TB`) unit; see [`vmmalloc_alloc::parse_size`].
 pub fn parse_size(s: &str) -> Result<u64> {
     vmmalloc_alloc::parse_size(s).map_err(anyhow::Error::msg)
 }
 
-/// Formats bytes for a capacity line: whole GiB as `80 GiB`, else as the
-/// allocator's messages do ([`vmmalloc_alloc::summary::format_bytes`]).
-pub fn format_bytes(b: u64) -> String {
-    if b > 0 && b.is_multiple_of(vmmalloc_device::GIB) {
-        format!("{} GiB", b / vmmalloc_device::GIB)
-    } else {
-        vmmalloc_alloc::summary::format_bytes(b)
-    }
-}
+/// The one size formatter of every message: the unit picked by size
+/// (`1023 bytes`, `4.00 MiB`, `80.00 GiB`, `1.00 TiB`), as the allocator's
+/// out-of-memory messages and PyTorch's own do
+/// ([`vmmalloc_alloc::summary::format_bytes`]). Tables keep one unit per
+/// column, named in its header.
+pub use vmmalloc_alloc::summary::format_bytes;
 
 /// Runs `vmmalloc replay`.
 ///
@@ -131,13 +156,13 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 (
                     "peak live (trace)",
                     format!(
-                        "{} GiB ({} bytes)",
-                        gib(dt.peak_live_bytes()),
+                        "{} ({} bytes)",
+                        format_bytes(dt.peak_live_bytes()),
                         dt.peak_live_bytes()
                     ),
                 ),
-                ("peak live (replayed)", format!("{} GiB", gib(r.peak_live))),
-                ("peak reserved", format!("{} GiB", gib(r.peak_reserved))),
+                ("peak live (replayed)", format_bytes(r.peak_live)),
+                ("peak reserved", format_bytes(r.peak_reserved)),
                 ("retries", r.retries.to_string()),
                 ("syncs", r.driver_calls.syncs_cell()),
                 (
@@ -252,9 +277,26 @@ mod tests {
     }
 
     #[test]
-    fn capacities_print_whole_gib_plainly_and_the_rest_as_the_allocator_does() {
-        assert_eq!(format_bytes(80 * GIB), "80 GiB");
-        assert_eq!(format_bytes(2048 * GIB), "2048 GiB");
+    fn the_capacity_limit_fits_the_simulated_address_window_many_times() {
+        use vmmalloc_device::model::{VA_BASE, VA_END};
+        // expandable's first arena (4 x) plus torch-es's segments for a few
+        // streams (1.125 x each) fit with room to spare.
+        const { assert!(MAX_CAPACITY * 15 <= VA_END - VA_BASE) };
+        assert_eq!(parse_capacity("--capacity", "1TiB").unwrap(), MAX_CAPACITY);
+        let e = parse_capacity("--capacity", "4TiB")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("--capacity 4TiB: larger than") && e.contains("at most 1.00 TiB"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn sizes_print_in_the_unit_their_size_picks() {
+        assert_eq!(format_bytes(80 * GIB), "80.00 GiB");
+        assert_eq!(format_bytes(2048 * GIB), "2.00 TiB");
+        assert_eq!(format_bytes(4 * MIB), "4.00 MiB");
         assert_eq!(format_bytes(3 * GIB / 2), "1.50 GiB");
         assert_eq!(format_bytes(512 * MIB), "512.00 MiB");
         assert_eq!(format_bytes(2048 * GIB + 512 * MIB), "2.00 TiB");

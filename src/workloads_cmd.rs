@@ -18,8 +18,8 @@ pub fn run() -> Result<()> {
     }
     println!(
         "{}\n  the bundled PyTorch snapshot (tests/fixtures/cs336_lm_step.pickle): `vmmalloc replay {}`\n",
-        crate::compare::BUILTIN_FIXTURE_NAME,
-        crate::compare::BUILTIN_FIXTURE_NAME
+        crate::input::BUILTIN_FIXTURE_NAME,
+        crate::input::BUILTIN_FIXTURE_NAME
     );
     println!(
         "Override parameters on the command line: `vmmalloc compare train-varlen:seed=3,steps=20`."

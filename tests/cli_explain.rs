@@ -195,6 +195,13 @@ fn advise_replays_each_setting_and_ends_with_the_line_to_set() {
         Some("VMMALLOC_CONF=backend:expandable"),
         "{text}"
     );
+    // A recommendation of the plug-in lists what it does not support yet.
+    assert!(
+        text.contains("What the plug-in does not support yet")
+            && text.contains("cudnn.benchmark")
+            && text.contains("_record_memory_history"),
+        "{text}"
+    );
 
     // A tiny trace on a large GPU: every setting's headroom is within 1 % of
     // the best, so the driver time decides: the best has the least per
@@ -219,18 +226,35 @@ fn advise_replays_each_setting_and_ends_with_the_line_to_set() {
         })
         .collect();
     assert!(rows.len() >= 8, "{text}");
+    // ... except that where a PyTorch setting ties with ours (driver time
+    // per further pass within 1 ms or 5 %), PyTorch's own is kept.
     let least = |k: fn(&(&str, f64, f64)) -> f64, rs: &[(&str, f64, f64)]| {
         rs.iter().map(k).fold(f64::INFINITY, f64::min)
     };
     let steady = least(|r| r.1, &rows);
-    let rows: Vec<_> = rows.into_iter().filter(|r| r.1 == steady).collect();
-    let cold = least(|r| r.2, &rows);
-    assert!(
-        rows.iter()
-            .filter(|r| r.2 == cold)
-            .any(|r| text.contains(&format!("Best: {} —", r.0))),
-        "the best should have the least driver time:\n{text}"
-    );
+    let close = |a: f64, b: f64| (a - b).abs() <= 1.0f64.max(0.05 * a.max(b)) + 0.05;
+    let pytorch_ties = rows
+        .iter()
+        .any(|r| !r.0.starts_with("expandable") && close(r.1, steady));
+    let fastest: Vec<_> = rows.iter().filter(|r| r.1 == steady).cloned().collect();
+    let cold = least(|r| r.2, &fastest);
+    let best = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Best: "))
+        .and_then(|l| l.split(" —").next())
+        .expect("a Best line");
+    let best_row = rows.iter().find(|r| r.0 == best).expect("best is a row");
+    if pytorch_ties {
+        assert!(
+            !best.starts_with("expandable") && close(best_row.1, steady),
+            "a tie should keep PyTorch's allocator:\n{text}"
+        );
+    } else {
+        assert!(
+            fastest.iter().any(|r| r.0 == best && r.2 == cold),
+            "the best should have the least driver time:\n{text}"
+        );
+    }
 
     // Nothing fits: an error naming the closest setting, non-zero exit.
     let out = bin()

@@ -244,8 +244,14 @@ fn syncs_have_one_definition_in_replay_summary_and_compare() {
         }
     }
     assert!(pols["native"]["tight"]["device_syncs"].as_u64().unwrap() > 0);
-    // The table shows the same numbers, with their kind.
-    let table = ok(&["compare", "frag-adversary", "--policies", "native"]);
+    // The wide table shows the same numbers, with their kind.
+    let table = ok(&[
+        "compare",
+        "frag-adversary",
+        "--policies",
+        "native",
+        "--wide",
+    ]);
     let native = pols["native"]["tight"]["device_syncs"].as_u64().unwrap();
     assert!(table.contains(&format!("{native} dev")), "{table}");
     assert!(

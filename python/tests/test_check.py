@@ -40,6 +40,8 @@ def test_check_without_a_driver_says_so(lib, tmp_path):
     out, verdict = run_check(tmp_path, VMMALLOC_CUDA_LIBRARY=str(tmp_path / "no-libcuda.so"))
     assert out.returncode == 1, out.stdout + out.stderr
     assert "CUDA driver: not found" in out.stdout
+    missing = str(tmp_path / "no-libcuda.so")
+    assert out.stdout.count(missing) == 1, out.stdout  # the library named once
     assert verdict.startswith("verdict: not usable: ") and "no CUDA driver" in verdict
     assert f"library: {vmmalloc.library_path()} (version {vmmalloc.version()})" in out.stdout
     assert "VMMALLOC_CONF: (unset: defaults): parses" in out.stdout

@@ -204,6 +204,10 @@ def test_runner_version_and_help(lib, tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "0.1.0", out.stderr
     out = subprocess.run([sys.executable, "-m", "vmmalloc"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no script" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "vmmalloc", "--help"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "python -m vmmalloc [options]" in out.stdout, out.stderr
+    assert "``" not in out.stdout, out.stdout
 
 
 # ---------------------------------------------------------------------------

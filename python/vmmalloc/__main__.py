@@ -24,7 +24,8 @@ import sys
 
 
 def _usage(code):
-    (sys.stdout if code == 0 else sys.stderr).write(__doc__)
+    # The docstring's reST literals (``x``) read as plain text in a terminal.
+    (sys.stdout if code == 0 else sys.stderr).write(__doc__.replace("``", ""))
     return code
 
 

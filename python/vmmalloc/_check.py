@@ -104,7 +104,9 @@ def _check_driver(r):
     try:
         cu = ctypes.CDLL(name)
     except OSError as e:
-        r.lines.append(f"CUDA driver: not found ({name}: {e})")
+        # dlopen's message already starts with the library's name.
+        why = str(e) if str(e).startswith(name) else f"{name}: {e}"
+        r.lines.append(f"CUDA driver: not found ({why})")
         r.problems.append("no CUDA driver (vmmalloc serves CUDA tensors; install the NVIDIA driver)")
         return
     c_int = ctypes.c_int

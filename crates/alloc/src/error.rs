@@ -167,9 +167,47 @@ impl OomReport {
         if !self.hint.is_empty() {
             write!(f, " {}", self.hint)?;
         }
+        // PyTorch's "Tried to allocate" names the segment size it asked the
+        // driver for; the request itself may be smaller: say which is which.
+        let rounding = if self.rounded > c.round_size {
+            format!(
+                " (the {} above is the segment asked of the driver for it, rounded up)",
+                format_bytes(self.rounded)
+            )
+        } else {
+            String::new()
+        };
+        let request = format!("{} request{rounding}", format_bytes(c.round_size));
+        // Nothing could fit: live tensors plus the request exceed the device
+        // (or the memory-fraction limit). Fragmentation is then not the cause,
+        // and the text says so first, as `expandable`'s does.
+        // The limit is the memory fraction where one is set, else the device.
+        let limit = self.allowed.map_or(self.capacity, |a| a.min(self.capacity));
+        if self.live + c.round_size > limit {
+            write!(
+                f,
+                "\nWhy: live tensors hold {} and the request needs {} more{rounding}: together {}, more than the {} {}, \
+                 so no allocator could serve it, however the free memory were arranged. Free tensors, or reduce \
+                 the batch size or sequence length.",
+                format_bytes(self.live),
+                format_bytes(c.round_size),
+                format_bytes(self.live + c.round_size),
+                format_bytes(limit),
+                if self.allowed.is_some() {
+                    "allowed (memory fraction)"
+                } else {
+                    "device"
+                },
+            )?;
+            if self.per_stream.len() > 1 {
+                self.write_streams(f)?;
+            }
+            return Ok(());
+        }
         write!(
             f,
-            "\nWhy: {} reserved across {} segment{}; ",
+            "\nWhy: live tensors plus the request fit in the {}, but {} is reserved across {} segment{}; ",
+            format_bytes(limit),
             format_bytes(self.live + self.cached),
             c.segments,
             if c.segments == 1 { "" } else { "s" }
@@ -179,10 +217,9 @@ impl OomReport {
         } else {
             write!(
                 f,
-                "the {} cached lies in free blocks of which the largest is {}, too small for the {} request",
+                "the {} cached lies in free blocks of which the largest is {}, too small for the {request}",
                 format_bytes(self.cached),
                 format_bytes(self.largest_free),
-                format_bytes(c.round_size),
             )?;
             if c.fragmented > 0 {
                 write!(

@@ -38,7 +38,9 @@ pub use error::{AllocError, AllocResult, CachingCause, OomReport, Pin, StreamUsa
 pub use expandable::tags::{is_known_tag, parse_tag_list, set_thread_tag, thread_tag, MAX_TAG_LEN};
 pub use expandable::TagStats;
 pub use frames::{Frame, Stack};
-pub use policy::{build, parse_size, split_policy_specs, Policy, PolicyOptions, PolicySpec};
+pub use policy::{
+    build, parse_size, split_policy_specs, Policy, PolicyOptions, PolicySpec, CONF_NAMES,
+};
 pub use snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 pub use stats::{Stat, StatType, Stats};
 pub use vmmalloc_device::Stream;

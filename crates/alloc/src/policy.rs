@@ -203,6 +203,22 @@ impl PolicySpec {
         let bad = |msg: String| {
             AllocError::InvalidOption(format!("policy `{}`: option `{key}`: {msg}", self.label))
         };
+        // A VMMALLOC_CONF name (`max_chunk_mb:20`) sets the same option as
+        // its spec name (`max_chunk=20MiB`): a whole number of its unit.
+        if let Some(&(_, name, unit)) = CONF_NAMES.iter().find(|(conf, ..)| *conf == key) {
+            if self.policy == Policy::Expandable {
+                let n: u64 = value.trim().parse().map_err(|_| {
+                    bad(format!(
+                        "`{value}` is not a whole number of {} (or write `{name}={value}MiB`-style sizes)",
+                        if unit == 1 << 30 { "GiB" } else { "MiB" }
+                    ))
+                })?;
+                let bytes = n
+                    .checked_mul(unit)
+                    .ok_or_else(|| bad(format!("`{value}` is too large")))?;
+                return self.set(name, &bytes.to_string());
+            }
+        }
         let o = &mut self.options;
         match (self.policy, key) {
             (Policy::Expandable, "max_chunk") => {
@@ -234,7 +250,8 @@ impl PolicySpec {
             _ => {
                 let valid = match self.policy {
                     Policy::Expandable => {
-                        "max_chunk, split_threshold, split_slack, page_size, arena_size, release_threshold, memory_fraction, spill, unpin, grow_granule"
+                        "max_chunk, split_threshold, split_slack, page_size, arena_size, release_threshold, memory_fraction, spill, unpin, grow_granule \
+                         (or VMMALLOC_CONF's names: max_chunk_mb, split_slack_mb, page_size_mb, arena_gb, release_threshold_mb, grow_mb)"
                     }
                     _ => "none",
                 };
@@ -261,9 +278,9 @@ impl FromStr for PolicySpec {
         // caching / torch-es options, as PYTORCH_CUDA_ALLOC_CONF, parsed together.
         let mut conf = Vec::new();
         for kv in opts.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (k, v) = kv.split_once('=').ok_or_else(|| {
+            let (k, v) = split_option(kv).ok_or_else(|| {
                 AllocError::InvalidOption(format!(
-                    "policy `{label}`: option `{kv}` is not key=value"
+                    "policy `{label}`: option `{kv}` is not key=value (or key:value)"
                 ))
             })?;
             match spec.policy {
@@ -289,9 +306,35 @@ impl FromStr for PolicySpec {
     }
 }
 
-/// Splits a comma-separated list of policy specs: an item with `=` and no `:`
+/// The option names `VMMALLOC_CONF` uses (crates/capi/src/config.rs) and
+/// the policy-spec names they stand for, with the unit of their whole-number
+/// value: `(conf name, spec name, bytes per unit)`. A policy spec accepts
+/// either name, so a `VMMALLOC_CONF` line pasted after `expandable:` is a
+/// spec (`expandable:max_chunk_mb:20,unpin:false`). The other expandable
+/// keys (`split_threshold`, `spill`, `unpin`, `memory_fraction`) have one
+/// name in both.
+pub const CONF_NAMES: [(&str, &str, u64); 6] = [
+    ("max_chunk_mb", "max_chunk", 1 << 20),
+    ("split_slack_mb", "split_slack", 1 << 20),
+    ("page_size_mb", "page_size", 1 << 20),
+    ("arena_gb", "arena_size", 1 << 30),
+    ("release_threshold_mb", "release_threshold", 1 << 20),
+    ("grow_mb", "grow_granule", 1 << 20),
+];
+
+/// Splits one option into key and value at its first `=` or `:`, whichever
+/// comes first (policy specs write `key=value`, `VMMALLOC_CONF` and
+/// `PYTORCH_CUDA_ALLOC_CONF` write `key:value`; both are accepted).
+fn split_option(kv: &str) -> Option<(&str, &str)> {
+    let at = kv.find(['=', ':'])?;
+    Some((kv[..at].trim(), kv[at + 1..].trim()))
+}
+
+/// Splits a comma-separated list of policy specs: an item that does not
+/// start with a policy name but is an option (`key=value` or `key:value`)
 /// continues the options of the spec before it, so
-/// `expandable,expandable:max_chunk=20MiB,page_size=4MiB,caching` is three specs.
+/// `expandable,expandable:max_chunk=20MiB,page_size=4MiB,caching` and
+/// `expandable:unpin:false,grow_mb:0,caching` are three and two specs.
 pub fn split_policy_specs(items: &[String]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for item in items.iter().flat_map(|s| s.split(',')) {
@@ -299,8 +342,11 @@ pub fn split_policy_specs(items: &[String]) -> Vec<String> {
         if item.is_empty() {
             continue;
         }
+        let head = item.split([':', '=']).next().unwrap_or("").trim();
+        let separators = item.matches([':', '=']).count();
+        let is_option = separators == 1 && head.parse::<Policy>().is_err();
         match out.last_mut() {
-            Some(prev) if item.contains('=') && !item.contains(':') && prev.contains(':') => {
+            Some(prev) if is_option && prev.contains(':') => {
                 prev.push(',');
                 prev.push_str(item);
             }
@@ -434,6 +480,58 @@ mod tests {
             let e = spec.parse::<PolicySpec>().unwrap_err().to_string();
             assert!(e.contains(needle), "{spec}: {e}");
         }
+    }
+
+    #[test]
+    fn both_separators_and_the_vmmalloc_conf_names_are_accepted() {
+        let want: PolicySpec = "expandable:split_threshold=0.4,unpin=0,grow_granule=0"
+            .parse()
+            .unwrap();
+        for text in [
+            "expandable:split_threshold:0.4,unpin:false,grow_mb:0",
+            "expandable:split_threshold=0.4,unpin=false,grow_mb=0",
+            "expandable:split_threshold:0.4,unpin=0,grow_granule:0",
+        ] {
+            let p: PolicySpec = text.parse().unwrap();
+            assert_eq!(p.options, want.options, "{text}");
+        }
+        let p: PolicySpec = "expandable:max_chunk_mb:20,arena_gb=16,page_size_mb:4,split_slack_mb=0,release_threshold_mb:1024"
+            .parse()
+            .unwrap();
+        let e = &p.options.expandable;
+        assert_eq!(e.max_chunk, Some(20 * MIB));
+        assert_eq!(e.arena_size, Some(16 << 30));
+        assert_eq!(e.page_size, Some(4 * MIB));
+        assert_eq!(e.split_slack, 0);
+        assert_eq!(e.release_threshold, 1024 * MIB);
+        // PyTorch's own syntax for the caching options.
+        let c: PolicySpec = "caching:max_split_size_mb:128".parse().unwrap();
+        let d: PolicySpec = "caching:max_split_size_mb=128".parse().unwrap();
+        assert_eq!(c.options, d.options);
+        assert!("expandable:grow_mb=big"
+            .parse::<PolicySpec>()
+            .unwrap_err()
+            .to_string()
+            .contains("grow_mb"));
+        // Every VMMALLOC_CONF name stands for an option the spec knows.
+        for (conf, name, _) in CONF_NAMES {
+            let spec = format!("expandable:{name}=4MiB");
+            assert!(spec.parse::<PolicySpec>().is_ok(), "{spec}");
+            let spec = format!("expandable:{conf}:4");
+            assert!(spec.parse::<PolicySpec>().is_ok(), "{spec}");
+        }
+        // Lists split the same way with either separator.
+        assert_eq!(
+            split_policy_specs(&[
+                "expandable:unpin:false,grow_mb:0,caching:max_split_size_mb:128,torch-es"
+                    .to_string()
+            ]),
+            vec![
+                "expandable:unpin:false,grow_mb:0",
+                "caching:max_split_size_mb:128",
+                "torch-es"
+            ]
+        );
     }
 
     #[test]

@@ -18,6 +18,36 @@ fn report(e: AllocError) -> Box<OomReport> {
 }
 
 #[test]
+fn live_plus_request_beyond_the_device_is_said_first_and_fragmentation_not_blamed() {
+    for es in [false, true] {
+        let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
+        let a: Box<dyn Allocator> = if es {
+            Box::new(TorchEsAllocator::new(dev, CachingConfig::default()).unwrap())
+        } else {
+            Box::new(CachingAllocator::new(dev, CachingConfig::default()).unwrap())
+        };
+        // 50 MiB live in 20 MiB segments (with free tails), then 16 MiB more:
+        // 66 MiB > 64 MiB, whatever the arrangement.
+        for _ in 0..5 {
+            a.malloc(10 * MIB, S0).unwrap();
+        }
+        let text = a.malloc(16 * MIB, S0).unwrap_err().to_string();
+        let why = text.split("\nWhy: ").nth(1).expect("a Why line");
+        assert!(
+            why.starts_with(
+                "live tensors hold 50.00 MiB and the request needs 16.00 MiB more: together 66.00 MiB, \
+                 more than the 64.00 MiB device, so no allocator could serve it"
+            ),
+            "{text}"
+        );
+        assert!(
+            !why.contains("largest") && !why.contains("Pinning") && !why.contains("fragment"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
 fn fragmented_segments_are_named_with_what_pins_them() {
     let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
     let a = CachingAllocator::new(dev, CachingConfig::default()).unwrap();
@@ -49,7 +79,7 @@ fn fragmented_segments_are_named_with_what_pins_them() {
         "{text}"
     );
     assert!(
-        text.contains("60.00 MiB reserved across 3 segments"),
+        text.contains("Why: live tensors plus the request fit in the 64.00 MiB, but 60.00 MiB is reserved across 3 segments"),
         "{text}"
     );
     assert!(
@@ -94,7 +124,8 @@ fn torch_es_report_has_no_caching_only_or_pool_lines() {
     let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
     let a = TorchEsAllocator::new(dev, CachingConfig::default()).unwrap();
     let _x = a.malloc(50 * MIB, S0).unwrap();
-    let e = a.malloc(30 * MIB, S0).unwrap_err();
+    // 50 + 12 MiB fit in 64 MiB, but the 20 MiB pages do not.
+    let e = a.malloc(12 * MIB, S0).unwrap_err();
     let text = e.to_string();
     assert!(
         text.starts_with("CUDA out of memory (torch-es). Tried to allocate"),

@@ -89,7 +89,8 @@ pub const KEYS: [KeyDoc; 23] = [
         default: "true",
         meaning: "expandable: when an allocation still lacks memory after reclaim, give back the free pages of \
                   chunks that live tensors hold in part: after one device synchronize, the live pages move to \
-                  chunks of their own at the same addresses (bytes copied through host memory). Tensors used \
+                  chunks of their own at the same addresses (bytes copied on the device where it has room for \
+                  the new chunks, else through host memory). Tensors used \
                   on other streams (record_stream) never move. Stats: vmmalloc.chunk_unpins",
     },
     KeyDoc {
@@ -381,7 +382,8 @@ impl Config {
         }
     }
 
-    /// Parses `key:value,key:value`.
+    /// Parses `key:value,key:value` (`key=value` too, as `vmmalloc`'s policy
+    /// specs write it: the key ends at its first `:` or `=`).
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
         let mut c = Config {
             source: text.to_string(),
@@ -392,13 +394,16 @@ impl Config {
             if item.is_empty() {
                 continue;
             }
-            let (key, value) = item.split_once(':').ok_or_else(|| ConfigError {
-                key: Some(item.to_string()),
-                message: format!(
-                    "`{item}` is not a key:value pair; valid keys: {}",
-                    key_names()
-                ),
-            })?;
+            let (key, value) = item
+                .find([':', '='])
+                .map(|at| (&item[..at], &item[at + 1..]))
+                .ok_or_else(|| ConfigError {
+                    key: Some(item.to_string()),
+                    message: format!(
+                        "`{item}` is not a key:value pair; valid keys: {}",
+                        key_names()
+                    ),
+                })?;
             c.set(key.trim(), value.trim())?;
         }
         c.check()?;
@@ -406,6 +411,32 @@ impl Config {
     }
 
     fn set(&mut self, key: &str, v: &str) -> Result<(), ConfigError> {
+        // A policy-spec name (`max_chunk:20MiB`, as `vmmalloc replay --policy
+        // expandable:max_chunk=20MiB` writes it) sets the same option as its
+        // VMMALLOC_CONF name: one name table, vmmalloc_alloc::CONF_NAMES.
+        if let Some(&(conf, _, unit)) = vmmalloc_alloc::CONF_NAMES
+            .iter()
+            .find(|(_, spec, _)| *spec == key)
+        {
+            let bytes = if v.trim() == "0" {
+                0
+            } else {
+                vmmalloc_alloc::parse_size(v).map_err(|e| {
+                    ConfigError::bad_value(key, v, &format!("a size such as 20MiB ({e})"))
+                })?
+            };
+            if !bytes.is_multiple_of(unit) {
+                return Err(ConfigError::bad_value(
+                    key,
+                    v,
+                    &format!(
+                        "a whole number of {} (as `{conf}`)",
+                        if unit == GIB { "GiB" } else { "MiB" }
+                    ),
+                ));
+            }
+            return self.set(conf, &(bytes / unit).to_string());
+        }
         match key {
             "backend" => {
                 self.backend = Policy::from_str(v).map_err(|_| {
@@ -1072,6 +1103,46 @@ mod tests {
             let m = e.to_string();
             assert!(m.contains(key) && m.contains(needle), "{text}: {m}");
         }
+    }
+
+    #[test]
+    fn both_separators_and_both_name_sets_are_accepted() {
+        // `key=value` as policy specs write it, and the spec names with sizes.
+        let a = Config::parse("backend:expandable,max_chunk_mb:20,grow_mb:0,unpin:false").unwrap();
+        for text in [
+            "backend=expandable,max_chunk_mb=20,grow_mb=0,unpin=false",
+            "backend:expandable,max_chunk:20MiB,grow_granule:0,unpin:false",
+            "backend=expandable,max_chunk=20MiB,grow_granule=0,unpin=false",
+        ] {
+            let b = Config::parse(text).unwrap();
+            assert_eq!(
+                (b.max_chunk, b.grow_granule, b.unpin),
+                (a.max_chunk, a.grow_granule, a.unpin),
+                "{text}"
+            );
+            assert_eq!(
+                b.policy_options().unwrap(),
+                a.policy_options().unwrap(),
+                "{text}"
+            );
+        }
+        let c =
+            Config::parse("arena_size=64GiB,split_slack=8MiB,page_size:4MiB,release_threshold:0")
+                .unwrap();
+        assert_eq!(
+            (
+                c.arena_size,
+                c.split_slack,
+                c.page_size,
+                c.release_threshold
+            ),
+            (Some(64 * GIB), Some(8 * MIB), Some(4 * MIB), Some(0))
+        );
+        // A size that is not a whole number of the VMMALLOC_CONF unit names the key.
+        let e = Config::parse("max_chunk:3KiB").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("max_chunk"), "{e}");
+        let e = Config::parse("max_chunk:lots").unwrap_err();
+        assert!(e.to_string().contains("max_chunk"), "{e}");
     }
 
     #[test]

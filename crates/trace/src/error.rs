@@ -33,9 +33,13 @@ pub struct TraceError {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ErrorKind {
-    /// The file could not be read.
+    /// The file could not be read. The I/O error is the message, not a
+    /// source, so a one-line error chain says it once.
     #[error("cannot read: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
+    /// The file is empty (or only blank lines).
+    #[error("empty file: neither a PyTorch snapshot nor a text trace")]
+    Empty,
     /// The pickle stream is malformed (truncated, corrupt).
     #[error("corrupt or truncated pickle: {0}")]
     Pickle(String),

@@ -13,7 +13,9 @@ use crate::workloads::{self, WORKLOADS};
 /// non-comment line is `vmmalloc-trace 1` as a text trace.
 pub fn load_path(path: &Path) -> Result<Trace> {
     let bytes = std::fs::read(path).map_err(|e| TraceError::from(e).in_file(path))?;
-    if bytes.first() == Some(&0x80) {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        Err(TraceError::new(ErrorKind::Empty).in_file(path))
+    } else if bytes.first() == Some(&0x80) {
         crate::pytorch::parse_snapshot(&bytes, &crate::pytorch::file_stem(path))
             .map_err(|e| e.in_file(path))
     } else if crate::text::looks_like_text(&bytes) {

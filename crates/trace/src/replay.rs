@@ -536,6 +536,9 @@ impl CallHook for RecordingHook {
 
 /// Names, in an out-of-memory report, the stacks of the allocations that pin
 /// fragmented memory (from [`ReplayConfig::frames`]; `ptrs`: id -> pointer).
+/// An allocation live before the trace began (ids below
+/// [`ReplayConfig::pre_trace_ops`]) has no alloc event and so, in most
+/// snapshots, no stack: the report says that rather than a bare address.
 fn with_frames(
     mut e: vmmalloc_alloc::AllocError,
     ptrs: &[u64],
@@ -545,8 +548,14 @@ fn with_frames(
         if let Some(c) = r.caching.as_mut() {
             for pin in &mut c.pins {
                 let id = ptrs.iter().position(|&p| p == pin.ptr);
-                if let Some(st) = id.and_then(|id| table.get(&(id as u32))) {
-                    pin.frames = Some(vmmalloc_alloc::frames::describe(st));
+                match id.map(|id| (id, table.get(&(id as u32)))) {
+                    Some((_, Some(st))) => {
+                        pin.frames = Some(vmmalloc_alloc::frames::describe(st));
+                    }
+                    Some((id, None)) if id < config.pre_trace_ops => {
+                        pin.frames = Some("live before the trace began: no stack recorded".into());
+                    }
+                    _ => {}
                 }
             }
         }

@@ -106,7 +106,14 @@ fn truncated_fixture() {
 fn empty_and_foreign_files() {
     let dir = TempDir::new("foreign");
     let (p, e) = load_err(&dir, "empty.pickle", b"");
-    assert_names(&e, &p, None, None, "unknown format");
+    assert_names(&e, &p, None, None, "empty file");
+    assert!(matches!(*e.kind, ErrorKind::Empty), "{e}");
+    let (p, e) = load_err(&dir, "blank.trace", b"\n \n");
+    assert_names(&e, &p, None, None, "empty file");
+    // A missing file says why once: the I/O error is the message, not a source too.
+    let missing = dir.0.join("missing.pickle");
+    let e = load_path(&missing).unwrap_err();
+    assert!(std::error::Error::source(&e).is_none(), "{e}");
     let (p, e) = load_err(&dir, "notes.txt", b"hello world\n");
     assert_names(&e, &p, None, None, "unknown format");
     let (p, e) = load_err(&dir, "png.bin", b"\x89PNG\r\n\x1a\n");
