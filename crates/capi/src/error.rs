@@ -179,7 +179,8 @@ impl From<AllocError> for Error {
             AllocError::InvalidPointer { .. }
             | AllocError::InvalidSize { .. }
             | AllocError::InvalidOption(_)
-            | AllocError::Sleep(_) => ErrorKind::InvalidArgument,
+            | AllocError::Sleep(_)
+            | AllocError::Ipc(_) => ErrorKind::InvalidArgument,
             AllocError::Device(d) => device_kind(d),
             AllocError::Failed(_) => ErrorKind::Failed,
         };

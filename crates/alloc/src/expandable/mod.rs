@@ -423,11 +423,11 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
     }
 
     fn export(&self, ptr: u64) -> AllocResult<crate::ipc::ExportedRange> {
-        self.inner.lock().export_block(ptr)
+        self.call("export", |i, _| i.export_block(ptr))
     }
 
     fn unexport(&self, ptr: u64) -> AllocResult<()> {
-        self.inner.lock().unexport_block(ptr)
+        self.call("unexport", |i, _| i.unexport_block(ptr))
     }
 }
 

@@ -155,7 +155,7 @@ fn backend_of(kind: DeviceKind) -> Result<Backend, String> {
 /// Exports `ptr`; returns the handle's bytes.
 fn export(ptr: u64) -> Result<Vec<u8>, String> {
     let rt = runtime::runtime();
-    let config = rt.config()?;
+    let config = rt.config().map_err(|e| e.to_string())?;
     let backend = backend_of(config.device)?;
     {
         let g = lock(&EXPORTS);
@@ -333,7 +333,7 @@ fn import(bytes: &[u8], device: i32) -> Result<u64, String> {
     }
     let h = Handle::decode(bytes)?;
     let rt = runtime::runtime();
-    let config = rt.config()?;
+    let config = rt.config().map_err(|e| e.to_string())?;
     let mine = backend_of(config.device)?;
     if mine != h.backend {
         return Err(format!(
@@ -368,7 +368,7 @@ fn import_torch(t: TorchHandle, device: i32) -> Result<u64, String> {
         fds,
     } = t;
     let rt = runtime::runtime();
-    rt.config()?;
+    rt.config().map_err(|e| e.to_string())?;
     let ordinal = device.max(0);
     let d = rt
         .device(ordinal)
