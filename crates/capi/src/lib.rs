@@ -46,6 +46,8 @@
 //! int   vmmalloc_growable_destroy(void* ptr);
 //! int   vmmalloc_growable_info(void* ptr, size_t* size, size_t* max_bytes, size_t* mapped);
 //! int   vmmalloc_set_pressure_callback(size_t (*fn)(size_t size, int device));
+//! // The torch companion's entry points (torch_abi.rs): pool use counts and
+//! // checkpoints, live-allocation checks, per-pool stats, DeviceStats, segments.
 //! ```
 //!
 //! `int` results are 0 on success and -1 on failure.
@@ -83,6 +85,7 @@ mod history;
 mod pools;
 mod runtime;
 pub mod sleep;
+pub mod torch_abi;
 
 pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
 pub use growable::{

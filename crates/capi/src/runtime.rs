@@ -12,7 +12,7 @@
 use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
 use crate::diag;
 use crate::history::History;
-use crate::pools::{GraphPools, PoolHook, PoolId};
+use crate::pools::{GraphPools, PoolGuard, PoolHook, PoolId};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use vmmalloc_alloc::{AllocError, Allocation, Allocator, Policy, PolicyOptions, Stream};
@@ -89,12 +89,26 @@ impl DeviceState {
     /// `beginAllocateToPool`: creates the pool's allocator (same policy and
     /// options, same device) on first use.
     pub fn pool_begin(&self, id: PoolId) -> Result<(), String> {
-        self.pools.begin(id, |guard| {
-            let device: Arc<dyn Device> =
-                Arc::new(Hooked::new(self.device.clone(), PoolHook(guard)));
-            vmmalloc_alloc::build(self.policy, device, &self.options)
-                .map_err(|e| format!("cannot create the pool's {} allocator: {e}", self.policy))
-        })
+        self.pools.begin(id, |guard| self.pool_allocator(guard))
+    }
+
+    /// `createOrIncrefPool`: creates pool `id` (same policy, options and
+    /// device as the main allocator) or adds a user to it.
+    pub fn pool_create_or_incref(&self, id: PoolId) -> Result<(), String> {
+        self.pools
+            .create_or_incref(id, |guard| self.pool_allocator(guard))
+    }
+
+    /// A pool's allocator over this device, behind the pool's guard.
+    fn pool_allocator(&self, guard: Arc<PoolGuard>) -> Result<Box<dyn Allocator>, String> {
+        let device: Arc<dyn Device> = Arc::new(Hooked::new(self.device.clone(), PoolHook(guard)));
+        vmmalloc_alloc::build(self.policy, device, &self.options)
+            .map_err(|e| format!("cannot create the pool's {} allocator: {e}", self.policy))
+    }
+
+    /// `setCheckpointPoolState` for checkpoint `handle` (see [`GraphPools::restore`]).
+    pub fn pool_restore(&self, handle: u64) -> Result<crate::pools::Restored, String> {
+        self.pools.restore(handle, &|p| self.free_main(p))
     }
 
     /// `releasePool`: one graph using pool `id` is gone (see [`GraphPools::release`]).
