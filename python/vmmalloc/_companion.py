@@ -139,7 +139,10 @@ def compile_command(torch, source, output, shared=True, disabled=()):
 
 # g++: "error: 'bool X::f(...)' marked 'override', but does not override";
 # clang: "error: 'f' marked 'override' but does not override any member functions".
-_NOT_OVERRIDING = re.compile(r"'(?:[^']*::)?(\w+)\([^']*'\s+marked 'override'|'(\w+)' marked 'override'")
+# Quotes are ASCII under LC_ALL=C (which build() sets), typographic otherwise.
+_Q = "['\u2018\u2019]"
+_NOT_OVERRIDING = re.compile(rf"{_Q}(?:[^'\u2018\u2019]*::)?(\w+)\([^'\u2018\u2019]*{_Q}\s+marked {_Q}override"
+                             rf"|{_Q}(\w+){_Q} marked {_Q}override")
 
 
 def _not_overriding(stderr):
@@ -161,7 +164,7 @@ def build(torch, path=None):
     disabled = []
     for _ in range(3):
         out = subprocess.run(compile_command(torch, SOURCE, tmp, disabled=disabled), capture_output=True,
-                             text=True)
+                             text=True, env=dict(os.environ, LC_ALL="C"))
         if out.returncode == 0:
             break
         more = [m for m in _not_overriding(out.stderr) if m not in disabled]

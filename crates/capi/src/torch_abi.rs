@@ -18,7 +18,7 @@
 //! // PyTorch's DeviceStats as VMMALLOC_STATS_LEN int64 values (layout below).
 //! int      vmmalloc_device_stats(int device, int64_t* out, size_t n);
 //! // Segments and blocks (PyTorch's snapshot()): all pools (only=0) or one (only=1).
-//! int      vmmalloc_visit_segments(int device, int only, uint64_t hi, uint64_t lo,
+//! int      vmmalloc_visit_segments(int device /* -1: all */, int only, uint64_t hi, uint64_t lo,
 //!              void (*segment)(void* ctx, const VmmallocSegment* s,
 //!                              const VmmallocBlock* blocks, size_t n),
 //!              void* ctx);
@@ -337,47 +337,49 @@ pub unsafe extern "C" fn vmmalloc_device_stats(device: c_int, out: *mut i64, n: 
 
 fn visit(snapshot: &Snapshot, device: c_int, pool: PoolId, cb: SegmentFn, ctx: *mut c_void) {
     for seg in &snapshot.segments {
-        // PyTorch reports mapped ranges only: an expandable segment's unmapped
-        // tail is not part of it (CUDACachingAllocator.cpp, snapshot()).
-        let blocks: Vec<VmmallocBlock> = seg
-            .blocks
-            .iter()
-            .filter(|b| b.state != BlockState::Unmapped)
-            .map(|b| VmmallocBlock {
+        // PyTorch reports one segment per contiguous mapped range: unmapped
+        // blocks of an expandable segment are not part of any
+        // (CUDACachingAllocator.cpp, snapshot()). Its Python side computes
+        // each block's address from the segment's and the sizes before it.
+        let mut runs: Vec<Vec<VmmallocBlock>> = vec![Vec::new()];
+        for b in &seg.blocks {
+            if b.state == BlockState::Unmapped {
+                runs.push(Vec::new());
+                continue;
+            }
+            let allocated = matches!(b.state, BlockState::ActiveAllocated | BlockState::Paused);
+            runs.last_mut().expect("never empty").push(VmmallocBlock {
                 address: b.address,
                 size: b.size,
                 requested_size: b.requested_size,
-                allocated: c_int::from(matches!(
-                    b.state,
-                    BlockState::ActiveAllocated | BlockState::Paused
-                )),
+                allocated: c_int::from(allocated),
                 active: c_int::from(b.state != BlockState::Inactive),
-            })
-            .collect();
-        if blocks.is_empty() {
-            continue;
+            });
         }
-        let s = VmmallocSegment {
-            device,
-            is_large: c_int::from(seg.segment_type != "small"),
-            is_expandable: c_int::from(seg.is_expandable),
-            address: blocks[0].address,
-            total_size: blocks.iter().map(|b| b.size).sum(),
-            allocated_size: seg.allocated_size,
-            active_size: seg.active_size,
-            requested_size: seg.requested_size,
-            stream: seg.stream.0,
-            pool_hi: pool.0,
-            pool_lo: pool.1,
-        };
-        // SAFETY: per vmmalloc_visit_segments' contract, `cb` accepts `ctx`
-        // and does not unwind; both pointers are valid for the call.
-        unsafe { cb(ctx, &s, blocks.as_ptr(), blocks.len()) };
+        for blocks in runs.into_iter().filter(|r| !r.is_empty()) {
+            let sum = |f: &dyn Fn(&VmmallocBlock) -> u64| blocks.iter().map(f).sum::<u64>();
+            let s = VmmallocSegment {
+                device,
+                is_large: c_int::from(seg.segment_type != "small"),
+                is_expandable: c_int::from(seg.is_expandable),
+                address: blocks[0].address,
+                total_size: sum(&|b| b.size),
+                allocated_size: sum(&|b| if b.allocated != 0 { b.size } else { 0 }),
+                active_size: sum(&|b| if b.active != 0 { b.size } else { 0 }),
+                requested_size: sum(&|b| if b.active != 0 { b.requested_size } else { 0 }),
+                stream: seg.stream.0,
+                pool_hi: pool.0,
+                pool_lo: pool.1,
+            };
+            // SAFETY: per vmmalloc_visit_segments' contract, `cb` accepts
+            // `ctx` and does not unwind; both pointers are valid for the call.
+            unsafe { cb(ctx, &s, blocks.as_ptr(), blocks.len()) };
+        }
     }
 }
 
 /// PyTorch's `snapshot(mempool_id)`: calls `segment` once per segment of
-/// `device` with its blocks: the main allocator's and every pool's
+/// `device` (-1: every device used so far) with its blocks: the main allocator's and every pool's
 /// (`only` 0), or pool `(hi, lo)`'s alone (`only` 1). Returns the number of
 /// pools visited, or -1.
 ///
@@ -399,27 +401,31 @@ pub unsafe extern "C" fn vmmalloc_visit_segments(
     };
     entry("vmmalloc_visit_segments", -1, || {
         let rt = runtime::runtime();
-        let ordinal = match rt.check_ordinal(device) {
-            Ok(o) => o,
-            Err(m) => {
-                diag::fail(
-                    rt.log_level(),
-                    LError,
-                    &format!("vmmalloc_visit_segments({device}): {m}"),
-                );
-                return -1;
+        let devices: Vec<_> = if device < 0 {
+            rt.active_devices().collect()
+        } else {
+            match rt.check_ordinal(device) {
+                Ok(o) => rt.existing(o).into_iter().collect(),
+                Err(m) => {
+                    diag::fail(
+                        rt.log_level(),
+                        LError,
+                        &format!("vmmalloc_visit_segments({device}): {m}"),
+                    );
+                    return -1;
+                }
             }
         };
-        let Some(d) = rt.existing(ordinal) else {
-            return 0;
-        };
         let mut visited = 0;
-        if only == 0 {
-            visit(&d.allocator.snapshot(), device, (0, 0), cb, ctx);
-        }
-        for (id, snap) in d.pools.snapshots((only != 0).then_some((hi, lo))) {
-            visit(&snap, device, id, cb, ctx);
-            visited += 1;
+        for d in devices {
+            let ordinal = d.ordinal as c_int;
+            if only == 0 {
+                visit(&d.allocator.snapshot(), ordinal, (0, 0), cb, ctx);
+            }
+            for (id, snap) in d.pools.snapshots((only != 0).then_some((hi, lo))) {
+                visit(&snap, ordinal, id, cb, ctx);
+                visited += 1;
+            }
         }
         visited
     })
