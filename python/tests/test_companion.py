@@ -199,6 +199,7 @@ assert lib.vmmalloc_pool_use_count(0, *pool) == 1
 st = pool_stats(pool)
 assert st["allocated_bytes.all.current"] == 3 << 20 and st["vmmalloc.live_blocks"] == 1, st
 assert st["vmmalloc.use_count"] == 1
+assert vmmalloc.pool_memory_stats(pool) == st
 # The main allocator's figures do not include the pool's.
 assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 0
 # MemPool.snapshot(): only the pool's segments, owned by it.

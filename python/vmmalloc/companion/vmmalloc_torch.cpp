@@ -304,6 +304,17 @@ class VmmallocAllocator : public Base {
   }
 #endif
 
+  // MemPool(use_on_oom=True) lets the native allocator fall back on the
+  // pool's free blocks when out of memory; ~MemPool() calls it with false.
+  // vmmalloc keeps pools apart: false is what it does, true is refused.
+#ifndef VMM_NO_setUseOnOOM
+  void setUseOnOOM(c10::DeviceIndex /*device*/, MempoolId_t /*id*/, bool use_on_oom) VMM_OVERRIDE {
+    TORCH_CHECK(!use_on_oom,
+                "vmmalloc: torch.cuda.MemPool(use_on_oom=True) is not supported: vmmalloc never hands "
+                "a pool's memory to allocations outside it");
+  }
+#endif
+
 #ifndef VMM_NO_getPoolUseCount
   int getPoolUseCount(c10::DeviceIndex device, MempoolId_t id) VMM_OVERRIDE {
     int n = lib.pool_use_count(device, id.first, id.second);
