@@ -52,6 +52,8 @@ FEATURES = (
     ("resetPeakStats", "torch._C._cuda_resetPeakMemoryStats (resetPeakStats)"),
     ("attachOutOfMemoryObserver", "out-of-memory observers (attachOutOfMemoryObserver)"),
     ("getMemoryFraction", "torch.cuda.get_per_process_memory_fraction (getMemoryFraction)"),
+    ("shareIpcHandle", "CUDA tensors through torch.multiprocessing (shareIpcHandle / getIpcDevPtr over "
+                       "libvmmalloc's vmmalloc_ipc_* functions)"),
     ("throw_oom", "torch.cuda.OutOfMemoryError on out-of-memory (RuntimeError without the companion)"),
 )
 
@@ -216,6 +218,8 @@ def lost_features(installed):
     if not installed:
         return [f for m, f in FEATURES if m != "throw_oom" or _loaded is None]
     missing = set(lost_methods(_loaded.path)) if _loaded is not None else set()
+    if _loaded is not None and not _loaded.vmmalloc_companion_has_ipc():
+        missing.add("shareIpcHandle")  # this libvmmalloc has no vmmalloc_ipc_* functions
     return [f for m, f in FEATURES if m in missing]
 
 

@@ -91,6 +91,10 @@ struct Lib {
   int (*visit_segments)(int, int, uint64_t, uint64_t, SegmentFn, void*);
   int (*reset_peak_stats)(int);
   const char* (*last_error)();
+  // Optional (IPC, crates/capi/src/ipc): NULL where this libvmmalloc lacks them.
+  int (*ipc_export)(void*, void*, size_t, size_t*);
+  int (*ipc_import)(const void*, size_t, void**);
+  int (*ipc_close)(void*);
 };
 Lib lib;
 
@@ -335,12 +339,36 @@ class VmmallocAllocator : public Base {
   }
 #endif
 
-  // IPC (torch.multiprocessing): IPC-EXPORT-HOOK. The C ABI export/import of
-  // an allocation as file descriptors is built in another branch; until it is
-  // wired here, PyTorch's pluggable behaviour applies (it raises
-  // "CUDAPluggableAllocator does not yet support shareIPcHandle").
-  // CCA::ShareableHandle shareIpcHandle(void* ptr) override;
-  // std::shared_ptr<void> getIpcDevPtr(std::string handle) override;
+  // IPC (torch.multiprocessing; torch/csrc/StorageSharing.cpp): the producer's
+  // THPStorage_shareCuda passes getBaseAllocation(ptr) (the pluggable
+  // allocator returns ptr itself) to shareIpcHandle and sends the handle and
+  // its offset; the consumer's THPStorage_newSharedCuda adds that offset to
+  // getIpcDevPtr(handle). vmmalloc's handle names the allocation itself
+  // (vmmalloc_ipc_export, crates/capi/src/ipc), so the offset is 0, and the
+  // consumer's pointer is unmapped (vmmalloc_ipc_close) with PyTorch's last
+  // reference to it. Without those functions in libvmmalloc, PyTorch's
+  // pluggable behaviour applies (it raises).
+#ifndef VMM_NO_shareIpcHandle
+  CCA::ShareableHandle shareIpcHandle(void* ptr) VMM_OVERRIDE {
+    if (!lib.ipc_export) return Base::shareIpcHandle(ptr);
+    size_t len = 0;
+    TORCH_CHECK(lib.ipc_export(ptr, nullptr, 0, &len) == 0, "vmmalloc: ", last_error());
+    std::string handle(len, '\0');
+    TORCH_CHECK(lib.ipc_export(ptr, handle.data(), handle.size(), &len) == 0, "vmmalloc: ",
+                last_error());
+    handle.resize(len);
+    return CCA::ShareableHandle{0, std::move(handle)};
+  }
+#endif
+
+#ifndef VMM_NO_getIpcDevPtr
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) VMM_OVERRIDE {
+    if (!lib.ipc_import) return Base::getIpcDevPtr(std::move(handle));
+    void* p = nullptr;
+    TORCH_CHECK(lib.ipc_import(handle.data(), handle.size(), &p) == 0, "vmmalloc: ", last_error());
+    return std::shared_ptr<void>(p, [](void* q) { lib.ipc_close(q); });
+  }
+#endif
 
  private:
   static void add_segment(void* ctx, const Segment* s, const Block* blocks, size_t n) {
@@ -413,6 +441,9 @@ void copy_error(const std::string& what, char* err, size_t len) {
 
 extern "C" const char* vmmalloc_companion_torch_version() { return VMMALLOC_TORCH_VERSION; }
 
+// 1 once installed over a libvmmalloc with the IPC functions, else 0.
+extern "C" int vmmalloc_companion_has_ipc() { return lib.ipc_export != nullptr; }
+
 extern "C" void vmmalloc_companion_throw_oom(const char* what) {
   throw c10::OutOfMemoryError(
       c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::string(what));
@@ -453,6 +484,14 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
     if (!missing.empty()) {
       copy_error(std::string(library) + " lacks " + missing, err, err_len);
       return -1;
+    }
+    std::string optional;
+    if (!resolve(h, "vmmalloc_ipc_export", lib.ipc_export, optional) ||
+        !resolve(h, "vmmalloc_ipc_import", lib.ipc_import, optional) ||
+        !resolve(h, "vmmalloc_ipc_close", lib.ipc_close, optional)) {
+      lib.ipc_export = nullptr;
+      lib.ipc_import = nullptr;
+      lib.ipc_close = nullptr;
     }
     auto a = std::make_shared<VmmallocAllocator>();
     a->set_init_fn(lib.init);
