@@ -40,6 +40,7 @@ from ._lib import (
 )
 from ._check import check
 from ._sleep import get_tag, pause, region, resume, set_tag, tag_stats
+from ._ipc import ipc_close, ipc_export, ipc_import
 from . import _lib
 from ._growable import GrowableTensor, growable, on_memory_pressure
 
@@ -72,6 +73,10 @@ __all__ = [
     "resume",
     "set_tag",
     "tag_stats",
+    # IPC without PyTorch (_ipc.py)
+    "ipc_close",
+    "ipc_export",
+    "ipc_import",
 ]
 
 __version__ = "0.1.0"

@@ -316,6 +316,9 @@ pub enum AllocError {
     /// state, a policy that cannot sleep, or a pause/resume that failed.
     #[error("{0}")]
     Sleep(String),
+    /// IPC: an allocation that cannot be exported (see [`crate::ipc`]).
+    #[error("{0}")]
+    Ipc(String),
 }
 
 impl AllocError {

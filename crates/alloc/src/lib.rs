@@ -27,6 +27,7 @@ pub mod bench;
 pub mod caching;
 pub mod expandable;
 pub mod growable;
+pub mod ipc;
 pub mod native;
 pub mod pressure;
 #[doc(hidden)]
@@ -114,5 +115,26 @@ pub trait Allocator: Send + Sync {
     /// (only `expandable` does); `None` by default.
     fn as_growable(&self) -> Option<&dyn growable::Growable> {
         None
+    }
+
+    /// IPC: the physical chunks under live allocation `ptr` (its exact
+    /// pointer), marked exported so that they are never unmapped, remapped,
+    /// unpinned, spilled or paused until [`Allocator::unexport`] or `free`
+    /// (see [`ipc`]). Only `expandable` can export; the others return
+    /// [`AllocError::Ipc`].
+    fn export(&self, ptr: u64) -> AllocResult<ipc::ExportedRange> {
+        Err(AllocError::Ipc(format!(
+            "cannot export {ptr:#x}: the {} policy cannot share memory with other processes \
+             (only expandable can)",
+            self.name()
+        )))
+    }
+
+    /// Ends the export of live allocation `ptr` (freeing it does too).
+    fn unexport(&self, ptr: u64) -> AllocResult<()> {
+        Err(AllocError::Ipc(format!(
+            "{ptr:#x} is not exported (the {} policy cannot export)",
+            self.name()
+        )))
     }
 }

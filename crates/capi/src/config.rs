@@ -164,9 +164,10 @@ pub const KEYS: [KeyDoc; 23] = [
     },
     KeyDoc {
         name: "ipc",
-        default: "False",
-        meaning: "cuda: True requests CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR so memory can be exported to \
-                  other processes; off, export fails with an error",
+        default: "auto",
+        meaning: "cuda: request CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR on every cuMemCreate so memory can be \
+                  shared with other processes (IPC): auto (where the device supports it) | True (opening fails \
+                  where it does not) | False (export fails with an error)",
     },
 ];
 
@@ -318,8 +319,9 @@ pub struct Config {
     pub source: String,
     /// `peers`: devices granted access to every mapping (cuda).
     pub peers: Peers,
-    /// `ipc`: request exportable (POSIX fd) handles (cuda).
-    pub ipc: bool,
+    /// `ipc`: request exportable (POSIX fd) handles (cuda): `None` = auto
+    /// (where the device supports them), `Some(b)` = True / False.
+    pub ipc: Option<bool>,
     /// `spill`: expandable spills to host memory when the device is full.
     pub spill: bool,
     /// `unpin`: expandable unpins partly live chunks when memory runs short.
@@ -351,7 +353,7 @@ impl Default for Config {
             expandable_segments: None,
             source: String::new(),
             peers: Peers::Auto,
-            ipc: false,
+            ipc: None,
             spill: false,
             unpin: true,
             grow_granule: None,
@@ -514,7 +516,15 @@ impl Config {
             }
             "expandable_segments" => self.expandable_segments = Some(boolean(key, v)?),
             "peers" => self.peers = parse_peers(key, v)?,
-            "ipc" => self.ipc = boolean(key, v)?,
+            "ipc" => {
+                self.ipc = match v {
+                    "auto" => None,
+                    _ => Some(
+                        boolean(key, v)
+                            .map_err(|_| ConfigError::bad_value(key, v, "auto | True | False"))?,
+                    ),
+                }
+            }
             "spill" => self.spill = boolean(key, v)?,
             "unpin" => self.unpin = boolean(key, v)?,
             "grow_mb" => self.grow_granule = Some(int(key, v)? * MIB),
@@ -679,7 +689,15 @@ impl Config {
                     Peers::List(l) => l.iter().map(u32::to_string).collect::<Vec<_>>().join("+"),
                 },
             ),
-            ("ipc", if self.ipc { "True" } else { "False" }.to_string()),
+            (
+                "ipc",
+                match self.ipc {
+                    None => "auto",
+                    Some(true) => "True",
+                    Some(false) => "False",
+                }
+                .to_string(),
+            ),
         ]
     }
 }
@@ -920,14 +938,16 @@ mod tests {
     #[test]
     fn peers_and_ipc_parse_or_name_the_key() {
         let c = Config::default();
-        assert_eq!((c.peers.clone(), c.ipc), (Peers::Auto, false));
+        assert_eq!((c.peers.clone(), c.ipc), (Peers::Auto, None));
+        assert_eq!(Config::parse("ipc:auto").unwrap().ipc, None);
+        assert_eq!(Config::parse("ipc:False").unwrap().ipc, Some(false));
         assert_eq!(Config::parse("peers:none").unwrap().peers, Peers::None);
         assert_eq!(Config::parse("peers:auto").unwrap().peers, Peers::Auto);
         assert_eq!(
             Config::parse("peers:1+2,ipc:True").unwrap().peers,
             Peers::List(vec![1, 2])
         );
-        assert!(Config::parse("ipc:true").unwrap().ipc);
+        assert_eq!(Config::parse("ipc:true").unwrap().ipc, Some(true));
         for (text, key) in [
             ("peers:1,2", "2"),
             ("peers:all", "peers"),

@@ -41,6 +41,7 @@ pub fn open(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, String> {
 fn cuda_options(config: &Config) -> CudaOptions {
     CudaOptions {
         peers: config.peers.clone(),
-        ipc: config.ipc,
+        ipc: config.ipc == Some(true),
+        ipc_auto: config.ipc.is_none(),
     }
 }

@@ -48,6 +48,10 @@
 //! int   vmmalloc_set_pressure_callback(size_t (*fn)(size_t size, int device));
 //! // The torch companion's entry points (torch_abi.rs): pool use counts and
 //! // checkpoints, live-allocation checks, per-pool stats, DeviceStats, segments.
+//! // IPC (ipc/mod.rs): share an allocation with another process, without PyTorch.
+//! int   vmmalloc_ipc_export(void* ptr, void* buf, size_t cap, size_t* len);
+//! int   vmmalloc_ipc_import(const void* handle, size_t len, void** out);
+//! int   vmmalloc_ipc_close(void* ptr);
 //! ```
 //!
 //! `int` results are 0 on success and -1 on failure.
@@ -82,6 +86,7 @@ mod dump;
 mod fork;
 mod growable;
 mod history;
+pub mod ipc;
 mod pools;
 mod runtime;
 pub mod sleep;
@@ -855,5 +860,8 @@ pub unsafe extern "C" fn vmmalloc_free_string(s: *mut c_char) {
 #[doc(hidden)]
 #[no_mangle]
 pub extern "C" fn vmmalloc_reset_for_tests() {
-    entry("vmmalloc_reset_for_tests", (), runtime::reset)
+    entry("vmmalloc_reset_for_tests", (), || {
+        ipc::reset();
+        runtime::reset()
+    })
 }

@@ -118,6 +118,8 @@ impl DeviceState {
 
     /// Frees from the main allocator, recording the events when history is on.
     fn free_main(&self, ptr: u64) -> Result<(), AllocError> {
+        // An IPC export of `ptr` ends before its memory can be reused.
+        crate::ipc::on_free(ptr);
         let Some(h) = &self.history else {
             return self.allocator.free(ptr);
         };

@@ -29,8 +29,10 @@
 //! peer (`ExpandableSegment::addPeer` / `setAccess` in
 //! `c10/cuda/CUDACachingAllocator.cpp`), because `cudaDeviceEnablePeerAccess`
 //! does not cover `cuMemCreate` memory. [`CudaOptions::ipc`] requests
-//! `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`; by default no handle type is
-//! requested (`CU_MEM_HANDLE_TYPE_NONE`) and exporting fails with a clear error.
+//! `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` (and [`CudaOptions::ipc_auto`]
+//! requests it where the device supports it); otherwise no handle type is
+//! requested (`CU_MEM_HANDLE_TYPE_NONE`) and exporting fails with a clear
+//! error. Importing a descriptor needs only the device's support.
 //!
 //! # Special streams
 //!
@@ -339,9 +341,13 @@ pub struct CudaOptions {
     /// Peers granted access on every `set_access`.
     pub peers: Peers,
     /// Request `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` so handles can be
-    /// exported (`ipc:true`); off by default, as requesting a handle type can
-    /// slow allocation on older drivers.
+    /// exported (`ipc:true`); opening fails if the device cannot.
     pub ipc: bool,
+    /// With `ipc` false: request it anyway when the device supports it
+    /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`),
+    /// else silently not (`ipc:auto`, the C ABI's default). Off here, so
+    /// that a bare `CudaDevice::open` requests nothing it was not asked for.
+    pub ipc_auto: bool,
 }
 
 /// While alive, the device's primary context is current on this thread;
@@ -556,8 +562,13 @@ pub struct CudaDevice {
     caps: DeviceCaps,
     /// Shareable handle kinds requested for every `cuMemCreate`.
     handle_types: CUmemAllocationHandleType,
-    /// Whether export was asked for (`CudaOptions::ipc`).
+    /// Whether handles are created exportable (`CudaOptions::ipc`, or
+    /// `ipc_auto` on a device that supports it).
     ipc: bool,
+    /// Whether the device supports POSIX file descriptor handles, so that
+    /// descriptors another process exported can be imported (importing does
+    /// not need this process's own handles to be exportable).
+    can_import: bool,
     /// Ordinals of the peers granted access (see [`Peers`]).
     peers: Vec<u32>,
     /// One read-write descriptor for this device, then one per peer.
@@ -627,6 +638,7 @@ impl CudaDevice {
         let options = CudaOptions {
             peers: Peers::None,
             ipc: false,
+            ipc_auto: false,
         };
         Self::open_inner(driver, ordinal, &options, false).map(|d| d.caps)
     }
@@ -690,7 +702,9 @@ impl CudaDevice {
         }
         let peers = resolve_peers(&driver, dev, ordinal, &options.peers)?;
         let total_memory = driver.device_total_mem(dev).map_err(unavailable)? as u64;
-        let handle_types = if options.ipc {
+        // ipc:auto requests exportable handles where the device has them.
+        let ipc = options.ipc || (options.ipc_auto && posix_fd);
+        let handle_types = if ipc {
             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         } else {
             CU_MEM_HANDLE_TYPE_NONE
@@ -708,7 +722,7 @@ impl CudaDevice {
                 granularity: 0,
                 total_memory,
                 vmm_supported: true,
-                posix_fd_handles: options.ipc,
+                posix_fd_handles: ipc,
                 has_memory: true,
             },
             driver: Arc::clone(&driver),
@@ -716,7 +730,8 @@ impl CudaDevice {
             ctx: OnceLock::new(),
             ctx_init: Mutex::new(()),
             handle_types,
-            ipc: options.ipc,
+            ipc,
+            can_import: posix_fd,
             peers,
             access,
             ranges: RwLock::new(Ranges::default()),
@@ -1203,20 +1218,14 @@ impl Device for CudaDevice {
     }
 
     fn import_fd(&self, fd: i32) -> DeviceResult<PhysHandle> {
-        if !self.ipc {
+        // Importing needs the device's support, not exportable handles of
+        // our own (`ipc`): the producer's cuMemCreate requested the type.
+        if !self.can_import {
             return Err(DeviceError::Unsupported {
                 call: Call::Import,
                 what: format!(
-                    "{}: importing needs ipc:true (VMMALLOC_CONF)",
-                    self.caps.name
-                ),
-            });
-        }
-        if !self.caps.posix_fd_handles {
-            return Err(DeviceError::Unsupported {
-                call: Call::Import,
-                what: format!(
-                    "{} cannot import POSIX file descriptor handles",
+                    "{} cannot import POSIX file descriptor handles \
+                     (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 0)",
                     self.caps.name
                 ),
             });

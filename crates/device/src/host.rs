@@ -14,7 +14,7 @@
 //! | `cuMemUnmap`           | a `PROT_NONE` anonymous `MAP_FIXED\|MAP_NORESERVE` placeholder over the range |
 //! | `cuMemRelease`         | `close` of the handle's descriptor (mappings keep the file alive) |
 //! | `cuMemExportToShareableHandle` | `dup` of the descriptor                                |
-//! | `cuMemImportFromShareableHandle` | `fstat` (inode → allocation) + `dup`                 |
+//! | `cuMemImportFromShareableHandle` | `fstat` (inode → allocation) + `dup`; a host memfd of another process (IPC) becomes a new allocation charged to its creator |
 //! | `cuMemAlloc` / `cuMemFree` | anonymous read-write `mmap` / `munmap`                      |
 //! | `cuMemcpyHtoD` / `DtoH` | accessibility checked by the model, then `memcpy`             |
 //!
@@ -239,6 +239,22 @@ fn inode_of(fd: RawFd) -> io::Result<(u64, u64)> {
     Ok((u64::from(st.st_dev), u64::from(st.st_ino)))
 }
 
+/// What `/proc/self/fd/N` reads for a memfd a host device created
+/// (`memfd_create("vmmalloc-host-<name>")`; the kernel prefixes `memfd:`).
+const FOREIGN_MEMFD_PREFIX: &str = "/memfd:vmmalloc-host-";
+
+/// `st_size` of an open descriptor.
+fn file_size(fd: RawFd) -> io::Result<u64> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: as in `inode_of`.
+    if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fstat returned 0, so it initialised `st`.
+    let st = unsafe { st.assume_init() };
+    u64::try_from(st.st_size).map_err(|_| io::Error::other("negative size"))
+}
+
 /// A close-on-exec duplicate of `fd`.
 fn dup(fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: F_DUPFD_CLOEXEC only reads `fd` (an invalid one fails with EBADF).
@@ -284,6 +300,60 @@ impl HostDevice {
                 Err(e)
             }
         }
+    }
+
+    /// Imports a descriptor this device did not export: a handle another
+    /// host device (in this process or another one, received over IPC)
+    /// exported. As the driver accepts only descriptors made by
+    /// `cuMemExportToShareableHandle`, only memfds named by a host device
+    /// (`/proc/self/fd/N` reads `/memfd:vmmalloc-host-...`) of a nonzero size
+    /// that is a multiple of the granularity are accepted; anything else is
+    /// [`Rule::UnknownShareableHandle`]. The allocation is charged to no
+    /// capacity here (its creator holds it).
+    fn import_foreign(
+        &self,
+        st: &mut HostState,
+        fd: i32,
+        inode: (u64, u64),
+    ) -> DeviceResult<PhysHandle> {
+        let unknown =
+            |why: String| DeviceError::rule(Call::Import, Rule::UnknownShareableHandle, why);
+        let target = std::fs::read_link(format!("/proc/self/fd/{fd}"))
+            .map_err(|e| unknown(format!("fd {fd}: {e}")))?;
+        if !target.to_string_lossy().starts_with(FOREIGN_MEMFD_PREFIX) {
+            return Err(unknown(format!(
+                "fd {fd} ({}) is not a descriptor exported by a host device",
+                target.display()
+            )));
+        }
+        let size = file_size(fd).map_err(|e| unknown(format!("fd {fd}: {e}")))?;
+        if size == 0 || size % self.caps.granularity != 0 {
+            return Err(unknown(format!(
+                "fd {fd} holds {size} bytes, not a multiple of the granularity {:#x}",
+                self.caps.granularity
+            )));
+        }
+        let own = dup(fd).map_err(|e| os_error(Call::Import, "dup", e))?;
+        let handle = st.space.import_foreign(size)?;
+        let alloc = match st.space.allocation_of(Call::Import, handle) {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = st.space.release(handle);
+                return Err(e);
+            }
+        };
+        st.handles.insert(handle.0, HostHandle { fd: own, alloc });
+        st.allocations
+            .insert(alloc, HostAllocation { inode, refs: 1 });
+        st.by_inode.insert(inode, alloc);
+        Ok(handle)
+    }
+
+    /// Whether `fd` names an allocation this device created (or imported),
+    /// i.e. whether [`Device::import_fd`] would find it without treating it
+    /// as a foreign (other process's) allocation.
+    pub fn knows_fd(&self, fd: i32) -> bool {
+        inode_of(fd).is_ok_and(|inode| self.state.lock().by_inode.contains_key(&inode))
     }
 
     /// Test control: starts a CUDA-graph capture on `stream` in global mode
@@ -702,10 +772,9 @@ impl Device for HostDevice {
             |why: String| DeviceError::rule(Call::Import, Rule::UnknownShareableHandle, why);
         let inode = inode_of(fd).map_err(|e| unknown(format!("fd {fd}: {e}")))?;
         let mut st = self.state.lock();
-        let alloc = *st
-            .by_inode
-            .get(&inode)
-            .ok_or_else(|| unknown(format!("fd {fd} names no live allocation of this device")))?;
+        let Some(&alloc) = st.by_inode.get(&inode) else {
+            return self.import_foreign(&mut st, fd, inode);
+        };
         let handle = st.space.import(alloc)?;
         match dup(fd) {
             Ok(own) => {

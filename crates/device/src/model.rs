@@ -42,6 +42,9 @@ struct Allocation {
     /// Host-located (`cuMemCreate` with a host NUMA location): charged to
     /// `host_used`, not to the device's `physical_used`.
     on_host: bool,
+    /// Imported from another process ([`AddressSpace::import_foreign`]):
+    /// its memory is charged to the process that created it, not here.
+    foreign: bool,
 }
 
 /// A hash map keyed by ids or addresses (FxHash: one multiply per key; keys
@@ -391,6 +394,11 @@ impl AddressSpace {
     /// Records a new physical allocation of `size` bytes (on the host or the
     /// device) with one handle to it; returns the handle.
     fn insert_allocation(&mut self, size: u64, on_host: bool) -> PhysHandle {
+        self.insert_allocation_of(size, on_host, false)
+    }
+
+    /// [`Self::insert_allocation`], `foreign` for an import from another process.
+    fn insert_allocation_of(&mut self, size: u64, on_host: bool, foreign: bool) -> PhysHandle {
         let alloc = self.next_id;
         let handle = self.next_id + 1;
         self.next_id += 2;
@@ -400,6 +408,7 @@ impl AddressSpace {
                 size,
                 refs: 1,
                 on_host,
+                foreign,
             },
         );
         self.handles.insert(handle, alloc);
@@ -471,6 +480,17 @@ impl AddressSpace {
         Ok(PhysHandle(handle))
     }
 
+    /// A handle to an allocation another process created and exported
+    /// (`cuMemImportFromShareableHandle` of a descriptor this device did not
+    /// export): `size` bytes, mappable like any handle, charged to no
+    /// capacity of this device (the producer's device holds the memory; on a
+    /// real GPU `cuMemGetInfo` counts it once, for the whole device).
+    pub fn import_foreign(&mut self, size: u64) -> DeviceResult<PhysHandle> {
+        Self::positive(Call::Import, size)?;
+        self.aligned(Call::Import, "size", size)?;
+        Ok(self.insert_allocation_of(size, false, true))
+    }
+
     fn drop_ref(&mut self, alloc: u64) {
         let a = self
             .allocations
@@ -478,7 +498,9 @@ impl AddressSpace {
             .expect("model invariant: ref to live allocation");
         a.refs -= 1;
         if a.refs == 0 {
-            if a.on_host {
+            if a.foreign {
+                // Charged to the producer.
+            } else if a.on_host {
                 self.host_used -= a.size;
             } else {
                 self.physical_used -= a.size;
@@ -806,7 +828,9 @@ impl AddressSpace {
                     refs.get(id).copied().unwrap_or(0)
                 ));
             }
-            if a.on_host {
+            if a.foreign {
+                // Charged to the producer.
+            } else if a.on_host {
                 host += a.size;
             } else {
                 used += a.size;

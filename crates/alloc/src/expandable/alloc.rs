@@ -422,6 +422,8 @@ impl Inner {
         }
         // A paused block may be freed: its backup is dropped.
         self.sleep.forget(ptr);
+        // Freeing ends an IPC export.
+        self.exported.forget(ptr);
         let (size, requested, seg) = {
             let b = &self.slab[idx];
             (b.size, b.requested, b.seg)

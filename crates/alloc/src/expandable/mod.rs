@@ -64,6 +64,7 @@ mod counters;
 mod events;
 mod free_index;
 mod growable;
+mod ipc;
 mod lock;
 mod pages;
 mod pool;
@@ -154,6 +155,8 @@ pub(crate) struct Inner {
     growables: std::collections::BTreeMap<u64, growable::Growable>,
     /// Host-located chunks (`spill:true`, [`spill`]).
     spill: spill::SpillState,
+    /// Blocks exported to other processes and the chunks they pin ([`ipc`]).
+    exported: ipc::ExportState,
 }
 
 impl Inner {
@@ -253,6 +256,7 @@ impl<D: Device> ExpandableAllocator<D> {
                     enabled: config.spill,
                     ..Default::default()
                 },
+                exported: ipc::ExportState::default(),
             }),
         })
     }
@@ -376,6 +380,14 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
 
     fn as_growable(&self) -> Option<&dyn crate::growable::Growable> {
         Some(self)
+    }
+
+    fn export(&self, ptr: u64) -> AllocResult<crate::ipc::ExportedRange> {
+        self.inner.lock().export_block(ptr)
+    }
+
+    fn unexport(&self, ptr: u64) -> AllocResult<()> {
+        self.inner.lock().unexport_block(ptr)
     }
 }
 

@@ -244,6 +244,7 @@ impl Inner {
             return Ok(0); // no tag to pause (no names, and no tagged memory)
         }
         let segs = self.tag_segments(&ids);
+        self.check_not_exported(&segs)?;
         let mut extra: Vec<Stream> = Vec::new();
         for &s in &segs {
             for b in self.seg_blocks(s) {

@@ -123,10 +123,12 @@ impl Inner {
                     continue;
                 }
                 // Not the request's own pages, not host memory (spill), not
-                // a chunk whose access may be missing (unready).
+                // a chunk whose access may be missing (unready), not a chunk
+                // shared with another process (IPC export).
                 if x.is_some_and(|(x0, x1)| f <= x1 && end > x0)
                     || self.spill.host.contains(&c.handle.0)
                     || self.unready.contains(&(si as u32, f))
+                    || self.exported.pins(si as u32, f)
                 {
                     continue;
                 }

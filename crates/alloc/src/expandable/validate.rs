@@ -321,6 +321,7 @@ impl Inner {
         rc.reserved_bytes[large] += gbytes;
         rc.requested_bytes[large] += g.requested as i64;
         self.validate_spill()?;
+        self.validate_ipc()?;
         for h in &self.spill.host_free {
             if !handles.insert(h.0) {
                 return Err(format!("host handle {:#x} to release is also mapped", h.0));

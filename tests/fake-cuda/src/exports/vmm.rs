@@ -21,7 +21,7 @@ use vmm_sys::{
     CU_MEM_ALLOC_GRANULARITY_RECOMMENDED, CU_MEM_HANDLE_TYPE_NONE,
     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_LOCATION_TYPE_DEVICE,
 };
-use vmmalloc_device::{Device, Introspect, Rule};
+use vmmalloc_device::{Device, Introspect};
 
 /// `CU_MEM_HANDLE_TYPE_WIN32`.
 const CU_MEM_HANDLE_TYPE_WIN32: u32 = 0x2;
@@ -508,19 +508,19 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
         check_handle_type(shHandleType)?;
         // `(void *)(uintptr_t)fd` in C sign-extends an int; its low 32 bits are the fd.
         let fd = osHandle.expose_provenance() as c_int;
-        let mut last = None;
-        for dev in 0..f.device_count() {
-            let host = f.host(dev);
-            match host.import_fd(fd) {
-                Ok(inner) => {
-                    let value = f.add_handle(dev, host, inner, true);
-                    // SAFETY: non-null (checked above) and writable (cuda.h).
-                    return unsafe { put(handle, value, "handle") };
-                }
-                Err(e) if e.broken_rule() == Some(Rule::UnknownShareableHandle) => last = Some(e),
-                Err(e) => return Err(e.into()),
-            }
+        if f.device_count() == 0 {
+            return Err(Fail::invalid(format!("fd {fd}: no device")));
         }
-        Err(last.map_or_else(|| Fail::invalid(format!("fd {fd}: no device")), Fail::from))
+        // The device that made the allocation; a descriptor exported by
+        // another process (IPC) is imported on device 0: the fake cannot
+        // tell which of that process's devices made it (docs/fake-cuda.md).
+        let dev = (0..f.device_count())
+            .find(|&d| f.host(d).knows_fd(fd))
+            .unwrap_or(0);
+        let host = f.host(dev);
+        let inner = host.import_fd(fd)?;
+        let value = f.add_handle(dev, host, inner, true);
+        // SAFETY: non-null (checked above) and writable (cuda.h).
+        unsafe { put(handle, value, "handle") }
     })
 }
