@@ -1,6 +1,7 @@
 """PyTorch features beyond malloc/free under vmmalloc on a real GPU (issue 28):
-torch.compile's CUDA graph trees, NCCL with and without the register hook, and
-torch.cuda.MemPool, through the torch companion (python/vmmalloc/companion/).
+torch.compile's CUDA graph trees, NCCL with and without the register hook,
+torch.cuda.MemPool and a torch.multiprocessing-style IPC round trip, through
+the torch companion (python/vmmalloc/companion/).
 
 Run it as ``python -m vmmalloc scripts/torch_complete_checks.py`` (VMMALLOC_CONF
 picks the backend), or plainly (it calls vmmalloc.enable() itself before CUDA
@@ -164,6 +165,44 @@ print("NCCL OK", flush=True)
 """
 
 
+IPC_CHILD = r"""
+import pickle, sys
+import torch, vmmalloc
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+assert vmmalloc.is_enabled(), "run under python -m vmmalloc"
+t = rebuild_cuda_tensor(*pickle.load(sys.stdin.buffer))
+assert t[123].item() == 123.0, t[123].item()
+t[5] = -7.0
+torch.cuda.synchronize()
+print("IPC OK", flush=True)
+"""
+
+
+def check_ipc(torch, vmmalloc):
+    """A tensor shared the way torch.multiprocessing shares it
+    (reduce_tensor / rebuild_cuda_tensor: shareIpcHandle, getIpcDevPtr) with a
+    child running vmmalloc, which reads it and writes into it."""
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    t = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    _, args = reduce_tensor(t)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(IPC_CHILD)
+    try:
+        out = subprocess.run([sys.executable, "-m", "vmmalloc", f.name], input=pickle.dumps(args),
+                             capture_output=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    except subprocess.TimeoutExpired:
+        raise AssertionError("timed out after 120 s")
+    finally:
+        os.unlink(f.name)
+    text = (out.stdout + out.stderr).decode(errors="replace")
+    assert out.returncode == 0 and b"IPC OK" in out.stdout, f"exit {out.returncode}: {text[-1500:]}"
+    torch.cuda.synchronize()
+    assert t[5].item() == -7.0, f"the child's write is not seen here ({t[5].item()})"
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,6 +249,7 @@ def main():
     report("companion", lambda: check_companion(torch, vmmalloc))
     report("compile-reduce-overhead", lambda: check_compile(torch, vmmalloc))
     report("mempool", lambda: check_mempool(torch, vmmalloc))
+    report("ipc", lambda: check_ipc(torch, vmmalloc))
     report("nccl", lambda: check_nccl(torch, vmmalloc, hook=False))
     report("nccl-register-hook", lambda: check_nccl(torch, vmmalloc, hook=True))
     print(f"torch_complete_checks: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))
