@@ -58,6 +58,7 @@ FEATURES = (
 )
 
 _loaded = None  # the companion CDLL, kept for the life of the process
+_load_error = None  # why it could not be built or loaded (tried once per process)
 _installed = False
 
 
@@ -192,14 +193,33 @@ def lost_methods(path):
 def load(torch):
     """Builds (if needed) and loads the companion; returns the CDLL.
     Raises RuntimeError saying why it cannot."""
-    global _loaded
+    global _loaded, _load_error
     if _loaded is not None:
         return _loaded
     if os.environ.get(ENV, "1") == "0":
         raise RuntimeError(f"${ENV}=0")
+    if _load_error is not None:
+        raise RuntimeError(_load_error)
+    try:
+        _loaded = _load(torch)
+    except Exception as e:
+        _load_error = str(e)
+        raise
+    return _loaded
+
+
+def _load(torch):
     path = companion_path(torch)
     if not path.is_file():
-        build(torch, path)
+        # One builder at a time (torchrun starts every rank at once); the
+        # others wait for it and load its result.
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(str(path) + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.is_file():
+                build(torch, path)
     lib = ctypes.CDLL(str(path))
     lib.vmmalloc_companion_torch_version.restype = ctypes.c_char_p
     built_for = lib.vmmalloc_companion_torch_version().decode()
@@ -208,7 +228,6 @@ def load(torch):
     lib.vmmalloc_companion_install.restype = ctypes.c_int
     lib.vmmalloc_companion_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     lib.path = path
-    _loaded = lib
     return lib
 
 
