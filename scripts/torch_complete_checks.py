@@ -112,6 +112,22 @@ def check_compile(torch, vmmalloc):
     print(f"    graph-tree calls: {calls}", flush=True)
 
 
+def check_oom_observer(torch, vmmalloc):
+    """attachOutOfMemoryObserver: called when an allocation raises
+    torch.cuda.OutOfMemoryError, with the device and its total memory."""
+    seen = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB
+    except torch.cuda.OutOfMemoryError:
+        pass
+    else:
+        raise AssertionError("a 1 PiB tensor was allocated")
+    assert len(seen) == 1, seen
+    device, _allocated, total, _free = seen[0]
+    assert device == 0 and total == torch.cuda.get_device_properties(0).total_memory, seen
+
+
 def check_mempool(torch, vmmalloc):
     pool = torch.cuda.MemPool()
     assert pool.use_count() == 1, pool.use_count()
@@ -249,6 +265,7 @@ def main():
     report("companion", lambda: check_companion(torch, vmmalloc))
     report("compile-reduce-overhead", lambda: check_compile(torch, vmmalloc))
     report("mempool", lambda: check_mempool(torch, vmmalloc))
+    report("oom-observer", lambda: check_oom_observer(torch, vmmalloc))
     report("ipc", lambda: check_ipc(torch, vmmalloc))
     report("nccl", lambda: check_nccl(torch, vmmalloc, hook=False))
     report("nccl-register-hook", lambda: check_nccl(torch, vmmalloc, hook=True))
