@@ -20,10 +20,14 @@
 #   5. scripts/torch_sleep_checks.py sleep (issue 12), under vmmalloc expandable:
 #      pause gives back >= 95 % of the tagged bytes (cuMemGetInfo), resume
 #      restores the data in place, a captured graph replays after resume.
+#   6. scripts/torch_ipc_checks.py (issue 28, IPC): the driver's export rule,
+#      the cost of requesting POSIX fd handles (ipc:auto), C ABI round trips
+#      between processes both ways, torch.multiprocessing both ways (SKIP until
+#      the torch companion wires shareIpcHandle), a PyTorch-native handle read.
 #
 # usage: scripts/gpu-check-pytorch.sh [PART...]   (default: all of them)
 #   PART: fragmentation, train, or one check of torch_plugin_checks.py
-#   (peer-copy, graph-replay, oom-exception, memory-allocated, growable), or sleep; scripts/gpu-check.sh
+#   (peer-copy, graph-replay, oom-exception, memory-allocated, growable), sleep, or ipc; scripts/gpu-check.sh
 #   runs them as separate steps.
 #
 # Runs from a bundle (scripts/gpu-bundle.sh) when VMMALLOC_LIBRARY names its
@@ -48,10 +52,10 @@ STEPS="${STEPS:-60}"
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
 parts=("$@")
-((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated growable sleep)
+((${#parts[@]} > 0)) || parts=(fragmentation train peer-copy graph-replay oom-exception memory-allocated growable sleep ipc)
 for part in "${parts[@]}"; do
     case $part in
-        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated | growable | sleep) ;;
+        fragmentation | train | peer-copy | graph-replay | oom-exception | memory-allocated | growable | sleep | ipc) ;;
         *) echo "gpu-check-pytorch: unknown part $part" >&2; exit 2 ;;
     esac
 done
@@ -170,6 +174,16 @@ if wants sleep; then
         return "$rc"
     }
     step "plugin: sleep" sleep_check
+fi
+if wants ipc; then
+    echo "=== IPC (issue 28)"
+    ipc_check() {
+        local out rc=0
+        out="$(timeout 120 "$PY" "$here"/torch_ipc_checks.py 2>&1)" || rc=$?
+        printf '%s\n' "$out" | grep -E '^(CHECK|torch_ipc_checks)' | sed "s/^/    [ipc] /"
+        return "$rc"
+    }
+    step "plugin: ipc" ipc_check
 fi
 
 echo "=== side by side"

@@ -24,7 +24,7 @@
 #   suite:NAME   every other bundled #[ignore] suite (-- --ignored)
 #   calibrate    `vmmalloc calibrate`: the cost model's size sweep, as JSON
 #   python       the Python package loads libvmmalloc.so (no GPU needed)
-#   fragmentation, train, graphs, plugin-checks, sleep
+#   fragmentation, train, graphs, plugin-checks, sleep, ipc
 #                PyTorch under the plug-in (scripts/gpu-check-pytorch.sh)
 #   two-gpus     vmm-check on device 1 and the peer-copy check, where there
 #                are two GPUs
@@ -328,7 +328,7 @@ if need "$lib" python && need "$bundle/python/vmmalloc/__init__.py" python; then
     step python 30 python_check
 fi
 
-pytorch_steps=(fragmentation train graphs plugin-checks sleep)
+pytorch_steps=(fragmentation train graphs plugin-checks sleep ipc)
 pt=$here/gpu-check-pytorch.sh
 if [[ ${SKIP_PYTORCH:-0} == 1 ]]; then
     for s in "${pytorch_steps[@]}"; do verdict "$s" SKIP "SKIP_PYTORCH=1"; done
@@ -340,6 +340,7 @@ else
     step graphs 90 "$pt" graph-replay
     step plugin-checks 120 "$pt" oom-exception memory-allocated growable
     step sleep 90 "$pt" sleep
+    step ipc 90 "$pt" ipc
 fi
 
 # ---------------------------------------------------------------------------

@@ -53,7 +53,7 @@ check good gpu-bundle
 for s in bundle driver vmm conformance suite:device suite:vmmalloc-alloc.expandable_cuda suite:vmmalloc-alloc.expandable_sleep calibrate python two-gpus; do
     expect "$tmp/good" "^$s: PASS "
 done
-for s in fragmentation train graphs plugin-checks sleep; do
+for s in fragmentation train graphs plugin-checks sleep ipc; do
     expect "$tmp/good" "^$s: SKIP \(dry run: needs PyTorch on a GPU\)$"
 done
 [[ -s $tmp/good/gpu-check.log ]] || fail "good: no log"

@@ -74,7 +74,7 @@ def test_bad_handles_raise_naming_both_formats(lib, fresh):
     with pytest.raises(vmmalloc.VmmallocError, match="v9.*vmmalloc IPC handle v1"):
         vmmalloc.ipc_import(newer)
     with pytest.raises(vmmalloc.VmmallocError, match="cudaIpcMemHandle_t"):
-        vmmalloc.ipc_import(b"c" + bytes(64))
+        vmmalloc.ipc_import(bytes([2]) + b"c" + bytes(64))
     with pytest.raises(vmmalloc.VmmallocError, match="not a live allocation"):
         vmmalloc.ipc_export(p + 512)
     with pytest.raises(TypeError):

@@ -29,6 +29,7 @@ def _load():
         for name, res, args in [
             ("vmmalloc_ipc_export", c.c_int, [c.c_void_p, c.c_void_p, c.c_size_t, c.POINTER(c.c_size_t)]),
             ("vmmalloc_ipc_import", c.c_int, [c.c_char_p, c.c_size_t, c.POINTER(c.c_void_p)]),
+            ("vmmalloc_ipc_import_device", c.c_int, [c.c_char_p, c.c_size_t, c.c_int, c.POINTER(c.c_void_p)]),
             ("vmmalloc_ipc_close", c.c_int, [c.c_void_p]),
         ]:
             f = getattr(lib, name)
@@ -56,14 +57,25 @@ def ipc_export(ptr):
     return buf.raw[: n.value]
 
 
-def ipc_import(handle):
-    """Maps the memory ``handle`` (from ipc_export in another process) names;
-    returns the pointer (an int). Release it with ipc_close."""
+def ipc_import(handle, device=None):
+    """Maps the memory ``handle`` names; returns the pointer (an int).
+    Release it with ipc_close.
+
+    ``handle`` is a vmmalloc handle (ipc_export in another process) or
+    PyTorch's own expandable-segments handle (the bytes of
+    ``storage._share_cuda_()[1]``; the pointer is then the start of the
+    shared range: add PyTorch's offset, ``_share_cuda_()[3]``). ``device``:
+    the ordinal to map on (default: the producer's for a vmmalloc handle, 0
+    for a PyTorch one)."""
     if not isinstance(handle, (bytes, bytearray)):
         raise TypeError(f"an IPC handle is bytes, not {type(handle).__name__}")
     out = ctypes.c_void_p()
     data = bytes(handle)
-    _lib._check(_load().vmmalloc_ipc_import(data, len(data), ctypes.byref(out)), "vmmalloc_ipc_import")
+    dev = -1 if device is None else int(device)
+    _lib._check(
+        _load().vmmalloc_ipc_import_device(data, len(data), dev, ctypes.byref(out)),
+        "vmmalloc_ipc_import_device",
+    )
     return out.value
 
 

@@ -51,6 +51,7 @@
 //! // IPC (ipc/mod.rs): share an allocation with another process, without PyTorch.
 //! int   vmmalloc_ipc_export(void* ptr, void* buf, size_t cap, size_t* len);
 //! int   vmmalloc_ipc_import(const void* handle, size_t len, void** out);
+//! int   vmmalloc_ipc_import_device(const void* handle, size_t len, int device, void** out);
 //! int   vmmalloc_ipc_close(void* ptr);
 //! ```
 //!

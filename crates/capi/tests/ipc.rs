@@ -18,6 +18,7 @@ const ROLE: &str = "VMMALLOC_IPC_TEST_ROLE";
 const HANDLE: &str = "VMMALLOC_IPC_TEST_HANDLE";
 const SIZE: &str = "VMMALLOC_IPC_TEST_SIZE";
 const EXPECT: &str = "VMMALLOC_IPC_TEST_EXPECT";
+const OFFSET: &str = "VMMALLOC_IPC_TEST_OFFSET";
 const MIB: usize = 1 << 20;
 
 struct Api {
@@ -219,12 +220,15 @@ fn consumer(a: &Api, backend: &str) {
     let h = unhex(&std::env::var(HANDLE).unwrap());
     let size: usize = std::env::var(SIZE).unwrap().parse().unwrap();
     let expect = std::env::var(EXPECT).unwrap();
+    let offset: usize = std::env::var(OFFSET).map_or(0, |v| v.parse().unwrap());
     match a.import(&h) {
-        Ok(p) => {
+        Ok(base) => {
             assert_eq!(expect, "ok", "import succeeded but {expect:?} was expected");
+            // SAFETY: a PyTorch handle maps the whole range; the data is `offset` in.
+            let p = unsafe { base.add(offset) };
             holds(p, size, 1).expect("the producer's bytes");
             fill(p, size, 2);
-            a.close(p);
+            a.close(base);
         }
         Err(e) => {
             assert_ne!(expect, "ok", "import failed: {e}");
@@ -374,7 +378,7 @@ fn producer_bad_handles(a: &Api, test: &str, backend: &str, _extra: &[(&str, Str
         "vmmalloc IPC handle v2|vmmalloc IPC handle v1",
         &[],
     );
-    let mut torch_es = vec![b'e'];
+    let mut torch_es = vec![2, b'e'];
     torch_es.extend_from_slice(&[0; 24]);
     spawn_consumer(
         test,
@@ -470,4 +474,72 @@ fn host_exported_memory_is_not_paused() {
 #[test]
 fn fake_cuda_export_needs_ipc() {
     scenario("fake_cuda_export_needs_ipc", "fake", &[], producer_limits);
+}
+
+/// PyTorch's own expandable-segments handle (`[2]['e'][ShareHeader][fds]`,
+/// as PyTorch 2.11 writes it), built here from the descriptors of a vmmalloc
+/// export (the producer keeps them open): a vmmalloc consumer maps it with
+/// `pidfd_getfd`; another version byte, or a forced socket, fails by name.
+fn producer_torch_format(a: &Api, test: &str, backend: &str, _extra: &[(&str, String)]) {
+    a.configure(conf(backend));
+    let n = 3 * MIB + 100;
+    let p = a.malloc(n);
+    fill(p, n, 1);
+    let h = a.export(p).unwrap();
+    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().unwrap());
+    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap());
+    let (pid, offset, chunks) = (u32_at(16), u64_at(56), u32_at(68) as usize);
+    let m = u16::from_le_bytes(h[72..74].try_into().unwrap()) as usize;
+    let list: Vec<(u64, u32)> = (0..chunks)
+        .map(|i| (u64_at(74 + m + 16 * i), u32_at(74 + m + 16 * i + 8)))
+        .collect();
+    assert!(
+        list.iter().all(|c| c.0 == list[0].0),
+        "chunks of one size: {list:?}"
+    );
+    let mut torch = vec![2u8, b'e'];
+    torch.extend_from_slice(&pid.to_le_bytes());
+    torch.extend_from_slice(&[0; 4]);
+    torch.extend_from_slice(&list[0].0.to_le_bytes());
+    torch.extend_from_slice(&(chunks as u64).to_le_bytes());
+    for c in &list {
+        torch.extend_from_slice(&c.1.to_le_bytes());
+    }
+    let at = [(OFFSET, offset.to_string())];
+    spawn_consumer(test, backend, &torch, n, "ok", &at);
+    holds(p, n, 2).expect("the consumer's write, seen by the producer");
+    let mut v9 = torch.clone();
+    v9[0] = 9;
+    spawn_consumer(
+        test,
+        backend,
+        &v9,
+        n,
+        "expandable-segments IPC handle version 9|unknown version",
+        &at,
+    );
+    let mut at_socket = socket();
+    at_socket.extend(at.iter().cloned());
+    spawn_consumer(test, backend, &torch, n, "offers no socket", &at_socket);
+    a.free(p);
+}
+
+#[test]
+fn host_reads_pytorch_expandable_handles() {
+    scenario(
+        "host_reads_pytorch_expandable_handles",
+        "host",
+        &[],
+        producer_torch_format,
+    );
+}
+
+#[test]
+fn fake_cuda_reads_pytorch_expandable_handles() {
+    scenario(
+        "fake_cuda_reads_pytorch_expandable_handles",
+        "fake",
+        &[],
+        producer_torch_format,
+    );
 }

@@ -500,8 +500,23 @@ fn import_unknown<D: Device + Introspect>(d: &D) {
     let fd = d.export_fd(h).unwrap();
     d.release(h).unwrap();
     let s = snap(d);
-    // The allocation is gone: its descriptor names nothing any more.
-    refused(d, &s, d.import_fd(fd), Rule::UnknownShareableHandle, 1);
+    if d.caps().has_memory {
+        // An exported descriptor still open keeps the memory: "Once all
+        // shareable handles are closed and the allocation is released, the
+        // allocated memory referenced will be released back to the OS"
+        // (CUDA Driver API, cuMemExportToShareableHandle). So importing it
+        // after the release succeeds, as from another process (host: the
+        // memfd is still open).
+        let again = d
+            .import_fd(fd)
+            .expect("an open exported descriptor imports");
+        d.release(again).unwrap();
+    } else {
+        // `sim` holds no memory behind its descriptors: the allocation is
+        // gone, its descriptor names nothing any more.
+        refused(d, &s, d.import_fd(fd), Rule::UnknownShareableHandle, 1);
+    }
+    let s = snap(d);
     refused(d, &s, d.import_fd(-1), Rule::UnknownShareableHandle, 1);
     if d.caps().has_memory {
         // SAFETY: `fd` was exported to us, and we own it.

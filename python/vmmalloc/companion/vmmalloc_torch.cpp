@@ -95,6 +95,7 @@ struct Lib {
   int (*ipc_export)(void*, void*, size_t, size_t*);
   int (*ipc_import)(const void*, size_t, void**);
   int (*ipc_close)(void*);
+  int (*ipc_import_device)(const void*, size_t, int, void**);  // -1: the handle's device
 };
 Lib lib;
 
@@ -364,8 +365,17 @@ class VmmallocAllocator : public Base {
 #ifndef VMM_NO_getIpcDevPtr
   std::shared_ptr<void> getIpcDevPtr(std::string handle) VMM_OVERRIDE {
     if (!lib.ipc_import) return Base::getIpcDevPtr(std::move(handle));
+    // THPStorage_newSharedCuda holds a CUDAGuard on the storage's device: a
+    // handle of PyTorch's own allocator names no device, so import there.
+    int device = -1;
+    if (lib.ipc_import_device && cudaGetDevice(&device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      device = -1;
+    }
     void* p = nullptr;
-    TORCH_CHECK(lib.ipc_import(handle.data(), handle.size(), &p) == 0, "vmmalloc: ", last_error());
+    int rc = lib.ipc_import_device ? lib.ipc_import_device(handle.data(), handle.size(), device, &p)
+                                   : lib.ipc_import(handle.data(), handle.size(), &p);
+    TORCH_CHECK(rc == 0, "vmmalloc: ", last_error());
     return std::shared_ptr<void>(p, [](void* q) { lib.ipc_close(q); });
   }
 #endif
@@ -493,6 +503,8 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
       lib.ipc_import = nullptr;
       lib.ipc_close = nullptr;
     }
+    std::string later;
+    resolve(h, "vmmalloc_ipc_import_device", lib.ipc_import_device, later);
     auto a = std::make_shared<VmmallocAllocator>();
     a->set_init_fn(lib.init);
     a->set_reset_fn(lib.empty_cache);

@@ -20,9 +20,11 @@
 //! | 16·n | per chunk: size (8), descriptor number in the producer (4), 0 (4) |
 //!
 //! A consumer refuses any other magic or version with an error naming both
-//! formats, and recognises PyTorch's own handles (expandable segments start
-//! with `'e'`, legacy `cudaIpcMemHandle_t` ones with `'c'`; see
-//! `shareIpcHandle` in c10/cuda/CUDACachingAllocator.cpp) to say so.
+//! formats. PyTorch's own handles (`[version][type][payload]`, see
+//! `shareIpcHandle` in c10/cuda/CUDACachingAllocator.cpp) are recognised:
+//! expandable-segments ones (`'e'`) of known versions are read
+//! ([`TorchHandle`]), legacy `cudaIpcMemHandle_t` ones (`'c'`) are refused
+//! by name.
 
 /// First 8 bytes of every vmmalloc IPC handle.
 pub const MAGIC: [u8; 8] = *b"VMMIPC\0\0";
@@ -206,25 +208,105 @@ impl Handle {
     }
 }
 
+/// A handle written by PyTorch's own caching allocator
+/// (`NativeCachingAllocator::shareIpcHandle`, c10/cuda/CUDACachingAllocator.cpp):
+/// `[SHAREABLE_HANDLE_VERSION][type][payload]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TorchHandle {
+    /// Type `'e'` (`SHAREABLE_CUDA_EXPANDABLE_SEGMENT`): `ShareHeader {pid_t
+    /// pid; size_t segment_size; size_t num_handles}` (24 bytes with its
+    /// padding) then one `int` descriptor per handle, each `segment_size`
+    /// bytes, mapped one after the other (`ExpandableSegment::share`).
+    /// Seen from PyTorch 2.11 (version byte 2) on an H200.
+    Expandable {
+        /// The version byte.
+        version: u8,
+        /// Producer pid.
+        pid: u32,
+        /// Bytes per handle.
+        segment_size: u64,
+        /// Descriptor numbers in the producer.
+        fds: Vec<i32>,
+    },
+}
+
+/// PyTorch's version bytes whose `'e'` payload has the layout above:
+/// 2 (PyTorch 2.11, seen) and 3 (2.13, which bumped the byte without
+/// changing the payloads, as NeMo-RL's `cuda_ipc` shim documents).
+const TORCH_VERSIONS: [u8; 2] = [2, 3];
+
+impl TorchHandle {
+    /// Parses `b` if it is PyTorch's expandable-segments handle of a known
+    /// version; `Ok(None)` if it is not PyTorch's at all; an error naming the
+    /// format when it is PyTorch's but cannot be read.
+    pub fn parse(b: &[u8]) -> Result<Option<TorchHandle>, String> {
+        if b.len() < 2 || !matches!(b[1], b'c' | b'e') || b[0] == 0 || b[0] > 16 {
+            return Ok(None);
+        }
+        let (version, kind) = (b[0], b[1]);
+        if kind == b'c' {
+            return Err(format!(
+                "the handle is PyTorch's cudaMalloc IPC handle (version {version}, 'c' + \
+                 cudaIpcMemHandle_t, from its native caching allocator without expandable \
+                 segments); vmmalloc reads only {} and PyTorch's expandable-segments handles \
+                 (reading legacy CUDA IPC handles needs cuIpcOpenMemHandle, not implemented)",
+                this_format()
+            ));
+        }
+        let bad = |why: &str| {
+            Err(format!(
+                "the handle is PyTorch's expandable-segments IPC handle version {version} ({} \
+                 bytes), which this vmmalloc cannot read: {why}; it reads {} and PyTorch's \
+                 versions {TORCH_VERSIONS:?}",
+                b.len(),
+                this_format()
+            ))
+        };
+        if !TORCH_VERSIONS.contains(&version) {
+            return bad("unknown version");
+        }
+        if b.len() < 2 + 24 {
+            return bad("too short for its header");
+        }
+        let mut r = Reader { b, at: 2 };
+        let pid = r.u32();
+        let _pad = r.u32();
+        let segment_size = r.u64();
+        let n = r.u64();
+        if n == 0 || n > 1 << 20 || b.len() as u64 != 26 + 4 * n || segment_size == 0 {
+            return bad(&format!(
+                "{n} handles of {segment_size} bytes do not match its length"
+            ));
+        }
+        let fds = (0..n).map(|_| r.u32() as i32).collect();
+        Ok(Some(TorchHandle::Expandable {
+            version,
+            pid,
+            segment_size,
+            fds,
+        }))
+    }
+}
+
 /// Which format a handle that is not ours looks like.
 pub fn describe_foreign(b: &[u8]) -> String {
     // c10/cuda/CUDACachingAllocator.cpp, NativeCachingAllocator::shareIpcHandle:
-    // the first byte is the ShareableHandleType, SHAREABLE_CUDA_MALLOC ('c')
-    // followed by a 64-byte cudaIpcMemHandle_t, or
+    // a version byte (SHAREABLE_HANDLE_VERSION), then the ShareableHandleType,
+    // SHAREABLE_CUDA_MALLOC ('c') followed by a 64-byte cudaIpcMemHandle_t, or
     // SHAREABLE_CUDA_EXPANDABLE_SEGMENT ('e') followed by the segment's header
-    // and handles.
-    match b.first() {
-        None => "an empty handle".into(),
-        Some(b'c') if b.len() == 1 + 64 => {
-            "PyTorch's cudaMalloc IPC handle ('c' + cudaIpcMemHandle_t, from its native caching \
-             allocator without expandable segments)"
-                .into()
-        }
-        Some(b'e') => "PyTorch's expandable-segments IPC handle ('e' + segment header, from its \
-                       native caching allocator with expandable_segments:True)"
-            .into(),
-        Some(_) if b.starts_with(b"VMMIPC") => "a vmmalloc IPC handle with a damaged magic".into(),
-        Some(_) => format!("an unknown format ({} bytes)", b.len()),
+    // and descriptors.
+    match b {
+        [] => "an empty handle".into(),
+        [v, b'c', ..] if *v <= 16 => format!(
+            "PyTorch's cudaMalloc IPC handle (version {v}, 'c' + cudaIpcMemHandle_t, from its \
+             native caching allocator without expandable segments)"
+        ),
+        [v, b'e', ..] if *v <= 16 => format!(
+            "PyTorch's expandable-segments IPC handle (version {v}, 'e' + segment header, from \
+             its native caching allocator with expandable_segments:True)"
+        ),
+        _ if b.starts_with(b"VMMIPC") => "a vmmalloc IPC handle with a damaged magic".into(),
+        _ => format!("an unknown format ({} bytes)", b.len()),
     }
 }
 
@@ -293,16 +375,49 @@ mod tests {
             e.contains("v2") && e.contains("vmmalloc IPC handle v1"),
             "{e}"
         );
-        let mut torch = vec![b'e'];
+        let mut torch = vec![2, b'e'];
         torch.extend_from_slice(&[0; 40]);
         let e = Handle::decode(&torch).unwrap_err();
         assert!(e.contains("expandable-segments") && e.contains("v1"), "{e}");
-        let mut legacy = vec![b'c'];
+        let mut legacy = vec![2, b'c'];
         legacy.extend_from_slice(&[0; 64]);
         assert!(Handle::decode(&legacy)
             .unwrap_err()
             .contains("cudaIpcMemHandle_t"));
         assert!(Handle::decode(&[]).unwrap_err().contains("empty"));
+    }
+
+    #[test]
+    fn torch_expandable_handles_parse_as_seen_from_pytorch_2_11() {
+        // The 30 bytes PyTorch 2.11 wrote for a 4 MiB tensor under
+        // expandable_segments:True on an H200 (scripts/torch_ipc_checks.py).
+        let seen = [
+            0x02, 0x65, 0x99, 0x02, 0, 0, 0, 0, 0, 0, 0, 0, 0x40, 0x01, 0, 0, 0, 0, 0x01, 0, 0, 0,
+            0, 0, 0, 0, 0x2f, 0, 0, 0,
+        ];
+        assert_eq!(
+            TorchHandle::parse(&seen).unwrap(),
+            Some(TorchHandle::Expandable {
+                version: 2,
+                pid: 0x299,
+                segment_size: 20 << 20,
+                fds: vec![0x2f],
+            })
+        );
+        let mut v9 = seen;
+        v9[0] = 9;
+        assert!(TorchHandle::parse(&v9)
+            .unwrap_err()
+            .contains("unknown version"));
+        assert!(TorchHandle::parse(&seen[..29])
+            .unwrap_err()
+            .contains("do not match"));
+        let mut legacy = vec![2, b'c'];
+        legacy.extend_from_slice(&[0; 64]);
+        assert!(TorchHandle::parse(&legacy)
+            .unwrap_err()
+            .contains("cuIpcOpenMemHandle"));
+        assert_eq!(TorchHandle::parse(&sample().encode()).unwrap(), None);
     }
 
     #[test]

@@ -8,6 +8,9 @@
 //! // Consumer: maps the memory a handle names into this process; *out = the
 //! // pointer (same offset as the producer's). 0 ok, -1 failure.
 //! int vmmalloc_ipc_import(const void* handle, size_t len, void** out);
+//! // The same on device `device` (-1: the handle's); also reads PyTorch's own
+//! // expandable-segments handles (pointer = start of the shared range).
+//! int vmmalloc_ipc_import_device(const void* handle, size_t len, int device, void** out);
 //! // Consumer: unmaps what vmmalloc_ipc_import mapped. 0 ok, -1 failure.
 //! int vmmalloc_ipc_close(void* ptr);
 //! ```
@@ -48,7 +51,7 @@ pub mod transport;
 use crate::config::{DeviceKind, LogLevel::Error as LError};
 use crate::runtime::{self, DeviceState};
 use crate::{addr, entry, fail};
-use format::{Backend, ChunkRef, Handle};
+use format::{Backend, ChunkRef, Handle, TorchHandle};
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -236,6 +239,11 @@ fn export(ptr: u64) -> Result<Vec<u8>, String> {
     let bytes = handle.encode();
     let mut g = lock(&EXPORTS);
     let ex = g.get_or_insert_with(Exports::default);
+    if let Some(e) = ex.by_ptr.get(&ptr).and_then(|other| ex.by_id.get(other)) {
+        // Another thread exported it meanwhile: keep that export (ours
+        // closes its descriptors when dropped).
+        return Ok(e.bytes.clone());
+    }
     ex.by_ptr.insert(ptr, id);
     ex.by_id.insert(
         id,
@@ -316,8 +324,13 @@ fn take(h: &Handle) -> Result<Vec<OwnedFd>, String> {
     Ok(all)
 }
 
-/// Maps the memory handle `bytes` names; returns the pointer.
-fn import(bytes: &[u8]) -> Result<u64, String> {
+/// Maps the memory handle `bytes` names on device `device` (-1: the
+/// handle's own device; device 0 for PyTorch's handles, which name none);
+/// returns the pointer.
+fn import(bytes: &[u8], device: i32) -> Result<u64, String> {
+    if let Some(t) = TorchHandle::parse(bytes)? {
+        return import_torch(t, device);
+    }
     let h = Handle::decode(bytes)?;
     let rt = runtime::runtime();
     let config = rt.config()?;
@@ -331,16 +344,68 @@ fn import(bytes: &[u8]) -> Result<u64, String> {
             mine.name()
         ));
     }
+    let ordinal = if device < 0 { h.device as i32 } else { device };
     let d = rt
-        .device(h.device as i32)
-        .map_err(|m| format!("the producer's device {} is not usable here: {m}", h.device))?;
+        .device(ordinal)
+        .map_err(|m| format!("device {ordinal} is not usable here: {m}"))?;
     let fds = take(&h)?;
-    let dev = d.device.clone();
-    let total: u64 = h.chunks.iter().map(|c| c.size).sum();
+    let sizes: Vec<u64> = h.chunks.iter().map(|c| c.size).collect();
+    map_fds(d.device.clone(), &sizes, &fds[1..], h.offset)
+}
+
+/// Imports a handle of PyTorch's own allocator (expandable segments): the
+/// descriptors come from the producer with `pidfd_getfd`, as PyTorch's own
+/// consumer takes them (PyTorch runs no socket to fall back on), and are
+/// mapped one after the other; the pointer is the segment range's start
+/// (PyTorch adds the storage's offset itself). PyTorch's handle has no
+/// token: as in PyTorch, its ref-counted sent-data keeps the producer's
+/// descriptors open while the handle is in flight.
+fn import_torch(t: TorchHandle, device: i32) -> Result<u64, String> {
+    let TorchHandle::Expandable {
+        version,
+        pid,
+        segment_size,
+        fds,
+    } = t;
+    let rt = runtime::runtime();
+    rt.config()?;
+    let ordinal = device.max(0);
+    let d = rt
+        .device(ordinal)
+        .map_err(|m| format!("device {ordinal} is not usable here: {m}"))?;
+    let what = format!("PyTorch's expandable-segments handle (version {version}, pid {pid})");
+    let taken = if Transport::from_env()? == Transport::Socket {
+        return Err(format!(
+            "{what}: {}=socket, but a PyTorch producer offers no socket (only pidfd_getfd)",
+            transport::TRANSPORT_ENV
+        ));
+    } else {
+        transport::take_by_pidfd(pid, &fds).map_err(|e| match e {
+            TakeError::Denied(m) => format!(
+                "{what}: {m}; a PyTorch producer offers no other way to pass its descriptors \
+                 (pytorch#130890); a vmmalloc producer falls back on its socket"
+            ),
+            e => format!("{what}: {}", e.message()),
+        })?
+    };
+    let sizes = vec![segment_size; fds.len()];
+    map_fds(d.device.clone(), &sizes, &taken, 0)
+}
+
+/// Imports descriptors `fds` (chunks of `sizes` bytes) into a fresh
+/// reservation, maps them in order, grants access and records the import;
+/// returns `base + offset`. Rolls everything back on failure.
+fn map_fds(
+    dev: Arc<dyn Device>,
+    sizes: &[u64],
+    fds: &[OwnedFd],
+    offset: u64,
+) -> Result<u64, String> {
+    let total: u64 = sizes.iter().sum();
     let base = dev
         .reserve(total, 0)
         .map_err(|e| format!("reserving {total:#x} bytes for the import: {e}"))?;
-    let mut handles: Vec<PhysHandle> = Vec::with_capacity(h.chunks.len());
+    let mut handles: Vec<PhysHandle> = Vec::with_capacity(sizes.len());
     let mut mapped = 0u64;
     let rollback = |handles: &[PhysHandle], mapped: u64| {
         if mapped > 0 {
@@ -351,30 +416,26 @@ fn import(bytes: &[u8]) -> Result<u64, String> {
         }
         let _ = dev.free_reservation(base, total);
     };
-    for (c, fd) in h.chunks.iter().zip(&fds[1..]) {
+    for (&size, fd) in sizes.iter().zip(fds) {
         let ph = match dev.import_fd(fd.as_raw_fd()) {
             Ok(ph) => ph,
             Err(e) => {
                 rollback(&handles, mapped);
-                return Err(format!("importing a chunk of {:#x} bytes: {e}", c.size));
+                return Err(format!("importing a chunk of {size:#x} bytes: {e}"));
             }
         };
         handles.push(ph);
-        if let Err(e) = dev.map(base + mapped, c.size, ph) {
+        if let Err(e) = dev.map(base + mapped, size, ph) {
             rollback(&handles, mapped);
-            return Err(format!(
-                "mapping an imported chunk of {:#x} bytes: {e}",
-                c.size
-            ));
+            return Err(format!("mapping an imported chunk of {size:#x} bytes: {e}"));
         }
-        mapped += c.size;
+        mapped += size;
     }
     if let Err(e) = dev.set_access(base, total) {
         rollback(&handles, mapped);
         return Err(format!("granting access to the import: {e}"));
     }
-    drop(fds);
-    let ptr = base + h.offset;
+    let ptr = base + offset;
     lock(&IMPORTS).get_or_insert_with(HashMap::new).insert(
         ptr,
         Import {
@@ -499,7 +560,8 @@ pub unsafe extern "C" fn vmmalloc_ipc_export(
 /// process) names and sets `*out` to the pointer. Release it with
 /// [`vmmalloc_ipc_close`], never `vmmalloc_free`. Returns 0, or -1 with the
 /// reason in `vmmalloc_last_error()` (unknown format or version, freed
-/// memory, producer exited, different backend, ...).
+/// memory, producer exited, different backend, ...). Same as
+/// [`vmmalloc_ipc_import_device`] with device -1.
 ///
 /// # Safety
 /// `handle` is readable for `len` bytes; `out` is writable.
@@ -509,9 +571,44 @@ pub unsafe extern "C" fn vmmalloc_ipc_import(
     len: usize,
     out: *mut *mut c_void,
 ) -> c_int {
-    entry("vmmalloc_ipc_import", -1, || {
+    // SAFETY: the same contract.
+    unsafe { import_entry("vmmalloc_ipc_import", handle, len, -1, out) }
+}
+
+/// `int vmmalloc_ipc_import_device(const void* handle, size_t len, int device, void** out)`:
+/// [`vmmalloc_ipc_import`] on device ordinal `device` (-1: the producer's
+/// ordinal written in a vmmalloc handle, 0 for a PyTorch handle). Also reads
+/// PyTorch's own expandable-segments handles (the bytes of
+/// `ShareableHandle::handle`, versions 2 and 3), whose pointer is the start
+/// of the shared range: add PyTorch's offset to it.
+///
+/// # Safety
+/// `handle` is readable for `len` bytes; `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_ipc_import_device(
+    handle: *const c_void,
+    len: usize,
+    device: c_int,
+    out: *mut *mut c_void,
+) -> c_int {
+    // SAFETY: the same contract.
+    unsafe { import_entry("vmmalloc_ipc_import_device", handle, len, device, out) }
+}
+
+/// The body of both import entry points.
+///
+/// # Safety
+/// `handle` is readable for `len` bytes; `out` is writable.
+unsafe fn import_entry(
+    name: &str,
+    handle: *const c_void,
+    len: usize,
+    device: c_int,
+    out: *mut *mut c_void,
+) -> c_int {
+    entry(name, -1, || {
         let rt = runtime::runtime();
-        let call = format!("vmmalloc_ipc_import(len={len})");
+        let call = format!("{name}(len={len}, device={device})");
         if out.is_null() || (handle.is_null() && len > 0) {
             fail(&rt, LError, format!("{call}: handle or out is NULL"));
             return -1;
@@ -522,7 +619,7 @@ pub unsafe extern "C" fn vmmalloc_ipc_import(
             // SAFETY: readable for `len` bytes (contract).
             unsafe { std::slice::from_raw_parts(handle.cast::<u8>(), len) }
         };
-        match import(bytes) {
+        match import(bytes, device) {
             Ok(p) => {
                 // SAFETY: `out` is non-null and writable (contract).
                 unsafe { out.write(std::ptr::with_exposed_provenance_mut(p as usize)) };
