@@ -431,7 +431,12 @@ class VmmallocAllocator : public Base {
   std::unordered_map<int, double> fractions_;
 };
 
-std::shared_ptr<VmmallocAllocator> current;
+// Never destroyed: PyTorch's own static destructors may still call the
+// current allocator while the process exits (CudaIPCTypes.cpp's sent-data
+// cleanup, "Producer process has been terminated before all shared CUDA
+// tensors released"), so a static shared_ptr here could free it first ("pure
+// virtual method called").
+std::shared_ptr<VmmallocAllocator>* current = nullptr;
 
 template <class F>
 bool resolve(void* h, const char* name, F& f, std::string& missing) {
@@ -514,7 +519,7 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
     a->set_end_allocate_to_pool_fn(lib.end_pool);
     a->set_release_pool(lib.release_pool);
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
-    current = a;
+    current = new std::shared_ptr<VmmallocAllocator>(a);
     return 0;
   } catch (const std::exception& e) {
     copy_error(e.what(), err, err_len);
