@@ -33,6 +33,7 @@ from ._lib import (
     load,
     memory_stats,
     memory_summary,
+    pool_memory_stats,
     reset_peak_memory_stats,
     validate,
     version,
@@ -62,6 +63,7 @@ __all__ = [
     "library_path",
     "memory_stats",
     "memory_summary",
+    "pool_memory_stats",
     "reset_peak_memory_stats",
     "validate",
     "version",
@@ -171,11 +173,16 @@ def enable(conf=None):
     ``conf`` (VMMALLOC_CONF syntax, e.g. ``"backend:expandable,log:info"``)
     replaces the environment variable; ``None`` reads ``VMMALLOC_CONF``. A bad
     configuration raises VmmallocError naming the key. Calling it again with
-    the same ``conf`` does nothing. Returns the
-    ``torch.cuda.memory.CUDAPluggableAllocator``.
+    the same ``conf`` does nothing. Returns the allocator object installed.
 
-    It installs every hook this PyTorch's pluggable allocator has (init,
-    empty_cache, memory fraction, record_stream, and the CUDA graph pool hooks),
+    It installs the torch companion (``_companion``: a C++ subclass of
+    PyTorch's CUDAPluggableAllocator answering CUDA graph trees, MemPools,
+    snapshot() and statistics from vmmalloc, built once per PyTorch version),
+    or, where it cannot be built or loaded, the plain pluggable allocator with
+    every hook this PyTorch has (init, empty_cache, memory fraction,
+    record_stream, and the CUDA graph pool hooks), warning which features that
+    loses. It turns off NCCL's register hook
+    (``TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK``, with a warning),
     makes torch.cuda's memory functions answer from vmmalloc, and registers the
     torch companion (built once per PyTorch version, see ``_companion``) so that
     out-of-memory raises ``torch.cuda.OutOfMemoryError``; without it, a
@@ -208,18 +215,14 @@ def enable(conf=None):
     if conf is not None:
         configure(conf)
     check_config()
-    from torch.cuda.memory import CUDAPluggableAllocator, change_current_allocator
-
-    pluggable = CUDAPluggableAllocator(path, "vmmalloc_malloc", "vmmalloc_free")
-    native = pluggable.allocator()
-    _torch.install_hooks(native, warnings.warn)
     try:
-        change_current_allocator(pluggable)
+        allocator, _ = _torch.install_allocator(torch, path, warnings.warn)
     except RuntimeError as e:
         raise VmmallocError(
             f"PyTorch refused the allocator ({e}); its CUDA allocator was already used: call "
             "vmmalloc.enable() before the first CUDA tensor") from e
-    _allocator, _enabled_conf = pluggable, conf
+    _allocator, _enabled_conf = allocator, conf
+    _torch.refuse_nccl_register_hook(warnings.warn)
     for message in (_pytorch_conf_warning(), _no_gpu_warning(torch, conf)):
         if message:
             warnings.warn(message, stacklevel=2)
@@ -229,4 +232,4 @@ def enable(conf=None):
         warnings.warn(f"vmmalloc: out-of-memory raises RuntimeError, not torch.cuda.OutOfMemoryError "
                       f"(the torch companion is unavailable: {_oom[1]}); its message starts with "
                       f"'CUDA out of memory.' either way")
-    return pluggable
+    return allocator

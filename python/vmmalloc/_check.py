@@ -188,20 +188,30 @@ def _check_torch(r):
         r.limits.append("no CUDA graph pool hooks in this PyTorch: CUDA graphs will fail")
     from . import _companion
 
-    oom = getattr(torch.cuda, "OutOfMemoryError", None)
-    if oom is None:
-        r.lines.append("  torch.cuda.OutOfMemoryError companion: no (this PyTorch has no torch.cuda.OutOfMemoryError)")
-        r.limits.append("out-of-memory raises RuntimeError")
-    elif os.environ.get(_companion.ENV, "1") == "0":
-        r.lines.append(f"  torch.cuda.OutOfMemoryError companion: off (${_companion.ENV}=0)")
-        r.limits.append("out-of-memory raises RuntimeError, not torch.cuda.OutOfMemoryError")
+    features = "; ".join(f"{f}" for _, f in _companion.FEATURES)
+    if os.environ.get(_companion.ENV, "1") == "0":
+        r.lines.append(f"  torch companion: off (${_companion.ENV}=0): the plain pluggable allocator, without: {features}")
+        r.limits.append("torch companion off: no CUDA graph trees (torch.compile reduce-overhead), MemPools, "
+                        "snapshot() for NCCL; out-of-memory raises RuntimeError")
     else:
         path = _companion.companion_path(torch)
         if path.is_file():
-            r.lines.append(f"  torch.cuda.OutOfMemoryError companion: built ({path})")
+            lost = _companion.lost_methods(path)
+            r.lines.append(f"  torch companion: built ({path})")
+            if lost:
+                r.limits.append("this PyTorch's allocator interface lacks " + ", ".join(lost))
         else:
-            r.lines.append(f"  torch.cuda.OutOfMemoryError companion: not built yet; enable() builds it into {path} "
-                           "(needs a C++ compiler; without one out-of-memory raises RuntimeError)")
+            r.lines.append(f"  torch companion: not built yet; enable() builds it into {path} (needs a C++ "
+                           "compiler and the CUDA runtime headers; without it vmmalloc runs as the plain "
+                           "pluggable allocator)")
+            lost = []
+        for method, feature in _companion.FEATURES:
+            state = "no (method missing in this PyTorch)" if method in lost else "yes, with the companion"
+            r.lines.append(f"    {feature}: {state}")
+    if os.environ.get(_torch.NCCL_HOOK_ENV, "").strip().lower() in ("1", "true", "yes", "on", "y"):
+        r.lines.append(f"  {_torch.NCCL_HOOK_ENV} is set: enable() turns it off (vmmalloc emits no segment "
+                       "trace entries for NCCL registration; collectives work without registered buffers)")
+        r.limits.append(f"{_torch.NCCL_HOOK_ENV} is turned off under vmmalloc")
     answered = [n for n in _torch.PATCHED if hasattr(memory, n)]
     r.lines.append("  torch.cuda memory functions answered by vmmalloc: " + ", ".join(answered))
     if torch.cuda.is_initialized():

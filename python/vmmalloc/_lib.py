@@ -87,6 +87,7 @@ def _declare(lib):
         "vmmalloc_version": (c_char_p, []),
         "vmmalloc_free_string": (None, [c_void_p]),
         "vmmalloc_reset_for_tests": (None, []),
+        "vmmalloc_pool_stats_json": (c_void_p, [c_int, ctypes.c_uint64, ctypes.c_uint64]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -152,6 +153,15 @@ def memory_stats(device=0):
 def memory_summary(device=0):
     """PyTorch's memory_summary() table, plus vmmalloc's rows."""
     return _take_string(load().vmmalloc_memory_summary(device), "vmmalloc_memory_summary")
+
+
+def pool_memory_stats(pool, device=0):
+    """A private pool's statistics (``torch.cuda.MemPool().id`` or a CUDA
+    graph's pool): PyTorch's memory_stats() keys for the pool's memory alone,
+    plus ``vmmalloc.live_blocks`` and ``vmmalloc.use_count``. Raises
+    VmmallocError for an unknown pool."""
+    hi, lo = pool
+    return json.loads(_take_string(load().vmmalloc_pool_stats_json(device, hi, lo), "vmmalloc_pool_stats_json"))
 
 
 def dump_snapshot(path):

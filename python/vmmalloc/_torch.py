@@ -160,3 +160,57 @@ def install_hooks(native, warn):
         set_fn(_lib.function_pointer(fn))
         used.append(setter)
     return used
+
+
+# ProcessGroupNCCL's register hook (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp):
+# it attaches an allocator trace tracker and registers with NCCL the memory of
+# each SEGMENT_ALLOC entry until its SEGMENT_FREE. vmmalloc's mappings move
+# (targeted reclaim, unpinning, pause) under a registered range, so it emits no
+# such entries and turns the hook off instead (collectives stay correct; NCCL
+# copies through its own buffers instead of registered memory).
+NCCL_HOOK_ENV = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
+
+
+def refuse_nccl_register_hook(warn, env=None):
+    """Turns off NCCL's register hook if it was asked for (PyTorch reads the
+    variable when a NCCL process group is created), with a warning naming
+    the variable. Returns whether it was on."""
+    env = os.environ if env is None else env
+    value = env.get(NCCL_HOOK_ENV, "")
+    if value.strip().lower() not in ("1", "true", "yes", "on", "y"):
+        return False
+    env[NCCL_HOOK_ENV] = "0"
+    warn(f"vmmalloc: {NCCL_HOOK_ENV}={value} is turned off (set to 0): vmmalloc moves the physical pages "
+         f"behind its mappings (reclaim, pause), which NCCL memory registration does not allow, so it "
+         f"emits no segment trace entries for NCCL to register. NCCL collectives work unchanged, without "
+         f"registered (zero-copy) buffers; see docs/pytorch.md, 'NCCL'.")
+    return True
+
+
+def install_allocator(torch, path, warn):
+    """Makes vmmalloc PyTorch's CUDA allocator: the torch companion's
+    CUDAPluggableAllocator subclass if it can be built and loaded (every
+    feature of ``_companion.FEATURES``), else the plain pluggable allocator
+    with every hook this PyTorch has, warning which features that loses.
+    Returns (allocator object, the features lost). Raises RuntimeError from
+    PyTorch when its allocator was already used."""
+    from . import _companion
+
+    ok, why = _companion.install_allocator(torch, path)
+    if ok:
+        lost = _companion.lost_features(True)
+        if lost:
+            warn("vmmalloc: this PyTorch's allocator interface lacks methods the torch companion implements; "
+                 "not available: " + "; ".join(lost))
+        return torch.cuda.memory._get_current_allocator(), lost
+    if "already initialized" in why or "Can't swap" in why:
+        raise RuntimeError(why)
+    from torch.cuda.memory import CUDAPluggableAllocator, change_current_allocator
+
+    pluggable = CUDAPluggableAllocator(path, "vmmalloc_malloc", "vmmalloc_free")
+    install_hooks(pluggable.allocator(), warn)
+    change_current_allocator(pluggable)
+    lost = _companion.lost_features(False)
+    warn(f"vmmalloc: the torch companion is unavailable ({why.splitlines()[0] if why else 'unknown'}), so "
+         f"vmmalloc runs as PyTorch's plain pluggable allocator, without: " + "; ".join(lost))
+    return pluggable, lost

@@ -49,6 +49,8 @@
 //! int   vmmalloc_growable_destroy(void* ptr);
 //! int   vmmalloc_growable_info(void* ptr, size_t* size, size_t* max_bytes, size_t* mapped);
 //! int   vmmalloc_set_pressure_callback(size_t (*fn)(size_t size, int device));
+//! // The torch companion's entry points (torch_abi.rs): pool use counts and
+//! // checkpoints, live-allocation checks, per-pool stats, DeviceStats, segments.
 //! // IPC (ipc/mod.rs): share an allocation with another process, without PyTorch.
 //! int   vmmalloc_ipc_export(void* ptr, void* buf, size_t cap, size_t* len);
 //! int   vmmalloc_ipc_import(const void* handle, size_t len, void** out);
@@ -99,6 +101,7 @@ mod pools;
 mod region;
 mod runtime;
 pub mod sleep;
+pub mod torch_abi;
 
 pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
 #[doc(hidden)]

@@ -37,6 +37,25 @@
 //! cached memory goes back to the device, and the pool itself (its allocator,
 //! and so all its memory) once its last live allocation is freed: the user
 //! may still hold a graph's output tensors.
+//!
+//! **Checkpoints** (CUDA graph trees, `torch/_inductor/cudagraph_trees.py`:
+//! `_cuda_getCheckpointState` after each recording, `_cuda_setCheckpointPoolState`
+//! when a new path diverges from a recorded one, then raw deletes of the
+//! tensors that died). PyTorch's allocator (`c10/cuda/CUDACachingAllocator.cpp`,
+//! `setCheckpointPoolState`, Note [Checkpointing PrivatePoolState]) restores
+//! a pool by freeing every block allocated in it and allocating again, at the
+//! same addresses, the blocks the checkpoint held. We reach the same end state
+//! without allocating at a chosen address: while a checkpoint holds a block,
+//! a free of it leaves it allocated in the pool's allocator (*held*), so its
+//! address cannot be handed to anyone else; a restore frees what the pool has
+//! live now and the checkpoint did not hold, and hands back every block the
+//! checkpoint held (the live ones and the held ones). A held block goes back
+//! to the pool's allocator when the last checkpoint holding it is dropped.
+//! The price: memory of a block freed after a checkpoint is reused only once
+//! that checkpoint is dropped (PyTorch could reuse it for a later recording).
+//!
+//! `createOrIncrefPool` (every `torch.cuda.MemPool`) creates a pool, or adds
+//! one user to it, without a capture; `getPoolUseCount` reads the count.
 
 use crate::config::LogLevel;
 use crate::error::Error;
@@ -90,9 +109,47 @@ impl PoolGuard {
     }
 }
 
+/// A block of a pool as a checkpoint records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolBlock {
+    /// Device address.
+    pub ptr: u64,
+    /// Bytes requested.
+    pub requested: u64,
+    /// Bytes set aside by the pool's allocator.
+    pub size: u64,
+    /// The stream it was allocated on.
+    pub stream: Stream,
+}
+
+/// What a restore did: the pointers freed (PyTorch's `ptrs_freed`) and the
+/// blocks handed back (`dataptrs_allocd`). A block live both before and in
+/// the checkpoint is in both lists, as PyTorch's restore frees and
+/// re-allocates it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Restored {
+    /// Pointers freed.
+    pub freed: Vec<u64>,
+    /// Blocks allocated now, as the checkpoint held them.
+    pub allocated: Vec<PoolBlock>,
+}
+
+/// A checkpoint: the pool's live blocks when it was taken.
+struct Checkpoint {
+    pool: PoolId,
+    blocks: Vec<PoolBlock>,
+}
+
 /// One private pool.
 struct Pool {
     allocator: Box<dyn Allocator>,
+    /// Blocks allocated in the pool and not freed by the caller, by address.
+    live: HashMap<u64, PoolBlock>,
+    /// Number of live checkpoints holding each block (see the module docs).
+    holds: HashMap<u64, u32>,
+    /// Blocks the caller freed that a checkpoint still holds: allocated in
+    /// `allocator`, not in `live`.
+    held_freed: HashMap<u64, PoolBlock>,
     /// Shared with the hook on the pool allocator's device.
     guard: Arc<PoolGuard>,
     /// Graphs using the pool (PyTorch's `PrivatePool::use_count`).
@@ -110,6 +167,9 @@ impl Pool {
 #[derive(Default)]
 struct State {
     pools: HashMap<PoolId, Pool>,
+    /// Live checkpoints by handle (never 0).
+    checkpoints: HashMap<u64, Checkpoint>,
+    next_checkpoint: u64,
     /// Pools whose use count reached zero, kept to name the error of a second release.
     released: HashSet<PoolId>,
     /// Frees made while a capture was underway, oldest first.
@@ -183,28 +243,259 @@ impl GraphPools {
                 p.guard.pinned.store(true, Ordering::Release);
                 p.guard.capturing.store(true, Ordering::Release);
             }
-            None => {
-                let guard = Arc::new(PoolGuard {
-                    pinned: AtomicBool::new(true),
-                    capturing: AtomicBool::new(true),
-                    refused: AtomicU32::new(0),
-                });
-                let allocator = make(guard.clone())?;
-                s.pools.insert(
-                    id,
-                    Pool {
-                        allocator,
-                        guard,
-                        use_count: 1,
-                        capturing: true,
-                    },
-                );
-                s.released.remove(&id);
-                self.count.fetch_add(1, Ordering::AcqRel);
-            }
+            None => self.create(&mut s, id, true, make)?,
         }
         self.capturing.fetch_add(1, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// Creates pool `id` with one user (`capturing`: a capture into it starts).
+    fn create(
+        &self,
+        s: &mut State,
+        id: PoolId,
+        capturing: bool,
+        make: impl FnOnce(Arc<PoolGuard>) -> Result<Box<dyn Allocator>, Error>,
+    ) -> Result<(), Error> {
+        let guard = Arc::new(PoolGuard {
+            pinned: AtomicBool::new(true),
+            capturing: AtomicBool::new(capturing),
+            refused: AtomicU32::new(0),
+        });
+        let allocator = make(guard.clone())?;
+        s.pools.insert(
+            id,
+            Pool {
+                allocator,
+                live: HashMap::new(),
+                holds: HashMap::new(),
+                held_freed: HashMap::new(),
+                guard,
+                use_count: 1,
+                capturing,
+            },
+        );
+        s.released.remove(&id);
+        self.count.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// `createOrIncrefPool` (PyTorch's `create_or_incref_pool`, called by
+    /// every `torch.cuda.MemPool`): creates pool `id` with use count 1, or
+    /// adds one user to it. No capture starts; the pool's memory stays
+    /// mapped while its use count is above zero (see [`PoolGuard`]).
+    pub fn create_or_incref(
+        &self,
+        id: PoolId,
+        make: impl FnOnce(Arc<PoolGuard>) -> Result<Box<dyn Allocator>, Error>,
+    ) -> Result<(), Error> {
+        let mut s = self.lock();
+        match s.pools.get_mut(&id) {
+            Some(p) => {
+                p.use_count += 1;
+                p.guard.pinned.store(true, Ordering::Release);
+                Ok(())
+            }
+            None => self.create(&mut s, id, false, make),
+        }
+    }
+
+    /// `getPoolUseCount`: the number of users of pool `id` (graphs, MemPools,
+    /// `use_mem_pool` blocks underway).
+    pub fn use_count(&self, id: PoolId) -> Result<u32, String> {
+        let s = self.lock();
+        match s.pools.get(&id) {
+            Some(p) => Ok(p.use_count),
+            None => Err(unknown(&s, id).to_string()),
+        }
+    }
+
+    /// The blocks live in pool `id` (allocated, not freed by the caller;
+    /// frees queued during a capture count as done, as they are for PyTorch).
+    fn live_blocks(s: &State, id: PoolId) -> Result<Vec<PoolBlock>, String> {
+        let p = s.pools.get(&id).ok_or_else(|| unknown(s, id).to_string())?;
+        let queued: HashSet<u64> = s.deferred.iter().copied().collect();
+        let mut blocks: Vec<PoolBlock> = p
+            .live
+            .values()
+            .filter(|b| !queued.contains(&b.ptr))
+            .copied()
+            .collect();
+        blocks.sort_by_key(|b| b.ptr);
+        Ok(blocks)
+    }
+
+    /// `checkPoolLiveAllocations`: whether the blocks live in pool `id` are
+    /// exactly `expected` (PyTorch's `DeviceCachingAllocator::checkPoolLiveAllocations`:
+    /// every allocated block of the pool is expected, and as many as expected).
+    pub fn check_live(&self, id: PoolId, expected: &HashSet<u64>) -> Result<bool, String> {
+        let s = self.lock();
+        let live = Self::live_blocks(&s, id)?;
+        Ok(live.len() == expected.len() && live.iter().all(|b| expected.contains(&b.ptr)))
+    }
+
+    /// `getCheckpointState`: records the blocks live in pool `id` and holds
+    /// them (see the module docs). Returns the checkpoint's handle (never 0).
+    pub fn checkpoint(&self, id: PoolId) -> Result<u64, String> {
+        let mut s = self.lock();
+        let blocks = Self::live_blocks(&s, id)?;
+        let p = s
+            .pools
+            .get_mut(&id)
+            .ok_or_else(|| unknown_plain(id).to_string())?;
+        if p.use_count == 0 {
+            // PyTorch: "Not expected to checkpoint freeable graph".
+            return Err(format!(
+                "pool {} was released: no checkpoint of it",
+                name(id)
+            ));
+        }
+        for b in &blocks {
+            *p.holds.entry(b.ptr).or_insert(0) += 1;
+        }
+        s.next_checkpoint += 1;
+        let handle = s.next_checkpoint;
+        s.checkpoints
+            .insert(handle, Checkpoint { pool: id, blocks });
+        Ok(handle)
+    }
+
+    /// `setCheckpointPoolState`: frees the blocks live in the checkpoint's
+    /// pool that the checkpoint did not hold, and hands back those it held,
+    /// live or freed since (PyTorch's `setCheckpointPoolState`: "free all the
+    /// blocks currently allocated to the pool", "allocate all the blocks in a
+    /// checkpointed segment", "free the blocks ... which are not live").
+    /// Not during a capture on the device.
+    pub fn restore(
+        &self,
+        handle: u64,
+        main_free: &dyn Fn(u64) -> Result<(), AllocError>,
+    ) -> Result<Restored, String> {
+        if self.capturing() {
+            return Err("a CUDA graph capture is underway on the device: no restore now".into());
+        }
+        for e in self.flush_with(main_free) {
+            crate::diag::log(self.log, LogLevel::Error, &e);
+        }
+        let mut s = self.lock();
+        let (id, blocks) = match s.checkpoints.get(&handle) {
+            Some(c) => (c.pool, c.blocks.clone()),
+            None => return Err(format!("unknown checkpoint {handle}")),
+        };
+        let live = Self::live_blocks(&s, id)?;
+        let p = s
+            .pools
+            .get_mut(&id)
+            .ok_or_else(|| unknown_plain(id).to_string())?;
+        let wanted: HashMap<u64, PoolBlock> = blocks.iter().map(|b| (b.ptr, *b)).collect();
+        // Every block the checkpoint holds is still allocated in the pool's
+        // allocator (live, or held since the caller freed it), unchanged.
+        for b in &blocks {
+            let now = p.live.get(&b.ptr).or_else(|| p.held_freed.get(&b.ptr));
+            if now != Some(b) {
+                return Err(format!(
+                    "checkpoint {handle} of pool {}: block {:#x} ({} bytes) is no longer held ({now:?})",
+                    name(id),
+                    b.ptr,
+                    b.size
+                ));
+            }
+        }
+        let mut out = Restored::default();
+        for b in live {
+            out.freed.push(b.ptr);
+            if !wanted.contains_key(&b.ptr) {
+                Self::free_in_pool(p, b.ptr).map_err(|e| e.to_string())?;
+            }
+        }
+        for b in blocks {
+            p.held_freed.remove(&b.ptr);
+            p.live.insert(b.ptr, b);
+            out.allocated.push(b);
+        }
+        Ok(out)
+    }
+
+    /// Drops checkpoint `handle` (PyTorch dropped its `AllocatorState`): the
+    /// blocks only it held and the caller freed go back to the pool's allocator.
+    pub fn drop_checkpoint(&self, handle: u64) -> Result<(), String> {
+        let mut s = self.lock();
+        let Some(c) = s.checkpoints.remove(&handle) else {
+            return Err(format!("unknown checkpoint {handle}"));
+        };
+        let Some(p) = s.pools.get_mut(&c.pool) else {
+            return Ok(()); // the pool went with everything in it
+        };
+        let mut errors = Vec::new();
+        for b in &c.blocks {
+            let Some(n) = p.holds.get_mut(&b.ptr) else {
+                continue;
+            };
+            *n -= 1;
+            if *n > 0 {
+                continue;
+            }
+            p.holds.remove(&b.ptr);
+            if p.held_freed.remove(&b.ptr).is_some() {
+                if let Err(e) = p.allocator.free(b.ptr) {
+                    errors.push(format!("{:#x}: {e}", b.ptr));
+                }
+            }
+        }
+        if p.use_count == 0 && !p.capturing && p.live() == 0 {
+            s.pools.remove(&c.pool);
+            s.released.insert(c.pool);
+            self.count.fetch_sub(1, Ordering::AcqRel);
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "dropping checkpoint {handle}: {}",
+                errors.join("; ")
+            ))
+        }
+    }
+
+    /// Frees `ptr` in pool `p`: a block a checkpoint holds stays allocated
+    /// (held) until the checkpoint goes.
+    fn free_in_pool(p: &mut Pool, ptr: u64) -> Result<(), AllocError> {
+        if p.holds.contains_key(&ptr) {
+            return match p.live.remove(&ptr) {
+                Some(b) => {
+                    p.held_freed.insert(ptr, b);
+                    Ok(())
+                }
+                None => Err(AllocError::InvalidPointer { ptr }),
+            };
+        }
+        p.allocator.free(ptr)?;
+        p.live.remove(&ptr);
+        Ok(())
+    }
+
+    /// The statistics of pool `id`'s allocator (PyTorch's per-pool figures of
+    /// `torch.cuda.MemPool`), and its live block count.
+    pub fn pool_stats(&self, id: PoolId) -> Result<(vmmalloc_alloc::Stats, usize), String> {
+        let s = self.lock();
+        let p = s
+            .pools
+            .get(&id)
+            .ok_or_else(|| unknown(&s, id).to_string())?;
+        Ok((p.allocator.stats(), p.live.len()))
+    }
+
+    /// Each pool's id and snapshot (`only`: just that pool).
+    pub fn snapshots(&self, only: Option<PoolId>) -> Vec<(PoolId, vmmalloc_alloc::Snapshot)> {
+        let s = self.lock();
+        let mut out: Vec<_> = s
+            .pools
+            .iter()
+            .filter(|(id, _)| only.is_none_or(|o| o == **id))
+            .map(|(id, p)| (*id, p.allocator.snapshot()))
+            .collect();
+        out.sort_by_key(|(id, _)| *id);
+        out
     }
 
     /// `endAllocateToPool`: the capture into `id` ends. Errors: no capture
@@ -307,9 +598,21 @@ impl GraphPools {
 
     /// Allocates in pool `id` (routed here by the shim's capture filter).
     pub fn malloc(&self, id: PoolId, size: u64, stream: Stream) -> Result<Allocation, Error> {
-        let s = self.lock();
-        match s.pools.get(&id) {
-            Some(p) => p.allocator.malloc(size, stream).map_err(Error::from),
+        let mut s = self.lock();
+        match s.pools.get_mut(&id) {
+            Some(p) => {
+                let a = p.allocator.malloc(size, stream).map_err(Error::from)?;
+                p.live.insert(
+                    a.ptr,
+                    PoolBlock {
+                        ptr: a.ptr,
+                        requested: a.requested,
+                        size: a.size,
+                        stream: a.stream,
+                    },
+                );
+                Ok(a)
+            }
             None => Err(unknown(&s, id)),
         }
     }
@@ -347,14 +650,12 @@ impl GraphPools {
         }
         let mut s = self.lock();
         let mut owner = None;
-        for (id, p) in s.pools.iter() {
-            match p.allocator.free(ptr) {
-                Err(AllocError::InvalidPointer { .. }) => continue,
-                r => {
-                    owner = Some((*id, r));
-                    break;
-                }
+        for (id, p) in s.pools.iter_mut() {
+            if !p.live.contains_key(&ptr) {
+                continue;
             }
+            owner = Some((*id, Self::free_in_pool(p, ptr)));
+            break;
         }
         let Some((id, r)) = owner else {
             return Err(AllocError::InvalidPointer { ptr });
@@ -437,6 +738,10 @@ impl GraphPools {
             .map(|p| p.guard.refused.load(Ordering::Relaxed))
             .sum()
     }
+}
+
+fn unknown_plain(id: PoolId) -> Error {
+    Error::invalid(format!("unknown pool {}", name(id)))
 }
 
 fn unknown(s: &State, id: PoolId) -> Error {
@@ -717,6 +1022,128 @@ mod tests {
         assert_eq!(pools.counts().0, 0);
         main.free(m.ptr).unwrap();
         main.empty_cache().unwrap();
+        drop(main);
+        let info = dev.mem_info().unwrap();
+        assert_eq!(info.free, info.total);
+    }
+    /// Graph trees' checkpoint and restore (Note [Checkpointing
+    /// PrivatePoolState]): a block freed after a checkpoint is held (never
+    /// reused) until the checkpoint goes; a restore frees what is live and
+    /// was not checkpointed, and hands back every checkpointed block.
+    #[test]
+    fn checkpoint_restore_frees_the_new_and_hands_back_the_old() {
+        let dev = Arc::new(SimDevice::new(SimConfig::with_capacity(GIB)));
+        let device: Arc<dyn Device> = dev.clone();
+        let options = PolicyOptions::default();
+        let policy = Policy::Expandable;
+        let main = build(policy, device.clone(), &options).unwrap();
+        let main_free = |p: u64| main.free(p);
+        let pools = GraphPools::new(LogLevel::Off);
+        let make = |guard| {
+            let d: Arc<dyn Device> = Arc::new(Hooked::new(device.clone(), PoolHook(guard)));
+            build(policy, d, &options).map_err(Error::from)
+        };
+        let s = device.create_stream().unwrap();
+        let id = (0, 3);
+        assert!(pools.checkpoint(id).unwrap_err().contains("unknown pool"));
+        pools.begin(id, make).unwrap();
+        let a = pools.malloc(id, 3 * MIB, s).unwrap();
+        let b = pools.malloc(id, 512, s).unwrap();
+        let c = pools.malloc(id, 5 * MIB, s).unwrap();
+        pools.end(id).unwrap();
+        let set = |v: &[u64]| v.iter().copied().collect::<HashSet<u64>>();
+        assert!(pools.check_live(id, &set(&[a.ptr, b.ptr, c.ptr])).unwrap());
+        assert!(!pools.check_live(id, &set(&[a.ptr, b.ptr])).unwrap());
+        assert!(!pools
+            .check_live(id, &set(&[a.ptr, b.ptr, c.ptr, 7]))
+            .unwrap());
+        let h = pools.checkpoint(id).unwrap();
+        assert_ne!(h, 0);
+        // After the checkpoint: b dies, d is born; d never takes b's address.
+        pools.free(b.ptr, &main_free).unwrap();
+        let d = pools.malloc(id, 512, s).unwrap();
+        assert_ne!(d.ptr, b.ptr);
+        assert!(pools.check_live(id, &set(&[a.ptr, c.ptr, d.ptr])).unwrap());
+        let before = pools
+            .pool_stats(id)
+            .unwrap()
+            .0
+            .allocated_bytes
+            .all()
+            .current;
+        let r = pools.restore(h, &main_free).unwrap();
+        assert_eq!(set(&r.freed), set(&[a.ptr, c.ptr, d.ptr]));
+        let back: Vec<(u64, u64)> = r.allocated.iter().map(|x| (x.ptr, x.requested)).collect();
+        let mut want = vec![(a.ptr, a.requested), (b.ptr, 512), (c.ptr, c.requested)];
+        want.sort();
+        assert_eq!(back, want, "in address order");
+        assert!(pools.check_live(id, &set(&[a.ptr, b.ptr, c.ptr])).unwrap());
+        // d went back to the pool's allocator.
+        let after = pools
+            .pool_stats(id)
+            .unwrap()
+            .0
+            .allocated_bytes
+            .all()
+            .current;
+        assert_eq!(before - after, d.size as i64);
+        // Restoring twice is the same state.
+        let r2 = pools.restore(h, &main_free).unwrap();
+        assert_eq!(set(&r2.freed), set(&[a.ptr, b.ptr, c.ptr]));
+        // The tree raw-deletes what died (b), then drops the checkpoint.
+        pools.free(b.ptr, &main_free).unwrap();
+        let held = pools
+            .pool_stats(id)
+            .unwrap()
+            .0
+            .allocated_bytes
+            .all()
+            .current;
+        pools.drop_checkpoint(h).unwrap();
+        assert!(pools
+            .drop_checkpoint(h)
+            .unwrap_err()
+            .contains("unknown checkpoint"));
+        let freed = pools
+            .pool_stats(id)
+            .unwrap()
+            .0
+            .allocated_bytes
+            .all()
+            .current;
+        assert_eq!(
+            held - freed,
+            b.size as i64,
+            "b is released with its checkpoint"
+        );
+        assert!(pools
+            .restore(h, &main_free)
+            .unwrap_err()
+            .contains("unknown checkpoint"));
+        // Use counts: the capture's one, a MemPool's one.
+        assert_eq!(pools.use_count(id).unwrap(), 1);
+        pools.create_or_incref(id, make).unwrap();
+        assert_eq!(pools.use_count(id).unwrap(), 2);
+        pools.release(id, &main_free).unwrap();
+        pools.release(id, &main_free).unwrap();
+        assert!(pools.checkpoint(id).unwrap_err().contains("released"));
+        for p in [a.ptr, c.ptr] {
+            pools.free(p, &main_free).unwrap();
+        }
+        assert_eq!(pools.counts().0, 0, "the pool is gone");
+        assert!(pools
+            .use_count(id)
+            .unwrap_err()
+            .contains("released already"));
+        // A MemPool-made pool: no capture, use count 1.
+        pools.create_or_incref((0, 9), make).unwrap();
+        assert!(!pools.capturing());
+        assert_eq!(pools.use_count((0, 9)).unwrap(), 1);
+        let m = pools.malloc((0, 9), MIB, s).unwrap();
+        assert_eq!(pools.pool_stats((0, 9)).unwrap().1, 1);
+        pools.free(m.ptr, &main_free).unwrap();
+        pools.release((0, 9), &main_free).unwrap();
+        assert_eq!(pools.counts().0, 0);
         drop(main);
         let info = dev.mem_info().unwrap();
         assert_eq!(info.free, info.total);

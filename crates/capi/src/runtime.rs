@@ -20,7 +20,7 @@ use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
 use crate::diag;
 use crate::error::Error;
 use crate::history::History;
-use crate::pools::{GraphPools, PoolHook, PoolId};
+use crate::pools::{GraphPools, PoolGuard, PoolHook, PoolId};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -176,16 +176,32 @@ impl DeviceState {
     /// `beginAllocateToPool`: creates the pool's allocator (same policy and
     /// options, same device) on first use.
     pub fn pool_begin(&self, id: PoolId) -> Result<(), Error> {
-        self.pools.begin(id, |guard| {
-            let device: Arc<dyn Device> =
-                Arc::new(Hooked::new(self.device.clone(), PoolHook(guard)));
-            vmmalloc_alloc::build(self.policy, device, &self.options).map_err(|e| {
-                Error::from(e).context(format!(
-                    "cannot create the pool's {} allocator",
-                    self.policy
-                ))
-            })
+        self.pools.begin(id, |guard| self.pool_allocator(guard))
+    }
+
+    /// `createOrIncrefPool`: creates pool `id` (same policy, options and
+    /// device as the main allocator) or adds a user to it.
+    pub fn pool_create_or_incref(&self, id: PoolId) -> Result<(), Error> {
+        self.pools
+            .create_or_incref(id, |guard| self.pool_allocator(guard))
+    }
+
+    /// A pool's allocator over this device, behind the pool's guard.
+    fn pool_allocator(&self, guard: Arc<PoolGuard>) -> Result<Box<dyn Allocator>, Error> {
+        let device: Arc<dyn Device> = Arc::new(Hooked::new(self.device.clone(), PoolHook(guard)));
+        vmmalloc_alloc::build(self.policy, device, &self.options).map_err(|e| {
+            Error::from(e).context(format!(
+                "cannot create the pool's {} allocator",
+                self.policy
+            ))
         })
+    }
+
+    /// `setCheckpointPoolState` for checkpoint `handle` (see [`GraphPools::restore`]).
+    pub fn pool_restore(&self, handle: u64) -> Result<crate::pools::Restored, Error> {
+        self.pools
+            .restore(handle, &|p| self.free_main(p))
+            .map_err(Error::invalid)
     }
 
     /// `releasePool`: one graph using pool `id` is gone (see [`GraphPools::release`]).

@@ -1,0 +1,438 @@
+//! The C ABI behind the torch companion (python/vmmalloc/companion/): what
+//! PyTorch's `CUDAAllocator` interface asks beyond malloc/free, answered by
+//! the allocator (the companion only translates types).
+//!
+//! ```c
+//! // Pools (torch.cuda.MemPool, CUDA graph trees), see pools.rs.
+//! int      vmmalloc_pool_create_or_incref(int device, uint64_t hi, uint64_t lo);
+//! int      vmmalloc_pool_use_count(int device, uint64_t hi, uint64_t lo);   // count, or -1
+//! int      vmmalloc_pool_check_live(int device, uint64_t hi, uint64_t lo,
+//!                                   const uint64_t* ptrs, size_t n);       // 1 equal, 0 not, -1 error
+//! uint64_t vmmalloc_pool_checkpoint(int device, uint64_t hi, uint64_t lo); // handle, or 0
+//! int      vmmalloc_checkpoint_restore(int device, uint64_t handle,
+//!              void (*freed)(void* ctx, uint64_t ptr),
+//!              void (*allocated)(void* ctx, uint64_t ptr, size_t size, uint64_t stream),
+//!              void* ctx);
+//! int      vmmalloc_checkpoint_drop(int device, uint64_t handle);
+//! char*    vmmalloc_pool_stats_json(int device, uint64_t hi, uint64_t lo);
+//! // PyTorch's DeviceStats as VMMALLOC_STATS_LEN int64 values (layout below).
+//! int      vmmalloc_device_stats(int device, int64_t* out, size_t n);
+//! // Segments and blocks (PyTorch's snapshot()): all pools (only=0) or one (only=1).
+//! int      vmmalloc_visit_segments(int device /* -1: all */, int only, uint64_t hi, uint64_t lo,
+//!              void (*segment)(void* ctx, const VmmallocSegment* s,
+//!                              const VmmallocBlock* blocks, size_t n),
+//!              void* ctx);
+//! ```
+//!
+//! `int` results: 0 (or the value asked for) on success, -1 with the reason in
+//! `vmmalloc_last_error()`. Callbacks must not unwind.
+
+use crate::config::LogLevel::{Error as LError, Info as LInfo};
+use crate::pools::PoolId;
+use crate::runtime::{self, DeviceState};
+use crate::{diag, entry, owned_c_string};
+use std::collections::HashSet;
+use std::ffi::{c_char, c_int, c_void};
+use vmmalloc_alloc::stats::StatArray;
+use vmmalloc_alloc::{BlockState, Snapshot, Stat, Stats};
+
+/// Number of values [`vmmalloc_device_stats`] writes: nine stat arrays
+/// (allocation, segment, active, inactive_split, allocated_bytes,
+/// reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes), each
+/// three stat types (all, small_pool, large_pool) of four values (current,
+/// peak, allocated, freed); then num_alloc_retries, num_ooms,
+/// oversize_allocations (4 values), oversize_segments (4 values),
+/// num_sync_all_streams, num_device_alloc, num_device_free, max_split_size.
+/// The order of PyTorch's `DeviceStats` fields (c10/core/CachingDeviceAllocator.h).
+pub const VMMALLOC_STATS_LEN: usize = 9 * 3 * 4 + 2 + 4 + 4 + 4;
+
+/// One segment for [`vmmalloc_visit_segments`] (PyTorch's `SegmentInfo`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct VmmallocSegment {
+    /// Device ordinal.
+    pub device: c_int,
+    /// 1 for the large pool, 0 small.
+    pub is_large: c_int,
+    /// 1 if the segment grows by mapping pages.
+    pub is_expandable: c_int,
+    /// Device address.
+    pub address: u64,
+    /// Bytes (mapped blocks only: PyTorch reports mapped ranges).
+    pub total_size: u64,
+    /// Bytes in allocated blocks.
+    pub allocated_size: u64,
+    /// Bytes in active blocks.
+    pub active_size: u64,
+    /// Bytes requested in active blocks.
+    pub requested_size: u64,
+    /// The owning stream (a `cudaStream_t` value; 0 is the default stream).
+    pub stream: u64,
+    /// The private pool owning the segment ((0, 0): none).
+    pub pool_hi: u64,
+    /// Second half of the pool id.
+    pub pool_lo: u64,
+}
+
+/// One block for [`vmmalloc_visit_segments`] (PyTorch's `BlockInfo`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct VmmallocBlock {
+    /// Device address.
+    pub address: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Bytes requested (0 when free).
+    pub requested_size: u64,
+    /// 1 if allocated to a caller.
+    pub allocated: c_int,
+    /// 1 if allocated or waiting for stream work before reuse.
+    pub active: c_int,
+}
+
+/// The callback type of [`vmmalloc_visit_segments`].
+pub type SegmentFn =
+    unsafe extern "C" fn(*mut c_void, *const VmmallocSegment, *const VmmallocBlock, usize);
+/// The freed-pointer callback of [`vmmalloc_checkpoint_restore`].
+pub type FreedFn = unsafe extern "C" fn(*mut c_void, u64);
+/// The allocated-block callback of [`vmmalloc_checkpoint_restore`].
+pub type AllocatedFn = unsafe extern "C" fn(*mut c_void, u64, usize, u64);
+
+/// Runs `body` on `device`'s state, logging and returning `on_error` on failure.
+fn with_device<T: Clone>(
+    name: &str,
+    call: String,
+    device: c_int,
+    on_error: T,
+    body: impl FnOnce(&DeviceState) -> Result<T, String>,
+) -> T {
+    entry(name, on_error.clone(), || {
+        let rt = runtime::runtime();
+        match rt
+            .device(device)
+            .map_err(|e| e.to_string())
+            .and_then(|d| body(d))
+        {
+            Ok(v) => {
+                diag::log(rt.log_level(), LInfo, &call);
+                v
+            }
+            Err(m) => {
+                diag::fail(rt.log_level(), LError, &format!("{call}: {m}"));
+                on_error
+            }
+        }
+    })
+}
+
+/// PyTorch's `createOrIncrefPool` (every `torch.cuda.MemPool` calls it):
+/// creates pool `(hi, lo)` of `device` with use count 1, or adds one user.
+/// Returns 0, or -1.
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_create_or_incref(device: c_int, hi: u64, lo: u64) -> c_int {
+    let call = format!("vmmalloc_pool_create_or_incref(device={device}, pool=({hi}, {lo}))");
+    with_device("vmmalloc_pool_create_or_incref", call, device, -1, |d| {
+        d.pool_create_or_incref((hi, lo))
+            .map(|()| 0)
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// PyTorch's `getPoolUseCount`: the use count of pool `(hi, lo)`, or -1
+/// (unknown pool).
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_use_count(device: c_int, hi: u64, lo: u64) -> c_int {
+    let call = format!("vmmalloc_pool_use_count(device={device}, pool=({hi}, {lo}))");
+    with_device("vmmalloc_pool_use_count", call, device, -1, |d| {
+        d.pools
+            .use_count((hi, lo))
+            .map(|n| c_int::try_from(n).unwrap_or(c_int::MAX))
+    })
+}
+
+/// PyTorch's `checkPoolLiveAllocations`: 1 if the blocks live in pool
+/// `(hi, lo)` are exactly the `n` pointers at `ptrs`, 0 if not, -1 on error
+/// (unknown pool, `ptrs` NULL with `n` > 0).
+///
+/// # Safety
+///
+/// `ptrs` is valid for reading `n` values (or `n` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_pool_check_live(
+    device: c_int,
+    hi: u64,
+    lo: u64,
+    ptrs: *const u64,
+    n: usize,
+) -> c_int {
+    let call = format!("vmmalloc_pool_check_live(device={device}, pool=({hi}, {lo}), n={n})");
+    let expected: HashSet<u64> = if n == 0 {
+        HashSet::new()
+    } else if ptrs.is_null() {
+        diag::fail(LError, LError, &format!("{call}: ptrs is NULL"));
+        return -1;
+    } else {
+        // SAFETY: non-null and, per the contract, valid for `n` reads.
+        unsafe { std::slice::from_raw_parts(ptrs, n) }
+            .iter()
+            .copied()
+            .collect()
+    };
+    with_device("vmmalloc_pool_check_live", call, device, -1, |d| {
+        d.pools.check_live((hi, lo), &expected).map(c_int::from)
+    })
+}
+
+/// PyTorch's `getCheckpointState`: records (and holds, see pools.rs) the
+/// blocks live in pool `(hi, lo)`. Returns the checkpoint's handle, or 0.
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_checkpoint(device: c_int, hi: u64, lo: u64) -> u64 {
+    let call = format!("vmmalloc_pool_checkpoint(device={device}, pool=({hi}, {lo}))");
+    with_device("vmmalloc_pool_checkpoint", call, device, 0, |d| {
+        d.pools.checkpoint((hi, lo))
+    })
+}
+
+/// PyTorch's `setCheckpointPoolState`: restores checkpoint `handle` of
+/// `device`'s pools. Calls `freed` for each pointer freed and `allocated`
+/// for each block handed back (a pointer may be in both, as in PyTorch's
+/// `CheckpointDelta`). Returns 0, or -1 (unknown checkpoint, capture
+/// underway) having called neither.
+///
+/// # Safety
+///
+/// `freed` and `allocated` are NULL (skipped) or functions that do not unwind
+/// and accept `ctx`.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_checkpoint_restore(
+    device: c_int,
+    handle: u64,
+    freed: Option<FreedFn>,
+    allocated: Option<AllocatedFn>,
+    ctx: *mut c_void,
+) -> c_int {
+    let call = format!("vmmalloc_checkpoint_restore(device={device}, checkpoint={handle})");
+    let restored = with_device("vmmalloc_checkpoint_restore", call, device, None, |d| {
+        d.pool_restore(handle).map(Some).map_err(|e| e.to_string())
+    });
+    let Some(r) = restored else { return -1 };
+    if let Some(f) = freed {
+        for p in &r.freed {
+            // SAFETY: per the contract, `f` accepts `ctx` and does not unwind.
+            unsafe { f(ctx, *p) };
+        }
+    }
+    if let Some(f) = allocated {
+        for b in &r.allocated {
+            // SAFETY: as above.
+            unsafe { f(ctx, b.ptr, b.size as usize, b.stream.0) };
+        }
+    }
+    0
+}
+
+/// Drops checkpoint `handle` of `device` (PyTorch freed its
+/// `AllocatorState`). Returns 0, or -1 (unknown checkpoint).
+#[no_mangle]
+pub extern "C" fn vmmalloc_checkpoint_drop(device: c_int, handle: u64) -> c_int {
+    let call = format!("vmmalloc_checkpoint_drop(device={device}, checkpoint={handle})");
+    with_device("vmmalloc_checkpoint_drop", call, device, -1, |d| {
+        d.pools.drop_checkpoint(handle).map(|()| 0)
+    })
+}
+
+/// Pool `(hi, lo)`'s statistics as JSON with PyTorch's `memory_stats()` keys,
+/// plus `vmmalloc.live_blocks` and `vmmalloc.use_count`. Free it with
+/// `vmmalloc_free_string`; NULL on failure (unknown pool).
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_stats_json(device: c_int, hi: u64, lo: u64) -> *mut c_char {
+    let call = format!("vmmalloc_pool_stats_json(device={device}, pool=({hi}, {lo}))");
+    with_device(
+        "vmmalloc_pool_stats_json",
+        call,
+        device,
+        std::ptr::null_mut(),
+        |d| {
+            let (stats, live) = d.pools.pool_stats((hi, lo))?;
+            let uses = d.pools.use_count((hi, lo))?;
+            let mut map = serde_json::to_value(stats.to_map()).map_err(|e| e.to_string())?;
+            if let Some(m) = map.as_object_mut() {
+                m.insert("vmmalloc.live_blocks".into(), live.into());
+                m.insert("vmmalloc.use_count".into(), uses.into());
+            }
+            let text = serde_json::to_string(&map).map_err(|e| e.to_string())?;
+            Ok(owned_c_string(&text))
+        },
+    )
+}
+
+fn push_stat(out: &mut Vec<i64>, s: &Stat) {
+    out.extend([s.current, s.peak, s.allocated, s.freed]);
+}
+
+fn push_array(out: &mut Vec<i64>, a: &StatArray) {
+    a.0.iter().for_each(|s| push_stat(out, s));
+}
+
+/// `stats` in [`VMMALLOC_STATS_LEN`] values, PyTorch's `DeviceStats` order.
+pub fn stats_values(stats: &Stats) -> Vec<i64> {
+    let mut v = Vec::with_capacity(VMMALLOC_STATS_LEN);
+    for a in [
+        &stats.allocation,
+        &stats.segment,
+        &stats.active,
+        &stats.inactive_split,
+        &stats.allocated_bytes,
+        &stats.reserved_bytes,
+        &stats.active_bytes,
+        &stats.inactive_split_bytes,
+        &stats.requested_bytes,
+    ] {
+        push_array(&mut v, a);
+    }
+    let n = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
+    v.push(n(stats.num_alloc_retries));
+    v.push(n(stats.num_ooms));
+    push_stat(&mut v, &stats.oversize_allocations);
+    push_stat(&mut v, &stats.oversize_segments);
+    v.push(n(stats.num_sync_all_streams));
+    v.push(n(stats.num_device_alloc));
+    v.push(n(stats.num_device_free));
+    v.push(stats.max_split_size);
+    v
+}
+
+/// PyTorch's `getDeviceStats`: writes `device`'s statistics (the figures of
+/// `vmmalloc_memory_stats_json`, zeros before its first allocation) as
+/// [`VMMALLOC_STATS_LEN`] values to `out` (at most `n`). Returns the number
+/// of values written, or -1.
+///
+/// # Safety
+///
+/// `out` is valid for writing `n` values.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_device_stats(device: c_int, out: *mut i64, n: usize) -> c_int {
+    if out.is_null() {
+        diag::fail(LError, LError, "vmmalloc_device_stats: out is NULL");
+        return -1;
+    }
+    entry("vmmalloc_device_stats", -1, || {
+        let rt = runtime::runtime();
+        let ordinal = match rt.check_ordinal(device) {
+            Ok(o) => o,
+            Err(m) => {
+                diag::fail(
+                    rt.log_level(),
+                    LError,
+                    &format!("vmmalloc_device_stats({device}): {m}"),
+                );
+                return -1;
+            }
+        };
+        let stats = rt
+            .existing(ordinal)
+            .map(|d| d.allocator.stats())
+            .unwrap_or_default();
+        let values = stats_values(&stats);
+        let k = values.len().min(n);
+        // SAFETY: `out` is non-null and valid for `n` >= `k` writes.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), out, k) };
+        k as c_int
+    })
+}
+
+fn visit(snapshot: &Snapshot, device: c_int, pool: PoolId, cb: SegmentFn, ctx: *mut c_void) {
+    for seg in &snapshot.segments {
+        // PyTorch reports one segment per contiguous mapped range: unmapped
+        // blocks of an expandable segment are not part of any
+        // (CUDACachingAllocator.cpp, snapshot()). Its Python side computes
+        // each block's address from the segment's and the sizes before it.
+        let mut runs: Vec<Vec<VmmallocBlock>> = vec![Vec::new()];
+        for b in &seg.blocks {
+            if b.state == BlockState::Unmapped {
+                runs.push(Vec::new());
+                continue;
+            }
+            let allocated = matches!(b.state, BlockState::ActiveAllocated | BlockState::Paused);
+            runs.last_mut().expect("never empty").push(VmmallocBlock {
+                address: b.address,
+                size: b.size,
+                requested_size: b.requested_size,
+                allocated: c_int::from(allocated),
+                active: c_int::from(b.state != BlockState::Inactive),
+            });
+        }
+        for blocks in runs.into_iter().filter(|r| !r.is_empty()) {
+            let sum = |f: &dyn Fn(&VmmallocBlock) -> u64| blocks.iter().map(f).sum::<u64>();
+            let s = VmmallocSegment {
+                device,
+                is_large: c_int::from(seg.segment_type != "small"),
+                is_expandable: c_int::from(seg.is_expandable),
+                address: blocks[0].address,
+                total_size: sum(&|b| b.size),
+                allocated_size: sum(&|b| if b.allocated != 0 { b.size } else { 0 }),
+                active_size: sum(&|b| if b.active != 0 { b.size } else { 0 }),
+                requested_size: sum(&|b| if b.active != 0 { b.requested_size } else { 0 }),
+                stream: seg.stream.0,
+                pool_hi: pool.0,
+                pool_lo: pool.1,
+            };
+            // SAFETY: per vmmalloc_visit_segments' contract, `cb` accepts
+            // `ctx` and does not unwind; both pointers are valid for the call.
+            unsafe { cb(ctx, &s, blocks.as_ptr(), blocks.len()) };
+        }
+    }
+}
+
+/// PyTorch's `snapshot(mempool_id)`: calls `segment` once per segment of
+/// `device` (-1: every device used so far) with its blocks: the main allocator's and every pool's
+/// (`only` 0), or pool `(hi, lo)`'s alone (`only` 1). Returns the number of
+/// pools visited, or -1.
+///
+/// # Safety
+///
+/// `segment` does not unwind and accepts `ctx`.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_visit_segments(
+    device: c_int,
+    only: c_int,
+    hi: u64,
+    lo: u64,
+    segment: Option<SegmentFn>,
+    ctx: *mut c_void,
+) -> c_int {
+    let Some(cb) = segment else {
+        diag::fail(LError, LError, "vmmalloc_visit_segments: segment is NULL");
+        return -1;
+    };
+    entry("vmmalloc_visit_segments", -1, || {
+        let rt = runtime::runtime();
+        let devices: Vec<_> = if device < 0 {
+            rt.active_devices().collect()
+        } else {
+            match rt.check_ordinal(device) {
+                Ok(o) => rt.existing(o).into_iter().collect(),
+                Err(m) => {
+                    diag::fail(
+                        rt.log_level(),
+                        LError,
+                        &format!("vmmalloc_visit_segments({device}): {m}"),
+                    );
+                    return -1;
+                }
+            }
+        };
+        let mut visited = 0;
+        for d in devices {
+            let ordinal = d.ordinal as c_int;
+            if only == 0 {
+                visit(&d.allocator.snapshot(), ordinal, (0, 0), cb, ctx);
+            }
+            for (id, snap) in d.pools.snapshots((only != 0).then_some((hi, lo))) {
+                visit(&snap, ordinal, id, cb, ctx);
+                visited += 1;
+            }
+        }
+        visited
+    })
+}

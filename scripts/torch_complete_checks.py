@@ -1,0 +1,277 @@
+"""PyTorch features beyond malloc/free under vmmalloc on a real GPU (issue 28):
+torch.compile's CUDA graph trees, NCCL with and without the register hook,
+torch.cuda.MemPool and a torch.multiprocessing-style IPC round trip, through
+the torch companion (python/vmmalloc/companion/).
+
+Run it as ``python -m vmmalloc scripts/torch_complete_checks.py`` (VMMALLOC_CONF
+picks the backend), or plainly (it calls vmmalloc.enable() itself before CUDA
+is used). Each check prints one line ``CHECK name: ok`` or ``CHECK name: FAIL
+reason`` as soon as it is done; the exit status is 1 if any failed, 3 (with
+one line saying why) when it cannot run here (no CUDA device). NCCL checks run
+in child processes, each with its own timeout. About a minute on an H200,
+most of it torch.compile.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+failures = []
+
+
+def report(name, fn):
+    """Runs one check; prints its CHECK line at once."""
+    t = time.time()
+    try:
+        fn()
+    except Exception as e:  # a failed check is reported, the next one runs
+        reason = f"{type(e).__name__}: {e}".replace("\n", " ")[:400]
+        print(f"CHECK {name}: FAIL {reason}", flush=True)
+        traceback.print_exc(file=sys.stdout)
+        failures.append(name)
+        return
+    print(f"CHECK {name}: ok ({time.time() - t:.1f} s)", flush=True)
+
+
+def check_companion(torch, vmmalloc):
+    backend = torch._C._cuda_getAllocatorBackend()
+    assert backend == "vmmalloc", f"the current allocator is {backend!r}, not the torch companion"
+    from vmmalloc import _companion
+
+    lost = _companion.lost_features(True)
+    assert not lost, "features missing in this PyTorch: " + "; ".join(lost)
+
+
+def check_compile(torch, vmmalloc):
+    """reduce-overhead (CUDA graph trees) over several input shapes and a
+    path divergence, outputs equal to eager's."""
+    import torch._inductor.config as inductor_config
+
+    # checkPoolLiveAllocations runs under this (PyTorch's default).
+    inductor_config.triton.slow_path_cudagraph_asserts = True
+    calls = {"restore": 0, "checkpoint": 0, "live": 0}
+    for attr, key in (("_cuda_setCheckpointPoolState", "restore"), ("_cuda_getCheckpointState", "checkpoint"),
+                      ("_cuda_checkPoolLiveAllocations", "live")):
+        real = getattr(torch._C, attr)
+
+        def counted(*a, _real=real, _key=key, **k):
+            calls[_key] += 1
+            return _real(*a, **k)
+
+        setattr(torch._C, attr, counted)
+    torch.manual_seed(0)
+    lin1 = torch.nn.Linear(64, 128, device="cuda")
+    lin2 = torch.nn.Linear(128, 64, device="cuda")
+
+    def head(x):
+        return torch.relu(lin1(x))
+
+    def tail_a(h):
+        return lin2(h).sin()
+
+    def tail_b(h):
+        return (lin2(h) * 2).cos()
+
+    c_head = torch.compile(head, mode="reduce-overhead", dynamic=False)
+    c_a = torch.compile(tail_a, mode="reduce-overhead", dynamic=False)
+    c_b = torch.compile(tail_b, mode="reduce-overhead", dynamic=False)
+    with torch.no_grad():
+        for rows in (8, 32, 96):
+            for it in range(4):
+                x = torch.randn(rows, 64, device="cuda")
+                # head -> tail_a, then head -> tail_b: the tree diverges after head.
+                for tail, c_tail in ((tail_a, c_a), (tail_b, c_b)):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    got = c_tail(c_head(x)).clone()
+                    want = tail(head(x))
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
+                                               msg=lambda m: f"rows={rows} iteration {it}: {m}")
+    # A training step (forward and backward graphs share a pool).
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1)).cuda()
+    c_model = torch.compile(model, mode="reduce-overhead", dynamic=False)
+    for rows in (16, 48):
+        for _ in range(4):
+            x = torch.randn(rows, 64, device="cuda")
+            model.zero_grad(set_to_none=True)
+            torch.compiler.cudagraph_mark_step_begin()
+            out = c_model(x).sum()
+            out.backward()
+            got = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            for g, p in zip(got, model.parameters()):
+                torch.testing.assert_close(g, p.grad, rtol=1e-3, atol=1e-3)
+    torch.cuda.synchronize()
+    assert calls["checkpoint"] > 0, f"no checkpoint was taken ({calls})"
+    assert calls["restore"] > 0, f"no path divergence reached setCheckpointPoolState ({calls})"
+    assert calls["live"] > 0, f"checkPoolLiveAllocations was never called ({calls})"
+    print(f"    graph-tree calls: {calls}", flush=True)
+
+
+def check_oom_observer(torch, vmmalloc):
+    """attachOutOfMemoryObserver: called when an allocation raises
+    torch.cuda.OutOfMemoryError, with the device and its total memory."""
+    seen = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB
+    except torch.cuda.OutOfMemoryError:
+        pass
+    else:
+        raise AssertionError("a 1 PiB tensor was allocated")
+    assert len(seen) == 1, seen
+    device, _allocated, total, _free = seen[0]
+    assert device == 0 and total == torch.cuda.get_device_properties(0).total_memory, seen
+
+
+def check_mempool(torch, vmmalloc):
+    pool = torch.cuda.MemPool()
+    assert pool.use_count() == 1, pool.use_count()
+    with torch.cuda.use_mem_pool(pool):
+        assert pool.use_count() == 2, pool.use_count()
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    assert pool.use_count() == 1, pool.use_count()
+    y = torch.empty(1 << 20, device="cuda")  # outside: the main allocator
+    st = vmmalloc.pool_memory_stats(pool.id)
+    assert st["allocated_bytes.all.current"] >= 4 << 20, st
+    assert st["vmmalloc.live_blocks"] == 1, st
+    segs = pool.snapshot()
+    live = [b for s in segs for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert [b["address"] for b in live] == [x.data_ptr()], (live, x.data_ptr(), y.data_ptr())
+    assert x[12345].item() == 12345.0
+    del x
+    torch.cuda.synchronize()
+    assert vmmalloc.pool_memory_stats(pool.id)["allocated_bytes.all.current"] == 0
+    pid = pool.id
+    del pool
+    import gc
+
+    gc.collect()
+    try:
+        vmmalloc.pool_memory_stats(pid)
+    except vmmalloc.VmmallocError:
+        pass  # the pool went with the MemPool
+    else:
+        raise AssertionError("the pool outlived its MemPool")
+
+
+NCCL_CHILD = r"""
+import os, sys, warnings
+import torch, torch.distributed as dist
+import vmmalloc
+assert vmmalloc.is_enabled(), "run under python -m vmmalloc"
+hook = os.environ.get("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK")
+print("hook variable:", hook, flush=True)
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+dist.all_reduce(x)
+assert x[777].item() == 777.0
+dist.broadcast(x, src=0)
+outs = [torch.empty_like(x)]
+dist.all_gather(outs, x)
+assert torch.equal(outs[0], x)
+torch.cuda.synchronize()
+dist.destroy_process_group()
+print("NCCL OK", flush=True)
+"""
+
+
+IPC_CHILD = r"""
+import pickle, sys
+import torch, vmmalloc
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+assert vmmalloc.is_enabled(), "run under python -m vmmalloc"
+t = rebuild_cuda_tensor(*pickle.load(sys.stdin.buffer))
+assert t[123].item() == 123.0, t[123].item()
+t[5] = -7.0
+torch.cuda.synchronize()
+print("IPC OK", flush=True)
+"""
+
+
+def check_ipc(torch, vmmalloc):
+    """A tensor shared the way torch.multiprocessing shares it
+    (reduce_tensor / rebuild_cuda_tensor: shareIpcHandle, getIpcDevPtr) with a
+    child running vmmalloc, which reads it and writes into it."""
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    t = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    _, args = reduce_tensor(t)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(IPC_CHILD)
+    try:
+        out = subprocess.run([sys.executable, "-m", "vmmalloc", f.name], input=pickle.dumps(args),
+                             capture_output=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    except subprocess.TimeoutExpired:
+        raise AssertionError("timed out after 120 s")
+    finally:
+        os.unlink(f.name)
+    text = (out.stdout + out.stderr).decode(errors="replace")
+    assert out.returncode == 0 and b"IPC OK" in out.stdout, f"exit {out.returncode}: {text[-1500:]}"
+    torch.cuda.synchronize()
+    assert t[5].item() == -7.0, f"the child's write is not seen here ({t[5].item()})"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_nccl(torch, vmmalloc, hook):
+    import torch.distributed as dist
+
+    assert dist.is_available() and dist.is_nccl_available(), "this PyTorch has no NCCL"
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(NCCL_CHILD)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+               PYTHONUNBUFFERED="1")
+    env.pop("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", None)
+    if hook:
+        env["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
+    try:
+        out = subprocess.run([sys.executable, "-m", "vmmalloc", f.name], env=env, capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("timed out after 120 s")
+    finally:
+        os.unlink(f.name)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "NCCL OK" in out.stdout, f"exit {out.returncode}: {text[-1500:]}"
+    if hook:
+        assert "hook variable: 0" in out.stdout and "is turned off" in text, text[-1500:]
+
+
+def main():
+    try:
+        import torch
+    except ImportError as e:
+        print(f"torch_complete_checks: cannot run: no PyTorch ({e})")
+        return 3
+    if not torch.cuda.is_available():
+        print("torch_complete_checks: cannot run: no CUDA device")
+        return 3
+    import vmmalloc
+
+    if not vmmalloc.is_enabled():
+        vmmalloc.enable()
+    report("companion", lambda: check_companion(torch, vmmalloc))
+    report("compile-reduce-overhead", lambda: check_compile(torch, vmmalloc))
+    report("mempool", lambda: check_mempool(torch, vmmalloc))
+    report("oom-observer", lambda: check_oom_observer(torch, vmmalloc))
+    report("ipc", lambda: check_ipc(torch, vmmalloc))
+    report("nccl", lambda: check_nccl(torch, vmmalloc, hook=False))
+    report("nccl-register-hook", lambda: check_nccl(torch, vmmalloc, hook=True))
+    print(f"torch_complete_checks: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
