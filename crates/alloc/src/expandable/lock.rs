@@ -52,6 +52,20 @@ impl<T> Lock<T> {
         Guard { lock: self }
     }
 
+    /// Acquires the lock and says whether it had to wait for another
+    /// holder (a call that overlapped another thread's, `threads.rs`).
+    #[inline]
+    pub fn lock_noting_wait(&self) -> (Guard<'_, T>, bool) {
+        let waited = self
+            .locked
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err();
+        if waited {
+            self.lock_contended();
+        }
+        (Guard { lock: self }, waited)
+    }
+
     #[cold]
     fn lock_contended(&self) {
         let mut round = 0u32;

@@ -75,12 +75,13 @@ mod snapshot;
 mod spill;
 pub mod tags;
 mod teardown;
+mod threads;
 mod unpin;
 mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
 pub use config::{
-    ExpandableConfig, DEFAULT_GROW_GRANULE, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_SLACK,
+    ExpandableConfig, UnpinMode, DEFAULT_GROW_GRANULE, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_SLACK,
     DEFAULT_SPLIT_THRESHOLD,
 };
 pub use growable::GrowableInfo;
@@ -117,8 +118,10 @@ pub(crate) struct Inner {
     split_above: u64,
     /// `split_threshold` (kept to recompute `split_above` when the fraction changes).
     split_threshold: f64,
-    /// Whether partly live chunks are unpinned when memory runs short (`unpin.rs`).
-    unpin: bool,
+    /// When partly live chunks are unpinned as memory runs short (`unpin.rs`).
+    unpin: UnpinMode,
+    /// The host threads that call, for [`UnpinMode::Auto`] (`threads.rs`).
+    threads: threads::Threads,
     /// Set while backing pages mapped ahead of need (`alloc.rs`, `grow_to`):
     /// they are taken only from the pool and new handles within the limit,
     /// never by reclaim, unpinning or releasing pooled handles.
@@ -234,6 +237,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 split_above: layout.split_above(config.memory_fraction, config.split_threshold),
                 split_threshold: config.split_threshold,
                 unpin: config.unpin,
+                threads: Default::default(),
                 speculative: false,
                 slab: Slab::with_capacity(INITIAL_BLOCKS),
                 live: LiveMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
@@ -322,11 +326,21 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
     }
 
     fn malloc(&self, size: u64, stream: Stream) -> AllocResult<Allocation> {
-        self.inner.lock().malloc(&self.device, size, stream)
+        let (mut g, waited) = self.inner.lock_noting_wait();
+        if waited {
+            g.threads.overlapped(true);
+        }
+        g.threads.call(Some(stream));
+        g.malloc(&self.device, size, stream)
     }
 
     fn free(&self, ptr: u64) -> AllocResult<()> {
-        self.inner.lock().free(&self.device, ptr)
+        let (mut g, waited) = self.inner.lock_noting_wait();
+        if waited {
+            g.threads.overlapped(false);
+        }
+        g.threads.call(None);
+        g.free(&self.device, ptr)
     }
 
     fn record_stream(&self, ptr: u64, stream: Stream) -> AllocResult<()> {

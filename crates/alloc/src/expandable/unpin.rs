@@ -34,15 +34,18 @@
 //! capturing a CUDA graph, and the device is synchronized once
 //! (`cuCtxSynchronize`) before the first move of a round, which waits for
 //! every stream, including streams the allocator never saw (collectives that
-//! use a tensor without `record_stream`). The caller's other threads must
-//! not launch work on a live block's memory during the allocating call,
-//! the rule spill migration already relies on (`spill.rs`); `unpin:false`
-//! turns this off. See docs/expandable.md, "Unpinning".
+//! use a tensor without `record_stream`). No other host thread may launch
+//! work on a live block's memory during the allocating call: by default
+//! (`unpin:auto`) unpinning runs only while the allocator has no evidence
+//! of another thread running alongside the caller (`threads.rs`);
+//! `unpin:always` trusts the program, `unpin:false` turns unpinning off.
+//! See docs/expandable.md, "Unpinning" and "Unpinning and threads".
 
 use super::blocks::BlockState;
 use super::reclaim::Exclude;
 use super::segment::Chunk;
-use super::Inner;
+use super::threads::Refusal;
+use super::{Inner, UnpinMode};
 use vmmalloc_device::{Call, Device, DeviceError, HostBuffer, PhysHandle, Stream};
 
 /// A chunk partly under live blocks.
@@ -156,6 +159,25 @@ impl Inner {
             .sum()
     }
 
+    /// Whether segments of `stream` hold allocated or pending-free blocks.
+    fn stream_has_live(&self, stream: Stream) -> bool {
+        self.streams
+            .iter()
+            .filter(|e| e.stream == stream)
+            .flat_map(|e| e.pools.iter().flat_map(|p| p.segments.iter()))
+            .any(|&s| self.seg(s).active_blocks > 0)
+    }
+
+    /// Why unpinning may not run in the current call under `unpin:auto`
+    /// (`threads.rs`); `None` under `always`, or when nothing speaks
+    /// against it.
+    pub(super) fn unpin_refusal(&self) -> Option<Refusal> {
+        if self.unpin != UnpinMode::Auto {
+            return None;
+        }
+        self.threads.refusal(|s| self.stream_has_live(s))
+    }
+
     /// Unpins chunks, most free pages first, until at least `want` pages
     /// are free again (in the pool or released). Returns the pages freed;
     /// 0 when nothing could be unpinned (nothing changed then, apart from
@@ -166,11 +188,15 @@ impl Inner {
         want: u64,
         exclude: Exclude,
     ) -> u64 {
-        if !self.unpin || want == 0 {
+        if self.unpin == UnpinMode::Never || want == 0 {
             return 0;
         }
         let mut cands = self.pinned_chunks(exclude);
         if cands.is_empty() {
+            return 0;
+        }
+        if self.unpin_refusal().is_some() {
+            self.stats.unpin_refusals += 1;
             return 0;
         }
         // A synchronize during a graph capture would invalidate it (and
