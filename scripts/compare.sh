@@ -77,4 +77,7 @@ LONG=(train-varlen:steps=100 serve-kv:steps=8000 frag-adversary:rounds=16)
   echo "Command: \`scripts/compare.sh\` ($(./target/release/vmmalloc --version), $(date -u +%Y-%m-%d), $(nproc) cores)."
 } > docs/results.md
 rm docs/results/report.md
+# One self-contained HTML page is kept as an example (docs/results/report.html);
+# the ablation, splits and long runs' pages repeat it at ~0.4 MB each (issue 27).
+rm -f docs/results/ablation/report.html docs/results/splits/report.html docs/results/long/report.html
 echo "wrote docs/results.md and docs/results/"

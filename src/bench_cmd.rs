@@ -81,13 +81,13 @@ fn sim_note(policies: &[Policy]) -> Option<String> {
     if !policies.contains(&Policy::Native) {
         return None;
     }
-    // What one pair would cost on a GPU by the default (a100) cost model.
+    // What one pair would cost on a GPU by the default (h200) cost model.
     let m = vmmalloc_device::cost::CostModel::default();
     let pair_us = m.cost_us(Call::Alloc, PAIR_SIZE) + m.cost_us(Call::Free, PAIR_SIZE);
     Some(format!(
         "note: on `sim` a driver call costs no time, so these figures are the allocators' own CPU work: \
          native (a cuMemAlloc + cuMemFree per pair) looks cheap here, but on a GPU each of its pairs costs \
-         about {pair_us:.0} us by the a100 cost model, while a cache hit of the others makes no driver call. \
+         about {pair_us:.0} us by the h200 cost model, while a cache hit of the others makes no driver call. \
          Use `vmmalloc compare` for modeled driver cost, `--device host` for real (CPU) memory calls."
     ))
 }

@@ -380,8 +380,8 @@ pub fn run(args: CalibrateArgs) -> Result<()> {
     let text = serde_json::to_string_pretty(&doc)?;
     println!("{text}");
     eprintln!(
-        "closer preset: {closer} (mean |ln(predicted / measured)|: {})",
-        doc["preset_distance"]
+        "closest preset: {closer} (mean |ln(predicted / measured)| per preset: {}; the fit: {})",
+        doc["preset_distance"], doc["fit_distance"]
     );
     if let Some(path) = &args.json {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -598,6 +598,31 @@ mod tests {
         // A single point: its value as the fixed cost.
         let one = [point("sync", 0.0, 0, 50.0)];
         assert!((fit(&[&one[0]]).fixed_us - 50.0).abs() < 1e-9);
+    }
+
+    /// The H200 calibration of 2026-12-04 (tests/fixtures): its measured
+    /// points are closest to the `h200` preset, which was taken from them.
+    #[test]
+    fn the_h200_calibration_is_closest_to_the_h200_preset() {
+        let text = include_str!("../tests/fixtures/h200-calibration-2026-12-04.json");
+        let doc: Value = serde_json::from_str(text).unwrap();
+        let mut ps = Vec::new();
+        for kind in CostModel::KEYS {
+            for p in doc["points_us"][kind].as_array().into_iter().flatten() {
+                ps.push(point(
+                    kind,
+                    p["mib"].as_f64().unwrap(),
+                    p["handles"].as_u64().unwrap(),
+                    p["median"].as_f64().unwrap(),
+                ));
+            }
+        }
+        assert!(ps.len() > 40, "{} points", ps.len());
+        let (out, closest) = cost_file(&ps, Map::new());
+        assert_eq!(closest, "h200", "{}", out["preset_distance"]);
+        let d = &out["preset_distance"];
+        assert!(d["h200"].as_f64().unwrap() < 0.15, "{d}");
+        assert!(d["a100"].as_f64().unwrap() > 1.0, "{d}");
     }
 
     #[test]

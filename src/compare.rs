@@ -123,7 +123,8 @@ pub struct PolicyRow {
     /// Smallest capacity that runs the trace.
     pub min_capacity: Option<u64>,
     /// Replay at the tight capacity (1.05 × peak live), cold then steady
-    /// (`tight.steady`), priced by the chosen model and by `linear`.
+    /// (`tight.steady`), priced by the chosen model and by the second
+    /// preset ([`second_preset`]).
     pub tight: ReplayResult,
     /// Replay on an unlimited device, cold then steady.
     pub unlimited: ReplayResult,
@@ -153,8 +154,22 @@ pub struct TraceRow {
     /// Seconds since the first event at each replayed op (pre-trace ops at
     /// 0), where every replayed event has a time stamp; the plots' x axis.
     pub op_times_s: Option<Vec<f64>>,
+    /// The preset that also prices every replay ([`second_preset`]): the
+    /// `cold ms <preset>` column, JSON `modeled_driver_us_second`.
+    pub second_cost: &'static str,
     /// Per policy.
     pub policies: Vec<PolicyRow>,
+}
+
+/// The preset that prices the same calls beside the chosen model, so that
+/// both measured-shape presets show side by side: `a100` beside `h200` (and
+/// beside an `h200` with overrides), `h200` beside anything else.
+pub fn second_preset(cost_label: &str) -> &'static str {
+    if cost_label == "h200" || cost_label.starts_with("h200 +") {
+        "a100"
+    } else {
+        "h200"
+    }
 }
 
 impl PolicyRow {
@@ -207,8 +222,9 @@ impl PolicyRow {
         }
     }
 
-    /// The cold pass at the tight capacity priced by `linear`, ms, as a cell.
-    pub fn cold_linear_cell(&self) -> String {
+    /// The cold pass at the tight capacity priced by the second preset
+    /// ([`second_preset`]), ms, as a cell.
+    pub fn cold_second_cell(&self) -> String {
         self.tight
             .modeled_driver_us_second
             .map_or("-".into(), |us| format!("{:.1}", us / 1000.0))
@@ -242,7 +258,7 @@ pub fn unlimited_capacity(peak_live: u64) -> u64 {
 /// Measures one device trace against the policies: capacity search, then
 /// the tight replays (on the device `tight` describes; `TightCapacity::default()`
 /// is 1.05 x peak live) and the unlimited ones, each cold and steady, priced
-/// by the chosen model and by `linear`.
+/// by the chosen model and by the second preset ([`second_preset`]).
 pub fn measure(
     name: &str,
     dt: &DeviceTrace,
@@ -252,6 +268,8 @@ pub fn measure(
     tick: &(dyn Fn() + Sync),
 ) -> TraceRow {
     let ops = dt.replay_ops();
+    let second = second_preset(&base.cost_label);
+    let second_model = CostModel::preset(second).expect("a preset name");
     let peak_live = dt.peak_live_bytes();
     let tight_cap = tight.bytes(peak_live, base.granularity);
     let unl = unlimited_capacity(peak_live);
@@ -274,7 +292,7 @@ pub fn measure(
                 let search = min_capacity(ops, peak_live, &cfg, unl);
                 cfg.steady = true;
                 cfg.pre_trace_ops = dt.pre_trace().len();
-                cfg.second_cost = Some(CostModel::linear());
+                cfg.second_cost = Some(second_model);
                 let mut tcfg = cfg.clone();
                 tcfg.capacity = tight_cap;
                 tcfg.timeline_samples = 400;
@@ -306,6 +324,7 @@ pub fn measure(
         tight_rule: tight.describe(base.granularity),
         warnings: dt.warnings().len(),
         op_times_s: op_times_s(dt),
+        second_cost: second,
         policies: policies_rows,
     }
 }
@@ -341,7 +360,7 @@ fn steady_json(st: Option<&SteadyResult>) -> Value {
         Some(st) => json!({
             "driver_calls": calls_json(&st.driver_calls),
             "modeled_driver_us": st.modeled_driver_us,
-            "modeled_driver_us_linear": st.modeled_driver_us_second,
+            "modeled_driver_us_second": st.modeled_driver_us_second,
             "syncs": st.syncs,
             "stream_syncs": st.driver_calls.stream_syncs(),
             "device_syncs": st.driver_calls.device_syncs(),
@@ -378,14 +397,14 @@ pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
                             "device_syncs": p.tight.driver_calls.device_syncs(),
                             "driver_calls": calls_json(&p.tight.driver_calls),
                             "modeled_driver_us": p.tight.modeled_driver_us,
-                            "modeled_driver_us_linear": p.tight.modeled_driver_us_second,
+                            "modeled_driver_us_second": p.tight.modeled_driver_us_second,
                             "steady": steady_json(p.tight.steady.as_ref()),
                         },
                         "unlimited": {
                             "peak_reserved_bytes": p.unlimited.peak_reserved,
                             "driver_calls": calls_json(&p.unlimited.driver_calls),
                             "modeled_driver_us": p.unlimited.modeled_driver_us,
-                            "modeled_driver_us_linear": p.unlimited.modeled_driver_us_second,
+                            "modeled_driver_us_second": p.unlimited.modeled_driver_us_second,
                             "steady": steady_json(p.unlimited.steady.as_ref()),
                         },
                     }),
@@ -404,7 +423,12 @@ pub fn to_json(rows: &[TraceRow], cost_model: &str) -> Value {
             })
         })
         .collect();
-    json!({ "version": 2, "cost_model": cost_model, "traces": traces })
+    json!({
+        "version": 2,
+        "cost_model": cost_model,
+        "second_cost_model": second_preset(cost_model),
+        "traces": traces,
+    })
 }
 
 /// Formats bytes as GiB with two decimals.
@@ -668,13 +692,15 @@ pub fn table(rows: &[TraceRow]) -> String {
         "tight ok",
         "cold calls",
         "cold ms",
-        "cold ms linear",
+        "cold ms 2nd",
         "cold syncs",
         "steady calls",
         "steady ms",
         "steady syncs",
     ];
     let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
+    let second = rows.first().map_or("h200", |t| t.second_cost);
+    lines[0][9] = format!("cold ms {second}");
     // Growable regions (serve-kv:growable=1): the copies a policy without
     // regions made to reallocate them, shown when any policy made one.
     let copies = rows
@@ -697,7 +723,7 @@ pub fn table(rows: &[TraceRow]) -> String {
                 p.tight_ok_cell(),
                 p.tight.memory_calls().to_string(),
                 format!("{:.1}", p.tight.modeled_driver_us / 1000.0),
-                p.cold_linear_cell(),
+                p.cold_second_cell(),
                 syncs_cell(&p.tight.driver_calls),
                 steady_calls,
                 steady_ms,
@@ -789,8 +815,11 @@ pub fn parse_policy_specs(items: &[String]) -> Result<Vec<PolicySpec>> {
 /// `replay` (and `summary`, `snapshot`) and `advise`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct SimArgs {
-    /// Cost model: a preset (`a100`, the default, or `linear`) and/or
-    /// overrides, e.g. `linear`, `create=40,unmap.per_handle=20`, `a100,map=2` (µs).
+    /// Cost model: a preset (`h200`, the default: measured on an H200 on
+    /// 2026-12-04; `a100`: published A100 figures; `linear`) and/or
+    /// overrides, e.g. `a100`, `create=40,unmap.per_handle=20`, `a100,map=2`
+    /// (µs). Any preset prices any trace, whatever GPU recorded it; reports
+    /// name the preset.
     #[arg(long, value_name = "[PRESET][,KEY=US,...]")]
     pub cost: Option<String>,
     /// Cost model from a JSON file (as `vmmalloc calibrate` writes); `--cost`
@@ -875,19 +904,15 @@ pub fn run(args: CompareArgs) -> Result<()> {
         let notes = format!(
             "cost model: {}. overhead = min capacity / peak live; memory calls, modeled driver time and syncs at the tight capacity \
              ({}, rounded up to the {} MiB granularity): cold = first replay, steady = second replay after freeing what the first left live \
-             (what every later iteration pays); teardown excluded; {SYNCS_LEGEND}.",
+             (what every later iteration pays); cold ms {second} = the cold calls priced by the {second} preset; teardown excluded; {SYNCS_LEGEND}.",
             base.cost_label,
             tight.describe(base.granularity),
-            base.granularity / MIB
+            base.granularity / MIB,
+            second = second_preset(&base.cost_label)
         );
         if args.wide {
             print!("{}", table(&rows));
             println!("{notes}");
-            println!(
-                "cold ms linear = the same cold calls priced by the older per-byte `linear` preset, a sensitivity check only: \
-                 it charges bytes where the real driver charges calls and handles, so it can rank policies differently \
-                 from the headline `cold ms`."
-            );
         } else {
             print!("{}", narrow_table(&rows));
             println!();
@@ -896,7 +921,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
                 "{}",
                 wrap(
                     "tight: ok, or no (out-of-memory errors of the cold/steady replay); calls, ms and syncs: cold / steady. \
-                     --wide prints every column (syncs by kind, the cold calls priced by the linear preset).",
+                     --wide prints every column (syncs by kind, the cold calls priced by a second preset).",
                     TERMINAL_WIDTH
                 )
             );

@@ -167,7 +167,11 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 ("syncs", r.driver_calls.syncs_cell()),
                 (
                     "modeled driver time",
-                    format!("{:.3} ms", r.modeled_driver_us / 1000.0),
+                    format!(
+                        "{:.3} ms (cost model {})",
+                        r.modeled_driver_us / 1000.0,
+                        cfg.cost_label
+                    ),
                 ),
                 (
                     "teardown (excluded)",

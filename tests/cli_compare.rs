@@ -64,7 +64,8 @@ fn compare_json_matches_the_schema() {
     let v: Value =
         serde_json::from_slice(&out.stdout).expect("stdout is exactly the JSON document");
     assert_eq!(v["version"], 2, "version 2: syncs count every cuMemFree");
-    assert_eq!(v["cost_model"], "a100");
+    assert_eq!(v["cost_model"], "h200", "the default preset");
+    assert_eq!(v["second_cost_model"], "a100", "priced beside it");
     let traces = v["traces"].as_array().unwrap();
     assert_eq!(traces.len(), 1);
     let t = &traces[0];
@@ -106,7 +107,7 @@ fn compare_json_matches_the_schema() {
                 "device_syncs",
                 "driver_calls",
                 "modeled_driver_us",
-                "modeled_driver_us_linear",
+                "modeled_driver_us_second",
                 "ok",
                 "ooms",
                 "region_copied_bytes",
@@ -125,7 +126,7 @@ fn compare_json_matches_the_schema() {
             [
                 "driver_calls",
                 "modeled_driver_us",
-                "modeled_driver_us_linear",
+                "modeled_driver_us_second",
                 "peak_reserved_bytes",
                 "steady"
             ],
@@ -141,7 +142,7 @@ fn compare_json_matches_the_schema() {
                     "device_syncs",
                     "driver_calls",
                     "modeled_driver_us",
-                    "modeled_driver_us_linear",
+                    "modeled_driver_us_second",
                     "ooms",
                     "stream_syncs",
                     "syncs"
@@ -149,7 +150,7 @@ fn compare_json_matches_the_schema() {
                 "{name} {side}"
             );
             assert!(st["modeled_driver_us"].as_f64().unwrap() >= 0.0);
-            assert!(p[side]["modeled_driver_us_linear"].as_f64().unwrap() > 0.0);
+            assert!(p[side]["modeled_driver_us_second"].as_f64().unwrap() > 0.0);
         }
         if name == "expandable" || name == "torch-es" {
             // Segments that only grow: on an unlimited device, the second pass
@@ -307,9 +308,12 @@ fn cost_presets_files_and_overrides_select_the_model() {
         a.extend_from_slice(extra);
         modeled(&a)
     };
-    let (a100, label) = with(&[]);
+    let (h200, label) = with(&[]);
+    assert_eq!(label, "h200");
+    assert_eq!(with(&["--cost", "h200"]).0, h200);
+    let (a100, label) = with(&["--cost", "a100"]);
     assert_eq!(label, "a100");
-    assert_eq!(with(&["--cost", "a100"]).0, a100);
+    assert_ne!(a100, h200, "the presets price the same calls differently");
     let (linear, label) = with(&["--cost", "linear"]);
     assert_eq!(label, "linear");
     assert_ne!(linear, a100, "the presets price the same calls differently");
@@ -357,7 +361,7 @@ fn cost_presets_files_and_overrides_select_the_model() {
     std::fs::write(&malformed_file, "{\"costs_us\": ").unwrap();
     let nowhere = dir.join("nowhere.json");
     for (extra, needles) in [
-        (vec!["--cost", "h100"], vec!["h100", "a100, linear"]),
+        (vec!["--cost", "h100"], vec!["h100", "h200, a100, linear"]),
         (vec!["--cost", "linear,bogus=1"], vec!["bogus"]),
         (
             vec!["--cost-file", missing_file.to_str().unwrap()],

@@ -538,7 +538,7 @@ fn compare_json_records_tool_cost_model_granularity_and_inputs() {
     let d: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(d["tool"]["name"], "vmmalloc");
     assert_eq!(d["tool"]["version"], env!("CARGO_PKG_VERSION"));
-    assert_eq!(d["cost_model"], "a100");
+    assert_eq!(d["cost_model"], "h200");
     assert!(d["cost_model_us"]["create"]["fixed_us"].as_f64().unwrap() > 0.0);
     assert_eq!(d["granularity_bytes"], 4u64 << 20);
     let inputs = d["inputs"].as_array().unwrap();

@@ -243,7 +243,7 @@ impl PolicySpec {
                 o.expandable.memory_fraction = parse_unit_fraction(value).map_err(bad)?
             }
             (Policy::Expandable, "spill") => o.expandable.spill = parse_bool(value).map_err(bad)?,
-            (Policy::Expandable, "unpin") => o.expandable.unpin = parse_bool(value).map_err(bad)?,
+            (Policy::Expandable, "unpin") => o.expandable.unpin = value.parse().map_err(bad)?,
             (Policy::Expandable, "grow_granule") => {
                 o.expandable.grow_granule = parse_size_or_zero(value).map_err(bad)?
             }
@@ -439,14 +439,20 @@ mod tests {
         assert_eq!(q.options.expandable.split_slack, 8 * MIB);
         let q: PolicySpec = "expandable:split_slack=0".parse().unwrap();
         assert_eq!(q.options.expandable.split_slack, 0);
-        assert!(
+        use crate::expandable::UnpinMode;
+        assert_eq!(
             PolicySpec::plain(Policy::Expandable)
                 .options
                 .expandable
-                .unpin
+                .unpin,
+            UnpinMode::Auto
         );
         let q: PolicySpec = "expandable:unpin=0".parse().unwrap();
-        assert!(!q.options.expandable.unpin);
+        assert_eq!(q.options.expandable.unpin, UnpinMode::Never);
+        let q: PolicySpec = "expandable:unpin=always".parse().unwrap();
+        assert_eq!(q.options.expandable.unpin, UnpinMode::Always);
+        let q: PolicySpec = "expandable:unpin=auto".parse().unwrap();
+        assert_eq!(q.options.expandable.unpin, UnpinMode::Auto);
         let q: PolicySpec = "expandable:grow_granule=0".parse().unwrap();
         assert_eq!(q.options.expandable.grow_granule, 0);
         assert_eq!(p.options.expandable.page_size, Some(4 * MIB));

@@ -146,6 +146,10 @@ pub struct Stats {
     /// Ours: device-wide synchronizations (`cuCtxSynchronize`) made before
     /// unpinning; the allocator makes no other.
     pub unpin_device_syncs: u64,
+    /// Ours: allocations that needed unpinning where `unpin:auto` declined
+    /// it because another host thread may have been running alongside
+    /// (docs/expandable.md, "Unpinning and threads").
+    pub unpin_refusals: u64,
     /// Ours: bytes of host-located chunks mapped now (spill, `spill:true`;
     /// docs/expandable.md, "Spill and pressure").
     pub spilled_bytes: u64,
@@ -239,6 +243,7 @@ impl Stats {
             "vmmalloc.unpin_device_syncs".into(),
             self.unpin_device_syncs as i64,
         );
+        m.insert("vmmalloc.unpin_refusals".into(), self.unpin_refusals as i64);
         m.insert("vmmalloc.spilled_bytes".into(), self.spilled_bytes as i64);
         m.insert(
             "vmmalloc.spilled_bytes_peak".into(),

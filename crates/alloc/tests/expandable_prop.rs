@@ -97,7 +97,7 @@ proptest! {
             split_threshold: 0.0,
             split_slack: 0,
             spill: false,
-            unpin: true,
+            unpin: vmmalloc_alloc::expandable::UnpinMode::Always,
             grow_granule: 0,
         };
         run(Arc::new(SimDevice::with_capacity(2 * GIB)), cfg, &ops)?;

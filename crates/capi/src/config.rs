@@ -86,12 +86,15 @@ pub const KEYS: [KeyDoc; 23] = [
     },
     KeyDoc {
         name: "unpin",
-        default: "true",
+        default: "auto",
         meaning: "expandable: when an allocation still lacks memory after reclaim, give back the free pages of \
                   chunks that live tensors hold in part: after one device synchronize, the live pages move to \
                   chunks of their own at the same addresses (bytes copied on the device where it has room for \
-                  the new chunks, else through host memory). Tensors used \
-                  on other streams (record_stream) never move. Stats: vmmalloc.chunk_unpins",
+                  the new chunks, else through host memory). Tensors used on other streams (record_stream) never \
+                  move. auto: only while no other host thread may be launching work alongside the allocating call \
+                  (a thread allocating only on streams of its own, or calls that overlapped or interleaved lately; \
+                  docs/expandable.md); always (or true): whenever needed; false: never. Stats: \
+                  vmmalloc.chunk_unpins, vmmalloc.unpin_refusals",
     },
     KeyDoc {
         name: "grow_mb",
@@ -325,8 +328,8 @@ pub struct Config {
     pub ipc: Option<bool>,
     /// `spill`: expandable spills to host memory when the device is full.
     pub spill: bool,
-    /// `unpin`: expandable unpins partly live chunks when memory runs short.
-    pub unpin: bool,
+    /// `unpin`: when expandable unpins partly live chunks as memory runs short.
+    pub unpin: vmmalloc_alloc::expandable::UnpinMode,
     /// `grow_mb`: expandable tail growth granule in bytes (`None`: the default).
     pub grow_granule: Option<u64>,
 }
@@ -356,7 +359,7 @@ impl Default for Config {
             peers: Peers::Auto,
             ipc: None,
             spill: false,
-            unpin: true,
+            unpin: vmmalloc_alloc::expandable::UnpinMode::Auto,
             grow_granule: None,
         }
     }
@@ -557,7 +560,11 @@ impl Config {
                 }
             }
             "spill" => self.spill = boolean(key, v)?,
-            "unpin" => self.unpin = boolean(key, v)?,
+            "unpin" => {
+                self.unpin = vmmalloc_alloc::expandable::UnpinMode::parse(v).ok_or_else(|| {
+                    ConfigError::bad_value(key, v, vmmalloc_alloc::expandable::UnpinMode::VALUES)
+                })?
+            }
             "grow_mb" => self.grow_granule = Some(int(key, v)? * MIB),
             _ => {
                 return Err(ConfigError {
@@ -926,9 +933,18 @@ mod tests {
             default.expandable.split_slack,
             vmmalloc_alloc::expandable::DEFAULT_SPLIT_SLACK
         );
-        assert!(default.expandable.unpin);
+        use vmmalloc_alloc::expandable::UnpinMode;
+        assert_eq!(default.expandable.unpin, UnpinMode::Auto);
+        for (v, want) in [
+            ("auto", UnpinMode::Auto),
+            ("always", UnpinMode::Always),
+            ("true", UnpinMode::Always),
+            ("false", UnpinMode::Never),
+        ] {
+            let c = Config::parse(&format!("unpin:{v}")).unwrap();
+            assert_eq!(c.policy_options().unwrap().expandable.unpin, want, "{v}");
+        }
         let off = Config::parse("unpin:false").unwrap();
-        assert!(!off.policy_options().unwrap().expandable.unpin);
         assert!(off
             .settings()
             .iter()

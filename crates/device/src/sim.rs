@@ -550,7 +550,15 @@ mod tests {
 
     #[test]
     fn a100_charges_per_handle_and_per_mib() {
-        let dev = SimDevice::with_capacity(8 * GIB);
+        assert_eq!(
+            *SimDevice::with_capacity(8 * GIB).cost_model(),
+            CostModel::h200(),
+            "the default"
+        );
+        let dev = SimDevice::new(SimConfig {
+            cost: CostModel::a100(),
+            ..SimConfig::with_capacity(8 * GIB)
+        });
         assert_eq!(*dev.cost_model(), CostModel::a100());
         assert!(dev.second_modeled_us().is_none());
         let va = dev.reserve(GIB, 0).unwrap();

@@ -62,11 +62,12 @@ pub struct ExpandableConfig {
     /// When an allocation still lacks pages after the pool, new handles and
     /// a targeted reclaim, give back the free pages of chunks that live
     /// blocks hold only in part (*unpin*): the live pages get exact chunks of
-    /// their own at the same addresses (their bytes copied through host
-    /// memory, after a device-wide synchronize) and the old chunk is
-    /// unmapped. Default `true`. Off: such pages stay pinned until their
-    /// blocks are freed. See docs/expandable.md, "Unpinning".
-    pub unpin: bool,
+    /// their own at the same addresses (their bytes copied on the device or
+    /// through host memory, after a device-wide synchronize) and the old
+    /// chunk is unmapped. Default [`UnpinMode::Auto`]: only while no other
+    /// host thread may be launching work alongside the allocating call.
+    /// See docs/expandable.md, "Unpinning" and "Unpinning and threads".
+    pub unpin: UnpinMode,
     /// Bytes to which a segment's tail grows at a time while mapped + pooled
     /// memory stays under 4/5 of the limit: a block that extends the tail
     /// maps up to the next multiple of this (in one chunk with its own
@@ -74,6 +75,63 @@ pub struct ExpandableConfig {
     /// [`DEFAULT_GROW_GRANULE`] (PyTorch's 20 MiB large-pool page); 0 (or at
     /// most the page size) maps exactly what each block needs.
     pub grow_granule: u64,
+}
+
+/// When the expandable allocator unpins ([`ExpandableConfig::unpin`];
+/// `VMMALLOC_CONF` key `unpin`, policy option `unpin`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnpinMode {
+    /// `auto` (the default): unpin unless another host thread may be
+    /// running alongside the allocating call: one that allocates only on
+    /// streams of its own (while they hold live blocks or it called
+    /// lately), or calls that overlapped or interleaved lately
+    /// (docs/expandable.md, "Unpinning and threads").
+    #[default]
+    Auto,
+    /// `always` (`true`): unpin whenever an allocation needs it. Safe only
+    /// when no other thread launches work on live tensors during an
+    /// allocating call.
+    Always,
+    /// `false`: never move a live tensor; pinned pages stay until their
+    /// blocks are freed.
+    Never,
+}
+
+impl UnpinMode {
+    /// The values accepted, as written in `VMMALLOC_CONF` and policy specs.
+    pub const VALUES: &'static str = "auto, always (or true/1), false (or 0)";
+
+    /// Parses `auto`, `always`/`true`/`1`, `false`/`0`.
+    pub fn parse(v: &str) -> Option<UnpinMode> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(UnpinMode::Auto),
+            "always" | "true" | "1" => Some(UnpinMode::Always),
+            "false" | "0" | "never" => Some(UnpinMode::Never),
+            _ => None,
+        }
+    }
+
+    /// The canonical spelling (`auto`, `always`, `false`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnpinMode::Auto => "auto",
+            UnpinMode::Always => "always",
+            UnpinMode::Never => "false",
+        }
+    }
+}
+
+impl std::str::FromStr for UnpinMode {
+    type Err = String;
+    fn from_str(v: &str) -> Result<Self, String> {
+        UnpinMode::parse(v).ok_or_else(|| format!("expected {}, got `{v}`", UnpinMode::VALUES))
+    }
+}
+
+impl std::fmt::Display for UnpinMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// The default [`ExpandableConfig::grow_granule`]: 20 MiB, the page in which
@@ -111,7 +169,7 @@ impl Default for ExpandableConfig {
             split_threshold: DEFAULT_SPLIT_THRESHOLD,
             split_slack: DEFAULT_SPLIT_SLACK,
             spill: false,
-            unpin: true,
+            unpin: UnpinMode::Auto,
             grow_granule: DEFAULT_GROW_GRANULE,
         }
     }

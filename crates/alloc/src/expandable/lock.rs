@@ -61,8 +61,10 @@ impl<T> Lock<T> {
         }
     }
 
-    /// Acquires the lock, or returns why it failed (a panic under it).
-    #[inline]
+    /// Acquires the lock, or returns why it failed (a panic under it). The
+    /// allocator goes through [`Lock::run`] / [`Lock::run_noting_wait`],
+    /// which also catch a panic; the tests hold guards directly.
+    #[cfg(test)]
     pub fn lock(&self) -> Result<Guard<'_, T>, &str> {
         if self
             .state
@@ -79,8 +81,26 @@ impl<T> Lock<T> {
     /// here); a failed lock returns its text without running `f`.
     #[inline]
     pub fn run<R>(&self, op: &str, f: impl FnOnce(&mut T) -> R) -> Result<R, &str> {
-        let mut guard = self.lock()?;
-        match catch_unwind(AssertUnwindSafe(|| f(&mut guard))) {
+        self.run_noting_wait(op, |t, _| f(t))
+    }
+
+    /// [`Lock::run`], telling `f` whether acquiring the lock had to wait for
+    /// another holder (a call that overlapped another thread's, `threads.rs`).
+    #[inline]
+    pub fn run_noting_wait<R>(
+        &self,
+        op: &str,
+        f: impl FnOnce(&mut T, bool) -> R,
+    ) -> Result<R, &str> {
+        let waited = self
+            .state
+            .compare_exchange_weak(FREE, HELD, Ordering::Acquire, Ordering::Relaxed)
+            .is_err();
+        if waited {
+            self.lock_contended()?;
+        }
+        let mut guard = Guard { lock: self };
+        match catch_unwind(AssertUnwindSafe(|| f(&mut guard, waited))) {
             Ok(r) => Ok(r),
             Err(payload) => {
                 let text = format!("a panic in {op}: {}", panic_text(&*payload));

@@ -76,12 +76,13 @@ mod snapshot;
 mod spill;
 pub mod tags;
 mod teardown;
+mod threads;
 mod unpin;
 mod validate;
 
 pub use blocks::{MIN_BLOCK, SMALL_SIZE};
 pub use config::{
-    ExpandableConfig, DEFAULT_GROW_GRANULE, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_SLACK,
+    ExpandableConfig, UnpinMode, DEFAULT_GROW_GRANULE, DEFAULT_MAX_CHUNK, DEFAULT_SPLIT_SLACK,
     DEFAULT_SPLIT_THRESHOLD,
 };
 pub use growable::GrowableInfo;
@@ -118,8 +119,10 @@ pub(crate) struct Inner {
     split_above: u64,
     /// `split_threshold` (kept to recompute `split_above` when the fraction changes).
     split_threshold: f64,
-    /// Whether partly live chunks are unpinned when memory runs short (`unpin.rs`).
-    unpin: bool,
+    /// When partly live chunks are unpinned as memory runs short (`unpin.rs`).
+    unpin: UnpinMode,
+    /// The host threads that call, for [`UnpinMode::Auto`] (`threads.rs`).
+    threads: threads::Threads,
     /// Set while backing pages mapped ahead of need (`alloc.rs`, `grow_to`):
     /// they are taken only from the pool and new handles within the limit,
     /// never by reclaim, unpinning or releasing pooled handles.
@@ -237,6 +240,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 split_above: layout.split_above(config.memory_fraction, config.split_threshold),
                 split_threshold: config.split_threshold,
                 unpin: config.unpin,
+                threads: Default::default(),
                 speculative: false,
                 slab: Slab::with_capacity(INITIAL_BLOCKS),
                 live: LiveMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
@@ -276,6 +280,23 @@ impl<D: Device> ExpandableAllocator<D> {
         f: impl FnOnce(&mut Inner, &D) -> AllocResult<T>,
     ) -> AllocResult<T> {
         match self.inner.run(op, |inner| f(inner, &self.device)) {
+            Ok(r) => r,
+            Err(why) => Err(crate::AllocError::Failed(why.to_string())),
+        }
+    }
+
+    /// [`Self::call`], telling `f` whether the lock was contended (the
+    /// evidence of overlapping calls that `unpin:auto` reads, `threads.rs`).
+    #[inline]
+    fn call_noting_wait<T>(
+        &self,
+        op: &str,
+        f: impl FnOnce(&mut Inner, &D, bool) -> AllocResult<T>,
+    ) -> AllocResult<T> {
+        match self
+            .inner
+            .run_noting_wait(op, |inner, waited| f(inner, &self.device, waited))
+        {
             Ok(r) => r,
             Err(why) => Err(crate::AllocError::Failed(why.to_string())),
         }
@@ -352,11 +373,23 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
     }
 
     fn malloc(&self, size: u64, stream: Stream) -> AllocResult<Allocation> {
-        self.call("malloc", |i, d| i.malloc(d, size, stream))
+        self.call_noting_wait("malloc", |i, d, waited| {
+            if waited {
+                i.threads.overlapped(true);
+            }
+            i.threads.call(Some(stream));
+            i.malloc(d, size, stream)
+        })
     }
 
     fn free(&self, ptr: u64) -> AllocResult<()> {
-        self.call("free", |i, d| i.free(d, ptr))
+        self.call_noting_wait("free", |i, d, waited| {
+            if waited {
+                i.threads.overlapped(false);
+            }
+            i.threads.call(None);
+            i.free(d, ptr)
+        })
     }
 
     fn record_stream(&self, ptr: u64, stream: Stream) -> AllocResult<()> {

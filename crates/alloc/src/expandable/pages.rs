@@ -456,7 +456,7 @@ impl Inner {
                     // Whole free chunks are not enough: take them, and
                     // give back the free pages of partly live chunks
                     // (unpin.rs), then plan again.
-                    if attempt + 1 < MAX_ATTEMPTS && self.unpin {
+                    if attempt + 1 < MAX_ATTEMPTS && self.unpin != super::UnpinMode::Never {
                         let r = if reclaimable > 0 {
                             self.reclaim(dev, reclaimable, exclude)
                         } else {

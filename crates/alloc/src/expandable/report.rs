@@ -88,11 +88,22 @@ impl Inner {
                 format_bytes(active)
             ));
             let unpinnable = self.unpinnable_pages();
-            if !self.unpin && unpinnable > 0 {
-                hint.push_str(&format!(
-                    " {} of free pages sit in chunks that live tensors hold in part: unpin:true would give them back.",
+            if unpinnable > 0 {
+                let pinned = format!(
+                    " {} of free pages sit in chunks that live tensors hold in part",
                     format_bytes(unpinnable * page)
-                ));
+                );
+                if self.unpin == super::UnpinMode::Never {
+                    hint.push_str(&format!(
+                        "{pinned}: unpin:auto or unpin:always would give them back."
+                    ));
+                } else if let Some(why) = self.unpin_refusal() {
+                    hint.push_str(&format!(
+                        "{pinned}; unpinning would give them back but did not run (unpin:auto): {why}. \
+                         unpin:always unpins anyway: safe only if no other thread launches work on live \
+                         tensors during an allocation (or those tensors are marked with record_stream)."
+                    ));
+                }
             }
         }
         if pending_bytes > 0 {

@@ -7,7 +7,8 @@
 //! keeps its other pages (*pinned*) for as long as those blocks live. When
 //! an allocation still lacks pages after the pool, new handles and a
 //! targeted reclaim of whole free chunks, the allocator **unpins**: for each
-//! such chunk, most free pages first, the live pages get exact chunks of
+//! such chunk (those whose live pages fit the room first, see
+//! [`Inner::unpin`]), the live pages get exact chunks of
 //! their own at the same addresses and the old chunk goes to the pool, so
 //! its free pages are memory again and the caller's pointers stay valid.
 //!
@@ -34,15 +35,18 @@
 //! capturing a CUDA graph, and the device is synchronized once
 //! (`cuCtxSynchronize`) before the first move of a round, which waits for
 //! every stream, including streams the allocator never saw (collectives that
-//! use a tensor without `record_stream`). The caller's other threads must
-//! not launch work on a live block's memory during the allocating call,
-//! the rule spill migration already relies on (`spill.rs`); `unpin:false`
-//! turns this off. See docs/expandable.md, "Unpinning".
+//! use a tensor without `record_stream`). No other host thread may launch
+//! work on a live block's memory during the allocating call: by default
+//! (`unpin:auto`) unpinning runs only while the allocator has no evidence
+//! of another thread running alongside the caller (`threads.rs`);
+//! `unpin:always` trusts the program, `unpin:false` turns unpinning off.
+//! See docs/expandable.md, "Unpinning" and "Unpinning and threads".
 
 use super::blocks::BlockState;
 use super::reclaim::Exclude;
 use super::segment::Chunk;
-use super::Inner;
+use super::threads::Refusal;
+use super::{Inner, UnpinMode};
 use vmmalloc_device::{Call, Device, DeviceError, HostBuffer, PhysHandle, Stream};
 
 /// A chunk partly under live blocks.
@@ -158,7 +162,26 @@ impl Inner {
             .sum()
     }
 
-    /// Unpins chunks, most free pages first, until at least `want` pages
+    /// Whether segments of `stream` hold allocated or pending-free blocks.
+    fn stream_has_live(&self, stream: Stream) -> bool {
+        self.streams
+            .iter()
+            .filter(|e| e.stream == stream)
+            .flat_map(|e| e.pools.iter().flat_map(|p| p.segments.iter()))
+            .any(|&s| self.seg(s).active_blocks > 0)
+    }
+
+    /// Why unpinning may not run in the current call under `unpin:auto`
+    /// (`threads.rs`); `None` under `always`, or when nothing speaks
+    /// against it.
+    pub(super) fn unpin_refusal(&self) -> Option<Refusal> {
+        if self.unpin != UnpinMode::Auto {
+            return None;
+        }
+        self.threads.refusal(|s| self.stream_has_live(s))
+    }
+
+    /// Unpins chunks (in the order explained inside) until at least `want` pages
     /// are free again (in the pool or released). Returns the pages freed;
     /// 0 when nothing could be unpinned (nothing changed then, apart from
     /// the synchronize).
@@ -168,11 +191,15 @@ impl Inner {
         want: u64,
         exclude: Exclude,
     ) -> u64 {
-        if !self.unpin || want == 0 {
+        if self.unpin == UnpinMode::Never || want == 0 {
             return 0;
         }
         let mut cands = self.pinned_chunks(exclude);
         if cands.is_empty() {
+            return 0;
+        }
+        if self.unpin_refusal().is_some() {
+            self.stats.unpin_refusals += 1;
             return 0;
         }
         // A synchronize during a graph capture would invalidate it (and
@@ -196,13 +223,35 @@ impl Inner {
         for e in &mut self.streams {
             e.synced_at = self.tick;
         }
-        // Most free pages first; among equals, fewer bytes to copy.
-        cands.sort_by_key(|p| (std::cmp::Reverse(p.free_pages()), p.live_pages));
+        // Which chunk next: one whose live pages fit in the room under the
+        // limit moves on the device (a map and a device copy), one that does
+        // not goes through pageable host memory twice (release first), about
+        // 200 times dearer per byte (docs/driver.md: 0.58 against 2 × 126
+        // µs per MiB on an H200). Every chunk unpinned makes room of its free
+        // pages. So: among chunks that fit the room, most free pages first
+        // (among equals, fewer bytes to copy). When none fits, a round trip
+        // is unavoidable: the chunk with the fewest live pages among those
+        // that alone give the pages still wanted, else the one with the most
+        // free pages (fewer live pages among equals), after which the room
+        // it made may let the rest move on the device.
         let mut got = 0;
-        for p in cands {
-            if got >= want {
-                break;
-            }
+        while got < want && !cands.is_empty() {
+            let room = self.limit_pages.saturating_sub(self.mapped_pages());
+            let need = want - got;
+            let most_free = |c: &Pinned| (std::cmp::Reverse(c.free_pages()), c.live_pages);
+            let fits = |c: &Pinned| c.live_pages <= room;
+            let enough = |c: &Pinned| c.free_pages() >= need;
+            let pick = (0..cands.len())
+                .filter(|&i| fits(&cands[i]))
+                .min_by_key(|&i| most_free(&cands[i]))
+                .or_else(|| {
+                    (0..cands.len())
+                        .filter(|&i| enough(&cands[i]))
+                        .min_by_key(|&i| cands[i].live_pages)
+                })
+                .or_else(|| (0..cands.len()).min_by_key(|&i| most_free(&cands[i])))
+                .expect("cands is not empty");
+            let p = cands.swap_remove(pick);
             match self.unpin_chunk(dev, &p) {
                 Ok(()) => {
                     got += p.free_pages();
