@@ -390,17 +390,17 @@ fn compare_fits_100_columns_and_ends_with_a_conclusion() {
         (2..=3).contains(&sentences),
         "{sentences} sentences: {last}"
     );
-    // --wide prints every column, and explains the linear one.
+    // --wide prints every column, the second preset's among them.
     let mut wide = args.to_vec();
     wide.push("--wide");
     let out = ok(&wide);
     assert!(
         out.lines()
-            .any(|l| l.contains("cold ms linear") && l.chars().count() > 100),
+            .any(|l| l.contains("cold ms a100") && l.chars().count() > 100),
         "{out}"
     );
     assert!(
-        out.contains("cold ms linear = the same cold calls priced by"),
+        out.contains("cold ms a100 = the cold calls priced by the a100 preset"),
         "{out}"
     );
     assert!(out.contains("Conclusion: "), "{out}");
