@@ -360,7 +360,7 @@ def test_pools_and_the_allocator_live_as_long_as_the_process(lib, torch_pool):
 def test_nccl_registration_needs_pages_that_stay_put(lib, torch_pool):
     _, torch = torch_pool()
     r = vmmalloc.get_region("py-nccl")
-    with pytest.raises(vmmalloc.VmmallocError, match="unpin:true"):
+    with pytest.raises(vmmalloc.VmmallocError, match="unpin:(auto|true)"):
         r.register_nccl()
     _, torch = torch_pool(HOST + ",unpin:false")
     r = vmmalloc.get_region("py-nccl")

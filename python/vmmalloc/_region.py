@@ -197,12 +197,15 @@ class Region:
         group if None). Refused unless the configuration keeps pages in place
         (``unpin:false``, ``spill:false``); a registered region cannot pause."""
         settings = _settings()
-        moving = [k for k in ("unpin", "spill") if str(settings.get(k, "")).lower() == "true"]
+        # unpin is true/always/auto (auto moves pages too, in one thread),
+        # spill true/false: anything but false may move pages.
+        moving = [(k, str(settings[k]).lower()) for k in ("unpin", "spill")
+                  if k in settings and str(settings[k]).lower() not in ("false", "0")]
         if moving:
             raise _lib.VmmallocError(
                 f"region {self.tag!r}: NCCL-registered memory must stay where it is, but "
-                f"{', '.join(k + ':true' for k in moving)} may move pages under live blocks: set "
-                f"{','.join(k + ':false' for k in moving)} in VMMALLOC_CONF")
+                f"{', '.join(k + ':' + v for k, v in moving)} may move pages under live blocks: set "
+                f"{','.join(k + ':false' for k, _ in moving)} in VMMALLOC_CONF")
         torch = _torch()
         dist = getattr(torch, "distributed", None)
         if dist is None:
