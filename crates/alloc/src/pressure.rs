@@ -79,6 +79,7 @@ impl Pressure {
     /// (`capturing()` is asked only then) and this thread is not already in
     /// the callback, calls the callback with `(size, device)` and, when it
     /// reports freed bytes, runs `op` once more.
+    #[inline]
     pub fn retry<T>(
         &self,
         size: u64,
@@ -87,6 +88,20 @@ impl Pressure {
         mut op: impl FnMut() -> AllocResult<T>,
     ) -> AllocResult<T> {
         let first = op();
+        self.retry_after(first, size, device, capturing, op)
+    }
+
+    /// [`Pressure::retry`] after the first attempt was made (its result is
+    /// `first`): for a caller whose hot path made the attempt itself and
+    /// takes this path only on failure.
+    pub fn retry_after<T>(
+        &self,
+        first: AllocResult<T>,
+        size: u64,
+        device: i32,
+        capturing: impl FnOnce() -> bool,
+        mut op: impl FnMut() -> AllocResult<T>,
+    ) -> AllocResult<T> {
         let err = match first {
             Err(e @ AllocError::OutOfMemory(_)) => e,
             other => return other,

@@ -120,7 +120,7 @@ use std::any::Any;
 use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
-use vmmalloc_alloc::{AllocError, Stats};
+use vmmalloc_alloc::{AllocError, Allocation, Stats};
 use vmmalloc_device::cuda::stream_key;
 
 // The C++ shim (src/shim.cpp, built by build.rs). Rust never calls these
@@ -227,6 +227,11 @@ pub const VMMALLOC_E_FAIL: c_int = VMMALLOC_E_INVALID;
 
 /// Allocates for [`vmmalloc_try_malloc`] and [`vmmalloc_pool_try_malloc`]:
 /// `pool` routes the request to a CUDA graph pool of the device.
+///
+/// The hot path (no pool, a size the policy may see, an allocator that
+/// exists and works, no queued frees, no spill to report) goes straight to
+/// the allocator and builds no text; everything else, and any failure,
+/// takes the general path ([`try_malloc_general`], [`malloc_failed`]).
 fn try_malloc(
     name: &str,
     size: usize,
@@ -242,78 +247,160 @@ fn try_malloc(
     let on_error = |kind: ErrorKind| (kind.code(), std::ptr::null_mut());
     let (rc, ptr) = entry_with(name, on_error, || {
         let rt = runtime::runtime();
-        let call = || match pool {
-            None => format!("{name}(size={size}, device={device}, stream={stream:p})"),
-            Some((a, b)) => {
-                format!("{name}(size={size}, device={device}, stream={stream:p}, pool=({a}, {b}))")
-            }
-        };
-        let d = match rt.device(device) {
-            Ok(d) => d,
-            Err(e) => {
-                fail(&rt, LError, format!("{}: {e}", call()));
-                return (e.code(), std::ptr::null_mut());
-            }
-        };
-        if size == 0 {
-            fail(
-                &rt,
-                LInfo,
-                format!("{}: size 0: nothing to allocate, returning NULL (an empty tensor needs no memory)", call()),
-            );
-            return (VMMALLOC_OK, std::ptr::null_mut());
-        }
-        if !d.pools.capturing() {
-            for e in d.flush() {
-                fail(&rt, LError, e);
-            }
-        }
-        // Sizes beyond any device never reach a policy (whose rounding could
-        // overflow); larger-than-this-device ones get the policy's full report.
-        // spill:true: say so when this request spilled (growable.rs).
-        let spills = growable::spills_before(&rt, d);
-        let result = if size as u64 > MAX_REQUEST {
-            d.record_oom(size as u64, stream_key(addr(stream)));
-            Err(Error::out_of_memory(format!(
-                "out of memory: tried to allocate {} on device {device}, beyond any device ({} of memory here)",
-                vmmalloc_alloc::summary::format_bytes(size as u64),
-                vmmalloc_alloc::summary::format_bytes(d.device.caps().total_memory)
-            )))
-        } else if let Some(id) = pool {
-            d.pools.malloc(id, size as u64, stream_key(addr(stream)))
-        } else {
-            // On out-of-memory: the pressure callback (growable.rs), retried once.
+        let hot = pool.is_none() && size != 0 && size as u64 <= MAX_REQUEST && !rt.spill();
+        if let Some(d) = rt.ready(device).filter(|d| hot && !d.pools.pending()) {
             let key = stream_key(addr(stream));
-            growable::PRESSURE
-                .retry(
-                    size as u64,
-                    device,
-                    || growable::capturing(d, key),
-                    || d.malloc(size as u64, key),
-                )
-                .map_err(|e| d.error(e))
-        };
-        if result.is_ok() {
-            growable::report_spill(&rt, d, spills, call);
+            return match d.malloc(size as u64, key) {
+                Ok(a) => (
+                    VMMALLOC_OK,
+                    std::ptr::with_exposed_provenance_mut(a.ptr as usize),
+                ),
+                Err(e) => malloc_failed(rt, d, name, (size, device, stream), e),
+            };
         }
-        match result {
-            Ok(a) => (
-                VMMALLOC_OK,
-                std::ptr::with_exposed_provenance_mut(a.ptr as usize),
-            ),
-            Err(e) => {
-                fail(&rt, LError, format!("{}: {e}", call()));
-                if e.is_out_of_memory() && runtime::on_oom() == OnOom::Abort {
-                    diag::log(LError, LError, "aborting (on_oom:abort)");
-                    std::process::abort();
-                }
-                (e.code(), std::ptr::null_mut())
-            }
-        }
+        try_malloc_general(rt, name, size, device, stream, pool)
     });
     // SAFETY: `out` is non-null and, per the callers' contract, valid for a write.
     unsafe { out.write(ptr) };
     rc
+}
+
+/// The text naming an allocation call in its errors and log lines.
+fn malloc_call(
+    name: &str,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    pool: Option<pools::PoolId>,
+) -> String {
+    match pool {
+        None => format!("{name}(size={size}, device={device}, stream={stream:p})"),
+        Some((a, b)) => {
+            format!("{name}(size={size}, device={device}, stream={stream:p}, pool=({a}, {b}))")
+        }
+    }
+}
+
+/// The hot path's first attempt failed with `first`: the rest of what the
+/// general path does after its first attempt (the pressure callback and one
+/// retry on out-of-memory, then the report).
+#[cold]
+fn malloc_failed(
+    rt: runtime::RuntimeRef,
+    d: &runtime::DeviceState,
+    name: &str,
+    (size, device, stream): (usize, c_int, *mut c_void),
+    first: AllocError,
+) -> (c_int, *mut c_void) {
+    let key = stream_key(addr(stream));
+    let result = growable::PRESSURE
+        .retry_after(
+            Err(first),
+            size as u64,
+            device,
+            || growable::capturing(d, key),
+            || d.malloc(size as u64, key),
+        )
+        .map_err(|e| d.error(e));
+    malloc_result(
+        rt,
+        d,
+        None,
+        || malloc_call(name, size, device, stream, None),
+        result,
+    )
+}
+
+/// Every allocation but the hot path's: creates the allocator on first use,
+/// applies frees queued during a capture, routes to graph pools, refuses
+/// sizes beyond any device, reports a spill.
+fn try_malloc_general(
+    rt: runtime::RuntimeRef,
+    name: &str,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    pool: Option<pools::PoolId>,
+) -> (c_int, *mut c_void) {
+    let call = || malloc_call(name, size, device, stream, pool);
+    let d = match rt.device(device) {
+        Ok(d) => d,
+        Err(e) => {
+            fail(&rt, LError, format!("{}: {e}", call()));
+            return (e.code(), std::ptr::null_mut());
+        }
+    };
+    if size == 0 {
+        fail(
+            &rt,
+            LInfo,
+            format!(
+                "{}: size 0: nothing to allocate, returning NULL (an empty tensor needs no memory)",
+                call()
+            ),
+        );
+        return (VMMALLOC_OK, std::ptr::null_mut());
+    }
+    if !d.pools.capturing() {
+        for e in d.flush() {
+            fail(&rt, LError, e);
+        }
+    }
+    // Sizes beyond any device never reach a policy (whose rounding could
+    // overflow); larger-than-this-device ones get the policy's full report.
+    // spill:true: say so when this request spilled (growable.rs).
+    let spills = growable::spills_before(&rt, d);
+    let result = if size as u64 > MAX_REQUEST {
+        d.record_oom(size as u64, stream_key(addr(stream)));
+        Err(Error::out_of_memory(format!(
+            "out of memory: tried to allocate {} on device {device}, beyond any device ({} of memory here)",
+            vmmalloc_alloc::summary::format_bytes(size as u64),
+            vmmalloc_alloc::summary::format_bytes(d.device.caps().total_memory)
+        )))
+    } else if let Some(id) = pool {
+        d.pools.malloc(id, size as u64, stream_key(addr(stream)))
+    } else {
+        // On out-of-memory: the pressure callback (growable.rs), retried once.
+        let key = stream_key(addr(stream));
+        growable::PRESSURE
+            .retry(
+                size as u64,
+                device,
+                || growable::capturing(d, key),
+                || d.malloc(size as u64, key),
+            )
+            .map_err(|e| d.error(e))
+    };
+    malloc_result(rt, d, spills, call, result)
+}
+
+/// Turns an allocation's result into the C ABI's: reports a spill on
+/// success (`spills`: the device's spill count before), the error otherwise
+/// (aborting under `on_oom:abort`).
+fn malloc_result(
+    rt: runtime::RuntimeRef,
+    d: &runtime::DeviceState,
+    spills: Option<u64>,
+    call: impl Fn() -> String,
+    result: Result<Allocation, Error>,
+) -> (c_int, *mut c_void) {
+    if result.is_ok() {
+        growable::report_spill(&rt, d, spills, &call);
+    }
+    match result {
+        Ok(a) => (
+            VMMALLOC_OK,
+            std::ptr::with_exposed_provenance_mut(a.ptr as usize),
+        ),
+        Err(e) => {
+            fail(&rt, LError, format!("{}: {e}", call()));
+            if e.is_out_of_memory() && runtime::on_oom() == OnOom::Abort {
+                diag::log(LError, LError, "aborting (on_oom:abort)");
+                std::process::abort();
+            }
+            (e.code(), std::ptr::null_mut())
+        }
+    }
 }
 
 /// Allocates `size` bytes on device `device` for use on `stream` (a
@@ -460,13 +547,23 @@ pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, st
             return;
         }
         let rt = runtime::runtime();
+        let p = addr(ptr);
         let call = || {
             format!("vmmalloc_free(ptr={ptr:p}, size={size}, device={device}, stream={stream:p})")
         };
+        // The hot path: the device named owns the pointer, no graph pool
+        // exists; builds no text.
+        if let Some(d) = rt.ready(device).filter(|d| d.pools.idle()) {
+            match d.free_main(p) {
+                Ok(()) => return,
+                // Another device may own it: the general path asks them all.
+                Err(AllocError::InvalidPointer { .. }) => {}
+                Err(e) => return fail(&rt, LError, format!("{}: {}", call(), d.error(e))),
+            }
+        }
         if let Err(m) = rt.config() {
             return fail(&rt, LError, format!("{}: {m}", call()));
         }
-        let p = addr(ptr);
         let hint = rt.check_ordinal(device).ok().and_then(|o| rt.existing(o));
         let candidates = hint.into_iter().chain(
             rt.active_devices()

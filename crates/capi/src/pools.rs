@@ -209,13 +209,24 @@ impl GraphPools {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether frees queued during a capture (or a sweep) wait for the next
+    /// allocation outside capture: while false, [`GraphPools::flush_with`]
+    /// does nothing.
+    #[inline]
+    pub fn pending(&self) -> bool {
+        self.pending.load(Ordering::Acquire)
+    }
+
     /// Whether a capture is underway on the device.
+    #[inline]
     pub fn capturing(&self) -> bool {
         self.capturing.load(Ordering::Acquire) > 0
     }
 
-    /// Whether any pool exists or any free waits.
-    fn idle(&self) -> bool {
+    /// Whether no pool exists and no capture is underway: a free goes
+    /// straight to the main allocator.
+    #[inline]
+    pub fn idle(&self) -> bool {
         self.count.load(Ordering::Acquire) == 0 && !self.capturing()
     }
 

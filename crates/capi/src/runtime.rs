@@ -128,10 +128,22 @@ impl DeviceState {
     }
 
     /// Allocates, recording the events when history is on.
+    #[inline]
     pub fn malloc(&self, size: u64, stream: Stream) -> Result<Allocation, AllocError> {
-        let Some(h) = &self.history else {
-            return self.allocator.malloc(size, stream);
-        };
+        match &self.history {
+            None => self.allocator.malloc(size, stream),
+            Some(h) => self.malloc_recorded(h, size, stream),
+        }
+    }
+
+    /// [`DeviceState::malloc`] with history on.
+    #[cold]
+    fn malloc_recorded(
+        &self,
+        h: &History,
+        size: u64,
+        stream: Stream,
+    ) -> Result<Allocation, AllocError> {
         let mut ring = h.lock();
         let r = self.allocator.malloc(size, stream);
         match &r {
@@ -209,13 +221,22 @@ impl DeviceState {
         self.pools.release(id, &|p| self.free_main(p))
     }
 
-    /// Frees from the main allocator, recording the events when history is on.
-    fn free_main(&self, ptr: u64) -> Result<(), AllocError> {
+    /// Frees from the main allocator, recording the events when history is
+    /// on. Graph pools are not asked: for callers that know none exists
+    /// ([`GraphPools::idle`]); others call [`DeviceState::free`].
+    #[inline]
+    pub fn free_main(&self, ptr: u64) -> Result<(), AllocError> {
         // An IPC export of `ptr` ends before its memory can be reused.
         crate::ipc::on_free(ptr);
-        let Some(h) = &self.history else {
-            return self.allocator.free(ptr);
-        };
+        match &self.history {
+            None => self.allocator.free(ptr),
+            Some(h) => self.free_recorded(h, ptr),
+        }
+    }
+
+    /// [`DeviceState::free_main`] with history on.
+    #[cold]
+    fn free_recorded(&self, h: &History, ptr: u64) -> Result<(), AllocError> {
         let mut ring = h.lock();
         let r = self.allocator.free(ptr);
         if r.is_ok() {
@@ -292,6 +313,21 @@ pub fn on_oom() -> crate::config::OnOom {
         .get(ON_OOM.load(Ordering::Relaxed) as usize)
         .copied()
         .unwrap_or(crate::config::OnOom::Raise)
+}
+
+/// The most ordinals served: [`MAX_DEVICES`], bounded by `device_count` for
+/// the modeled backends and by the count PyTorch's init hook reported
+/// (`init`, 0 when it was not called).
+#[inline]
+fn ordinal_limit(config: &Config, init: u32) -> u32 {
+    let mut limit = MAX_DEVICES as u32;
+    if config.device != DeviceKind::Cuda {
+        limit = limit.min(config.device_count);
+    }
+    if init > 0 {
+        limit = limit.min(init);
+    }
+    limit
 }
 
 /// The runtime if one exists (none is created).
@@ -432,17 +468,22 @@ impl Runtime {
     }
 
     /// The configuration, or its error (logged the first time only).
+    #[inline]
     pub fn config(&self) -> Result<&Config, Error> {
         match &self.config {
             Ok(c) => Ok(c),
-            Err(e) => {
-                let e = Error::from(e.clone());
-                if !self.config_error_logged.swap(true, Ordering::Relaxed) {
-                    diag::log(self.log, LogLevel::Error, e.message());
-                }
-                Err(e)
-            }
+            Err(e) => Err(self.config_error(e)),
         }
+    }
+
+    /// The error of a bad configuration, logged the first time only.
+    #[cold]
+    fn config_error(&self, e: &ConfigError) -> Error {
+        let e = Error::from(e.clone());
+        if !self.config_error_logged.swap(true, Ordering::Relaxed) {
+            diag::log(self.log, LogLevel::Error, e.message());
+        }
+        e
     }
 
     /// The configuration, or its error, without logging it: for callers
@@ -462,17 +503,35 @@ impl Runtime {
     pub fn check_ordinal(&self, device: i32) -> Result<u32, Error> {
         let config = self.config()?;
         let init = self.init_count.load(Ordering::Relaxed);
-        let mut limit = MAX_DEVICES as u32;
-        if config.device != DeviceKind::Cuda {
-            limit = limit.min(config.device_count);
-        }
-        if init > 0 {
-            limit = limit.min(init);
-        }
         match u32::try_from(device) {
-            Ok(d) if d < limit => Ok(d),
+            Ok(d) if d < ordinal_limit(config, init) => Ok(d),
             _ => Err(self.bad_ordinal(config, device, init)),
         }
+    }
+
+    /// The allocator of `device` when the hot path may use it as it is: the
+    /// configuration is good, the ordinal valid, the allocator exists and
+    /// has not failed. `None` sends the call down the general path, which
+    /// creates the allocator or says what is wrong. Builds no text, takes no
+    /// lock (issue 27: the C ABI pair costs the policy's pair plus a few
+    /// loads).
+    #[inline]
+    pub fn ready(&self, device: i32) -> Option<&DeviceState> {
+        let config = self.config.as_ref().ok()?;
+        let ordinal = u32::try_from(device).ok()?;
+        if ordinal >= ordinal_limit(config, self.init_count.load(Ordering::Relaxed)) {
+            return None;
+        }
+        let d = self.slots.get(ordinal as usize)?.get()?;
+        set_current(ordinal);
+        d.failure.get().is_none().then_some(&**d)
+    }
+
+    /// Whether `spill:true` is configured (an allocation may then spill to
+    /// host memory, which the general path reports).
+    #[inline]
+    pub fn spill(&self) -> bool {
+        self.config.as_ref().is_ok_and(|c| c.spill)
     }
 
     /// Why `device` is not a valid ordinal (the tightest bound's reason).

@@ -504,6 +504,49 @@ fn stats_json_has_pytorch_keys_and_right_values() {
     reset();
 }
 
+/// The hot path (issue 27) frees through the device the caller names; a
+/// pointer of another device, or of none, falls back to the general path,
+/// which asks every device: the result is the same as before the hot path.
+#[test]
+fn a_free_naming_the_wrong_device_still_frees_and_a_bad_pointer_is_still_reported() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, ",device_count:2") {
+            continue;
+        }
+        let on0 = malloc(3 * MIB, 0);
+        let on1 = malloc(5 * MIB, 1);
+        assert!(!on0.is_null() && !on1.is_null(), "{backend}");
+        fill(on0, 3 * MIB, 1);
+        fill(on1, 5 * MIB, 2);
+        // Device 1's pointer freed as if on device 0, and the other way.
+        free(on1, 5 * MIB, 0);
+        assert_eq!(last_error(), None, "{backend}");
+        assert_eq!(stats(1)["allocation.all.current"], 0, "{backend}");
+        check(on0, 3 * MIB, 1);
+        free(on0, 3 * MIB, 1);
+        assert_eq!(last_error(), None, "{backend}");
+        assert_eq!(stats(0)["allocation.all.current"], 0, "{backend}");
+        // Freed already: no device owns it any more, whichever is named.
+        for device in [0, 1] {
+            free(on0, 3 * MIB, device);
+            let e = last_error().unwrap_or_else(|| panic!("{backend}: double free set no error"));
+            assert!(
+                e.contains("not a live allocation of any device"),
+                "{backend}: {e}"
+            );
+        }
+        // An invalid ordinal still frees (every device is asked).
+        let p = malloc(MIB, 1);
+        free(p, MIB, 7);
+        assert_eq!(last_error(), None, "{backend}");
+        assert_eq!(stats(1)["allocation.all.current"], 0, "{backend}");
+        validate(0);
+        validate(1);
+    }
+    reset();
+}
+
 #[test]
 fn summary_is_pytorch_table_plus_vmmalloc_rows() {
     let _g = serial();

@@ -107,10 +107,16 @@ fn dup(fd: RawFd) -> std::io::Result<OwnedFd> {
 
 /// Called before the allocator frees `ptr` (any device): ends its export.
 /// Costs one atomic load when nothing is exported.
+#[inline]
 pub(crate) fn on_free(ptr: u64) {
-    if EXPORTED.load(Ordering::Acquire) == 0 {
-        return;
+    if EXPORTED.load(Ordering::Acquire) != 0 {
+        end_export(ptr);
     }
+}
+
+/// [`on_free`] while something is exported: ends `ptr`'s export if it has one.
+#[cold]
+fn end_export(ptr: u64) {
     let mut g = lock(&EXPORTS);
     let Some(ex) = g.as_mut() else { return };
     let Some(id) = ex.by_ptr.remove(&ptr) else {
