@@ -313,18 +313,18 @@ impl GraphPools {
 
     /// `getPoolUseCount`: the number of users of pool `id` (graphs, MemPools,
     /// `use_mem_pool` blocks underway).
-    pub fn use_count(&self, id: PoolId) -> Result<u32, String> {
+    pub fn use_count(&self, id: PoolId) -> Result<u32, Error> {
         let s = self.lock();
         match s.pools.get(&id) {
             Some(p) => Ok(p.use_count),
-            None => Err(unknown(&s, id).to_string()),
+            None => Err(unknown(&s, id)),
         }
     }
 
     /// The blocks live in pool `id` (allocated, not freed by the caller;
     /// frees queued during a capture count as done, as they are for PyTorch).
-    fn live_blocks(s: &State, id: PoolId) -> Result<Vec<PoolBlock>, String> {
-        let p = s.pools.get(&id).ok_or_else(|| unknown(s, id).to_string())?;
+    fn live_blocks(s: &State, id: PoolId) -> Result<Vec<PoolBlock>, Error> {
+        let p = s.pools.get(&id).ok_or_else(|| unknown(s, id))?;
         let queued: HashSet<u64> = s.deferred.iter().copied().collect();
         let mut blocks: Vec<PoolBlock> = p
             .live
@@ -339,7 +339,7 @@ impl GraphPools {
     /// `checkPoolLiveAllocations`: whether the blocks live in pool `id` are
     /// exactly `expected` (PyTorch's `DeviceCachingAllocator::checkPoolLiveAllocations`:
     /// every allocated block of the pool is expected, and as many as expected).
-    pub fn check_live(&self, id: PoolId, expected: &HashSet<u64>) -> Result<bool, String> {
+    pub fn check_live(&self, id: PoolId, expected: &HashSet<u64>) -> Result<bool, Error> {
         let s = self.lock();
         let live = Self::live_blocks(&s, id)?;
         Ok(live.len() == expected.len() && live.iter().all(|b| expected.contains(&b.ptr)))
@@ -347,19 +347,16 @@ impl GraphPools {
 
     /// `getCheckpointState`: records the blocks live in pool `id` and holds
     /// them (see the module docs). Returns the checkpoint's handle (never 0).
-    pub fn checkpoint(&self, id: PoolId) -> Result<u64, String> {
+    pub fn checkpoint(&self, id: PoolId) -> Result<u64, Error> {
         let mut s = self.lock();
         let blocks = Self::live_blocks(&s, id)?;
-        let p = s
-            .pools
-            .get_mut(&id)
-            .ok_or_else(|| unknown_plain(id).to_string())?;
+        let p = s.pools.get_mut(&id).ok_or_else(|| unknown_plain(id))?;
         if p.use_count == 0 {
             // PyTorch: "Not expected to checkpoint freeable graph".
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "pool {} was released: no checkpoint of it",
                 name(id)
-            ));
+            )));
         }
         for b in &blocks {
             *p.holds.entry(b.ptr).or_insert(0) += 1;
@@ -381,9 +378,11 @@ impl GraphPools {
         &self,
         handle: u64,
         main_free: &dyn Fn(u64) -> Result<(), AllocError>,
-    ) -> Result<Restored, String> {
+    ) -> Result<Restored, Error> {
         if self.capturing() {
-            return Err("a CUDA graph capture is underway on the device: no restore now".into());
+            return Err(Error::invalid(
+                "a CUDA graph capture is underway on the device: no restore now",
+            ));
         }
         for e in self.flush_with(main_free) {
             crate::diag::log(self.log, LogLevel::Error, &e);
@@ -391,32 +390,29 @@ impl GraphPools {
         let mut s = self.lock();
         let (id, blocks) = match s.checkpoints.get(&handle) {
             Some(c) => (c.pool, c.blocks.clone()),
-            None => return Err(format!("unknown checkpoint {handle}")),
+            None => return Err(Error::invalid(format!("unknown checkpoint {handle}"))),
         };
         let live = Self::live_blocks(&s, id)?;
-        let p = s
-            .pools
-            .get_mut(&id)
-            .ok_or_else(|| unknown_plain(id).to_string())?;
+        let p = s.pools.get_mut(&id).ok_or_else(|| unknown_plain(id))?;
         let wanted: HashMap<u64, PoolBlock> = blocks.iter().map(|b| (b.ptr, *b)).collect();
         // Every block the checkpoint holds is still allocated in the pool's
         // allocator (live, or held since the caller freed it), unchanged.
         for b in &blocks {
             let now = p.live.get(&b.ptr).or_else(|| p.held_freed.get(&b.ptr));
             if now != Some(b) {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "checkpoint {handle} of pool {}: block {:#x} ({} bytes) is no longer held ({now:?})",
                     name(id),
                     b.ptr,
                     b.size
-                ));
+                )));
             }
         }
         let mut out = Restored::default();
         for b in live {
             out.freed.push(b.ptr);
             if !wanted.contains_key(&b.ptr) {
-                Self::free_in_pool(p, b.ptr).map_err(|e| e.to_string())?;
+                Self::free_in_pool(p, b.ptr)?;
             }
         }
         for b in blocks {
@@ -429,10 +425,10 @@ impl GraphPools {
 
     /// Drops checkpoint `handle` (PyTorch dropped its `AllocatorState`): the
     /// blocks only it held and the caller freed go back to the pool's allocator.
-    pub fn drop_checkpoint(&self, handle: u64) -> Result<(), String> {
+    pub fn drop_checkpoint(&self, handle: u64) -> Result<(), Error> {
         let mut s = self.lock();
         let Some(c) = s.checkpoints.remove(&handle) else {
-            return Err(format!("unknown checkpoint {handle}"));
+            return Err(Error::invalid(format!("unknown checkpoint {handle}")));
         };
         let Some(p) = s.pools.get_mut(&c.pool) else {
             return Ok(()); // the pool went with everything in it
@@ -461,10 +457,12 @@ impl GraphPools {
         if errors.is_empty() {
             Ok(())
         } else {
-            Err(format!(
+            // A pool's allocator refused its own block: a bug, reported
+            // as the failure it is.
+            Err(Error::failed(format!(
                 "dropping checkpoint {handle}: {}",
                 errors.join("; ")
-            ))
+            )))
         }
     }
 
@@ -487,12 +485,9 @@ impl GraphPools {
 
     /// The statistics of pool `id`'s allocator (PyTorch's per-pool figures of
     /// `torch.cuda.MemPool`), and its live block count.
-    pub fn pool_stats(&self, id: PoolId) -> Result<(vmmalloc_alloc::Stats, usize), String> {
+    pub fn pool_stats(&self, id: PoolId) -> Result<(vmmalloc_alloc::Stats, usize), Error> {
         let s = self.lock();
-        let p = s
-            .pools
-            .get(&id)
-            .ok_or_else(|| unknown(&s, id).to_string())?;
+        let p = s.pools.get(&id).ok_or_else(|| unknown(&s, id))?;
         Ok((p.allocator.stats(), p.live.len()))
     }
 
@@ -766,6 +761,14 @@ fn unknown(s: &State, id: PoolId) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Asserts `r` failed as an invalid argument whose message holds `needle`.
+    #[track_caller]
+    fn invalid<T: std::fmt::Debug>(r: Result<T, Error>, needle: &str) {
+        let e = r.unwrap_err();
+        assert_eq!(e.kind(), crate::error::ErrorKind::InvalidArgument, "{e}");
+        assert!(e.message().contains(needle), "{e} lacks {needle:?}");
+    }
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
     use vmmalloc_alloc::{build, Policy, PolicyOptions};
@@ -1056,7 +1059,7 @@ mod tests {
         };
         let s = device.create_stream().unwrap();
         let id = (0, 3);
-        assert!(pools.checkpoint(id).unwrap_err().contains("unknown pool"));
+        invalid(pools.checkpoint(id), "unknown pool");
         pools.begin(id, make).unwrap();
         let a = pools.malloc(id, 3 * MIB, s).unwrap();
         let b = pools.malloc(id, 512, s).unwrap();
@@ -1111,10 +1114,7 @@ mod tests {
             .all()
             .current;
         pools.drop_checkpoint(h).unwrap();
-        assert!(pools
-            .drop_checkpoint(h)
-            .unwrap_err()
-            .contains("unknown checkpoint"));
+        invalid(pools.drop_checkpoint(h), "unknown checkpoint");
         let freed = pools
             .pool_stats(id)
             .unwrap()
@@ -1127,25 +1127,19 @@ mod tests {
             b.size as i64,
             "b is released with its checkpoint"
         );
-        assert!(pools
-            .restore(h, &main_free)
-            .unwrap_err()
-            .contains("unknown checkpoint"));
+        invalid(pools.restore(h, &main_free), "unknown checkpoint");
         // Use counts: the capture's one, a MemPool's one.
         assert_eq!(pools.use_count(id).unwrap(), 1);
         pools.create_or_incref(id, make).unwrap();
         assert_eq!(pools.use_count(id).unwrap(), 2);
         pools.release(id, &main_free).unwrap();
         pools.release(id, &main_free).unwrap();
-        assert!(pools.checkpoint(id).unwrap_err().contains("released"));
+        invalid(pools.checkpoint(id), "released");
         for p in [a.ptr, c.ptr] {
             pools.free(p, &main_free).unwrap();
         }
         assert_eq!(pools.counts().0, 0, "the pool is gone");
-        assert!(pools
-            .use_count(id)
-            .unwrap_err()
-            .contains("released already"));
+        invalid(pools.use_count(id), "released already");
         // A MemPool-made pool: no capture, use count 1.
         pools.create_or_incref((0, 9), make).unwrap();
         assert!(!pools.capturing());

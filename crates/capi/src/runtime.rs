@@ -211,9 +211,7 @@ impl DeviceState {
 
     /// `setCheckpointPoolState` for checkpoint `handle` (see [`GraphPools::restore`]).
     pub fn pool_restore(&self, handle: u64) -> Result<crate::pools::Restored, Error> {
-        self.pools
-            .restore(handle, &|p| self.free_main(p))
-            .map_err(Error::invalid)
+        self.pools.restore(handle, &|p| self.free_main(p))
     }
 
     /// `releasePool`: one graph using pool `id` is gone (see [`GraphPools::release`]).

@@ -28,6 +28,7 @@
 //! `vmmalloc_last_error()`. Callbacks must not unwind.
 
 use crate::config::LogLevel::{Error as LError, Info as LInfo};
+use crate::error::Error;
 use crate::pools::PoolId;
 use crate::runtime::{self, DeviceState};
 use crate::{diag, entry, owned_c_string};
@@ -104,15 +105,11 @@ fn with_device<T: Clone>(
     call: String,
     device: c_int,
     on_error: T,
-    body: impl FnOnce(&DeviceState) -> Result<T, String>,
+    body: impl FnOnce(&DeviceState) -> Result<T, Error>,
 ) -> T {
     entry(name, on_error.clone(), || {
         let rt = runtime::runtime();
-        match rt
-            .device(device)
-            .map_err(|e| e.to_string())
-            .and_then(|d| body(d))
-        {
+        match rt.device(device).and_then(|d| body(d)) {
             Ok(v) => {
                 diag::log(rt.log_level(), LInfo, &call);
                 v
@@ -132,9 +129,7 @@ fn with_device<T: Clone>(
 pub extern "C" fn vmmalloc_pool_create_or_incref(device: c_int, hi: u64, lo: u64) -> c_int {
     let call = format!("vmmalloc_pool_create_or_incref(device={device}, pool=({hi}, {lo}))");
     with_device("vmmalloc_pool_create_or_incref", call, device, -1, |d| {
-        d.pool_create_or_incref((hi, lo))
-            .map(|()| 0)
-            .map_err(|e| e.to_string())
+        d.pool_create_or_incref((hi, lo)).map(|()| 0)
     })
 }
 
@@ -213,7 +208,7 @@ pub unsafe extern "C" fn vmmalloc_checkpoint_restore(
 ) -> c_int {
     let call = format!("vmmalloc_checkpoint_restore(device={device}, checkpoint={handle})");
     let restored = with_device("vmmalloc_checkpoint_restore", call, device, None, |d| {
-        d.pool_restore(handle).map(Some).map_err(|e| e.to_string())
+        d.pool_restore(handle).map(Some)
     });
     let Some(r) = restored else { return -1 };
     if let Some(f) = freed {
@@ -255,12 +250,12 @@ pub extern "C" fn vmmalloc_pool_stats_json(device: c_int, hi: u64, lo: u64) -> *
         |d| {
             let (stats, live) = d.pools.pool_stats((hi, lo))?;
             let uses = d.pools.use_count((hi, lo))?;
-            let mut map = serde_json::to_value(stats.to_map()).map_err(|e| e.to_string())?;
+            let mut map = serde_json::to_value(stats.to_map()).map_err(crate::json_error)?;
             if let Some(m) = map.as_object_mut() {
                 m.insert("vmmalloc.live_blocks".into(), live.into());
                 m.insert("vmmalloc.use_count".into(), uses.into());
             }
-            let text = serde_json::to_string(&map).map_err(|e| e.to_string())?;
+            let text = serde_json::to_string(&map).map_err(crate::json_error)?;
             Ok(owned_c_string(&text))
         },
     )
