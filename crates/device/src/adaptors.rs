@@ -6,8 +6,8 @@
 //! needs handle sizes.
 
 use crate::{
-    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, HostBuffer, Introspect,
-    MemInfo, PhysHandle, Stream,
+    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, HostBuffer, MemInfo,
+    PhysHandle, Stream,
 };
 use parking_lot::Mutex;
 use rand::{Rng, SeedableRng};
@@ -84,9 +84,9 @@ impl<D: Device, H: CallHook> Hooked<D, H> {
 }
 
 impl<D: Device, H: CallHook> Device for Hooked<D, H> {
-    fn caps(&self) -> &DeviceCaps {
-        self.inner.caps()
-    }
+    // Not driver calls the hook counts: the caps were queried at open,
+    // capture status and the model are questions, not work.
+    crate::forward_device_calls!(inner: caps, is_capturing, introspect);
     fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
         let addr = self.run(Call::Reserve, size, |d| d.reserve(size, align))?;
         self.hook.on_range(Call::Reserve, addr, size);
@@ -171,12 +171,6 @@ impl<D: Device, H: CallHook> Device for Hooked<D, H> {
     }
     fn destroy_event(&self, event: Event) -> DeviceResult<()> {
         self.run(Call::EventDestroy, 0, |d| d.destroy_event(event))
-    }
-    fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
-        self.inner.is_capturing(stream)
-    }
-    fn introspect(&self) -> Option<&dyn Introspect> {
-        self.inner.introspect()
     }
 }
 
@@ -490,14 +484,15 @@ impl<D: Device> CapacityLimit<D> {
 }
 
 impl<D: Device> Device for CapacityLimit<D> {
+    // Address space, access, copies, streams and events cost no physical
+    // memory; host memory (`create_on_host`, `alloc_host_buffer`) is not
+    // device capacity: all forwarded uncharged.
+    crate::forward_device_calls!(inner: reserve, free_reservation, set_access, copy_to_device,
+        copy_from_device, copy_device, alloc_host_buffer, create_stream, synchronize_stream,
+        synchronize, create_event, record_event, query_event, synchronize_event, destroy_event,
+        is_capturing, create_on_host, introspect);
     fn caps(&self) -> &DeviceCaps {
         &self.caps
-    }
-    fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
-        self.inner.reserve(size, align)
-    }
-    fn free_reservation(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.inner.free_reservation(addr, size)
     }
     fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
         self.charge(Call::Create, size)?;
@@ -513,10 +508,6 @@ impl<D: Device> Device for CapacityLimit<D> {
                 Err(e)
             }
         }
-    }
-    /// Host memory: not charged to this (device) limit.
-    fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
-        self.inner.create_on_host(size)
     }
     /// Releases the handle; the limit is credited once its last mapping is gone too.
     fn release(&self, handle: PhysHandle) -> DeviceResult<()> {
@@ -549,9 +540,6 @@ impl<D: Device> Device for CapacityLimit<D> {
             s.drop_ref(c);
         }
         Ok(())
-    }
-    fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()> {
-        self.inner.set_access(addr, size)
     }
     fn mem_info(&self) -> DeviceResult<MemInfo> {
         let inner = self.inner.mem_info()?;
@@ -603,55 +591,13 @@ impl<D: Device> Device for CapacityLimit<D> {
         }
         Ok(h)
     }
-    fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
-        self.inner.copy_to_device(dst, src)
-    }
-    fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
-        self.inner.copy_from_device(src, dst)
-    }
-    fn copy_device(&self, dst: u64, src: u64, len: u64) -> DeviceResult<()> {
-        self.inner.copy_device(dst, src, len)
-    }
-    /// Host memory is not device capacity: forwarded uncharged.
-    fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
-        self.inner.alloc_host_buffer(len)
-    }
-    fn create_stream(&self) -> DeviceResult<Stream> {
-        self.inner.create_stream()
-    }
-    fn synchronize_stream(&self, stream: Stream) -> DeviceResult<()> {
-        self.inner.synchronize_stream(stream)
-    }
-    fn synchronize(&self) -> DeviceResult<()> {
-        self.inner.synchronize()
-    }
-    fn create_event(&self) -> DeviceResult<Event> {
-        self.inner.create_event()
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> DeviceResult<()> {
-        self.inner.record_event(event, stream)
-    }
-    fn query_event(&self, event: Event) -> DeviceResult<bool> {
-        self.inner.query_event(event)
-    }
-    fn synchronize_event(&self, event: Event) -> DeviceResult<()> {
-        self.inner.synchronize_event(event)
-    }
-    fn destroy_event(&self, event: Event) -> DeviceResult<()> {
-        self.inner.destroy_event(event)
-    }
-    fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
-        self.inner.is_capturing(stream)
-    }
-    fn introspect(&self) -> Option<&dyn Introspect> {
-        self.inner.introspect()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::sim::SimDevice;
+    use crate::Introspect;
     use crate::{GIB, MIB};
 
     #[derive(Default)]

@@ -504,93 +504,175 @@ pub fn round_up(x: u64, to: u64) -> u64 {
     x.div_ceil(to) * to
 }
 
+/// Generates [`Device`] methods that forward to another device: `inner`
+/// (a field of `self`) or `deref` (`**self`, for smart pointers), one method
+/// per name listed. An adaptor lists the calls it passes through untouched
+/// and writes only the ones it changes (RMM's resource adaptors do the same).
+///
+/// ```ignore
+/// impl<D: Device> Device for Wrapper<D> {
+///     forward_device_calls!(inner: reserve, free_reservation, caps);
+///     fn create(&self, size: u64) -> DeviceResult<PhysHandle> { /* ... */ }
+/// }
+/// ```
+#[macro_export]
+macro_rules! forward_device_calls {
+    ($to:tt: $($name:ident),+ $(,)?) => {
+        $($crate::forward_device_calls!(@one $to $name);)+
+    };
+    (@one $to:tt caps) => {
+        fn caps(&self) -> &$crate::DeviceCaps { $crate::forward_device_calls!(@call self $to caps()) }
+    };
+    (@one $to:tt reserve) => {
+        fn reserve(&self, size: u64, align: u64) -> $crate::DeviceResult<u64> {
+            $crate::forward_device_calls!(@call self $to reserve(size, align))
+        }
+    };
+    (@one $to:tt free_reservation) => {
+        fn free_reservation(&self, addr: u64, size: u64) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to free_reservation(addr, size))
+        }
+    };
+    (@one $to:tt create) => {
+        fn create(&self, size: u64) -> $crate::DeviceResult<$crate::PhysHandle> {
+            $crate::forward_device_calls!(@call self $to create(size))
+        }
+    };
+    (@one $to:tt release) => {
+        fn release(&self, handle: $crate::PhysHandle) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to release(handle))
+        }
+    };
+    (@one $to:tt map) => {
+        fn map(&self, addr: u64, size: u64, handle: $crate::PhysHandle) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to map(addr, size, handle))
+        }
+    };
+    (@one $to:tt unmap) => {
+        fn unmap(&self, addr: u64, size: u64) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to unmap(addr, size))
+        }
+    };
+    (@one $to:tt set_access) => {
+        fn set_access(&self, addr: u64, size: u64) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to set_access(addr, size))
+        }
+    };
+    (@one $to:tt mem_info) => {
+        fn mem_info(&self) -> $crate::DeviceResult<$crate::MemInfo> {
+            $crate::forward_device_calls!(@call self $to mem_info())
+        }
+    };
+    (@one $to:tt alloc) => {
+        fn alloc(&self, size: u64) -> $crate::DeviceResult<u64> {
+            $crate::forward_device_calls!(@call self $to alloc(size))
+        }
+    };
+    (@one $to:tt free) => {
+        fn free(&self, ptr: u64) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to free(ptr))
+        }
+    };
+    (@one $to:tt export_fd) => {
+        fn export_fd(&self, handle: $crate::PhysHandle) -> $crate::DeviceResult<i32> {
+            $crate::forward_device_calls!(@call self $to export_fd(handle))
+        }
+    };
+    (@one $to:tt import_fd) => {
+        fn import_fd(&self, fd: i32) -> $crate::DeviceResult<$crate::PhysHandle> {
+            $crate::forward_device_calls!(@call self $to import_fd(fd))
+        }
+    };
+    (@one $to:tt copy_to_device) => {
+        fn copy_to_device(&self, dst: u64, src: &[u8]) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to copy_to_device(dst, src))
+        }
+    };
+    (@one $to:tt copy_from_device) => {
+        fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to copy_from_device(src, dst))
+        }
+    };
+    (@one $to:tt copy_device) => {
+        fn copy_device(&self, dst: u64, src: u64, len: u64) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to copy_device(dst, src, len))
+        }
+    };
+    (@one $to:tt alloc_host_buffer) => {
+        fn alloc_host_buffer(&self, len: u64) -> $crate::DeviceResult<$crate::HostBuffer> {
+            $crate::forward_device_calls!(@call self $to alloc_host_buffer(len))
+        }
+    };
+    (@one $to:tt create_stream) => {
+        fn create_stream(&self) -> $crate::DeviceResult<$crate::Stream> {
+            $crate::forward_device_calls!(@call self $to create_stream())
+        }
+    };
+    (@one $to:tt synchronize_stream) => {
+        fn synchronize_stream(&self, stream: $crate::Stream) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to synchronize_stream(stream))
+        }
+    };
+    (@one $to:tt synchronize) => {
+        fn synchronize(&self) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to synchronize())
+        }
+    };
+    (@one $to:tt create_event) => {
+        fn create_event(&self) -> $crate::DeviceResult<$crate::Event> {
+            $crate::forward_device_calls!(@call self $to create_event())
+        }
+    };
+    (@one $to:tt record_event) => {
+        fn record_event(&self, event: $crate::Event, stream: $crate::Stream) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to record_event(event, stream))
+        }
+    };
+    (@one $to:tt query_event) => {
+        fn query_event(&self, event: $crate::Event) -> $crate::DeviceResult<bool> {
+            $crate::forward_device_calls!(@call self $to query_event(event))
+        }
+    };
+    (@one $to:tt synchronize_event) => {
+        fn synchronize_event(&self, event: $crate::Event) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to synchronize_event(event))
+        }
+    };
+    (@one $to:tt destroy_event) => {
+        fn destroy_event(&self, event: $crate::Event) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to destroy_event(event))
+        }
+    };
+    (@one $to:tt is_capturing) => {
+        fn is_capturing(&self, stream: $crate::Stream) -> $crate::DeviceResult<bool> {
+            $crate::forward_device_calls!(@call self $to is_capturing(stream))
+        }
+    };
+    (@one $to:tt create_on_host) => {
+        fn create_on_host(&self, size: u64) -> $crate::DeviceResult<$crate::PhysHandle> {
+            $crate::forward_device_calls!(@call self $to create_on_host(size))
+        }
+    };
+    (@one $to:tt introspect) => {
+        fn introspect(&self) -> Option<&dyn $crate::Introspect> {
+            $crate::forward_device_calls!(@call self $to introspect())
+        }
+    };
+    // `self` comes in as a token from the arm that wrote `&self` (macro
+    // hygiene: a nested invocation cannot name it otherwise).
+    (@call $s:tt inner $name:ident($($arg:ident),*)) => { $s.inner.$name($($arg),*) };
+    (@call $s:tt deref $name:ident($($arg:ident),*)) => { (**$s).$name($($arg),*) };
+}
+
+/// Every [`Device`] method, for a pointer to a device.
 macro_rules! impl_device_for_pointer {
     ($ptr:ty) => {
         impl<D: Device + ?Sized> Device for $ptr {
-            fn caps(&self) -> &DeviceCaps {
-                (**self).caps()
-            }
-            fn reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
-                (**self).reserve(size, align)
-            }
-            fn free_reservation(&self, addr: u64, size: u64) -> DeviceResult<()> {
-                (**self).free_reservation(addr, size)
-            }
-            fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
-                (**self).create(size)
-            }
-            fn release(&self, handle: PhysHandle) -> DeviceResult<()> {
-                (**self).release(handle)
-            }
-            fn map(&self, addr: u64, size: u64, handle: PhysHandle) -> DeviceResult<()> {
-                (**self).map(addr, size, handle)
-            }
-            fn unmap(&self, addr: u64, size: u64) -> DeviceResult<()> {
-                (**self).unmap(addr, size)
-            }
-            fn set_access(&self, addr: u64, size: u64) -> DeviceResult<()> {
-                (**self).set_access(addr, size)
-            }
-            fn mem_info(&self) -> DeviceResult<MemInfo> {
-                (**self).mem_info()
-            }
-            fn alloc(&self, size: u64) -> DeviceResult<u64> {
-                (**self).alloc(size)
-            }
-            fn free(&self, ptr: u64) -> DeviceResult<()> {
-                (**self).free(ptr)
-            }
-            fn export_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
-                (**self).export_fd(handle)
-            }
-            fn import_fd(&self, fd: i32) -> DeviceResult<PhysHandle> {
-                (**self).import_fd(fd)
-            }
-            fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
-                (**self).copy_to_device(dst, src)
-            }
-            fn copy_from_device(&self, src: u64, dst: &mut [u8]) -> DeviceResult<()> {
-                (**self).copy_from_device(src, dst)
-            }
-            fn copy_device(&self, dst: u64, src: u64, len: u64) -> DeviceResult<()> {
-                (**self).copy_device(dst, src, len)
-            }
-            fn alloc_host_buffer(&self, len: u64) -> DeviceResult<HostBuffer> {
-                (**self).alloc_host_buffer(len)
-            }
-            fn create_stream(&self) -> DeviceResult<Stream> {
-                (**self).create_stream()
-            }
-            fn synchronize_stream(&self, stream: Stream) -> DeviceResult<()> {
-                (**self).synchronize_stream(stream)
-            }
-            fn synchronize(&self) -> DeviceResult<()> {
-                (**self).synchronize()
-            }
-            fn create_event(&self) -> DeviceResult<Event> {
-                (**self).create_event()
-            }
-            fn record_event(&self, event: Event, stream: Stream) -> DeviceResult<()> {
-                (**self).record_event(event, stream)
-            }
-            fn query_event(&self, event: Event) -> DeviceResult<bool> {
-                (**self).query_event(event)
-            }
-            fn synchronize_event(&self, event: Event) -> DeviceResult<()> {
-                (**self).synchronize_event(event)
-            }
-            fn destroy_event(&self, event: Event) -> DeviceResult<()> {
-                (**self).destroy_event(event)
-            }
-            fn is_capturing(&self, stream: Stream) -> DeviceResult<bool> {
-                (**self).is_capturing(stream)
-            }
-            fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
-                (**self).create_on_host(size)
-            }
-            fn introspect(&self) -> Option<&dyn Introspect> {
-                (**self).introspect()
-            }
+            forward_device_calls!(deref: caps, reserve, free_reservation, create, release, map,
+                unmap, set_access, mem_info, alloc, free, export_fd, import_fd, copy_to_device,
+                copy_from_device, copy_device, alloc_host_buffer, create_stream,
+                synchronize_stream, synchronize, create_event, record_event, query_event,
+                synchronize_event, destroy_event, is_capturing, create_on_host, introspect);
         }
     };
 }
