@@ -31,7 +31,6 @@ pub mod ipc;
 pub mod native;
 pub mod pressure;
 #[doc(hidden)]
-pub mod testing;
 pub mod torch_es;
 
 pub use error::{AllocError, AllocResult, CachingCause, OomReport, Pin, StreamUsage};

@@ -7,8 +7,8 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::testing::{Harness, Op};
 use vmmalloc_alloc::{AllocError, Allocator, Stream};
+use vmmalloc_alloc_harness::{Harness, Op};
 use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Call, Device, Introspect, MIB};

@@ -6,10 +6,10 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::testing::{
+use vmmalloc_alloc::{Allocation, Allocator, Stream};
+use vmmalloc_alloc_harness::{
     pattern_check, pattern_fill, Harness, Op, OpMix, RandomOps, SplitMix,
 };
-use vmmalloc_alloc::{Allocation, Allocator, Stream};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::{Call, Device, Introspect, MIB};
 

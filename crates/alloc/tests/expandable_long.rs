@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::testing::{Harness, OpMix, Outcome, RandomOps};
 use vmmalloc_alloc::Allocator;
+use vmmalloc_alloc_harness::{Harness, OpMix, Outcome, RandomOps};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Device, Introspect, GIB, MIB};

@@ -6,7 +6,7 @@
 use proptest::prelude::*;
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::testing::{Harness, Op, Outcome};
+use vmmalloc_alloc_harness::{Harness, Op, Outcome};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Device, Introspect, GIB, MIB};

@@ -232,7 +232,7 @@ fn no_creep_over_1000_iterations_of_varying_sizes() {
             calls_after_warmup = dev.counts();
         }
         // The shape of iteration `it` depends only on `it % 50`.
-        let mut rng = vmmalloc_alloc::testing::SplitMix(1000 + it % 50);
+        let mut rng = vmmalloc_alloc_harness::SplitMix(1000 + it % 50);
         let seq = 1 + rng.below(64);
         let mut acts = Vec::new();
         for layer in 0..12u64 {

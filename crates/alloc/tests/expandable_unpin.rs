@@ -7,8 +7,8 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::testing::{pattern_check, pattern_fill, Harness, Op};
 use vmmalloc_alloc::{AllocError, Allocation, Allocator, Stream};
+use vmmalloc_alloc_harness::{pattern_check, pattern_fill, Harness, Op};
 use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::SimDevice;

@@ -13,9 +13,9 @@
 use std::sync::Arc;
 use vmmalloc_alloc::caching::{CachingAllocator, CachingConfig};
 use vmmalloc_alloc::native::NativeAllocator;
-use vmmalloc_alloc::testing::{Harness, OpMix, RandomOps};
 use vmmalloc_alloc::torch_es::TorchEsAllocator;
 use vmmalloc_alloc::{Allocator, Policy};
+use vmmalloc_alloc_harness::{Harness, OpMix, RandomOps};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Device, Introspect, GIB, MIB};

@@ -1,4 +1,6 @@
-//! Test helpers shared by every policy's tests (not part of the public API).
+//! Test helpers shared by every policy's tests: a crate of its own, never
+//! shipped (`publish = false`), so the allocator library carries no test
+//! scaffolding.
 //!
 //! - [`Harness`]: drives any [`Allocator`] over any [`Device`] with [`Op`]s,
 //!   keeping a shadow model of live allocations (no overlap, alignment, size,
@@ -10,8 +12,10 @@
 //!   on a random-number crate, so it can live in the library).
 //! - [`pattern_fill`] / [`pattern_check`]: the integrity pattern itself.
 
-use crate::{AllocError, Allocation, Allocator, OomReport};
+#![warn(missing_docs)]
+
 use std::collections::BTreeMap;
+use vmmalloc_alloc::{AllocError, Allocation, Allocator, OomReport};
 use vmmalloc_device::{Device, Stream};
 
 /// SplitMix64: a tiny, good-enough seeded generator.
@@ -280,7 +284,7 @@ impl<'a> Harness<'a> {
         match *op {
             Op::Malloc { size, stream } => {
                 let s = self.streams[stream % self.streams.len()];
-                let moved = |st: crate::Stats| {
+                let moved = |st: vmmalloc_alloc::Stats| {
                     (
                         st.reclaims,
                         st.chunk_splits,
@@ -539,12 +543,12 @@ impl RandomOps {
 /// `tag` (sleep and wake), then restores the default tag. Panics on failure
 /// (a test helper).
 pub fn tagged<A: Allocator + ?Sized>(a: &A, tag: &str, sizes: &[u64]) -> Vec<Allocation> {
-    crate::set_thread_tag(tag).unwrap();
+    vmmalloc_alloc::set_thread_tag(tag).unwrap();
     let out = sizes
         .iter()
         .map(|&s| a.malloc(s, Stream::DEFAULT).unwrap())
         .collect();
-    crate::set_thread_tag("").unwrap();
+    vmmalloc_alloc::set_thread_tag("").unwrap();
     out
 }
 
