@@ -47,19 +47,9 @@ struct Api {
     reset: unsafe extern "C" fn(),
 }
 
-/// The cdylib cargo built for this test run: `target/<profile>/deps/libvmmalloc.so`,
-/// next to this test binary (`cargo test` does not always refresh the copy in
-/// `target/<profile>/`, so that one is only the fallback).
+/// The cdylib cargo built for this test run.
 fn library_path() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    let fresh = deps.join("libvmmalloc.so");
-    if fresh.is_file() {
-        return fresh;
-    }
-    deps.parent()
-        .expect("target/<profile>")
-        .join("libvmmalloc.so")
+    vmmalloc_test_support::built_cdylib("libvmmalloc.so")
 }
 
 fn api() -> &'static Api {

@@ -34,16 +34,9 @@ struct Api {
     set_tag: unsafe extern "C" fn(*const c_char) -> c_int,
 }
 
+/// The cdylib cargo built for this test run.
 fn library_path() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    let fresh = deps.join("libvmmalloc.so");
-    if fresh.is_file() {
-        return fresh;
-    }
-    deps.parent()
-        .expect("target/<profile>")
-        .join("libvmmalloc.so")
+    vmmalloc_test_support::built_cdylib("libvmmalloc.so")
 }
 
 fn api() -> Api {

@@ -7,17 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The cdylib cargo built for this test run (as tests/capi.rs finds it).
+/// The cdylib cargo built for this test run.
 fn library_path() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    let fresh = deps.join("libvmmalloc.so");
-    if fresh.is_file() {
-        return fresh;
-    }
-    deps.parent()
-        .expect("target/<profile>")
-        .join("libvmmalloc.so")
+    vmmalloc_test_support::built_cdylib("libvmmalloc.so")
 }
 
 /// Compiles the harness once into the test's temporary directory.

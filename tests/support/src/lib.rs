@@ -57,6 +57,18 @@ pub fn profile_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// The cdylib `file` (e.g. `libvmmalloc.so`) cargo built for this test run:
+/// `target/<profile>/deps/<file>`, next to the running test binary (`cargo
+/// test` does not always refresh the copy in `target/<profile>/`, so that one
+/// is only the fallback).
+pub fn built_cdylib(file: &str) -> PathBuf {
+    let fresh = profile_dir().join("deps").join(file);
+    if fresh.is_file() {
+        return fresh;
+    }
+    profile_dir().join(file)
+}
+
 /// The workspace's `Cargo.toml` (this crate is `tests/support`, two levels down).
 fn workspace_manifest() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml")
