@@ -15,15 +15,8 @@ const MIB: usize = 1 << 20;
 
 /// `libvmmalloc.so` next to this test binary (as in tests/capi.rs).
 fn vmmalloc() -> &'static Library {
-    let exe = std::env::current_exe().expect("current_exe");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    let path = [
-        deps.join("libvmmalloc.so"),
-        deps.parent().unwrap().join("libvmmalloc.so"),
-    ]
-    .into_iter()
-    .find(|p| p.is_file())
-    .expect("libvmmalloc.so is built before this test");
+    let path = vmmalloc_test_support::built_cdylib("libvmmalloc.so");
+    assert!(path.is_file(), "libvmmalloc.so is built before this test");
     // SAFETY: loading our own library runs no initialisers with preconditions.
     let lib = unsafe { Library::new(&path) }.expect("load libvmmalloc.so");
     Box::leak(Box::new(lib))
