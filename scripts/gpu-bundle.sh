@@ -59,8 +59,12 @@ messages="$(mktemp)"
 manifest_tmp="$(mktemp)"
 trap 'rm -f "$messages" "$manifest_tmp"' EXIT
 echo "gpu-bundle: cargo build --release (vmmalloc, libvmmalloc.so)"
+# Two calls: `--bin` selects targets in every package named, so one call
+# with both packages would build the CLI only.
 cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} --message-format=json \
-    -p vmmalloc --bin vmmalloc -p vmmalloc-capi >"$messages"
+    -p vmmalloc --bin vmmalloc >"$messages"
+cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} --message-format=json \
+    -p vmmalloc-capi --lib >>"$messages"
 echo "gpu-bundle: cargo test --release --no-run (the GPU test suites)"
 cargo test --release ${cargo_flags[@]+"${cargo_flags[@]}"} --workspace --no-run \
     --message-format=json >>"$messages"
