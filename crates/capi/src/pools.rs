@@ -813,6 +813,20 @@ mod tests {
 
     type Guarded = Hooked<SimDevice, CaptureGuard>;
 
+    /// What `DeviceState::pool_allocator` does: a pool's allocator over
+    /// `device` behind the pool's guard, with the main allocator's policy
+    /// and options.
+    fn pool_maker<'a>(
+        device: &'a Arc<dyn Device>,
+        policy: Policy,
+        options: &'a PolicyOptions,
+    ) -> impl Fn(Arc<PoolGuard>) -> Result<Box<dyn Allocator>, Error> + Copy + 'a {
+        move |guard| {
+            let d: Arc<dyn Device> = Arc::new(Hooked::new(device.clone(), PoolHook(guard)));
+            build(policy, d, options).map_err(Error::from)
+        }
+    }
+
     fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
         a.0 < b.0 + b.1 && b.0 < a.0 + a.1
     }
@@ -827,10 +841,7 @@ mod tests {
         let main = build(policy, device.clone(), &options).unwrap();
         let main_free = |p: u64| main.free(p);
         let pools = GraphPools::new(LogLevel::Off);
-        let make = |guard| {
-            let d: Arc<dyn Device> = Arc::new(Hooked::new(device.clone(), PoolHook(guard)));
-            build(policy, d, &options).map_err(Error::from)
-        };
+        let make = pool_maker(&device, policy, &options);
         let st: Vec<Stream> = (0..4).map(|_| device.create_stream().unwrap()).collect();
         let s = st[3];
         // Main-allocator memory used on two streams, some freed (events pending).
@@ -977,10 +988,7 @@ mod tests {
         let main = build(policy, device.clone(), &options).unwrap();
         let main_free = |p: u64| main.free(p);
         let pools = GraphPools::new(LogLevel::Off);
-        let make = |guard| {
-            let d: Arc<dyn Device> = Arc::new(Hooked::new(device.clone(), PoolHook(guard)));
-            build(policy, d, &options).map_err(Error::from)
-        };
+        let make = pool_maker(&device, policy, &options);
         let s = device.create_stream().unwrap();
         pools.begin((0, 7), make).unwrap();
         let a = pools.malloc((0, 7), 24 * MIB, s).unwrap();
@@ -1053,10 +1061,7 @@ mod tests {
         let main = build(policy, device.clone(), &options).unwrap();
         let main_free = |p: u64| main.free(p);
         let pools = GraphPools::new(LogLevel::Off);
-        let make = |guard| {
-            let d: Arc<dyn Device> = Arc::new(Hooked::new(device.clone(), PoolHook(guard)));
-            build(policy, d, &options).map_err(Error::from)
-        };
+        let make = pool_maker(&device, policy, &options);
         let s = device.create_stream().unwrap();
         let id = (0, 3);
         invalid(pools.checkpoint(id), "unknown pool");
