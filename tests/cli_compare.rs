@@ -4,6 +4,9 @@ use serde_json::Value;
 use std::path::PathBuf;
 use std::process::Command;
 
+mod common;
+use common::{run_ok, tmpdir};
+
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_vmmalloc"))
 }
@@ -29,24 +32,6 @@ fn small_trace(dir: &std::path::Path) -> PathBuf {
     let path = dir.join("small.trace");
     std::fs::write(&path, s).unwrap();
     path
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("vmmalloc-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// Runs the CLI with `args`; asserts that it succeeded.
-fn run_ok(args: &[&str]) -> std::process::Output {
-    let out = bin().args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
 }
 
 #[test]

@@ -2,28 +2,13 @@
 //! out-of-memory explanation and `vmmalloc advise`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
+
+mod common;
+use common::{run_ok, tmpdir};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_vmmalloc"))
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("vmmalloc-explain-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn run_ok(args: &[&str]) -> Output {
-    let out = bin().args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "vmmalloc {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
 }
 
 /// A text trace of 30 allocations (time stamps when `timed`), half freed.

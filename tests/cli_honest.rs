@@ -4,32 +4,9 @@
 
 use serde_json::Value;
 use std::path::PathBuf;
-use std::process::{Command, Output};
 
-fn bin() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_vmmalloc"));
-    c.env_remove("RUST_BACKTRACE");
-    c
-}
-
-fn run(args: &[&str]) -> Output {
-    bin().args(args).output().unwrap()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Runs the CLI and asserts success; returns stdout.
-fn ok(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
-    stdout(&o)
-}
+mod common;
+use common::{ok, run, stderr, stdout, tmpdir};
 
 /// Runs the CLI and asserts failure without a panic; returns stderr.
 fn fails(args: &[&str]) -> String {
@@ -38,13 +15,6 @@ fn fails(args: &[&str]) -> String {
     let e = stderr(&o);
     assert!(!e.contains("panicked"), "{args:?}: {e}");
     e
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("vmmalloc-honest-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// The value of a `  key   value` row of `vmmalloc replay`.

@@ -2,8 +2,10 @@
 //! one-line errors, refused absurd capacities, the out-of-memory "Why",
 //! one option syntax, and a terminal-width `compare`.
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
+
+mod common;
+use common::{stderr, stdout, tmpdir};
 
 /// The CLI with `RUST_BACKTRACE=1`, as many Rust users (and some machines)
 /// have it set: user errors must stay one line anyway.
@@ -15,14 +17,6 @@ fn bin() -> Command {
 
 fn run(args: &[&str]) -> Output {
     bin().args(args).output().unwrap()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 fn ok(args: &[&str]) -> String {
@@ -52,13 +46,6 @@ fn user_error(args: &[&str]) -> String {
     assert!(lines[0].starts_with("Error: "), "vmmalloc {args:?}: {err}");
     assert!(!err.contains("backtrace"), "vmmalloc {args:?}: {err}");
     lines[0].to_string()
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("vmmalloc-newuser-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 #[test]

@@ -1,12 +1,15 @@
 //! End-to-end tests of `vmmalloc summary` and `vmmalloc snapshot` on the
 //! bundled fixture and a small text trace.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use vmmalloc_alloc::{Policy, Stats};
 use vmmalloc_device::GIB;
 use vmmalloc_trace::model::BlockState;
 use vmmalloc_trace::replay::{replay, replay_keeping, ReplayConfig};
+
+mod common;
+use common::tmpdir;
 
 /// The fixture's peak of requested live bytes (crates/trace/tests/fixture.rs).
 const FIXTURE_PEAK_LIVE: u64 = 13_923_997_700;
@@ -45,13 +48,6 @@ fn fails(args: &[&str]) -> String {
     assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     assert!(!err.trim().is_empty(), "{args:?}: no message");
     err
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("vmmalloc-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// The four columns (current, peak, allocated, freed) of the table row `name`.
