@@ -171,10 +171,14 @@ extern "C" {
 // (an empty tensor needs no memory; CUDACachingAllocator returns nullptr too).
 __attribute__((visibility("default"))) void* vmmalloc_malloc(size_t size, int device, void* stream) {
   void* out = nullptr;
-  MempoolId_t pool;
   int rc;
-  {
-    RelaxedCaptureMode relaxed(active.load(std::memory_order_acquire) > 0);
+  if (active.load(std::memory_order_acquire) == 0) {
+    // No capture underway in this process (the hot path): no pool to route
+    // to, no capture mode to relax.
+    rc = vmmalloc_try_malloc(size, device, stream, &out);
+  } else {
+    MempoolId_t pool;
+    RelaxedCaptureMode relaxed(true);
     rc = pool_for(device, static_cast<cudaStream_t>(stream), &pool)
              ? vmmalloc_pool_try_malloc(size, device, stream, pool.first, pool.second, &out)
              : vmmalloc_try_malloc(size, device, stream, &out);
