@@ -1,7 +1,7 @@
 //! The fast path: `malloc`, `free`, `record_stream`, block split and merge.
 
 use super::blocks::{Block, BlockState, PoolKind, MIN_BLOCK, NIL};
-use super::pages::Backing;
+use super::pages::{Backing, Need};
 use super::segment::{Segment, StreamEntry};
 use super::Inner;
 use crate::{AllocError, AllocResult, Allocation};
@@ -129,12 +129,18 @@ impl Inner {
             let ahead = self.grow_to(seg, idx, p1, room.1);
             let mut backed = Err(Backing::Short(0));
             if ahead > p1 {
-                self.speculative = true;
-                backed = self.back_pages(dev, seg, p0, ahead, (shared.0, false), room, freed_at);
-                self.speculative = false;
+                backed = self.back_pages(
+                    dev,
+                    seg,
+                    (p0, ahead),
+                    Need::Ahead,
+                    (shared.0, false),
+                    room,
+                    freed_at,
+                );
             }
             if ahead == p1 || matches!(backed, Err(Backing::Short(_))) {
-                backed = self.back_pages(dev, seg, p0, p1, shared, room, freed_at);
+                backed = self.back_pages(dev, seg, (p0, p1), Need::Now, shared, room, freed_at);
             }
             match backed {
                 Ok(()) => {

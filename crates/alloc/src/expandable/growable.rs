@@ -36,7 +36,7 @@
 //! `[0, accessible)` are accessible and `accessible ≥ ceil(size / page)`.
 
 use super::blocks::PoolKind;
-use super::pages::{Backing, Planned};
+use super::pages::{Backing, Need, Planned};
 use super::Inner;
 use crate::{AllocError, AllocResult};
 use vmmalloc_device::{round_up, Call, Device, DeviceError, PhysHandle, Stream};
@@ -218,7 +218,7 @@ impl Inner {
             let lack = pages - self.limit_pages;
             return Err(self.oom(dev, bytes, pages * page, stream, lack));
         }
-        let (plan, handles) = match self.acquire(dev, &[(first, pages)], None) {
+        let (plan, handles) = match self.acquire(dev, &[(first, pages)], Need::Now, None) {
             Ok(x) => x,
             Err(Backing::Fail(e)) => return Err(e),
             Err(Backing::Short(lack)) => {

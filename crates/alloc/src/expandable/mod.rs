@@ -123,10 +123,6 @@ pub(crate) struct Inner {
     unpin: UnpinMode,
     /// The host threads that call, for [`UnpinMode::Auto`] (`threads.rs`).
     threads: threads::Threads,
-    /// Set while backing pages mapped ahead of need (`alloc.rs`, `grow_to`):
-    /// they are taken only from the pool and new handles within the limit,
-    /// never by reclaim, unpinning or releasing pooled handles.
-    speculative: bool,
     /// All blocks.
     slab: Slab,
     /// Allocated blocks by address.
@@ -241,7 +237,6 @@ impl<D: Device> ExpandableAllocator<D> {
                 split_threshold: config.split_threshold,
                 unpin: config.unpin,
                 threads: Default::default(),
-                speculative: false,
                 slab: Slab::with_capacity(INITIAL_BLOCKS),
                 live: LiveMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
                 streams: Vec::new(),

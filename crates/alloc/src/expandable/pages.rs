@@ -76,6 +76,19 @@ pub(crate) enum Backing {
     Fail(AllocError),
 }
 
+/// What pages are backed for: the mode [`Inner::back_pages`] passes down
+/// to [`Inner::acquire_device`], which decides which sources may give them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Need {
+    /// Pages a request needs now: every source (pool, new handles, releasing
+    /// spare pooled handles, reclaim, unpinning, spill) may give them.
+    Now,
+    /// Pages mapped ahead of need (`alloc.rs`, `grow_to`): taken only from
+    /// the pool and new handles within the limit, never by reclaim,
+    /// unpinning or releasing pooled handles — nobody asked for them yet.
+    Ahead,
+}
+
 /// One chunk of a plan: pages `[first, first + pages)` of the segment, backed
 /// by a pooled handle of that size or by a new one.
 #[derive(Debug, Clone, Copy)]
@@ -230,8 +243,9 @@ impl Inner {
         Ok(())
     }
 
-    /// Makes pages `[p0, p1]` of `seg` mapped and accessible, taking chunks
-    /// from the pool, the driver, or a targeted reclaim. `room` is the whole
+    /// Makes pages `[p0, p1]` (`span`) of `seg` mapped and accessible, taking
+    /// chunks from the pool, the driver, or (for [`Need::Now`]) a targeted
+    /// reclaim. `room` is the whole
     /// pages of the free block the request is carved from (freed at tick
     /// `freed_at`): chunks inside it are wholly free and may be split. On
     /// failure every chunk this call mapped is unmapped again (handles go to
@@ -250,12 +264,13 @@ impl Inner {
         &mut self,
         dev: &D,
         seg: u32,
-        p0: u64,
-        p1: u64,
+        span: (u64, u64),
+        need: Need,
         shared: (bool, bool),
         room: (u64, u64),
         freed_at: u64,
     ) -> Result<(), Backing> {
+        let (p0, p1) = span;
         self.fix_unready(dev, seg, p0, p1)
             .map_err(|e| Backing::Fail(e.into()))?;
         self.split_free_chunks(dev, seg, p0, p1, room, freed_at)
@@ -272,11 +287,11 @@ impl Inner {
         if runs.is_empty() {
             return Ok(());
         }
-        let need: u64 = runs.iter().map(|r| r.1).sum();
-        if need > self.limit_pages {
-            return Err(Backing::Short(need - self.limit_pages));
+        let pages: u64 = runs.iter().map(|r| r.1).sum();
+        if pages > self.limit_pages {
+            return Err(Backing::Short(pages - self.limit_pages));
         }
-        self.acquire_and_map(dev, seg, &runs, Some((seg, p0, p1)))
+        self.acquire_and_map(dev, seg, &runs, need, Some((seg, p0, p1)))
     }
 
     /// Whether memory is tight: live bytes exceed `split_threshold` of the
@@ -387,15 +402,16 @@ impl Inner {
     /// pool first, then from new handles within the limit; when that is not
     /// enough, pooled chunks the plan cannot use are released, then whole free
     /// chunks elsewhere are reclaimed (never those overlapping `exclude`) and
-    /// the plan is made again with them.
+    /// the plan is made again with them (only for [`Need::Now`]).
     pub(super) fn acquire_and_map<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         seg: u32,
         runs: &[(u64, u64)],
+        need: Need,
         exclude: Exclude,
     ) -> Result<(), Backing> {
-        let (plan, handles) = self.acquire(dev, runs, exclude)?;
+        let (plan, handles) = self.acquire(dev, runs, need, exclude)?;
         self.map_chunks(dev, seg, &plan, handles)
             .map_err(|e| Backing::Fail(e.into()))
     }
@@ -408,12 +424,14 @@ impl Inner {
         &mut self,
         dev: &D,
         runs: &[(u64, u64)],
+        need: Need,
         exclude: Exclude,
     ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
-        match self.acquire_device(dev, runs, exclude) {
-            // Device memory is exhausted after reclaim: spill (spill.rs).
+        match self.acquire_device(dev, runs, need, exclude) {
+            // Device memory is exhausted after reclaim: spill (spill.rs),
+            // pages mapped ahead of need included.
             Err(Backing::Short(lacking)) if self.spill.enabled => {
-                self.acquire_spilling(dev, runs, exclude, lacking)
+                self.acquire_spilling(dev, runs, need, exclude, lacking)
             }
             r => r,
         }
@@ -424,6 +442,7 @@ impl Inner {
         &mut self,
         dev: &D,
         runs: &[(u64, u64)],
+        need: Need,
         exclude: Exclude,
     ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
         // The driver said out of memory: only released memory can be created again.
@@ -439,7 +458,7 @@ impl Inner {
                 self.limit_pages.saturating_sub(held)
             };
             let spare = self.pool.pages() - used_pool;
-            if self.speculative && (create > free || driver_full) {
+            if need == Need::Ahead && (create > free || driver_full) {
                 // Pages mapped ahead of need come only from memory to spare.
                 return Err(Backing::Short(create.saturating_sub(free).max(1)));
             }

@@ -37,7 +37,7 @@
 //! as before and its backups are kept.
 
 use super::blocks::BlockState;
-use super::pages::Backing;
+use super::pages::{Backing, Need};
 use super::tags;
 use super::Inner;
 use crate::{AllocError, AllocResult};
@@ -396,7 +396,7 @@ impl Inner {
             }
             if fail.is_none() && !runs.is_empty() {
                 let need: u64 = runs.iter().map(|r| r.1).sum();
-                match self.acquire_and_map(dev, seg, &runs, None) {
+                match self.acquire_and_map(dev, seg, &runs, Need::Now, None) {
                     Ok(()) => {
                         mapped += need * page;
                         done.push((seg, runs));

@@ -22,7 +22,7 @@
 //! mapped chunks whose handle is in `host`; every handle in `host` is mapped
 //! or in `host_free`; no host handle is pooled.
 
-use super::pages::{Backing, Planned};
+use super::pages::{Backing, Need, Planned};
 use super::segment::Chunk;
 use super::Inner;
 use std::collections::HashSet;
@@ -94,6 +94,7 @@ impl Inner {
         &mut self,
         dev: &D,
         runs: &[(u64, u64)],
+        need: Need,
         exclude: super::reclaim::Exclude,
         lacking: u64,
     ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
@@ -114,7 +115,7 @@ impl Inner {
         if head.is_empty() {
             return self.acquire_on_host(dev, runs, lacking);
         }
-        let (mut plan, mut handles) = match self.acquire_device(dev, &head, exclude) {
+        let (mut plan, mut handles) = match self.acquire_device(dev, &head, need, exclude) {
             Ok(x) => x,
             Err(Backing::Short(_)) => return self.acquire_on_host(dev, runs, lacking),
             Err(e) => return Err(e),
