@@ -1,7 +1,8 @@
 //! The fast path: `malloc`, `free`, `record_stream`, block split and merge.
 
 use super::blocks::{Block, BlockState, PoolKind, MIN_BLOCK, NIL};
-use super::pages::{Backing, Need};
+use super::ladder::Need;
+use super::pages::Backing;
 use super::segment::{Segment, StreamEntry};
 use super::Inner;
 use crate::{AllocError, AllocResult, Allocation};

@@ -36,7 +36,8 @@
 //! `[0, accessible)` are accessible and `accessible ≥ ceil(size / page)`.
 
 use super::blocks::PoolKind;
-use super::pages::{Backing, Need, Planned};
+use super::ladder::Need;
+use super::pages::{Backing, Planned};
 use super::Inner;
 use crate::{AllocError, AllocResult};
 use vmmalloc_device::{round_up, Call, Device, DeviceError, PhysHandle, Stream};

@@ -13,6 +13,11 @@
 //!   physical **chunks** (one `cuMemCreate` handle of one or more pages, up to
 //!   `max_chunk`) where its blocks need them (`pages.rs`); its page occupancy
 //!   is a bit vector beside a chunk table.
+//! - The **ladder of sources** (`ladder.rs`): the memory for those chunks
+//!   comes from the pool, then new handles within the limit, then released
+//!   spare pooled handles, a targeted reclaim, unpinning and (`spill:true`)
+//!   host memory, in that order; the mode (`Need`) passed down
+//!   says how far down a request may go.
 //! - **Blocks** (`blocks.rs`) split and merge at 512 B inside a segment; best fit
 //!   by `(size, addr)` among the free blocks of the request's (stream, pool).
 //! - A **chunk pool** (`pool.rs`): chunks unmapped from free space keep their
@@ -65,6 +70,7 @@ mod events;
 mod free_index;
 mod growable;
 mod ipc;
+mod ladder;
 mod lock;
 mod pages;
 mod pool;

@@ -1,6 +1,7 @@
-//! Physical chunks under blocks: planning which chunks back a block, getting
-//! their handles (pool, driver, targeted reclaim), mapping them, unmapping
-//! runs, and rolling back a half-done mapping.
+//! Physical chunks under blocks: which pages of a block must be backed
+//! (edge pages, splits), mapping the chunks the ladder of sources
+//! (`ladder.rs`: pool, driver, targeted reclaim, unpinning, spill) gives
+//! for them, unmapping runs, and rolling back a half-done mapping.
 //!
 //! # Why chunks
 //!
@@ -21,7 +22,7 @@
 //! out of such a free chunk: it *pins* the whole chunk, and the rest of it is
 //! free memory nothing else can have. By default that is allowed, and the
 //! pinned pages come back by unpinning when an allocation needs them
-//! (`unpin.rs`, the last step of [`Inner::acquire_device`]). With
+//! (`unpin.rs`, the last device rung of the ladder, `ladder.rs`). With
 //! `split_threshold` below 1, when memory is tight (live bytes above that
 //! fraction of the limit) such a chunk is **split** ahead of need instead:
 //! unmapped (after waiting for its stream) and the block gets exact chunks of
@@ -57,15 +58,12 @@
 //! `stats.pages_pooled` and the handle counts equal recounts; mapped chunks are
 //! accessible unless listed in `unready`.
 
+use super::ladder::Need;
 use super::reclaim::Exclude;
 use super::segment::Chunk;
 use super::Inner;
 use crate::AllocError;
 use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
-
-/// Plans tried for one request before it counts as out of memory (each after
-/// a reclaim, an unpin or a driver out-of-memory).
-const MAX_ATTEMPTS: u32 = 8;
 
 /// Why pages could not be provided.
 #[derive(Debug)]
@@ -74,19 +72,6 @@ pub(crate) enum Backing {
     Short(u64),
     /// A device call failed (not out-of-memory); the operation was rolled back.
     Fail(AllocError),
-}
-
-/// What pages are backed for: the mode [`Inner::back_pages`] passes down
-/// to [`Inner::acquire_device`], which decides which sources may give them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Need {
-    /// Pages a request needs now: every source (pool, new handles, releasing
-    /// spare pooled handles, reclaim, unpinning, spill) may give them.
-    Now,
-    /// Pages mapped ahead of need (`alloc.rs`, `grow_to`): taken only from
-    /// the pool and new handles within the limit, never by reclaim,
-    /// unpinning or releasing pooled handles — nobody asked for them yet.
-    Ahead,
 }
 
 /// One chunk of a plan: pages `[first, first + pages)` of the segment, backed
@@ -372,32 +357,6 @@ impl Inner {
         Ok(())
     }
 
-    /// Plans chunks for the unmapped `runs` (`(first, count)`): per run, the
-    /// largest pooled chunk that fits the rest of the run, else one new chunk
-    /// for the rest (split at `max_chunk`).
-    fn plan(&self, runs: &[(u64, u64)]) -> Vec<Planned> {
-        let mut view = super::pool::PoolView::of(&self.pool);
-        let max = self.layout.max_chunk_pages;
-        let mut plan = Vec::new();
-        for &(a, n) in runs {
-            let (mut p, end) = (a, a + n);
-            while p < end {
-                let rest = (end - p).min(max);
-                let (pages, pooled) = match view.take_largest_at_most(rest) {
-                    Some(k) => (k, true),
-                    None => (rest, false),
-                };
-                plan.push(Planned {
-                    first: p,
-                    pages,
-                    pooled,
-                });
-                p += pages;
-            }
-        }
-        plan
-    }
-
     /// Backs `runs` of `seg` with chunks and maps them. Memory comes from the
     /// pool first, then from new handles within the limit; when that is not
     /// enough, pooled chunks the plan cannot use are released, then whole free
@@ -414,165 +373,6 @@ impl Inner {
         let (plan, handles) = self.acquire(dev, runs, need, exclude)?;
         self.map_chunks(dev, seg, &plan, handles)
             .map_err(|e| Backing::Fail(e.into()))
-    }
-
-    /// Obtains handles for the unmapped `runs` (pool first, then new
-    /// handles within the limit, then a targeted reclaim that spares
-    /// `exclude`): the plan and one handle per planned chunk. Nothing is
-    /// mapped; on failure every handle obtained is pooled.
-    pub(super) fn acquire<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        runs: &[(u64, u64)],
-        need: Need,
-        exclude: Exclude,
-    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
-        match self.acquire_device(dev, runs, need, exclude) {
-            // Device memory is exhausted after reclaim: spill (spill.rs),
-            // pages mapped ahead of need included.
-            Err(Backing::Short(lacking)) if self.spill.enabled => {
-                self.acquire_spilling(dev, runs, need, exclude, lacking)
-            }
-            r => r,
-        }
-    }
-
-    /// [`Inner::acquire`] from device memory only.
-    pub(super) fn acquire_device<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        runs: &[(u64, u64)],
-        need: Need,
-        exclude: Exclude,
-    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
-        // The driver said out of memory: only released memory can be created again.
-        let mut driver_full = false;
-        for attempt in 0..MAX_ATTEMPTS {
-            let plan = self.plan(runs);
-            let create: u64 = plan.iter().filter(|c| !c.pooled).map(|c| c.pages).sum();
-            let used_pool: u64 = plan.iter().filter(|c| c.pooled).map(|c| c.pages).sum();
-            let held = self.mapped_pages() + self.pool.pages();
-            let free = if driver_full {
-                0
-            } else {
-                self.limit_pages.saturating_sub(held)
-            };
-            let spare = self.pool.pages() - used_pool;
-            if need == Need::Ahead && (create > free || driver_full) {
-                // Pages mapped ahead of need come only from memory to spare.
-                return Err(Backing::Short(create.saturating_sub(free).max(1)));
-            }
-            if create > free + spare {
-                // Not enough even after releasing the pool the plan cannot
-                // use: reclaim whole free chunks, then plan again.
-                let lack = create - free - spare;
-                let reclaimable = if attempt + 1 < MAX_ATTEMPTS {
-                    self.reclaimable(exclude, lack)
-                } else {
-                    0
-                };
-                if reclaimable < lack {
-                    // Whole free chunks are not enough: take them, and
-                    // give back the free pages of partly live chunks
-                    // (unpin.rs), then plan again.
-                    if attempt + 1 < MAX_ATTEMPTS && self.unpin != super::UnpinMode::Never {
-                        let r = if reclaimable > 0 {
-                            self.reclaim(dev, reclaimable, exclude)
-                        } else {
-                            0
-                        };
-                        let u = self.unpin(dev, lack.saturating_sub(r), exclude);
-                        if r + u > 0 {
-                            self.stats.num_alloc_retries += 1;
-                            continue;
-                        }
-                    }
-                    self.trim_pool(dev);
-                    return Err(Backing::Short(lack - reclaimable));
-                }
-                self.stats.num_alloc_retries += 1;
-                if self.reclaim(dev, lack, exclude) == 0 {
-                    return Err(Backing::Short(lack));
-                }
-                continue;
-            }
-            // Take the planned pooled chunks out first, so that releasing
-            // spare pool memory cannot take them.
-            let mut handles: Vec<Option<PhysHandle>> = plan
-                .iter()
-                .map(|c| {
-                    if c.pooled {
-                        self.pool.take(c.pages)
-                    } else {
-                        None
-                    }
-                })
-                .collect();
-            self.sync_pool_stats();
-            let mut release_err = None;
-            let mut freed = 0;
-            while create > free + freed {
-                match self.release_largest(dev) {
-                    Ok(0) => break,
-                    Ok(p) => freed += p,
-                    Err(e) => {
-                        release_err = Some(e);
-                        break;
-                    }
-                }
-            }
-            if let Some(e) = release_err {
-                self.pool_back(&plan, handles);
-                return Err(Backing::Fail(e.into()));
-            }
-            let mut oom = false;
-            for (c, h) in plan.iter().zip(handles.iter_mut()) {
-                if h.is_some() {
-                    continue;
-                }
-                self.stats.driver_calls.add(Call::Create);
-                match dev.create(c.pages * self.layout.page) {
-                    Ok(new) => {
-                        self.stats.num_device_alloc += 1;
-                        *h = Some(new);
-                    }
-                    Err(e) if e.is_out_of_memory() => {
-                        oom = true;
-                        break;
-                    }
-                    Err(e) => {
-                        // Handles created so far stay pooled: they are valid memory.
-                        self.pool_back(&plan, handles);
-                        self.trim_pool(dev);
-                        return Err(Backing::Fail(e.into()));
-                    }
-                }
-            }
-            if oom {
-                // Keep what was created (pooled), and plan again with it.
-                self.pool_back(&plan, handles);
-                driver_full = true;
-                continue;
-            }
-            let handles: Vec<PhysHandle> = handles.into_iter().flatten().collect();
-            return Ok((plan, handles));
-        }
-        // Every attempt ended in an out-of-memory from the driver.
-        self.trim_pool(dev);
-        let short = runs.iter().map(|r| r.1).sum::<u64>();
-        Err(Backing::Short(
-            short.saturating_sub(self.pool.pages()).max(1),
-        ))
-    }
-
-    /// Puts the handles of a plan that were obtained back into the pool.
-    pub(super) fn pool_back(&mut self, plan: &[Planned], handles: Vec<Option<PhysHandle>>) {
-        for (c, h) in plan.iter().zip(handles) {
-            if let Some(h) = h {
-                self.give_back(h, c.pages);
-            }
-        }
-        self.sync_pool_stats();
     }
 
     /// Maps `handles` as the chunks of `plan` (ascending), one `set_access`

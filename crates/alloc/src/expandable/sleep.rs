@@ -37,7 +37,8 @@
 //! as before and its backups are kept.
 
 use super::blocks::BlockState;
-use super::pages::{Backing, Need};
+use super::ladder::Need;
+use super::pages::Backing;
 use super::tags;
 use super::Inner;
 use crate::{AllocError, AllocResult};

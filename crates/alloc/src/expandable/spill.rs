@@ -22,7 +22,8 @@
 //! mapped chunks whose handle is in `host`; every handle in `host` is mapped
 //! or in `host_free`; no host handle is pooled.
 
-use super::pages::{Backing, Need, Planned};
+use super::ladder::Need;
+use super::pages::{Backing, Planned};
 use super::segment::Chunk;
 use super::Inner;
 use std::collections::HashSet;
