@@ -108,7 +108,7 @@ impl Inner {
         match self.acquire_device(dev, runs, need, exclude) {
             // Device memory is exhausted after reclaim: spill (spill.rs),
             // pages mapped ahead of need included.
-            Err(Backing::Short(lacking)) if self.spill.enabled => {
+            Err(Backing::Short(lacking)) if self.phys.spill_enabled() => {
                 self.acquire_spilling(dev, runs, need, exclude, lacking)
             }
             r => r,
@@ -147,10 +147,10 @@ impl Inner {
             }
         }
         // Every attempt ended in an out-of-memory from the driver.
-        self.trim_pool(dev);
+        self.phys.trim(&mut self.stats, dev);
         let short = runs.iter().map(|r| r.1).sum::<u64>();
         Err(Backing::Short(
-            short.saturating_sub(self.pool.pages()).max(1),
+            short.saturating_sub(self.phys.pool().pages()).max(1),
         ))
     }
 
@@ -158,7 +158,7 @@ impl Inner {
     /// largest pooled chunk that fits the rest of the run, else one new chunk
     /// for the rest (split at `max_chunk`).
     fn plan(&self, runs: &[(u64, u64)]) -> Vec<Planned> {
-        let mut view = super::pool::PoolView::of(&self.pool);
+        let mut view = super::pool::PoolView::of(self.phys.pool());
         let max = self.layout.max_chunk_pages;
         let mut plan = Vec::new();
         for &(a, n) in runs {
@@ -185,16 +185,15 @@ impl Inner {
     fn room_for(&self, plan: &[Planned], driver_full: bool) -> Room {
         let create: u64 = plan.iter().filter(|c| !c.pooled).map(|c| c.pages).sum();
         let used_pool: u64 = plan.iter().filter(|c| c.pooled).map(|c| c.pages).sum();
-        let held = self.mapped_pages() + self.pool.pages();
         let free = if driver_full {
             0
         } else {
-            self.limit_pages.saturating_sub(held)
+            self.phys.room(self.mapped_pages())
         };
         Room {
             create,
             free,
-            spare: self.pool.pages() - used_pool,
+            spare: self.phys.pool().pages() - used_pool,
         }
     }
 
@@ -237,7 +236,7 @@ impl Inner {
                 return Ok(());
             }
         }
-        self.trim_pool(dev);
+        self.phys.trim(&mut self.stats, dev);
         Err(Backing::Short(lack - reclaimable))
     }
 
@@ -268,7 +267,7 @@ impl Inner {
             Err(e) => {
                 // Handles created so far stay pooled: they are valid memory.
                 self.pool_back(plan, handles);
-                self.trim_pool(dev);
+                self.phys.trim(&mut self.stats, dev);
                 Err(Backing::Fail(e.into()))
             }
         }
@@ -281,13 +280,13 @@ impl Inner {
             .iter()
             .map(|c| {
                 if c.pooled {
-                    self.pool.take(c.pages)
+                    self.phys.take_pooled(c.pages)
                 } else {
                     None
                 }
             })
             .collect();
-        self.sync_pool_stats();
+        self.phys.sync_stats(&mut self.stats);
         handles
     }
 
@@ -301,7 +300,7 @@ impl Inner {
     ) -> Result<u64, DeviceError> {
         let mut freed = 0;
         while freed < want {
-            match self.release_largest(dev)? {
+            match self.phys.release_largest(&mut self.stats, dev)? {
                 0 => break,
                 p => freed += p,
             }
@@ -340,9 +339,9 @@ impl Inner {
     pub(super) fn pool_back(&mut self, plan: &[Planned], handles: Vec<Option<PhysHandle>>) {
         for (c, h) in plan.iter().zip(handles) {
             if let Some(h) = h {
-                self.give_back(h, c.pages);
+                self.phys.give_back(h, c.pages);
             }
         }
-        self.sync_pool_stats();
+        self.phys.sync_stats(&mut self.stats);
     }
 }

@@ -121,10 +121,11 @@ impl Inner {
         for f in &firsts {
             if let Some(c) = self.seg_mut(seg).remove_chunk(*f) {
                 pages += c.pages;
-                self.give_back_unmapped(c.handle, c.pages);
+                self.phys
+                    .give_back_unmapped(&mut self.stats, c.handle, c.pages);
             }
         }
-        self.sync_pool_stats();
+        self.phys.sync_stats(&mut self.stats);
         debug_assert_eq!(pages, count, "unmapped runs are whole chunks");
         self.split_changed(seg, before);
         let k = self.seg(seg).kind as usize;
@@ -133,82 +134,7 @@ impl Inner {
             .add(k, -((pages * self.layout.page) as i64));
         self.stats.pages_mapped -= pages;
         self.stats.handles_mapped -= firsts.len() as u64;
-        if !self.unready.is_empty() {
-            self.unready
-                .retain(|&(s, q)| !(s == seg && firsts.contains(&q)));
-        }
-    }
-
-    /// Puts a chunk of `pages` pages in the pool.
-    #[inline]
-    pub(super) fn pool_put(&mut self, h: PhysHandle, pages: u64) {
-        self.give_back(h, pages);
-        self.sync_pool_stats();
-    }
-
-    /// Copies the pool's size into the stats.
-    #[inline]
-    pub(super) fn sync_pool_stats(&mut self) {
-        self.stats.pages_pooled = self.pool.pages();
-        self.stats.handles_pooled = self.pool.count();
-    }
-
-    /// Releases pooled chunks (largest first) while the pool holds more than
-    /// the release threshold. Stops at the first failed release (the chunk
-    /// stays pooled).
-    pub(super) fn trim_pool<D: Device + ?Sized>(&mut self, dev: &D) {
-        if !self.spill.host_free.is_empty() {
-            self.release_host_free(dev);
-        }
-        let page = self.layout.page;
-        while self.pool.pages().saturating_mul(page) > self.release_threshold {
-            if self.release_largest(dev).is_err() {
-                break;
-            }
-        }
-    }
-
-    /// Releases the largest pooled chunk; returns its pages (0 when the pool
-    /// is empty). A chunk whose release fails stays pooled.
-    pub(super) fn release_largest<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-    ) -> Result<u64, DeviceError> {
-        let Some((h, pages)) = self.pool.take_largest() else {
-            return Ok(0);
-        };
-        let r = self.release_handle(dev, h);
-        if r.is_err() {
-            self.pool.put(h, pages);
-        }
-        self.sync_pool_stats();
-        r.map(|()| pages)
-    }
-
-    /// Releases every pooled chunk; failed ones stay pooled, the first error
-    /// is returned.
-    pub(super) fn release_pool<D: Device + ?Sized>(&mut self, dev: &D) -> Result<(), DeviceError> {
-        let mut first_err = None;
-        for (h, pages) in self.pool.drain() {
-            if let Err(e) = self.release_handle(dev, h) {
-                self.pool.put(h, pages);
-                first_err.get_or_insert(e);
-            }
-        }
-        self.sync_pool_stats();
-        first_err.map_or(Ok(()), Err)
-    }
-
-    /// `cuMemRelease`, counted.
-    pub(super) fn release_handle<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        h: PhysHandle,
-    ) -> Result<(), DeviceError> {
-        self.stats.driver_calls.add(Call::Release);
-        dev.release(h)?;
-        self.stats.num_device_free += 1;
-        Ok(())
+        self.phys.forget_unready(seg, &firsts);
     }
 
     /// Unmaps pages `[first, first + count)` of `seg`, which are whole
@@ -273,8 +199,8 @@ impl Inner {
             return Ok(());
         }
         let pages: u64 = runs.iter().map(|r| r.1).sum();
-        if pages > self.limit_pages {
-            return Err(Backing::Short(pages - self.limit_pages));
+        if pages > self.phys.limit_pages() {
+            return Err(Backing::Short(pages - self.phys.limit_pages()));
         }
         self.acquire_and_map(dev, seg, &runs, need, Some((seg, p0, p1)))
     }
@@ -342,17 +268,17 @@ impl Inner {
         p0: u64,
         p1: u64,
     ) -> Result<(), DeviceError> {
-        if self.unready.is_empty() {
+        if !self.phys.has_unready() {
             return Ok(());
         }
         for (f, c) in self.seg(seg).chunks_overlapping(p0, p1 + 1) {
-            if !self.unready.contains(&(seg, f)) {
+            if !self.phys.is_unready(seg, f) {
                 continue;
             }
             let addr = self.page_addr(seg, f);
             self.stats.driver_calls.add(Call::SetAccess);
             dev.set_access(addr, c.pages * self.layout.page)?;
-            self.unready.retain(|&u| u != (seg, f));
+            self.phys.mark_ready(seg, f);
         }
         Ok(())
     }
@@ -409,16 +335,17 @@ impl Inner {
                                 pages: c.pages,
                             },
                         );
-                        self.note_spill_mapping(handles[k], c.pages, true);
+                        self.phys
+                            .note_mapping(&mut self.stats, handles[k], c.pages, true);
                         run_pages += c.pages;
                         done += 1;
                     }
                     Err(e) => {
                         self.note_mapped(seg, run_pages, (k - i) as u64, before);
                         for (c, &h) in plan[k..].iter().zip(&handles[k..]) {
-                            self.give_back(h, c.pages);
+                            self.phys.give_back(h, c.pages);
                         }
-                        self.sync_pool_stats();
+                        self.phys.sync_stats(&mut self.stats);
                         return Err(self.undo_mapping(dev, seg, &plan[..done], e));
                     }
                 }
@@ -428,9 +355,9 @@ impl Inner {
             self.stats.driver_calls.add(Call::SetAccess);
             if let Err(e) = dev.set_access(addr, run_pages * page) {
                 for (c, &h) in plan[j + 1..].iter().zip(&handles[j + 1..]) {
-                    self.give_back(h, c.pages);
+                    self.phys.give_back(h, c.pages);
                 }
-                self.sync_pool_stats();
+                self.phys.sync_stats(&mut self.stats);
                 return Err(self.undo_mapping(dev, seg, &plan[..done], e));
             }
             i = j + 1;
@@ -460,13 +387,13 @@ impl Inner {
             if self.unmap_run(dev, seg, first, count).is_err() {
                 for c in &done[i..=j] {
                     if self.unmap_run(dev, seg, c.first, c.pages).is_err() {
-                        self.unready.push((seg, c.first));
+                        self.phys.mark_unready(seg, c.first);
                     }
                 }
             }
             i = j + 1;
         }
-        self.trim_pool(dev);
+        self.phys.trim(&mut self.stats, dev);
         err
     }
 }

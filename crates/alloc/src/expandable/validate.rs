@@ -178,10 +178,10 @@ impl Inner {
                             ));
                         }
                         if !paused
-                            && !self.unready.is_empty()
+                            && self.phys.has_unready()
                             && s.chunks_overlapping(p0, p1 + 1)
                                 .iter()
-                                .any(|&(f, _)| self.unready.contains(&(si, f)))
+                                .any(|&(f, _)| self.phys.is_unready(si, f))
                         {
                             return Err(format!(
                                 "active block {:#x} lies on a page without access",
@@ -299,7 +299,7 @@ impl Inner {
                 ));
             }
         }
-        for &(s, p) in &self.unready {
+        for &(s, p) in self.phys.unready() {
             match self.segments.get(s as usize) {
                 Some(Some(seg)) if seg.chunks.contains_key(&p) => {}
                 _ => {
@@ -322,13 +322,13 @@ impl Inner {
         rc.requested_bytes[large] += g.requested as i64;
         self.validate_spill()?;
         self.validate_ipc()?;
-        for h in &self.spill.host_free {
+        for h in self.phys.host_free() {
             if !handles.insert(h.0) {
                 return Err(format!("host handle {:#x} to release is also mapped", h.0));
             }
         }
-        self.pool.check()?;
-        for (h, _) in self.pool.iter() {
+        self.phys.pool().check()?;
+        for (h, _) in self.phys.pool().iter() {
             if !handles.insert(h.0) {
                 return Err(format!(
                     "pooled handle {:#x} is also mapped or pooled twice",
@@ -344,9 +344,9 @@ impl Inner {
             st.handles_pooled,
         ) != (
             mapped_total,
-            self.pool.pages(),
+            self.phys.pool().pages(),
             chunks_total,
-            self.pool.count(),
+            self.phys.pool().count(),
         ) {
             return Err(format!(
                 "stats say {} pages in {} handles mapped / {} in {} pooled, recount {mapped_total} in {chunks_total} / {} in {}",
@@ -354,8 +354,8 @@ impl Inner {
                 st.handles_mapped,
                 st.pages_pooled,
                 st.handles_pooled,
-                self.pool.pages(),
-                self.pool.count()
+                self.phys.pool().pages(),
+                self.phys.pool().count()
             ));
         }
         check_stat("allocation", &st.allocation, rc.allocation)?;
@@ -387,7 +387,7 @@ impl Inner {
             let live = m.live();
             let ours = (
                 self.arenas.list.len() + g.regions as usize,
-                (chunks_total + self.pool.count()) as usize + self.spill.host_free.len(),
+                (chunks_total + self.phys.pool().count()) as usize + self.phys.host_free().len(),
                 chunks_total as usize,
             );
             if (live.reservations, live.handles, live.mappings) != ours {
