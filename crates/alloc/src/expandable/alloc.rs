@@ -1,6 +1,7 @@
 //! The fast path: `malloc`, `free`, `record_stream`, block split and merge.
 
 use super::blocks::{Block, BlockState, PoolKind, MIN_BLOCK, NIL};
+use super::ladder::Need;
 use super::pages::Backing;
 use super::segment::{Segment, StreamEntry};
 use super::Inner;
@@ -63,7 +64,7 @@ impl Inner {
             // `malloc`: `TORCH_CHECK_WITH(OutOfMemoryError, ...)`), counted
             // and explained ("The request alone exceeds the memory limit").
             let page = self.layout.page;
-            let lacking = size.div_ceil(page).saturating_sub(self.limit_pages);
+            let lacking = size.div_ceil(page).saturating_sub(self.phys.limit_pages());
             return Err(self.oom(dev, size, round_up(size, MIN_BLOCK), stream, lacking));
         }
         let rounded = round_up(size, MIN_BLOCK);
@@ -104,7 +105,7 @@ impl Inner {
             let (p0, p1) = self.seg(seg).page_span(&self.layout, addr, rounded);
             // Fast path. When memory is tight, `back_pages` may first split
             // free chunks the block would cover only in part.
-            if self.seg(seg).all_mapped(p0, p1) && self.unready.is_empty() && !self.tight() {
+            if self.seg(seg).all_mapped(p0, p1) && !self.phys.has_unready() && !self.tight() {
                 let idx = self.carve_at(idx, addr);
                 return Ok(self.take_block(idx, size, rounded, stream));
             }
@@ -129,12 +130,18 @@ impl Inner {
             let ahead = self.grow_to(seg, idx, p1, room.1);
             let mut backed = Err(Backing::Short(0));
             if ahead > p1 {
-                self.speculative = true;
-                backed = self.back_pages(dev, seg, p0, ahead, (shared.0, false), room, freed_at);
-                self.speculative = false;
+                backed = self.back_pages(
+                    dev,
+                    seg,
+                    (p0, ahead),
+                    Need::Ahead,
+                    (shared.0, false),
+                    room,
+                    freed_at,
+                );
             }
             if ahead == p1 || matches!(backed, Err(Backing::Short(_))) {
-                backed = self.back_pages(dev, seg, p0, p1, shared, room, freed_at);
+                backed = self.back_pages(dev, seg, (p0, p1), Need::Now, shared, room, freed_at);
             }
             match backed {
                 Ok(()) => {
@@ -159,7 +166,7 @@ impl Inner {
                             let _ = self.sync_pending(dev);
                         }
                         Backing::Short(lacking) => {
-                            self.trim_pool(dev);
+                            self.phys.trim(&mut self.stats, dev);
                             return Err(self.oom(dev, size, rounded, stream, lacking));
                         }
                     }
@@ -185,8 +192,8 @@ impl Inner {
         if granule <= 1 || self.seg(seg).tail != idx {
             return p1;
         }
-        let held = (self.mapped_pages() + self.pool.pages()) as f64;
-        if held >= AHEAD_BELOW * self.limit_pages as f64 {
+        let held = (self.mapped_pages() + self.phys.pool().pages()) as f64;
+        if held >= AHEAD_BELOW * self.phys.limit_pages() as f64 {
             return p1;
         }
         ((p1 + 1).next_multiple_of(granule).min(end)).max(p1 + 1) - 1
@@ -423,7 +430,7 @@ impl Inner {
         // A paused block may be freed: its backup is dropped.
         self.sleep.forget(ptr);
         // Freeing ends an IPC export.
-        self.exported.forget(ptr);
+        self.phys.exports_mut().forget(ptr);
         let (size, requested, seg) = {
             let b = &self.slab[idx];
             (b.size, b.requested, b.seg)

@@ -36,6 +36,7 @@
 //! `[0, accessible)` are accessible and `accessible ≥ ceil(size / page)`.
 
 use super::blocks::PoolKind;
+use super::ladder::Need;
 use super::pages::{Backing, Planned};
 use super::Inner;
 use crate::{AllocError, AllocResult};
@@ -214,11 +215,11 @@ impl Inner {
             let g = &self.growables[&ptr];
             (g.mapped_pages, g.stream)
         };
-        if pages > self.limit_pages && !self.spill.enabled {
-            let lack = pages - self.limit_pages;
+        if pages > self.phys.limit_pages() && !self.phys.spill_enabled() {
+            let lack = pages - self.phys.limit_pages();
             return Err(self.oom(dev, bytes, pages * page, stream, lack));
         }
-        let (plan, handles) = match self.acquire(dev, &[(first, pages)], None) {
+        let (plan, handles) = match self.acquire(dev, &[(first, pages)], Need::Now, None) {
             Ok(x) => x,
             Err(Backing::Fail(e)) => return Err(e),
             Err(Backing::Short(lack)) => {
@@ -263,7 +264,7 @@ impl Inner {
                     g.mapped_pages += pages;
                     g.accessible = g.mapped_pages;
                     for (c, &h) in plan.iter().zip(&handles) {
-                        self.note_spill_mapping(h, c.pages, true);
+                        self.phys.note_mapping(&mut self.stats, h, c.pages, true);
                     }
                     self.note_growable(pages as i64, plan.len() as i64, 0);
                     return Ok(());
@@ -275,14 +276,14 @@ impl Inner {
         // a chunk that cannot be unmapped stays in the region, mapped but
         // without access, above `accessible`.
         for (c, &h) in plan[done..].iter().zip(&handles[done..]) {
-            self.give_back(h, c.pages);
+            self.phys.give_back(h, c.pages);
         }
         let mut kept = Vec::new();
         if done > 0 {
             self.stats.driver_calls.add(Call::Unmap);
             if dev.unmap(ptr + first * page, pages * page).is_ok() {
                 for (c, &h) in plan[..done].iter().zip(&handles[..done]) {
-                    self.give_back(h, c.pages);
+                    self.phys.give_back(h, c.pages);
                 }
             } else {
                 // Chunk by chunk from the top, so that what stays mapped is
@@ -297,7 +298,7 @@ impl Inner {
                     if stuck {
                         kept.push((h, c.pages));
                     } else {
-                        self.give_back(h, c.pages);
+                        self.phys.give_back(h, c.pages);
                     }
                 }
                 kept.reverse();
@@ -307,15 +308,15 @@ impl Inner {
             let n: u64 = kept.iter().map(|c| c.1).sum();
             let nh = kept.len() as i64;
             for &(h, p) in &kept {
-                self.note_spill_mapping(h, p, true);
+                self.phys.note_mapping(&mut self.stats, h, p, true);
             }
             let g = self.growables.get_mut(&ptr).expect("region exists");
             g.chunks.extend(kept);
             g.mapped_pages += n;
             self.note_growable(n as i64, nh, 0);
         }
-        self.sync_pool_stats();
-        self.trim_pool(dev);
+        self.phys.sync_stats(&mut self.stats);
+        self.phys.trim(&mut self.stats, dev);
         Err(err.expect("an error caused the rollback"))
     }
 
@@ -353,11 +354,11 @@ impl Inner {
         g.accessible = g.accessible.min(first);
         let n = gone.len() as i64;
         for (h, p) in gone {
-            self.give_back_unmapped(h, p);
+            self.phys.give_back_unmapped(&mut self.stats, h, p);
         }
-        self.sync_pool_stats();
+        self.phys.sync_stats(&mut self.stats);
         self.note_growable(-(count as i64), -n, 0);
-        self.trim_pool(dev);
+        self.phys.trim(&mut self.stats, dev);
         Ok(())
     }
 
@@ -416,7 +417,7 @@ impl Inner {
                 }
             }
             for (h, p) in g.chunks {
-                self.give_back_unmapped(h, p);
+                self.phys.give_back_unmapped(&mut self.stats, h, p);
             }
             self.stats.driver_calls.add(Call::AddressFree);
             if let Err(e) = dev

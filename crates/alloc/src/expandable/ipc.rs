@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 /// Exported blocks and the chunks they pin.
 #[derive(Debug, Default)]
-pub(super) struct ExportState {
+pub(crate) struct ExportState {
     /// Block address -> the chunks `(segment, first page)` under it.
     blocks: HashMap<u64, Vec<(u32, u64)>>,
     /// Chunk `(segment, first page)` -> exported blocks on it.
@@ -52,11 +52,12 @@ impl ExportState {
 impl Inner {
     /// Refuses to pause segments `segs` while a block in them is exported.
     pub(super) fn check_not_exported(&self, segs: &[u32]) -> AllocResult<()> {
-        if self.exported.blocks.is_empty() {
+        if self.phys.exports().blocks.is_empty() {
             return Ok(());
         }
         let held: Vec<String> = self
-            .exported
+            .phys
+            .exports()
             .blocks
             .iter()
             .filter(|(_, keys)| keys.iter().any(|(s, _)| segs.contains(s)))
@@ -97,16 +98,9 @@ impl Inner {
             let Some((f, c)) = s.chunk_at(p) else {
                 return Err(refuse(format!("page {p} of its segment is not mapped")));
             };
-            if self.spill.host.contains(&c.handle.0) {
-                return Err(refuse(
-                    "part of it lives in host memory (spill:true moved it there); \
-                     host-located chunks cannot be shared"
-                        .into(),
-                ));
-            }
-            if self.unready.contains(&(seg_i, f)) {
-                return Err(refuse("a chunk under it is not accessible".into()));
-            }
+            self.phys
+                .exportable(seg_i, f, c.handle)
+                .map_err(|why| refuse(why.into()))?;
             chunks.push(ExportedChunk {
                 addr: s.base + f * page,
                 size: c.pages * page,
@@ -115,18 +109,18 @@ impl Inner {
             keys.push((seg_i, f));
             p = f + c.pages;
         }
-        if !self.exported.blocks.contains_key(&ptr) {
+        if !self.phys.exports().blocks.contains_key(&ptr) {
             for &k in &keys {
-                *self.exported.chunks.entry(k).or_default() += 1;
+                *self.phys.exports_mut().chunks.entry(k).or_default() += 1;
             }
-            self.exported.blocks.insert(ptr, keys);
+            self.phys.exports_mut().blocks.insert(ptr, keys);
         }
         Ok(ExportedRange { ptr, size, chunks })
     }
 
     /// Ends the export of live block `ptr`.
     pub(super) fn unexport_block(&mut self, ptr: u64) -> AllocResult<()> {
-        if self.exported.forget(ptr) {
+        if self.phys.exports_mut().forget(ptr) {
             Ok(())
         } else {
             Err(AllocError::Ipc(format!("{ptr:#x} is not exported")))
@@ -136,7 +130,7 @@ impl Inner {
     /// Checks the export marks against the blocks and chunks.
     pub(super) fn validate_ipc(&self) -> Result<(), String> {
         let mut recount: HashMap<(u32, u64), u32> = HashMap::new();
-        for (&addr, keys) in &self.exported.blocks {
+        for (&addr, keys) in &self.phys.exports().blocks {
             let Some(&idx) = self.live.get(&addr) else {
                 return Err(format!("exported block {addr:#x} is not live"));
             };
@@ -153,10 +147,10 @@ impl Inner {
                 *recount.entry((s, f)).or_default() += 1;
             }
         }
-        if recount != self.exported.chunks {
+        if recount != self.phys.exports().chunks {
             return Err(format!(
                 "exported chunk counts {:?} != recount {recount:?}",
-                self.exported.chunks
+                self.phys.exports().chunks
             ));
         }
         Ok(())

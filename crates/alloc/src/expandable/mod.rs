@@ -13,11 +13,22 @@
 //!   physical **chunks** (one `cuMemCreate` handle of one or more pages, up to
 //!   `max_chunk`) where its blocks need them (`pages.rs`); its page occupancy
 //!   is a bit vector beside a chunk table.
+//! - The **ladder of sources** (`ladder.rs`): the memory for those chunks
+//!   comes from the pool, then new handles within the limit, then released
+//!   spare pooled handles, a targeted reclaim, unpinning and (`spill:true`)
+//!   host memory, in that order; the mode (`Need`) passed down
+//!   says how far down a request may go.
 //! - **Blocks** (`blocks.rs`) split and merge at 512 B inside a segment; best fit
 //!   by `(size, addr)` among the free blocks of the request's (stream, pool).
 //! - A **chunk pool** (`pool.rs`): chunks unmapped from free space keep their
 //!   handle and are mapped again without `release`/`create`; handles go back
 //!   to the driver above `release_threshold` or on `empty_cache`.
+//! - The **physical layer** (`physical.rs`, `Physical`): the pool, the limit
+//!   (memory fraction), unready chunks, spill's host handles and the chunks
+//!   IPC export pins, behind a narrow interface (room under the limit,
+//!   where an unmapped handle goes, may a chunk move, may it be exported).
+//!   The segments' chunk tables (where each handle is mapped) stay with
+//!   the segments.
 //! - **Targeted reclaim** (`reclaim.rs`): when `create` fails with out-of-memory
 //!   (or the memory-fraction limit is reached) only as many whole free chunks
 //!   as the request lacks are unmapped, least recently freed first, after
@@ -65,8 +76,10 @@ mod events;
 mod free_index;
 mod growable;
 mod ipc;
+mod ladder;
 mod lock;
 mod pages;
+mod physical;
 mod pool;
 mod reclaim;
 mod report;
@@ -109,12 +122,6 @@ const INITIAL_BLOCKS: usize = 4096;
 pub(crate) struct Inner {
     /// Sizes derived from the options and the device.
     layout: Layout,
-    /// The memory fraction in force.
-    fraction: f64,
-    /// Most pages that may be mapped + pooled (from the memory fraction).
-    limit_pages: u64,
-    /// Pooled bytes kept before releasing handles.
-    release_threshold: u64,
     /// Live bytes above which partly covered free chunks are split.
     split_above: u64,
     /// `split_threshold` (kept to recompute `split_above` when the fraction changes).
@@ -123,10 +130,6 @@ pub(crate) struct Inner {
     unpin: UnpinMode,
     /// The host threads that call, for [`UnpinMode::Auto`] (`threads.rs`).
     threads: threads::Threads,
-    /// Set while backing pages mapped ahead of need (`alloc.rs`, `grow_to`):
-    /// they are taken only from the pool and new handles within the limit,
-    /// never by reclaim, unpinning or releasing pooled handles.
-    speculative: bool,
     /// All blocks.
     slab: Slab,
     /// Allocated blocks by address.
@@ -139,13 +142,11 @@ pub(crate) struct Inner {
     vacant_segments: Vec<u32>,
     /// Address-space reservations.
     arenas: Arenas,
-    /// Unmapped chunks whose handle is kept (the chunk pool).
-    pool: pool::ChunkPool,
+    /// The physical layer: chunk pool, limit, unready chunks, spill,
+    /// export marks (`physical.rs`).
+    phys: physical::Physical,
     /// Event pool and blocks waiting for events.
     events: Events,
-    /// Chunks that are mapped but not yet accessible, `(segment, first
-    /// page)`: only after a `set_access` failed and the rollback unmap failed too.
-    unready: Vec<(u32, u64)>,
     /// Counts frees; orders reclaim and stream waits.
     tick: u64,
     /// Counters other than the nine stat families.
@@ -156,10 +157,6 @@ pub(crate) struct Inner {
     sleep: sleep::SleepState,
     /// Growable regions by address ([`growable`]).
     growables: std::collections::BTreeMap<u64, growable::Growable>,
-    /// Host-located chunks (`spill:true`, [`spill`]).
-    spill: spill::SpillState,
-    /// Blocks exported to other processes and the chunks they pin ([`ipc`]).
-    exported: ipc::ExportState,
 }
 
 impl Inner {
@@ -206,7 +203,7 @@ impl Inner {
     /// Device pages mapped in all segments and regions (host-located,
     /// spilled pages do not count: they are not device memory).
     fn mapped_pages(&self) -> u64 {
-        self.stats.pages_mapped - self.spill.spilled_pages
+        self.stats.pages_mapped - self.phys.spilled_pages()
     }
 }
 
@@ -234,33 +231,28 @@ impl<D: Device> ExpandableAllocator<D> {
             device,
             inner: Lock::new(Inner {
                 layout,
-                fraction: config.memory_fraction,
-                limit_pages: layout.limit_pages(config.memory_fraction),
-                release_threshold: config.release_threshold,
                 split_above: layout.split_above(config.memory_fraction, config.split_threshold),
                 split_threshold: config.split_threshold,
                 unpin: config.unpin,
                 threads: Default::default(),
-                speculative: false,
                 slab: Slab::with_capacity(INITIAL_BLOCKS),
                 live: LiveMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
                 streams: Vec::new(),
                 segments: Vec::new(),
                 vacant_segments: Vec::new(),
                 arenas: Arenas::default(),
-                pool: pool::ChunkPool::default(),
+                phys: physical::Physical::new(
+                    &layout,
+                    config.memory_fraction,
+                    config.release_threshold,
+                    config.spill,
+                ),
                 events: Events::default(),
-                unready: Vec::new(),
                 tick: 0,
                 stats,
                 counters: Counters::default(),
                 sleep: sleep::SleepState::default(),
                 growables: Default::default(),
-                spill: spill::SpillState {
-                    enabled: config.spill,
-                    ..Default::default()
-                },
-                exported: ipc::ExportState::default(),
             }),
         })
     }

@@ -1,6 +1,7 @@
-//! Physical chunks under blocks: planning which chunks back a block, getting
-//! their handles (pool, driver, targeted reclaim), mapping them, unmapping
-//! runs, and rolling back a half-done mapping.
+//! Physical chunks under blocks: which pages of a block must be backed
+//! (edge pages, splits), mapping the chunks the ladder of sources
+//! (`ladder.rs`: pool, driver, targeted reclaim, unpinning, spill) gives
+//! for them, unmapping runs, and rolling back a half-done mapping.
 //!
 //! # Why chunks
 //!
@@ -21,7 +22,7 @@
 //! out of such a free chunk: it *pins* the whole chunk, and the rest of it is
 //! free memory nothing else can have. By default that is allowed, and the
 //! pinned pages come back by unpinning when an allocation needs them
-//! (`unpin.rs`, the last step of [`Inner::acquire_device`]). With
+//! (`unpin.rs`, the last device rung of the ladder, `ladder.rs`). With
 //! `split_threshold` below 1, when memory is tight (live bytes above that
 //! fraction of the limit) such a chunk is **split** ahead of need instead:
 //! unmapped (after waiting for its stream) and the block gets exact chunks of
@@ -57,15 +58,12 @@
 //! `stats.pages_pooled` and the handle counts equal recounts; mapped chunks are
 //! accessible unless listed in `unready`.
 
+use super::ladder::Need;
 use super::reclaim::Exclude;
 use super::segment::Chunk;
 use super::Inner;
 use crate::AllocError;
 use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
-
-/// Plans tried for one request before it counts as out of memory (each after
-/// a reclaim, an unpin or a driver out-of-memory).
-const MAX_ATTEMPTS: u32 = 8;
 
 /// Why pages could not be provided.
 #[derive(Debug)]
@@ -123,10 +121,11 @@ impl Inner {
         for f in &firsts {
             if let Some(c) = self.seg_mut(seg).remove_chunk(*f) {
                 pages += c.pages;
-                self.give_back_unmapped(c.handle, c.pages);
+                self.phys
+                    .give_back_unmapped(&mut self.stats, c.handle, c.pages);
             }
         }
-        self.sync_pool_stats();
+        self.phys.sync_stats(&mut self.stats);
         debug_assert_eq!(pages, count, "unmapped runs are whole chunks");
         self.split_changed(seg, before);
         let k = self.seg(seg).kind as usize;
@@ -135,82 +134,7 @@ impl Inner {
             .add(k, -((pages * self.layout.page) as i64));
         self.stats.pages_mapped -= pages;
         self.stats.handles_mapped -= firsts.len() as u64;
-        if !self.unready.is_empty() {
-            self.unready
-                .retain(|&(s, q)| !(s == seg && firsts.contains(&q)));
-        }
-    }
-
-    /// Puts a chunk of `pages` pages in the pool.
-    #[inline]
-    pub(super) fn pool_put(&mut self, h: PhysHandle, pages: u64) {
-        self.give_back(h, pages);
-        self.sync_pool_stats();
-    }
-
-    /// Copies the pool's size into the stats.
-    #[inline]
-    pub(super) fn sync_pool_stats(&mut self) {
-        self.stats.pages_pooled = self.pool.pages();
-        self.stats.handles_pooled = self.pool.count();
-    }
-
-    /// Releases pooled chunks (largest first) while the pool holds more than
-    /// the release threshold. Stops at the first failed release (the chunk
-    /// stays pooled).
-    pub(super) fn trim_pool<D: Device + ?Sized>(&mut self, dev: &D) {
-        if !self.spill.host_free.is_empty() {
-            self.release_host_free(dev);
-        }
-        let page = self.layout.page;
-        while self.pool.pages().saturating_mul(page) > self.release_threshold {
-            if self.release_largest(dev).is_err() {
-                break;
-            }
-        }
-    }
-
-    /// Releases the largest pooled chunk; returns its pages (0 when the pool
-    /// is empty). A chunk whose release fails stays pooled.
-    pub(super) fn release_largest<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-    ) -> Result<u64, DeviceError> {
-        let Some((h, pages)) = self.pool.take_largest() else {
-            return Ok(0);
-        };
-        let r = self.release_handle(dev, h);
-        if r.is_err() {
-            self.pool.put(h, pages);
-        }
-        self.sync_pool_stats();
-        r.map(|()| pages)
-    }
-
-    /// Releases every pooled chunk; failed ones stay pooled, the first error
-    /// is returned.
-    pub(super) fn release_pool<D: Device + ?Sized>(&mut self, dev: &D) -> Result<(), DeviceError> {
-        let mut first_err = None;
-        for (h, pages) in self.pool.drain() {
-            if let Err(e) = self.release_handle(dev, h) {
-                self.pool.put(h, pages);
-                first_err.get_or_insert(e);
-            }
-        }
-        self.sync_pool_stats();
-        first_err.map_or(Ok(()), Err)
-    }
-
-    /// `cuMemRelease`, counted.
-    pub(super) fn release_handle<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        h: PhysHandle,
-    ) -> Result<(), DeviceError> {
-        self.stats.driver_calls.add(Call::Release);
-        dev.release(h)?;
-        self.stats.num_device_free += 1;
-        Ok(())
+        self.phys.forget_unready(seg, &firsts);
     }
 
     /// Unmaps pages `[first, first + count)` of `seg`, which are whole
@@ -230,8 +154,9 @@ impl Inner {
         Ok(())
     }
 
-    /// Makes pages `[p0, p1]` of `seg` mapped and accessible, taking chunks
-    /// from the pool, the driver, or a targeted reclaim. `room` is the whole
+    /// Makes pages `[p0, p1]` (`span`) of `seg` mapped and accessible, taking
+    /// chunks from the pool, the driver, or (for [`Need::Now`]) a targeted
+    /// reclaim. `room` is the whole
     /// pages of the free block the request is carved from (freed at tick
     /// `freed_at`): chunks inside it are wholly free and may be split. On
     /// failure every chunk this call mapped is unmapped again (handles go to
@@ -250,12 +175,13 @@ impl Inner {
         &mut self,
         dev: &D,
         seg: u32,
-        p0: u64,
-        p1: u64,
+        span: (u64, u64),
+        need: Need,
         shared: (bool, bool),
         room: (u64, u64),
         freed_at: u64,
     ) -> Result<(), Backing> {
+        let (p0, p1) = span;
         self.fix_unready(dev, seg, p0, p1)
             .map_err(|e| Backing::Fail(e.into()))?;
         self.split_free_chunks(dev, seg, p0, p1, room, freed_at)
@@ -272,11 +198,11 @@ impl Inner {
         if runs.is_empty() {
             return Ok(());
         }
-        let need: u64 = runs.iter().map(|r| r.1).sum();
-        if need > self.limit_pages {
-            return Err(Backing::Short(need - self.limit_pages));
+        let pages: u64 = runs.iter().map(|r| r.1).sum();
+        if pages > self.phys.limit_pages() {
+            return Err(Backing::Short(pages - self.phys.limit_pages()));
         }
-        self.acquire_and_map(dev, seg, &runs, Some((seg, p0, p1)))
+        self.acquire_and_map(dev, seg, &runs, need, Some((seg, p0, p1)))
     }
 
     /// Whether memory is tight: live bytes exceed `split_threshold` of the
@@ -342,218 +268,37 @@ impl Inner {
         p0: u64,
         p1: u64,
     ) -> Result<(), DeviceError> {
-        if self.unready.is_empty() {
+        if !self.phys.has_unready() {
             return Ok(());
         }
         for (f, c) in self.seg(seg).chunks_overlapping(p0, p1 + 1) {
-            if !self.unready.contains(&(seg, f)) {
+            if !self.phys.is_unready(seg, f) {
                 continue;
             }
             let addr = self.page_addr(seg, f);
             self.stats.driver_calls.add(Call::SetAccess);
             dev.set_access(addr, c.pages * self.layout.page)?;
-            self.unready.retain(|&u| u != (seg, f));
+            self.phys.mark_ready(seg, f);
         }
         Ok(())
-    }
-
-    /// Plans chunks for the unmapped `runs` (`(first, count)`): per run, the
-    /// largest pooled chunk that fits the rest of the run, else one new chunk
-    /// for the rest (split at `max_chunk`).
-    fn plan(&self, runs: &[(u64, u64)]) -> Vec<Planned> {
-        let mut view = super::pool::PoolView::of(&self.pool);
-        let max = self.layout.max_chunk_pages;
-        let mut plan = Vec::new();
-        for &(a, n) in runs {
-            let (mut p, end) = (a, a + n);
-            while p < end {
-                let rest = (end - p).min(max);
-                let (pages, pooled) = match view.take_largest_at_most(rest) {
-                    Some(k) => (k, true),
-                    None => (rest, false),
-                };
-                plan.push(Planned {
-                    first: p,
-                    pages,
-                    pooled,
-                });
-                p += pages;
-            }
-        }
-        plan
     }
 
     /// Backs `runs` of `seg` with chunks and maps them. Memory comes from the
     /// pool first, then from new handles within the limit; when that is not
     /// enough, pooled chunks the plan cannot use are released, then whole free
     /// chunks elsewhere are reclaimed (never those overlapping `exclude`) and
-    /// the plan is made again with them.
+    /// the plan is made again with them (only for [`Need::Now`]).
     pub(super) fn acquire_and_map<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         seg: u32,
         runs: &[(u64, u64)],
+        need: Need,
         exclude: Exclude,
     ) -> Result<(), Backing> {
-        let (plan, handles) = self.acquire(dev, runs, exclude)?;
+        let (plan, handles) = self.acquire(dev, runs, need, exclude)?;
         self.map_chunks(dev, seg, &plan, handles)
             .map_err(|e| Backing::Fail(e.into()))
-    }
-
-    /// Obtains handles for the unmapped `runs` (pool first, then new
-    /// handles within the limit, then a targeted reclaim that spares
-    /// `exclude`): the plan and one handle per planned chunk. Nothing is
-    /// mapped; on failure every handle obtained is pooled.
-    pub(super) fn acquire<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        runs: &[(u64, u64)],
-        exclude: Exclude,
-    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
-        match self.acquire_device(dev, runs, exclude) {
-            // Device memory is exhausted after reclaim: spill (spill.rs).
-            Err(Backing::Short(lacking)) if self.spill.enabled => {
-                self.acquire_spilling(dev, runs, exclude, lacking)
-            }
-            r => r,
-        }
-    }
-
-    /// [`Inner::acquire`] from device memory only.
-    pub(super) fn acquire_device<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        runs: &[(u64, u64)],
-        exclude: Exclude,
-    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
-        // The driver said out of memory: only released memory can be created again.
-        let mut driver_full = false;
-        for attempt in 0..MAX_ATTEMPTS {
-            let plan = self.plan(runs);
-            let create: u64 = plan.iter().filter(|c| !c.pooled).map(|c| c.pages).sum();
-            let used_pool: u64 = plan.iter().filter(|c| c.pooled).map(|c| c.pages).sum();
-            let held = self.mapped_pages() + self.pool.pages();
-            let free = if driver_full {
-                0
-            } else {
-                self.limit_pages.saturating_sub(held)
-            };
-            let spare = self.pool.pages() - used_pool;
-            if self.speculative && (create > free || driver_full) {
-                // Pages mapped ahead of need come only from memory to spare.
-                return Err(Backing::Short(create.saturating_sub(free).max(1)));
-            }
-            if create > free + spare {
-                // Not enough even after releasing the pool the plan cannot
-                // use: reclaim whole free chunks, then plan again.
-                let lack = create - free - spare;
-                let reclaimable = if attempt + 1 < MAX_ATTEMPTS {
-                    self.reclaimable(exclude, lack)
-                } else {
-                    0
-                };
-                if reclaimable < lack {
-                    // Whole free chunks are not enough: take them, and
-                    // give back the free pages of partly live chunks
-                    // (unpin.rs), then plan again.
-                    if attempt + 1 < MAX_ATTEMPTS && self.unpin != super::UnpinMode::Never {
-                        let r = if reclaimable > 0 {
-                            self.reclaim(dev, reclaimable, exclude)
-                        } else {
-                            0
-                        };
-                        let u = self.unpin(dev, lack.saturating_sub(r), exclude);
-                        if r + u > 0 {
-                            self.stats.num_alloc_retries += 1;
-                            continue;
-                        }
-                    }
-                    self.trim_pool(dev);
-                    return Err(Backing::Short(lack - reclaimable));
-                }
-                self.stats.num_alloc_retries += 1;
-                if self.reclaim(dev, lack, exclude) == 0 {
-                    return Err(Backing::Short(lack));
-                }
-                continue;
-            }
-            // Take the planned pooled chunks out first, so that releasing
-            // spare pool memory cannot take them.
-            let mut handles: Vec<Option<PhysHandle>> = plan
-                .iter()
-                .map(|c| {
-                    if c.pooled {
-                        self.pool.take(c.pages)
-                    } else {
-                        None
-                    }
-                })
-                .collect();
-            self.sync_pool_stats();
-            let mut release_err = None;
-            let mut freed = 0;
-            while create > free + freed {
-                match self.release_largest(dev) {
-                    Ok(0) => break,
-                    Ok(p) => freed += p,
-                    Err(e) => {
-                        release_err = Some(e);
-                        break;
-                    }
-                }
-            }
-            if let Some(e) = release_err {
-                self.pool_back(&plan, handles);
-                return Err(Backing::Fail(e.into()));
-            }
-            let mut oom = false;
-            for (c, h) in plan.iter().zip(handles.iter_mut()) {
-                if h.is_some() {
-                    continue;
-                }
-                self.stats.driver_calls.add(Call::Create);
-                match dev.create(c.pages * self.layout.page) {
-                    Ok(new) => {
-                        self.stats.num_device_alloc += 1;
-                        *h = Some(new);
-                    }
-                    Err(e) if e.is_out_of_memory() => {
-                        oom = true;
-                        break;
-                    }
-                    Err(e) => {
-                        // Handles created so far stay pooled: they are valid memory.
-                        self.pool_back(&plan, handles);
-                        self.trim_pool(dev);
-                        return Err(Backing::Fail(e.into()));
-                    }
-                }
-            }
-            if oom {
-                // Keep what was created (pooled), and plan again with it.
-                self.pool_back(&plan, handles);
-                driver_full = true;
-                continue;
-            }
-            let handles: Vec<PhysHandle> = handles.into_iter().flatten().collect();
-            return Ok((plan, handles));
-        }
-        // Every attempt ended in an out-of-memory from the driver.
-        self.trim_pool(dev);
-        let short = runs.iter().map(|r| r.1).sum::<u64>();
-        Err(Backing::Short(
-            short.saturating_sub(self.pool.pages()).max(1),
-        ))
-    }
-
-    /// Puts the handles of a plan that were obtained back into the pool.
-    pub(super) fn pool_back(&mut self, plan: &[Planned], handles: Vec<Option<PhysHandle>>) {
-        for (c, h) in plan.iter().zip(handles) {
-            if let Some(h) = h {
-                self.give_back(h, c.pages);
-            }
-        }
-        self.sync_pool_stats();
     }
 
     /// Maps `handles` as the chunks of `plan` (ascending), one `set_access`
@@ -590,16 +335,17 @@ impl Inner {
                                 pages: c.pages,
                             },
                         );
-                        self.note_spill_mapping(handles[k], c.pages, true);
+                        self.phys
+                            .note_mapping(&mut self.stats, handles[k], c.pages, true);
                         run_pages += c.pages;
                         done += 1;
                     }
                     Err(e) => {
                         self.note_mapped(seg, run_pages, (k - i) as u64, before);
                         for (c, &h) in plan[k..].iter().zip(&handles[k..]) {
-                            self.give_back(h, c.pages);
+                            self.phys.give_back(h, c.pages);
                         }
-                        self.sync_pool_stats();
+                        self.phys.sync_stats(&mut self.stats);
                         return Err(self.undo_mapping(dev, seg, &plan[..done], e));
                     }
                 }
@@ -609,9 +355,9 @@ impl Inner {
             self.stats.driver_calls.add(Call::SetAccess);
             if let Err(e) = dev.set_access(addr, run_pages * page) {
                 for (c, &h) in plan[j + 1..].iter().zip(&handles[j + 1..]) {
-                    self.give_back(h, c.pages);
+                    self.phys.give_back(h, c.pages);
                 }
-                self.sync_pool_stats();
+                self.phys.sync_stats(&mut self.stats);
                 return Err(self.undo_mapping(dev, seg, &plan[..done], e));
             }
             i = j + 1;
@@ -641,13 +387,13 @@ impl Inner {
             if self.unmap_run(dev, seg, first, count).is_err() {
                 for c in &done[i..=j] {
                     if self.unmap_run(dev, seg, c.first, c.pages).is_err() {
-                        self.unready.push((seg, c.first));
+                        self.phys.mark_unready(seg, c.first);
                     }
                 }
             }
             i = j + 1;
         }
-        self.trim_pool(dev);
+        self.phys.trim(&mut self.stats, dev);
         err
     }
 }

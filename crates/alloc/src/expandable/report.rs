@@ -36,7 +36,7 @@ impl Inner {
         self.stats.driver_calls.add(Call::MemInfo);
         let device_free = dev.mem_info().map(|m| m.free).unwrap_or(0);
         let page = self.layout.page;
-        let capacity = self.limit_pages * page;
+        let capacity = self.phys.limit_pages() * page;
         let mut per_stream = Vec::with_capacity(self.streams.len());
         let mut largest_free = 0;
         let mut pending_bytes = 0;
@@ -65,7 +65,7 @@ impl Inner {
         }
         let live = self.counters.allocated_bytes.current() as u64;
         let mapped = self.mapped_pages() * page;
-        let pooled = self.pool.pages() * page;
+        let pooled = self.phys.pool().pages() * page;
         let active = self.counters.active_bytes.current() as u64;
         let mut hint = format!(
             "On {stream}, {} of physical pages ({} pages of {}) were lacking after counting every free, pooled and reclaimable page.",
@@ -112,16 +112,16 @@ impl Inner {
                 format_bytes(pending_bytes)
             ));
         }
-        if self.spill.spilled_pages > 0 {
+        if self.phys.spilled_pages() > 0 {
             hint.push_str(&format!(
                 " {} live in host memory (spill) already.",
-                format_bytes(self.spill.spilled_pages * page)
+                format_bytes(self.phys.spilled_pages() * page)
             ));
         }
-        if self.fraction < 1.0 {
+        if self.phys.fraction() < 1.0 {
             hint.push_str(&format!(
                 " The memory fraction {} caps this allocator at {}.",
-                self.fraction,
+                self.phys.fraction(),
                 format_bytes(capacity)
             ));
         } else if device_free + mapped + pooled < self.layout.total / 2 {

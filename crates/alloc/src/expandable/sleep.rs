@@ -37,6 +37,7 @@
 //! as before and its backups are kept.
 
 use super::blocks::BlockState;
+use super::ladder::Need;
 use super::pages::Backing;
 use super::tags;
 use super::Inner;
@@ -311,7 +312,7 @@ impl Inner {
         self.sleep.paused.extend(saved);
         let mut first_err = None;
         // Host-located (spilled) chunks under the tags go back too (spill.rs).
-        let host_pages_before = self.spill.spilled_pages;
+        let host_pages_before = self.phys.spilled_pages();
         for &s in &segs {
             let len = self.seg(s).mapped.len() as u64;
             for (f, n) in self.seg(s).mapped_runs(0, len) {
@@ -329,17 +330,17 @@ impl Inner {
                 }
             }
         }
-        let before = self.pool.pages();
-        if let Err(e) = self.release_pool(dev) {
+        let before = self.phys.pool().pages();
+        if let Err(e) = self.phys.release_pool(&mut self.stats, dev) {
             first_err.get_or_insert(e);
         }
-        let mut released = (before - self.pool.pages()) * self.layout.page;
-        let host_pages = host_pages_before - self.spill.spilled_pages;
+        let mut released = (before - self.phys.pool().pages()) * self.layout.page;
+        let host_pages = host_pages_before - self.phys.spilled_pages();
         let mut host_kept = false;
         if host_pages > 0 {
             // A chunk whose release fails stays listed for the next trim.
-            self.release_host_free(dev);
-            host_kept = !self.spill.host_free.is_empty();
+            self.phys.release_host_free(&mut self.stats, dev);
+            host_kept = self.phys.has_host_free();
             if !host_kept {
                 released += host_pages * self.layout.page;
             }
@@ -396,7 +397,7 @@ impl Inner {
             }
             if fail.is_none() && !runs.is_empty() {
                 let need: u64 = runs.iter().map(|r| r.1).sum();
-                match self.acquire_and_map(dev, seg, &runs, None) {
+                match self.acquire_and_map(dev, seg, &runs, Need::Now, None) {
                     Ok(()) => {
                         mapped += need * page;
                         done.push((seg, runs));
@@ -477,7 +478,7 @@ impl Inner {
             }
         }
         // A chunk whose release fails stays pooled (accounted, not leaked).
-        let _ = self.release_pool(dev);
+        let _ = self.phys.release_pool(&mut self.stats, dev);
     }
 
     /// Per-tag figures, sorted by tag name.

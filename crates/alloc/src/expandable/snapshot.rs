@@ -126,7 +126,7 @@ impl Inner {
             device: ordinal,
             segments,
             mapped_bytes: self.mapped_pages() * self.layout.page,
-            pooled_bytes: self.pool.pages() * self.layout.page,
+            pooled_bytes: self.phys.pool().pages() * self.layout.page,
         }
     }
 }

@@ -18,10 +18,15 @@
 //!   chunk, map the device chunk at the same address, give access, copy the
 //!   bytes back. A failure puts the host chunk back where it was.
 //!
+//! The spill state lives in the physical layer (`physical.rs`), which does
+//! its accounting (`note_mapping`, `give_back`, `release_host_free`); this
+//! file holds the decisions.
+//!
 //! Invariants (checked by `validate`): `spilled_pages` is the sum of the
 //! mapped chunks whose handle is in `host`; every handle in `host` is mapped
 //! or in `host_free`; no host handle is pooled.
 
+use super::ladder::Need;
 use super::pages::{Backing, Planned};
 use super::segment::Chunk;
 use super::Inner;
@@ -42,50 +47,6 @@ pub(crate) struct SpillState {
 }
 
 impl Inner {
-    /// Where an unmapped handle goes: host chunks to `host_free` (released
-    /// at the next trim), device chunks to the pool.
-    pub(super) fn give_back(&mut self, h: PhysHandle, pages: u64) {
-        if self.spill.host.contains(&h.0) {
-            self.spill.host_free.push(h);
-        } else {
-            self.pool.put(h, pages);
-        }
-    }
-
-    /// A chunk that was mapped and is now unmapped: updates the spill
-    /// accounting and gives the handle back ([`Self::give_back`]).
-    pub(super) fn give_back_unmapped(&mut self, h: PhysHandle, pages: u64) {
-        self.note_spill_mapping(h, pages, false);
-        self.give_back(h, pages);
-    }
-
-    /// Notes that chunk `h` of `pages` pages was mapped (or, with `mapped`
-    /// false, unmapped): keeps `spilled_pages` and the spill stats.
-    pub(super) fn note_spill_mapping(&mut self, h: PhysHandle, pages: u64, mapped: bool) {
-        if !self.spill.host.contains(&h.0) {
-            return;
-        }
-        if mapped {
-            self.spill.spilled_pages += pages;
-        } else {
-            self.spill.spilled_pages -= pages;
-        }
-        let bytes = self.spill.spilled_pages * self.layout.page;
-        self.stats.spilled_bytes = bytes;
-        self.stats.spilled_bytes_peak = self.stats.spilled_bytes_peak.max(bytes);
-    }
-
-    /// Releases the unmapped host chunks; a failed release stays listed.
-    pub(super) fn release_host_free<D: Device + ?Sized>(&mut self, dev: &D) {
-        for h in std::mem::take(&mut self.spill.host_free) {
-            if self.release_handle(dev, h).is_ok() {
-                self.spill.host.remove(&h.0);
-            } else {
-                self.spill.host_free.push(h);
-            }
-        }
-    }
-
     /// With `spill:true`, after the device lacked `lacking` pages for `runs`:
     /// the first pages of `runs` from device memory (what it can give), the
     /// last `lacking` from host memory; all from the host when the device
@@ -94,6 +55,7 @@ impl Inner {
         &mut self,
         dev: &D,
         runs: &[(u64, u64)],
+        need: Need,
         exclude: super::reclaim::Exclude,
         lacking: u64,
     ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
@@ -114,7 +76,7 @@ impl Inner {
         if head.is_empty() {
             return self.acquire_on_host(dev, runs, lacking);
         }
-        let (mut plan, mut handles) = match self.acquire_device(dev, &head, exclude) {
+        let (mut plan, mut handles) = match self.acquire_device(dev, &head, need, exclude) {
             Ok(x) => x,
             Err(Backing::Short(_)) => return self.acquire_on_host(dev, runs, lacking),
             Err(e) => return Err(e),
@@ -127,9 +89,9 @@ impl Inner {
             }
             Err(e) => {
                 for (c, h) in plan.iter().zip(handles) {
-                    self.give_back(h, c.pages);
+                    self.phys.give_back(h, c.pages);
                 }
-                self.sync_pool_stats();
+                self.phys.sync_stats(&mut self.stats);
                 Err(e)
             }
         }
@@ -165,14 +127,14 @@ impl Inner {
             self.stats.driver_calls.add(Call::Create);
             match dev.create_on_host(c.pages * self.layout.page) {
                 Ok(h) => {
-                    self.spill.host.insert(h.0);
+                    self.phys.add_host(h);
                     handles.push(h);
                 }
                 Err(e) => {
                     for h in handles {
-                        self.spill.host_free.push(h);
+                        self.phys.drop_host(h);
                     }
-                    self.release_host_free(dev);
+                    self.phys.release_host_free(&mut self.stats, dev);
                     return Err(if e.is_out_of_memory() || e.cuda_code() == 801 {
                         Backing::Short(lacking)
                     } else {
@@ -192,7 +154,7 @@ impl Inner {
         &mut self,
         dev: &D,
     ) -> Result<(), DeviceError> {
-        if self.spill.host.is_empty() {
+        if !self.phys.has_host() {
             return Ok(());
         }
         let mut first_err = None;
@@ -204,7 +166,7 @@ impl Inner {
                 .seg(seg)
                 .chunks
                 .iter()
-                .filter(|(_, c)| self.spill.host.contains(&c.handle.0))
+                .filter(|(_, c)| self.phys.is_host(c.handle))
                 .map(|(&f, &c)| (f, c))
                 .collect();
             for (f, c) in host {
@@ -213,7 +175,7 @@ impl Inner {
                 }
             }
         }
-        self.release_host_free(dev);
+        self.phys.release_host_free(&mut self.stats, dev);
         first_err.map_or(Ok(()), Err)
     }
 
@@ -259,19 +221,20 @@ impl Inner {
         }
         // Room on the device: a pooled chunk of the size, else free device
         // chunks reclaimed and spare pooled ones released, within the limit.
-        let over = |me: &Self| me.mapped_pages() + me.pool.pages() + c.pages > me.limit_pages;
-        let mut pooled = self.pool.take(c.pages);
+        let over = |me: &Self| me.phys.over_limit(me.mapped_pages(), c.pages);
+        let mut pooled = self.phys.take_pooled(c.pages);
         if pooled.is_none() && over(self) {
-            let lack = self.mapped_pages() + self.pool.pages() + c.pages - self.limit_pages;
+            let lack =
+                self.mapped_pages() + self.phys.pool().pages() + c.pages - self.phys.limit_pages();
             self.reclaim(dev, lack, Some((seg, f, f + c.pages - 1)));
-            pooled = self.pool.take(c.pages);
+            pooled = self.phys.take_pooled(c.pages);
             while pooled.is_none() && over(self) {
-                if self.release_largest(dev)? == 0 {
+                if self.phys.release_largest(&mut self.stats, dev)? == 0 {
                     break;
                 }
             }
         }
-        self.sync_pool_stats();
+        self.phys.sync_stats(&mut self.stats);
         if pooled.is_none() && over(self) {
             return Ok(());
         }
@@ -298,13 +261,13 @@ impl Inner {
             Ok(()) => true,
             Err(DeviceError::Unsupported { .. }) => false,
             Err(e) => {
-                self.pool_put(new, c.pages);
+                self.phys.pool_put(&mut self.stats, new, c.pages);
                 return Err(e);
             }
         };
         self.stats.driver_calls.add(Call::Unmap);
         if let Err(e) = dev.unmap(addr, len) {
-            self.pool_put(new, c.pages);
+            self.phys.pool_put(&mut self.stats, new, c.pages);
             return Err(e);
         }
         let mapped = (|| {
@@ -319,14 +282,14 @@ impl Inner {
         })();
         if let Err(e) = mapped {
             // Put the host chunk back where it was.
-            self.pool_put(new, c.pages);
+            self.phys.pool_put(&mut self.stats, new, c.pages);
             self.stats.driver_calls.add(Call::Map);
             let back = dev.map(addr, len, c.handle).and_then(|()| {
                 self.stats.driver_calls.add(Call::SetAccess);
                 dev.set_access(addr, len)
             });
             if back.is_err() {
-                self.unready.push((seg, f));
+                self.phys.mark_unready(seg, f);
             }
             return Err(e);
         }
@@ -342,8 +305,9 @@ impl Inner {
                 pages: c.pages,
             },
         );
-        self.note_spill_mapping(c.handle, c.pages, false);
-        self.spill.host_free.push(c.handle);
+        self.phys
+            .note_mapping(&mut self.stats, c.handle, c.pages, false);
+        self.phys.drop_host(c.handle);
         self.stats.spill_migrations += 1;
         Ok(())
     }
@@ -355,7 +319,7 @@ impl Inner {
         let mut seen = 0usize;
         for s in self.segments.iter().flatten() {
             for c in s.chunks.values() {
-                if self.spill.host.contains(&c.handle.0) {
+                if self.phys.is_host(c.handle) {
                     pages += c.pages;
                     seen += 1;
                 }
@@ -363,30 +327,26 @@ impl Inner {
         }
         for g in self.growables.values() {
             for &(h, p) in &g.chunks {
-                if self.spill.host.contains(&h.0) {
+                if self.phys.is_host(h) {
                     pages += p;
                     seen += 1;
                 }
             }
         }
-        if pages != self.spill.spilled_pages {
+        if pages != self.phys.spilled_pages() {
             return Err(format!(
                 "spilled pages {} but host chunks mapped hold {pages}",
-                self.spill.spilled_pages
+                self.phys.spilled_pages()
             ));
         }
-        if seen + self.spill.host_free.len() != self.spill.host.len() {
+        if seen + self.phys.host_free().len() != self.phys.host_count() {
             return Err(format!(
                 "{} host handles alive, {seen} mapped + {} to release",
-                self.spill.host.len(),
-                self.spill.host_free.len()
+                self.phys.host_count(),
+                self.phys.host_free().len()
             ));
         }
-        if self
-            .pool
-            .iter()
-            .any(|(h, _)| self.spill.host.contains(&h.0))
-        {
+        if self.phys.pool().iter().any(|(h, _)| self.phys.is_host(h)) {
             return Err("a host-located chunk is in the chunk pool".into());
         }
         Ok(())

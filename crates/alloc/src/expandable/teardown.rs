@@ -18,7 +18,7 @@ impl Inner {
     /// its slice goes back to the arena.
     pub(super) fn retire_segment_if_empty(&mut self, seg: u32) -> bool {
         let s = self.seg(seg);
-        if s.active_blocks > 0 || s.mapped_pages > 0 || self.unready.iter().any(|u| u.0 == seg) {
+        if s.active_blocks > 0 || s.mapped_pages > 0 || self.phys.unready_in(seg) {
             return false;
         }
         let (owner, kind, first, base) = (s.owner, s.kind, s.first, s.base);
@@ -49,7 +49,7 @@ impl Inner {
         if let Err(e) = self.unmap_all_free(dev) {
             first_err.get_or_insert(e);
         }
-        if let Err(e) = self.release_pool(dev) {
+        if let Err(e) = self.phys.release_pool(&mut self.stats, dev) {
             first_err.get_or_insert(e);
         }
         let segs: Vec<u32> = (0..self.segments.len() as u32)
@@ -73,11 +73,11 @@ impl Inner {
         fraction: f64,
     ) -> AllocResult<()> {
         check_fraction(fraction)?;
-        self.fraction = fraction;
-        self.limit_pages = self.layout.limit_pages(fraction);
+        self.phys
+            .set_fraction(fraction, self.layout.limit_pages(fraction));
         self.split_above = self.layout.split_above(fraction, self.split_threshold);
-        while self.mapped_pages() + self.pool.pages() > self.limit_pages {
-            if self.release_largest(dev)? == 0 {
+        while self.phys.over_limit(self.mapped_pages(), 0) {
+            if self.phys.release_largest(&mut self.stats, dev)? == 0 {
                 break;
             }
         }
@@ -124,18 +124,18 @@ impl Inner {
             }
             for (_, c) in std::mem::take(&mut seg.chunks) {
                 // Host-located chunks too: the pool is released below.
-                self.pool.put(c.handle, c.pages);
+                self.phys.put_pooled(c.handle, c.pages);
             }
             seg.mapped.fill(false);
             seg.mapped_pages = 0;
         }
-        for h in std::mem::take(&mut self.spill.host_free) {
+        for h in self.phys.drain_host_free() {
             self.stats.driver_calls.add(Call::Release);
             if let Err(e) = twice(|| dev.release(h)) {
                 log("release", &e);
             }
         }
-        for (h, _) in self.pool.drain() {
+        for (h, _) in self.phys.drain_pool() {
             self.stats.driver_calls.add(Call::Release);
             if let Err(e) = twice(|| dev.release(h)) {
                 log("release", &e);

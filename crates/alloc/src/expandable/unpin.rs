@@ -130,9 +130,7 @@ impl Inner {
                 // a chunk whose access may be missing (unready), not a chunk
                 // shared with another process (IPC export).
                 if x.is_some_and(|(x0, x1)| f <= x1 && end > x0)
-                    || self.spill.host.contains(&c.handle.0)
-                    || self.unready.contains(&(si as u32, f))
-                    || self.exported.pins(si as u32, f)
+                    || !self.phys.may_move(si as u32, f, c.handle)
                 {
                     continue;
                 }
@@ -236,7 +234,7 @@ impl Inner {
         // it made may let the rest move on the device.
         let mut got = 0;
         while got < want && !cands.is_empty() {
-            let room = self.limit_pages.saturating_sub(self.mapped_pages());
+            let room = self.phys.limit_pages().saturating_sub(self.mapped_pages());
             let need = want - got;
             let most_free = |c: &Pinned| (std::cmp::Reverse(c.free_pages()), c.live_pages);
             let fits = |c: &Pinned| c.live_pages <= room;
@@ -326,14 +324,14 @@ impl Inner {
         let mut held = 0;
         let mut fail = None;
         for &(_, n) in &p.live {
-            if let Some(h) = self.pool.take(n) {
+            if let Some(h) = self.phys.take_pooled(n) {
                 handles.push(h);
                 held += n;
                 continue;
             }
-            let over = |me: &Self| me.mapped_pages() + me.pool.pages() + held + n > me.limit_pages;
+            let over = |me: &Self| me.phys.over_limit(me.mapped_pages(), held + n);
             while over(self) {
-                match self.release_largest(dev) {
+                match self.phys.release_largest(&mut self.stats, dev) {
                     Ok(0) => break,
                     Ok(_) => {}
                     Err(e) => {
@@ -360,13 +358,13 @@ impl Inner {
             }
         }
         if handles.len() == p.live.len() {
-            self.sync_pool_stats();
+            self.phys.sync_stats(&mut self.stats);
             return Ok(Some(handles));
         }
         for (h, &(_, n)) in handles.into_iter().zip(&p.live) {
-            self.pool_put(h, n);
+            self.phys.pool_put(&mut self.stats, h, n);
         }
-        self.sync_pool_stats();
+        self.phys.sync_stats(&mut self.stats);
         match fail {
             Some(e) => Err(e),
             None => Ok(None),
@@ -386,9 +384,9 @@ impl Inner {
         let (addr, len) = self.chunk_range(p);
         let pool_new = |me: &mut Self, hs: &[PhysHandle]| {
             for (&h, &(_, n)) in hs.iter().zip(&p.live) {
-                me.pool_put(h, n);
+                me.phys.pool_put(&mut me.stats, h, n);
             }
-            me.sync_pool_stats();
+            me.phys.sync_stats(&mut me.stats);
         };
         if let Err(e) = self.copy_beside(dev, p, &handles) {
             pool_new(self, &handles);
@@ -405,8 +403,9 @@ impl Inner {
             return Err(e);
         }
         self.commit_unpin(p, &handles);
-        self.pool_put(p.chunk.handle, p.chunk.pages);
-        self.sync_pool_stats();
+        self.phys
+            .pool_put(&mut self.stats, p.chunk.handle, p.chunk.pages);
+        self.phys.sync_stats(&mut self.stats);
         Ok(())
     }
 
@@ -504,7 +503,10 @@ impl Inner {
         let (addr, len) = self.chunk_range(p);
         self.stats.driver_calls.add(Call::Unmap);
         dev.unmap(addr, len)?;
-        if let Err(e) = self.release_handle(dev, p.chunk.handle) {
+        if let Err(e) = self
+            .phys
+            .release_handle(&mut self.stats, dev, p.chunk.handle)
+        {
             self.map_back(dev, p, p.chunk.handle);
             return Err(e);
         }
@@ -527,14 +529,14 @@ impl Inner {
             match self.map_live(dev, p, &handles, Some(saved)) {
                 Ok(()) => {
                     self.commit_unpin(p, &handles);
-                    self.sync_pool_stats();
+                    self.phys.sync_stats(&mut self.stats);
                     return Ok(());
                 }
                 Err(e) => fail = Some(e),
             }
         }
         for h in handles {
-            let _ = self.release_handle(dev, h);
+            let _ = self.phys.release_handle(&mut self.stats, dev, h);
         }
         self.restore_released(dev, p, saved);
         Err(fail.expect("set on every failing path"))
@@ -608,7 +610,7 @@ impl Inner {
             dev.set_access(addr, len)
         });
         if back.is_err() {
-            self.unready.push((p.seg, p.first));
+            self.phys.mark_unready(p.seg, p.first);
         }
     }
 
@@ -629,8 +631,9 @@ impl Inner {
             Err(_) => {
                 self.stats.driver_calls.add(Call::Create);
                 dev.create_on_host(len).ok().inspect(|h| {
-                    self.spill.host.insert(h.0);
-                    self.note_spill_mapping(*h, p.chunk.pages, true);
+                    self.phys.add_host(*h);
+                    self.phys
+                        .note_mapping(&mut self.stats, *h, p.chunk.pages, true);
                 })
             }
         };

@@ -1,21 +1,38 @@
-//! `validate()`: every invariant, recounted from scratch.
+//! `validate()`: every invariant, recounted from scratch, one function per
+//! group (in the order [`Inner::validate`] checks them):
 //!
-//! - blocks tile each segment, links agree, free neighbours are merged;
-//! - free blocks are exactly the free index; allocated blocks exactly the live map;
-//! - every active byte is on a mapped page, and accessible on a model device;
-//! - page bitmaps, chunk tables, the pool and `unready` agree; chunks do not
-//!   overlap; no handle twice;
-//! - stats equal a recount;
+//! - **chunks** ([`Inner::validate_chunks`]): page bitmaps and chunk tables
+//!   agree; chunks do not overlap or leave their segment; no handle twice;
+//! - **blocks** ([`Inner::validate_blocks`]): each segment is listed by its
+//!   stream's pool; blocks tile each segment, links agree, free neighbours
+//!   are merged, segment counters equal a recount; allocated blocks are
+//!   exactly the live map;
+//! - **mapping** ([`Inner::validate_active_mapped`]): every active byte is on
+//!   a mapped page with access (not unready), and accessible on a model
+//!   device (blocks of paused tags excepted);
+//! - **free index** ([`Inner::validate_free_index`]): free blocks (but the
+//!   tails) are exactly the free indexes; every pool lists only its own
+//!   segments;
+//! - **streams and events** ([`Inner::validate_events`]): a pending event
+//!   names a pending-free block;
+//! - **unready** ([`Inner::validate_unready`]): every unready chunk is mapped;
+//! - **growable regions** (`growable.rs`), **spill** (`spill.rs`), **IPC**
+//!   (`ipc.rs`): checked where they live;
+//! - **pool** ([`Inner::validate_pool`]): its counts equal a recount; no
+//!   handle is pooled twice, pooled and mapped, or also waiting for release;
+//! - **stats** ([`Inner::validate_stats`]): equal a recount; no device-wide
+//!   synchronize but those before unpinning;
 //! - arenas' slices match the segments;
-//! - on a model device: its own invariants hold and its live reservations,
-//!   handles and mappings equal ours (the allocator must be the device's only
-//!   virtual-memory user).
+//! - **model** ([`Inner::validate_model`]): on a model device, its own
+//!   invariants hold and its live reservations, handles and mappings equal
+//!   ours (the allocator must be the device's only virtual-memory user).
 
 use super::blocks::{BlockState, NIL};
+use super::growable::GrowableRecount;
 use super::Inner;
 use crate::stats::StatArray;
 use std::collections::HashSet;
-use vmmalloc_device::{Call, Device};
+use vmmalloc_device::{Call, Device, Introspect};
 
 /// Recounted values per pool: `[small, large]`.
 #[derive(Default)]
@@ -29,6 +46,17 @@ struct Recount {
     segment: [i64; 2],
     inactive_split: [i64; 2],
     inactive_split_bytes: [i64; 2],
+}
+
+/// What the chunk tables (and growable regions) hold, recounted.
+#[derive(Default)]
+struct Mapped {
+    /// Mapped pages.
+    pages: u64,
+    /// Mapped chunks (handles).
+    chunks: u64,
+    /// Bases of the live segments (for the arenas' check).
+    bases: Vec<u64>,
 }
 
 fn check_stat(name: &str, arr: &StatArray, want: [i64; 2]) -> Result<(), String> {
@@ -48,32 +76,52 @@ fn check_stat(name: &str, arr: &StatArray, want: [i64; 2]) -> Result<(), String>
 }
 
 impl Inner {
-    /// Checks every invariant; describes the first broken one.
+    /// Checks every invariant, group by group (module docs); describes the
+    /// first broken one.
     pub(super) fn validate<D: Device + ?Sized>(&self, dev: &D) -> Result<(), String> {
         let page = self.layout.page;
         let model = dev.introspect();
         let mut rc = Recount::default();
         let mut handles: HashSet<u64> = HashSet::new();
-        let mut blocks_seen = 0usize;
-        let mut allocated_seen = 0usize;
-        let mut free_seen = vec![[0usize; 2]; self.streams.len()];
-        let mut bases = Vec::new();
-        let mut mapped_total = 0u64;
-        let mut chunks_total = 0u64;
+        let mut mapped = self.validate_chunks(&mut handles, &mut rc)?;
+        let free_seen = self.validate_blocks(&mut rc)?;
+        self.validate_active_mapped(model)?;
+        self.validate_free_index(&free_seen)?;
+        self.validate_events()?;
+        self.validate_unready()?;
+        let g = self.validate_growables(dev, &mut handles)?;
+        mapped.pages += g.pages;
+        mapped.chunks += g.chunks;
+        let large = super::blocks::PoolKind::Large as usize;
+        let gbytes = (g.pages * page) as i64;
+        rc.allocation[large] += g.regions as i64;
+        rc.active[large] += g.regions as i64;
+        rc.allocated_bytes[large] += gbytes;
+        rc.active_bytes[large] += gbytes;
+        rc.reserved_bytes[large] += gbytes;
+        rc.requested_bytes[large] += g.requested as i64;
+        self.validate_spill()?;
+        self.validate_ipc()?;
+        self.validate_pool(&mut handles)?;
+        self.validate_stats(&rc, &mapped)?;
+        self.arenas.check(&mapped.bases, self.layout.slice)?;
+        self.validate_model(model, &g, &mapped)
+    }
+
+    /// Chunks: each segment's bitmap agrees with its chunk table, chunks
+    /// neither overlap nor leave the segment, and no handle is mapped twice
+    /// (`handles` collects them). Recounts the reserved bytes and segments.
+    fn validate_chunks(
+        &self,
+        handles: &mut HashSet<u64>,
+        rc: &mut Recount,
+    ) -> Result<Mapped, String> {
+        let page = self.layout.page;
+        let mut mapped = Mapped::default();
         for (si, s) in self.segments.iter().enumerate() {
             let Some(s) = s else { continue };
-            let si = si as u32;
             let k = s.kind as usize;
-            bases.push(s.base);
-            let owner = self
-                .streams
-                .get(s.owner as usize)
-                .ok_or_else(|| format!("segment {si}: unknown owner {}", s.owner))?;
-            let paused = self.sleep.is_paused(owner.tag);
-            if !owner.pools[k].segments.contains(&si) {
-                return Err(format!("segment {si} is not listed in its stream pool"));
-            }
-            // Pages.
+            mapped.bases.push(s.base);
             if s.mapped.count_ones() as u64 != s.mapped_pages {
                 return Err(format!(
                     "segment {si}: mapped_pages {} but {} bits set",
@@ -107,11 +155,37 @@ impl Inner {
                     s.mapped_pages
                 ));
             }
-            chunks_total += s.chunks.len() as u64;
-            mapped_total += s.mapped_pages;
+            mapped.chunks += s.chunks.len() as u64;
+            mapped.pages += s.mapped_pages;
             rc.reserved_bytes[k] += (s.mapped_pages * page) as i64;
             rc.segment[k] += 1;
-            // Blocks.
+        }
+        Ok(mapped)
+    }
+
+    /// Blocks: every segment is listed by its owner's pool; its blocks tile
+    /// it with consistent links, free neighbours are merged, the tail is
+    /// the last block and free, free blocks carry no allocation state,
+    /// allocated ones are in the live map with sane sizes, pending ones
+    /// count their events; segment counters, the slab and the live map
+    /// equal a recount. Recounts the block stats; returns, per stream entry
+    /// and pool, the free blocks that are not tails (for the free index).
+    fn validate_blocks(&self, rc: &mut Recount) -> Result<Vec<[usize; 2]>, String> {
+        let page = self.layout.page;
+        let mut blocks_seen = 0usize;
+        let mut allocated_seen = 0usize;
+        let mut free_seen = vec![[0usize; 2]; self.streams.len()];
+        for (si, s) in self.segments.iter().enumerate() {
+            let Some(s) = s else { continue };
+            let si = si as u32;
+            let k = s.kind as usize;
+            let owner = self
+                .streams
+                .get(s.owner as usize)
+                .ok_or_else(|| format!("segment {si}: unknown owner {}", s.owner))?;
+            if !owner.pools[k].segments.contains(&si) {
+                return Err(format!("segment {si} is not listed in its stream pool"));
+            }
             let (mut active_blocks, mut active_bytes, mut free_blocks) = (0u32, 0u64, 0u32);
             let mut cursor = s.base;
             let mut prev = NIL;
@@ -169,33 +243,6 @@ impl Inner {
                         }
                     }
                     BlockState::Allocated | BlockState::PendingFree => {
-                        let (p0, p1) = s.page_span(&self.layout, b.addr, b.size);
-                        // A paused tag's blocks have no memory (sleep.rs).
-                        if !paused && !s.all_mapped(p0, p1) {
-                            return Err(format!(
-                                "active block {:#x}+{:#x} is not fully mapped",
-                                b.addr, b.size
-                            ));
-                        }
-                        if !paused
-                            && !self.unready.is_empty()
-                            && s.chunks_overlapping(p0, p1 + 1)
-                                .iter()
-                                .any(|&(f, _)| self.unready.contains(&(si, f)))
-                        {
-                            return Err(format!(
-                                "active block {:#x} lies on a page without access",
-                                b.addr
-                            ));
-                        }
-                        if let Some(m) = model.filter(|_| !paused) {
-                            if !m.is_accessible(b.addr, b.size) {
-                                return Err(format!(
-                                    "active block {:#x}+{:#x} is not accessible on the device",
-                                    b.addr, b.size
-                                ));
-                            }
-                        }
                         active_blocks += 1;
                         active_bytes += b.size;
                         rc.active[k] += 1;
@@ -270,7 +317,61 @@ impl Inner {
                 self.live.len()
             ));
         }
-        for (e, seen) in self.streams.iter().zip(&free_seen) {
+        Ok(free_seen)
+    }
+
+    /// Mapping: every active block (allocated or pending free) lies on
+    /// mapped pages, none of them unready, and is accessible on a model
+    /// device — except the blocks of paused tags, which have no memory
+    /// (`sleep.rs`). Runs after [`Inner::validate_blocks`]: the links are
+    /// sound and every segment's owner exists.
+    fn validate_active_mapped(&self, model: Option<&dyn Introspect>) -> Result<(), String> {
+        for (si, s) in self.segments.iter().enumerate() {
+            let Some(s) = s else { continue };
+            let si = si as u32;
+            if self.sleep.is_paused(self.streams[s.owner as usize].tag) {
+                continue;
+            }
+            for b in self.blocks_in(s) {
+                if b.state == BlockState::Free {
+                    continue;
+                }
+                let (p0, p1) = s.page_span(&self.layout, b.addr, b.size);
+                if !s.all_mapped(p0, p1) {
+                    return Err(format!(
+                        "active block {:#x}+{:#x} is not fully mapped",
+                        b.addr, b.size
+                    ));
+                }
+                if self.phys.has_unready()
+                    && s.chunks_overlapping(p0, p1 + 1)
+                        .iter()
+                        .any(|&(f, _)| self.phys.is_unready(si, f))
+                {
+                    return Err(format!(
+                        "active block {:#x} lies on a page without access",
+                        b.addr
+                    ));
+                }
+                if let Some(m) = model {
+                    if !m.is_accessible(b.addr, b.size) {
+                        return Err(format!(
+                            "active block {:#x}+{:#x} is not accessible on the device",
+                            b.addr, b.size
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Free index: each (stream, pool)'s index holds exactly its free blocks
+    /// that are not tails (`free_seen`, counted by
+    /// [`Inner::validate_blocks`], which checked each one is indexed), and
+    /// each pool lists only segments of its own stream and kind.
+    fn validate_free_index(&self, free_seen: &[[usize; 2]]) -> Result<(), String> {
+        for (e, seen) in self.streams.iter().zip(free_seen) {
             for (k, (pool, &seen)) in e.pools.iter().zip(seen.iter()).enumerate() {
                 if pool.free.len() != seen {
                     return Err(format!(
@@ -291,6 +392,12 @@ impl Inner {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Streams and events: every pending event names a pending-free block
+    /// (the count per block is checked with the blocks).
+    fn validate_events(&self) -> Result<(), String> {
         for p in &self.events.pending {
             if self.slab[p.block].state != BlockState::PendingFree {
                 return Err(format!(
@@ -299,7 +406,12 @@ impl Inner {
                 ));
             }
         }
-        for &(s, p) in &self.unready {
+        Ok(())
+    }
+
+    /// Unready: every chunk listed unready is mapped.
+    fn validate_unready(&self) -> Result<(), String> {
+        for &(s, p) in self.phys.unready() {
             match self.segments.get(s as usize) {
                 Some(Some(seg)) if seg.chunks.contains_key(&p) => {}
                 _ => {
@@ -309,26 +421,20 @@ impl Inner {
                 }
             }
         }
-        let g = self.validate_growables(dev, &mut handles)?;
-        mapped_total += g.pages;
-        chunks_total += g.chunks;
-        let large = super::blocks::PoolKind::Large as usize;
-        let gbytes = (g.pages * page) as i64;
-        rc.allocation[large] += g.regions as i64;
-        rc.active[large] += g.regions as i64;
-        rc.allocated_bytes[large] += gbytes;
-        rc.active_bytes[large] += gbytes;
-        rc.reserved_bytes[large] += gbytes;
-        rc.requested_bytes[large] += g.requested as i64;
-        self.validate_spill()?;
-        self.validate_ipc()?;
-        for h in &self.spill.host_free {
+        Ok(())
+    }
+
+    /// Pool: no host handle waiting for release is also mapped; the pool's
+    /// counts equal a recount; no pooled handle is mapped or pooled twice
+    /// (`handles` holds the mapped ones).
+    fn validate_pool(&self, handles: &mut HashSet<u64>) -> Result<(), String> {
+        for h in self.phys.host_free() {
             if !handles.insert(h.0) {
                 return Err(format!("host handle {:#x} to release is also mapped", h.0));
             }
         }
-        self.pool.check()?;
-        for (h, _) in self.pool.iter() {
+        self.phys.pool().check()?;
+        for (h, _) in self.phys.pool().iter() {
             if !handles.insert(h.0) {
                 return Err(format!(
                     "pooled handle {:#x} is also mapped or pooled twice",
@@ -336,7 +442,15 @@ impl Inner {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Stats: pages and handles mapped and pooled, and the nine stat
+    /// families, equal the recounts `rc` and `mapped`; no device-wide
+    /// synchronize was counted but those before unpinning.
+    fn validate_stats(&self, rc: &Recount, mapped: &Mapped) -> Result<(), String> {
         let st = &self.stats();
+        let (mapped_total, chunks_total) = (mapped.pages, mapped.chunks);
         if (
             st.pages_mapped,
             st.pages_pooled,
@@ -344,9 +458,9 @@ impl Inner {
             st.handles_pooled,
         ) != (
             mapped_total,
-            self.pool.pages(),
+            self.phys.pool().pages(),
             chunks_total,
-            self.pool.count(),
+            self.phys.pool().count(),
         ) {
             return Err(format!(
                 "stats say {} pages in {} handles mapped / {} in {} pooled, recount {mapped_total} in {chunks_total} / {} in {}",
@@ -354,8 +468,8 @@ impl Inner {
                 st.handles_mapped,
                 st.pages_pooled,
                 st.handles_pooled,
-                self.pool.pages(),
-                self.pool.count()
+                self.phys.pool().pages(),
+                self.phys.pool().count()
             ));
         }
         check_stat("allocation", &st.allocation, rc.allocation)?;
@@ -381,21 +495,34 @@ impl Inner {
                 st.unpin_device_syncs
             ));
         }
-        self.arenas.check(&bases, self.layout.slice)?;
-        if let Some(m) = model {
-            m.check().map_err(|e| format!("device model: {e}"))?;
-            let live = m.live();
-            let ours = (
-                self.arenas.list.len() + g.regions as usize,
-                (chunks_total + self.pool.count()) as usize + self.spill.host_free.len(),
-                chunks_total as usize,
-            );
-            if (live.reservations, live.handles, live.mappings) != ours {
-                return Err(format!(
-                    "device holds {} reservations, {} handles, {} mappings; the allocator accounts for {}, {}, {}",
-                    live.reservations, live.handles, live.mappings, ours.0, ours.1, ours.2
-                ));
-            }
+        Ok(())
+    }
+
+    /// Model: on a model device, its own invariants hold and its live
+    /// reservations, handles and mappings equal ours (arenas and regions;
+    /// mapped, pooled and to-be-released handles; mapped chunks).
+    fn validate_model(
+        &self,
+        model: Option<&dyn Introspect>,
+        g: &GrowableRecount,
+        mapped: &Mapped,
+    ) -> Result<(), String> {
+        let Some(m) = model else {
+            return Ok(());
+        };
+        m.check().map_err(|e| format!("device model: {e}"))?;
+        let live = m.live();
+        let chunks_total = mapped.chunks;
+        let ours = (
+            self.arenas.list.len() + g.regions as usize,
+            (chunks_total + self.phys.pool().count()) as usize + self.phys.host_free().len(),
+            chunks_total as usize,
+        );
+        if (live.reservations, live.handles, live.mappings) != ours {
+            return Err(format!(
+                "device holds {} reservations, {} handles, {} mappings; the allocator accounts for {}, {}, {}",
+                live.reservations, live.handles, live.mappings, ours.0, ours.1, ours.2
+            ));
         }
         Ok(())
     }
