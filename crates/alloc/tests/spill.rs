@@ -167,3 +167,27 @@ fn a_failure_at_every_driver_call_of_spill_and_migration() {
     }
     assert!(runs > 50, "{runs}");
 }
+
+/// Pages mapped ahead of a growing segment's tail are a bet on the next
+/// allocation, made only from memory to spare: when the device has none
+/// (here another process holds most of it), they are not mapped at all —
+/// never spilled to host memory, and no live chunk migrates for them.
+#[test]
+fn pages_mapped_ahead_of_need_never_spill() {
+    let dev = Arc::new(SimDevice::with_capacity(64 * MIB));
+    // Another process holds 56 MiB: 8 MiB of the device are free.
+    let other = dev.alloc(56 * MIB).unwrap();
+    let a = ExpandableAllocator::new(dev.clone(), cfg(true)).unwrap();
+    let p = a.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    a.validate().unwrap();
+    let s = a.stats();
+    assert_eq!(
+        (s.num_spills, s.spilled_bytes),
+        (0, 0),
+        "a 4 MiB request fits the free 8 MiB: nothing spills"
+    );
+    assert_eq!(dev.live().host_bytes, 0);
+    a.free(p.ptr).unwrap();
+    drop(a);
+    dev.free(other).unwrap();
+}

@@ -41,9 +41,10 @@
 //!
 //! The mode ([`Need`]) says how far down the ladder a request may go: pages
 //! a block needs now may use every rung; pages mapped ahead of a growing
-//! segment's tail ([`Need::Ahead`]) stop after rung 2 on the device (with
-//! `spill:true` they may still be spilled, as before the ladder was written
-//! out).
+//! segment's tail ([`Need::Ahead`]) stop after rung 2 and never spill
+//! (before the ladder was written out they could: 12 MiB went to host
+//! memory for a 4 MiB request that fit the device, `tests/spill.rs`,
+//! `pages_mapped_ahead_of_need_never_spill`).
 
 use super::pages::{Backing, Planned};
 use super::reclaim::Exclude;
@@ -106,9 +107,11 @@ impl Inner {
         exclude: Exclude,
     ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
         match self.acquire_device(dev, runs, need, exclude) {
-            // Device memory is exhausted after reclaim: spill (spill.rs),
-            // pages mapped ahead of need included.
-            Err(Backing::Short(lacking)) if self.phys.spill_enabled() => {
+            // Device memory is exhausted after reclaim: spill (spill.rs).
+            // Not for pages mapped ahead of need: they are a bet on the next
+            // allocation, made only from memory to spare; host memory is
+            // slow and spilling may migrate live chunks.
+            Err(Backing::Short(lacking)) if self.phys.spill_enabled() && need == Need::Now => {
                 self.acquire_spilling(dev, runs, need, exclude, lacking)
             }
             r => r,
