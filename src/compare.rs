@@ -735,36 +735,8 @@ pub fn table(rows: &[TraceRow]) -> String {
             }
         }
     }
-    let widths: Vec<usize> = (0..lines[0].len())
-        .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for (n, l) in lines.iter().enumerate() {
-        let cells: Vec<String> = l
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                if i <= 3 {
-                    format!("{c:<w$}", w = widths[i])
-                } else {
-                    format!("{c:>w$}", w = widths[i])
-                }
-            })
-            .collect();
-        out.push_str(cells.join("  ").trim_end());
-        out.push('\n');
-        if n == 0 {
-            out.push_str(
-                &widths
-                    .iter()
-                    .map(|w| "-".repeat(*w))
-                    .collect::<Vec<_>>()
-                    .join("  "),
-            );
-            out.push('\n');
-        }
-    }
-    out
+    // The first four columns (trace, device, peak, policy) left-aligned.
+    align(&lines, 4)
 }
 
 /// Prints the reader's warnings about one device trace, each with its text,
