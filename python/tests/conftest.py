@@ -30,6 +30,21 @@ if INSTALLED:
     if os.environ.get("VMMALLOC_LIBRARY"):
         raise RuntimeError("VMMALLOC_TEST_INSTALLED=1 tests the installed library: unset VMMALLOC_LIBRARY")
 
+
+def require_torch():
+    """For a test module that needs the real torch: skips the module when
+    torch is not installed, or fails it under VMMALLOC_REQUIRE_TORCH=1 (CI,
+    where the torch tests must not be skipped). Returns the torch module."""
+    try:
+        import torch
+    except ImportError as e:
+        why = f"torch is not installed ({e})"
+        if os.environ.get("VMMALLOC_REQUIRE_TORCH") == "1":
+            raise RuntimeError(f"VMMALLOC_REQUIRE_TORCH=1 but {why}")
+        pytest.skip(why, allow_module_level=True)
+    return torch
+
+
 BACKENDS = ["expandable", "caching", "torch-es", "native"]
 MIB = 1 << 20
 

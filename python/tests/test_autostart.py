@@ -22,18 +22,13 @@ import textwrap
 
 import pytest
 
-from conftest import INSTALLED, PACKAGE_PARENT
+from conftest import INSTALLED, PACKAGE_PARENT, require_torch
 
 # vmmalloc current: the torch companion's allocator, or PyTorch's plain
 # pluggable one where the companion could not be built.
 BACKEND = r"(vmmalloc|pluggable)"
 
-try:
-    import torch  # noqa: F401
-except ImportError as e:
-    if os.environ.get("VMMALLOC_REQUIRE_TORCH") == "1":
-        raise RuntimeError(f"VMMALLOC_REQUIRE_TORCH=1 but torch is not installed ({e})")
-    pytest.skip(f"torch is not installed ({e})", allow_module_level=True)
+torch = require_torch()
 
 HOST = "device:host,capacity_gb:1,log:off"
 SITE = PACKAGE_PARENT / "vmmalloc" / "_site"

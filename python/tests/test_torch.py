@@ -11,20 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PACKAGE_PARENT
+from conftest import PACKAGE_PARENT, require_torch
 
-try:
-    import torch  # noqa: F401
-
-    HAVE_TORCH = True
-except ImportError as e:
-    HAVE_TORCH = False
-    WHY = f"torch is not installed ({e})"
-
-if not HAVE_TORCH:
-    if os.environ.get("VMMALLOC_REQUIRE_TORCH") == "1":
-        raise RuntimeError(f"VMMALLOC_REQUIRE_TORCH=1 but {WHY}")
-    pytest.skip(WHY, allow_module_level=True)
+require_torch()
 
 import vmmalloc  # noqa: E402
 from vmmalloc import _companion  # noqa: E402
