@@ -21,7 +21,7 @@ import ctypes
 import threading
 import warnings
 
-from ._lib import VmmallocError, last_error, load
+from ._lib import VmmallocError, declare, last_error, load
 
 # Python/NumPy typestr per dtype name (the __cuda_array_interface__ spec,
 # numba.readthedocs.io "CUDA Array Interface (Version 3)"). bfloat16 has no
@@ -44,15 +44,13 @@ def _lib():
         with _decl_lock:
             c_int, c_size_t, c_void_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p
             size_p = ctypes.POINTER(c_size_t)
-            for name, res, args in [
+            declare(lib, [
                 ("vmmalloc_growable_create", c_void_p, [c_int, c_size_t]),
                 ("vmmalloc_growable_resize", c_int, [c_void_p, c_size_t]),
                 ("vmmalloc_growable_destroy", c_int, [c_void_p]),
                 ("vmmalloc_growable_info", c_int, [c_void_p, size_p, size_p, size_p]),
                 ("vmmalloc_set_pressure_callback", c_int, [PRESSURE_FN]),
-            ]:
-                f = getattr(lib, name)
-                f.restype, f.argtypes = res, args
+            ])
             _declared = True
     return lib
 

@@ -26,15 +26,12 @@ def _load():
     lib = _lib.load()
     if not getattr(lib, _DECLARED, False):
         c = ctypes
-        for name, res, args in [
+        _lib.declare(lib, [
             ("vmmalloc_ipc_export", c.c_int, [c.c_void_p, c.c_void_p, c.c_size_t, c.POINTER(c.c_size_t)]),
             ("vmmalloc_ipc_import", c.c_int, [c.c_char_p, c.c_size_t, c.POINTER(c.c_void_p)]),
             ("vmmalloc_ipc_import_device", c.c_int, [c.c_char_p, c.c_size_t, c.c_int, c.POINTER(c.c_void_p)]),
             ("vmmalloc_ipc_close", c.c_int, [c.c_void_p]),
-        ]:
-            f = getattr(lib, name)
-            f.restype = res
-            f.argtypes = args
+        ])
         setattr(lib, _DECLARED, True)
     return lib
 

@@ -89,7 +89,14 @@ def _declare(lib):
         "vmmalloc_reset_for_tests": (None, []),
         "vmmalloc_pool_stats_json": (c_void_p, [c_int, ctypes.c_uint64, ctypes.c_uint64]),
     }
-    for name, (res, args) in sig.items():
+    declare(lib, [(name, res, args) for name, (res, args) in sig.items()])
+
+
+def declare(lib, signatures):
+    """Sets the result and argument types of each ``(name, result, args)``
+    in ``signatures`` on ``lib`` (the other modules declare their entry
+    points with it)."""
+    for name, res, args in signatures:
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args

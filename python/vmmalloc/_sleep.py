@@ -24,16 +24,13 @@ def _load():
     lib = _lib.load()
     if not getattr(lib, _DECLARED, False):
         c = ctypes
-        for name, res, args in [
+        _lib.declare(lib, [
             ("vmmalloc_set_tag", c.c_int, [c.c_char_p]),
             ("vmmalloc_get_tag", c.c_void_p, []),
             ("vmmalloc_pause", c.c_int64, [c.c_char_p, c.c_int]),
             ("vmmalloc_resume", c.c_int64, [c.c_char_p]),
             ("vmmalloc_tag_stats_json", c.c_void_p, [c.c_int]),
-        ]:
-            f = getattr(lib, name)
-            f.restype = res
-            f.argtypes = args
+        ])
         setattr(lib, _DECLARED, True)
     return lib
 
