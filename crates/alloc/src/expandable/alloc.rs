@@ -6,7 +6,6 @@ use super::pages::Backing;
 use super::segment::{Segment, StreamEntry};
 use super::Inner;
 use crate::{AllocError, AllocResult, Allocation};
-use bitvec::vec::BitVec;
 use vmmalloc_device::{round_up, Device, Stream};
 
 /// Mapped + pooled memory, as a fraction of the limit, under which a
@@ -29,12 +28,11 @@ impl Inner {
     }
 
     /// Records a change of segment `seg`'s inactive-split contribution
-    /// (`before` as returned by [`Segment::inactive_split`] earlier).
+    /// (`before` as returned by [`Inner::inactive_split`] earlier).
     #[inline]
     pub(super) fn split_changed(&mut self, seg: u32, before: (i64, i64)) {
-        let s = self.seg(seg);
-        let after = s.inactive_split(self.layout.page);
-        let k = s.kind as usize;
+        let after = self.inactive_split(seg);
+        let k = self.seg(seg).kind as usize;
         if after.0 != before.0 {
             self.counters
                 .inactive_split_bytes
@@ -105,7 +103,7 @@ impl Inner {
             let (p0, p1) = self.seg(seg).page_span(&self.layout, addr, rounded);
             // Fast path. When memory is tight, `back_pages` may first split
             // free chunks the block would cover only in part.
-            if self.seg(seg).all_mapped(p0, p1) && !self.phys.has_unready() && !self.tight() {
+            if self.table(seg).all_mapped(p0, p1) && !self.phys.has_unready() && !self.tight() {
                 let idx = self.carve_at(idx, addr);
                 return Ok(self.take_block(idx, size, rounded, stream));
             }
@@ -258,7 +256,7 @@ impl Inner {
             let s = self.seg(seg);
             (s.owner, s.kind)
         };
-        let before = self.seg(seg).inactive_split(self.layout.page);
+        let before = self.inactive_split(seg);
         let is_tail = self.seg(seg).tail == idx;
         let back = self.link_free_after(idx, at, addr + size - at, freed_at);
         self.slab[idx].size = at - addr;
@@ -313,7 +311,7 @@ impl Inner {
         let base = self
             .arenas
             .take_slice(dev, &mut self.stats, l.slice, l.slices_per_arena)?;
-        let pages = l.slice.div_ceil(l.page) as usize;
+        let pages = l.slice.div_ceil(l.page);
         let seg_idx = match self.vacant_segments.pop() {
             Some(i) => i,
             None => {
@@ -340,13 +338,11 @@ impl Inner {
             kind,
             first: block,
             tail: block,
-            mapped: BitVec::repeat(false, pages),
-            chunks: Default::default(),
-            mapped_pages: 0,
             active_blocks: 0,
             active_bytes: 0,
             free_blocks: 1,
         });
+        self.phys.open_table(seg_idx, base, pages);
         let pool = &mut self.streams[owner as usize].pools[kind as usize];
         pool.segments.push(seg_idx);
         self.counters.segment.add(kind as usize, 1);
@@ -365,7 +361,7 @@ impl Inner {
             let s = self.seg(seg);
             (s.owner, s.kind)
         };
-        let before = self.seg(seg).inactive_split(self.layout.page);
+        let before = self.inactive_split(seg);
         let is_tail = self.seg(seg).tail == idx;
         if !is_tail {
             let free = &mut self.streams[owner as usize].pools[kind as usize].free;
@@ -457,7 +453,7 @@ impl Inner {
             let s = self.seg(seg);
             (s.owner, s.kind)
         };
-        let before = self.seg(seg).inactive_split(self.layout.page);
+        let before = self.inactive_split(seg);
         let size = self.slab[idx].size;
         {
             let s = self.seg_mut(seg);

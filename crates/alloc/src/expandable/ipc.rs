@@ -8,7 +8,7 @@
 
 use super::blocks::BlockState;
 use super::Inner;
-use crate::ipc::{ExportedChunk, ExportedRange};
+use crate::ipc::ExportedRange;
 use crate::{AllocError, AllocResult};
 use std::collections::HashMap;
 
@@ -26,6 +26,18 @@ impl ExportState {
     #[inline]
     pub fn pins(&self, seg: u32, first: u64) -> bool {
         !self.chunks.is_empty() && self.chunks.contains_key(&(seg, first))
+    }
+
+    /// Marks block `addr` exported, lying on chunks `keys` (no-op when it
+    /// already is).
+    pub fn mark(&mut self, addr: u64, keys: Vec<(u32, u64)>) {
+        if self.blocks.contains_key(&addr) {
+            return;
+        }
+        for &k in &keys {
+            *self.chunks.entry(k).or_default() += 1;
+        }
+        self.blocks.insert(addr, keys);
     }
 
     /// Drops the export of block `addr` (no-op if not exported); returns
@@ -85,36 +97,12 @@ impl Inner {
             return Err(AllocError::InvalidPointer { ptr });
         }
         let (seg_i, size) = (b.seg, b.size);
-        let page = self.layout.page;
         let s = self.seg(seg_i);
         if self.sleep.is_paused(self.streams[s.owner as usize].tag) {
             return Err(refuse("its tag is paused (resume it first)".into()));
         }
-        let (first, last) = s.page_span(&self.layout, ptr, size);
-        let mut chunks = Vec::new();
-        let mut keys = Vec::new();
-        let mut p = first;
-        while p <= last {
-            let Some((f, c)) = s.chunk_at(p) else {
-                return Err(refuse(format!("page {p} of its segment is not mapped")));
-            };
-            self.phys
-                .exportable(seg_i, f, c.handle)
-                .map_err(|why| refuse(why.into()))?;
-            chunks.push(ExportedChunk {
-                addr: s.base + f * page,
-                size: c.pages * page,
-                handle: c.handle,
-            });
-            keys.push((seg_i, f));
-            p = f + c.pages;
-        }
-        if !self.phys.exports().blocks.contains_key(&ptr) {
-            for &k in &keys {
-                *self.phys.exports_mut().chunks.entry(k).or_default() += 1;
-            }
-            self.phys.exports_mut().blocks.insert(ptr, keys);
-        }
+        let span = s.page_span(&self.layout, ptr, size);
+        let chunks = self.phys.export_range(seg_i, span, ptr).map_err(refuse)?;
         Ok(ExportedRange { ptr, size, chunks })
     }
 
@@ -138,8 +126,8 @@ impl Inner {
                 return Err(format!("exported block {addr:#x} is not allocated"));
             }
             for &(s, f) in keys {
-                let seg = self.segments.get(s as usize).and_then(|x| x.as_ref());
-                if !seg.is_some_and(|seg| seg.chunks.contains_key(&f)) {
+                let live = self.segments.get(s as usize).is_some_and(|x| x.is_some());
+                if !live || !self.table(s).has_chunk_at(f) {
                     return Err(format!(
                         "exported block {addr:#x}: chunk at page {f} of segment {s} is not mapped"
                     ));

@@ -11,8 +11,9 @@
 //! - One **segment** per (stream, pool) (`segment.rs`), each owning a slice.
 //!   Pools: small (requests ≤ 1 MiB) and large. A segment grows by mapping
 //!   physical **chunks** (one `cuMemCreate` handle of one or more pages, up to
-//!   `max_chunk`) where its blocks need them (`pages.rs`); its page occupancy
-//!   is a bit vector beside a chunk table.
+//!   `max_chunk`) where its blocks need them (`pages.rs`); which pages are
+//!   mapped, and by which handle, is its chunk table (`chunks.rs`, a bit
+//!   vector beside a map of chunks), held by the physical layer.
 //! - The **ladder of sources** (`ladder.rs`): the memory for those chunks
 //!   comes from the pool, then new handles within the limit, then released
 //!   spare pooled handles, a targeted reclaim, unpinning and (`spill:true`)
@@ -23,12 +24,16 @@
 //! - A **chunk pool** (`pool.rs`): chunks unmapped from free space keep their
 //!   handle and are mapped again without `release`/`create`; handles go back
 //!   to the driver above `release_threshold` or on `empty_cache`.
-//! - The **physical layer** (`physical.rs`, `Physical`): the pool, the limit
-//!   (memory fraction), unready chunks, spill's host handles and the chunks
-//!   IPC export pins, behind a narrow interface (room under the limit,
-//!   where an unmapped handle goes, may a chunk move, may it be exported).
-//!   The segments' chunk tables (where each handle is mapped) stay with
-//!   the segments.
+//! - The **physical layer** (`physical.rs`, `Physical`): every handle and
+//!   where it is — the segments' chunk tables, the pool, the limit (memory
+//!   fraction), unready chunks, spill's host handles and the chunks IPC
+//!   export pins — behind a narrow interface: map this handle at this page
+//!   of this segment, unmap these whole chunks, room under the limit, where
+//!   an unmapped handle goes, may a chunk move, export the handles under
+//!   this range. It makes the driver calls that move handles, including
+//!   unpinning's and spill's moves of one chunk (`moves.rs`); the block
+//!   layer (everything else here) decides what to map and keeps its own
+//!   counters ([`Inner::with_seg_pages`]).
 //! - **Targeted reclaim** (`reclaim.rs`): when `create` fails with out-of-memory
 //!   (or the memory-fraction limit is reached) only as many whole free chunks
 //!   as the request lacks are unmapped, least recently freed first, after
@@ -36,7 +41,7 @@
 //! - **Unpinning** (`unpin.rs`): a free chunk a new block covers only in
 //!   part is reused as it is (pinned); when an allocation still lacks pages
 //!   after reclaim, the live pages of such chunks move to chunks of their
-//!   own at the same addresses and the free pages come back.
+//!   own at the same addresses (`moves.rs`) and the free pages come back.
 //! - **Mapping ahead** (`alloc.rs`, `grow_to`): a block that extends its
 //!   segment's tail maps on to the next `grow_granule` (20 MiB) boundary
 //!   while mapped + pooled memory is under 4/5 of the limit.
@@ -70,6 +75,7 @@
 mod alloc;
 mod arena;
 mod blocks;
+mod chunks;
 mod config;
 mod counters;
 mod events;
@@ -78,6 +84,7 @@ mod growable;
 mod ipc;
 mod ladder;
 mod lock;
+mod moves;
 mod pages;
 mod physical;
 mod pool;
@@ -142,8 +149,8 @@ pub(crate) struct Inner {
     vacant_segments: Vec<u32>,
     /// Address-space reservations.
     arenas: Arenas,
-    /// The physical layer: chunk pool, limit, unready chunks, spill,
-    /// export marks (`physical.rs`).
+    /// The physical layer: chunk tables, chunk pool, limit, unready
+    /// chunks, spill, export marks (`physical.rs`).
     phys: physical::Physical,
     /// Event pool and blocks waiting for events.
     events: Events,
@@ -176,6 +183,20 @@ impl Inner {
             Some(s) => s,
             None => unreachable!("segment {i} is retired but still referenced"),
         }
+    }
+
+    /// The chunk table of segment `i` (the physical layer's).
+    #[inline]
+    fn table(&self, i: u32) -> &chunks::ChunkTable {
+        self.phys.table(i)
+    }
+
+    /// Segment `i`'s contribution to `inactive_split_bytes` and
+    /// `inactive_split` ([`Segment::inactive_split`]).
+    #[inline]
+    fn inactive_split(&self, i: u32) -> (i64, i64) {
+        self.seg(i)
+            .inactive_split(self.table(i).mapped_pages(), self.layout.page)
     }
 
     /// The indices of segment `s`'s blocks, in address order (follows the

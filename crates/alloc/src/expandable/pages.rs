@@ -58,12 +58,14 @@
 //! `stats.pages_pooled` and the handle counts equal recounts; mapped chunks are
 //! accessible unless listed in `unready`.
 
+use super::chunks::Chunk;
 use super::ladder::Need;
+use super::physical::Physical;
 use super::reclaim::Exclude;
-use super::segment::Chunk;
 use super::Inner;
 use crate::AllocError;
-use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
+use crate::Stats;
+use vmmalloc_device::{Device, DeviceError, PhysHandle};
 
 /// Why pages could not be provided.
 #[derive(Debug)]
@@ -87,54 +89,34 @@ pub(super) struct Planned {
 }
 
 impl Inner {
-    /// Address of page `p` of segment `seg`.
-    #[inline]
-    fn page_addr(&self, seg: u32, p: u64) -> u64 {
-        self.seg(seg).base + p * self.layout.page
-    }
-
-    /// Updates the stats after `n` pages of `seg` were mapped (recorded in the
-    /// segment with [`super::segment::Segment::add_chunk`]); `before` is the
-    /// segment's inactive split from before the first of them. One update per
-    /// run gives the same counters, peaks included, as one per page: every
-    /// page moves them the same way.
-    fn note_mapped(&mut self, seg: u32, n: u64, chunks: u64, before: (i64, i64)) {
+    /// Updates the block layer's counters after pages of `seg` were mapped
+    /// or unmapped by the physical layer: `before` is the segment's
+    /// inactive split from before, `pages` the change in mapped pages. One
+    /// update per run gives the same counters, peaks included, as one per
+    /// page: every page moves them the same way.
+    pub(super) fn note_pages(&mut self, seg: u32, pages: i64, before: (i64, i64)) {
         self.split_changed(seg, before);
         let k = self.seg(seg).kind as usize;
         self.counters
             .reserved_bytes
-            .add(k, (n * self.layout.page) as i64);
-        self.stats.pages_mapped += n;
-        self.stats.handles_mapped += chunks;
+            .add(k, pages * self.layout.page as i64);
     }
 
-    /// Records that the whole chunks in pages `[first, first + count)` of
-    /// `seg` were unmapped; their handles go to the pool.
-    fn note_unmapped(&mut self, seg: u32, first: u64, count: u64) {
-        let before = self.seg(seg).inactive_split(self.layout.page);
-        let firsts: Vec<u64> = self
-            .seg(seg)
-            .chunks_within(first, first + count)
-            .map(|(f, _)| f)
-            .collect();
-        let mut pages = 0;
-        for f in &firsts {
-            if let Some(c) = self.seg_mut(seg).remove_chunk(*f) {
-                pages += c.pages;
-                self.phys
-                    .give_back_unmapped(&mut self.stats, c.handle, c.pages);
-            }
+    /// Runs `op` of the physical layer, which may map or unmap pages of
+    /// `seg` only, and updates the block layer's counters by the change in
+    /// its mapped pages (one update for the whole operation).
+    pub(super) fn with_seg_pages<T>(
+        &mut self,
+        seg: u32,
+        op: impl FnOnce(&mut Physical, &mut Stats) -> T,
+    ) -> T {
+        let before = (self.inactive_split(seg), self.table(seg).mapped_pages());
+        let r = op(&mut self.phys, &mut self.stats);
+        let after = self.table(seg).mapped_pages();
+        if after != before.1 {
+            self.note_pages(seg, after as i64 - before.1 as i64, before.0);
         }
-        self.phys.sync_stats(&mut self.stats);
-        debug_assert_eq!(pages, count, "unmapped runs are whole chunks");
-        self.split_changed(seg, before);
-        let k = self.seg(seg).kind as usize;
-        self.counters
-            .reserved_bytes
-            .add(k, -((pages * self.layout.page) as i64));
-        self.stats.pages_mapped -= pages;
-        self.stats.handles_mapped -= firsts.len() as u64;
-        self.phys.forget_unready(seg, &firsts);
+        r
     }
 
     /// Unmaps pages `[first, first + count)` of `seg`, which are whole
@@ -147,11 +129,25 @@ impl Inner {
         first: u64,
         count: u64,
     ) -> Result<(), DeviceError> {
-        let addr = self.page_addr(seg, first);
-        self.stats.driver_calls.add(Call::Unmap);
-        dev.unmap(addr, count * self.layout.page)?;
-        self.note_unmapped(seg, first, count);
-        Ok(())
+        self.with_seg_pages(seg, |phys, stats| {
+            phys.unmap_run(stats, dev, seg, first, count)
+        })
+    }
+
+    /// Unmaps the whole chunks in pages `[first, first + count)` of `seg`, in
+    /// one call or, when that fails, chunk by chunk
+    /// ([`Physical::unmap_chunks`]); returns the first error.
+    pub(super) fn unmap_chunks<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        seg: u32,
+        first: u64,
+        count: u64,
+        mark_unready: bool,
+    ) -> Result<(), DeviceError> {
+        self.with_seg_pages(seg, |phys, stats| {
+            phys.unmap_chunks(stats, dev, seg, first, count, mark_unready)
+        })
     }
 
     /// Makes pages `[p0, p1]` (`span`) of `seg` mapped and accessible, taking
@@ -182,11 +178,12 @@ impl Inner {
         freed_at: u64,
     ) -> Result<(), Backing> {
         let (p0, p1) = span;
-        self.fix_unready(dev, seg, p0, p1)
+        self.phys
+            .fix_unready(&mut self.stats, dev, seg, p0, p1)
             .map_err(|e| Backing::Fail(e.into()))?;
         self.split_free_chunks(dev, seg, p0, p1, room, freed_at)
             .map_err(|e| Backing::Fail(e.into()))?;
-        let mut runs = self.seg(seg).unmapped_runs(p0, p1 + 1);
+        let mut runs = self.table(seg).unmapped_runs(p0, p1 + 1);
         if (shared.0 || shared.1) && self.tight() {
             runs = cut_edge_pages(
                 &runs,
@@ -233,9 +230,9 @@ impl Inner {
         }
         // Only the chunks holding the first and the last page can reach past
         // the request; those strictly inside are covered whole.
-        let s = self.seg(seg);
+        let t = self.table(seg);
         let mut partial: Vec<(u64, Chunk)> = Vec::new();
-        for c in [s.chunk_at(p0), s.chunk_at(p1)].into_iter().flatten() {
+        for c in [t.chunk_at(p0), t.chunk_at(p1)].into_iter().flatten() {
             let (f, ch) = c;
             let covered = (f + ch.pages).min(p1 + 1) - f.max(p0);
             // A chunk that would leave at most `split_slack` uncovered is
@@ -256,29 +253,6 @@ impl Inner {
         for (f, c) in partial {
             self.unmap_run(dev, seg, f, c.pages)?;
             self.stats.chunk_splits += 1;
-        }
-        Ok(())
-    }
-
-    /// Gives access to unready chunks overlapping pages `[p0, p1]` of `seg`.
-    pub(super) fn fix_unready<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        seg: u32,
-        p0: u64,
-        p1: u64,
-    ) -> Result<(), DeviceError> {
-        if !self.phys.has_unready() {
-            return Ok(());
-        }
-        for (f, c) in self.seg(seg).chunks_overlapping(p0, p1 + 1) {
-            if !self.phys.is_unready(seg, f) {
-                continue;
-            }
-            let addr = self.page_addr(seg, f);
-            self.stats.driver_calls.add(Call::SetAccess);
-            dev.set_access(addr, c.pages * self.layout.page)?;
-            self.phys.mark_ready(seg, f);
         }
         Ok(())
     }
@@ -310,7 +284,6 @@ impl Inner {
         plan: &[Planned],
         handles: Vec<PhysHandle>,
     ) -> Result<(), DeviceError> {
-        let page = self.layout.page;
         // Chunks are mapped in order, so the ones this call mapped are always
         // `plan[..done]`.
         let mut done = 0;
@@ -320,40 +293,29 @@ impl Inner {
             while j + 1 < plan.len() && plan[j + 1].first == plan[j].first + plan[j].pages {
                 j += 1;
             }
-            let before = self.seg(seg).inactive_split(page);
+            let before = self.inactive_split(seg);
             let mut run_pages = 0;
             for k in i..=j {
                 let c = plan[k];
-                let addr = self.page_addr(seg, c.first);
-                self.stats.driver_calls.add(Call::Map);
-                match dev.map(addr, c.pages * page, handles[k]) {
-                    Ok(()) => {
-                        self.seg_mut(seg).add_chunk(
-                            c.first,
-                            Chunk {
-                                handle: handles[k],
-                                pages: c.pages,
-                            },
-                        );
-                        self.phys
-                            .note_mapping(&mut self.stats, handles[k], c.pages, true);
-                        run_pages += c.pages;
-                        done += 1;
+                let mapped =
+                    self.phys
+                        .map_chunk(&mut self.stats, dev, seg, c.first, handles[k], c.pages);
+                if let Err(e) = mapped {
+                    self.note_pages(seg, run_pages as i64, before);
+                    for (c, &h) in plan[k..].iter().zip(&handles[k..]) {
+                        self.phys.give_back(h, c.pages);
                     }
-                    Err(e) => {
-                        self.note_mapped(seg, run_pages, (k - i) as u64, before);
-                        for (c, &h) in plan[k..].iter().zip(&handles[k..]) {
-                            self.phys.give_back(h, c.pages);
-                        }
-                        self.phys.sync_stats(&mut self.stats);
-                        return Err(self.undo_mapping(dev, seg, &plan[..done], e));
-                    }
+                    self.phys.sync_stats(&mut self.stats);
+                    return Err(self.undo_mapping(dev, seg, &plan[..done], e));
                 }
+                run_pages += c.pages;
+                done += 1;
             }
-            self.note_mapped(seg, run_pages, (j + 1 - i) as u64, before);
-            let addr = self.page_addr(seg, plan[i].first);
-            self.stats.driver_calls.add(Call::SetAccess);
-            if let Err(e) = dev.set_access(addr, run_pages * page) {
+            self.note_pages(seg, run_pages as i64, before);
+            let access = self
+                .phys
+                .set_access(&mut self.stats, dev, seg, plan[i].first, run_pages);
+            if let Err(e) = access {
                 for (c, &h) in plan[j + 1..].iter().zip(&handles[j + 1..]) {
                     self.phys.give_back(h, c.pages);
                 }
@@ -384,13 +346,7 @@ impl Inner {
             }
             let first = done[i].first;
             let count = done[j].first + done[j].pages - first;
-            if self.unmap_run(dev, seg, first, count).is_err() {
-                for c in &done[i..=j] {
-                    if self.unmap_run(dev, seg, c.first, c.pages).is_err() {
-                        self.phys.mark_unready(seg, c.first);
-                    }
-                }
-            }
+            let _ = self.unmap_chunks(dev, seg, first, count, true);
             i = j + 1;
         }
         self.phys.trim(&mut self.stats, dev);

@@ -1,26 +1,35 @@
-//! The physical layer's own state: the chunk pool, the limit (memory
-//! fraction), chunks left unready, spill's host-located handles and the
-//! chunks pinned by IPC export — everything about handles that is not where
-//! they are mapped. The segments' chunk tables (where each handle is mapped)
-//! stay with the segments (`segment.rs`).
+//! The physical layer: every handle the allocator holds and where it is —
+//! the segments' chunk tables (which handle is mapped at which page,
+//! `chunks.rs`), the chunk pool, the limit (memory fraction), chunks left
+//! unready, spill's host-located handles and the chunks pinned by IPC
+//! export.
 //!
-//! The rest of the allocator asks [`Physical`] questions instead of reading
-//! its fields: how much room the limit has ([`Physical::room`],
+//! It makes the driver calls that move handles (`cuMemMap`,
+//! `cuMemSetAccess`, `cuMemUnmap`, `cuMemRelease`) and records them; the
+//! block layer (the rest of `expandable`) decides what to map and keeps its
+//! own counters. The rest of the allocator asks [`Physical`] questions
+//! instead of reading its fields: which pages of a segment are mapped
+//! ([`Physical::table`]), how much room the limit has ([`Physical::room`],
 //! [`Physical::over_limit`]), where an unmapped handle goes
 //! ([`Physical::give_back`]), whether a chunk may move
 //! ([`Physical::may_move`]: not host memory, not unready, not exported),
 //! whether its handle may be exported ([`Physical::exportable`]). Calls that
-//! reach the driver (releases) take the allocator's [`Stats`], where every
-//! driver call and handle is counted in PyTorch's shape.
+//! reach the driver take the allocator's [`Stats`], where every driver call
+//! and handle is counted in PyTorch's shape.
 //!
-//! Invariants (checked by `validate`, see `validate.rs`): the pool's counts
-//! equal a recount; `stats.pages_pooled` and `stats.handles_pooled` equal
-//! the pool's; no host handle is pooled; every unready chunk is mapped.
+//! Invariants (checked by `validate`, see `validate.rs`): every chunk table
+//! is sound ([`ChunkTable::validate`]) and a retired segment's is empty; no
+//! handle is mapped twice; `stats.pages_mapped` and `stats.handles_mapped`
+//! equal a recount of the tables (and the regions'); the pool's counts equal
+//! a recount; `stats.pages_pooled` and `stats.handles_pooled` equal the
+//! pool's; no host handle is pooled; every unready chunk is mapped.
 
+use super::chunks::{Chunk, ChunkTable};
 use super::config::Layout;
 use super::ipc::ExportState;
 use super::pool::ChunkPool;
 use super::spill::SpillState;
+use crate::ipc::ExportedChunk;
 use crate::Stats;
 use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
 
@@ -44,6 +53,8 @@ pub(crate) struct Physical {
     spill: SpillState,
     /// Blocks exported to other processes and the chunks they pin (`ipc.rs`).
     exported: ExportState,
+    /// The chunk table of each segment slot (empty for a retired slot).
+    tables: Vec<ChunkTable>,
 }
 
 impl Physical {
@@ -62,7 +73,207 @@ impl Physical {
                 ..Default::default()
             },
             exported: ExportState::default(),
+            tables: Vec::new(),
         }
+    }
+
+    /// Bytes of one page.
+    #[inline]
+    pub fn page(&self) -> u64 {
+        self.page
+    }
+
+    // --- Chunk tables ------------------------------------------------------
+
+    /// The chunk table of segment `seg`.
+    #[inline]
+    pub fn table(&self, seg: u32) -> &ChunkTable {
+        &self.tables[seg as usize]
+    }
+
+    /// The chunk tables of every segment slot, by slot (a retired slot's is
+    /// empty).
+    pub fn tables(&self) -> &[ChunkTable] {
+        &self.tables
+    }
+
+    /// A new segment in slot `seg` at `base`, `pages` pages long, nothing
+    /// mapped.
+    pub fn open_table(&mut self, seg: u32, base: u64, pages: u64) {
+        let i = seg as usize;
+        if self.tables.len() <= i {
+            self.tables.resize_with(i + 1, ChunkTable::default);
+        }
+        debug_assert!(self.tables[i].is_empty(), "slot {seg} still maps chunks");
+        self.tables[i] = ChunkTable::new(base, pages);
+    }
+
+    /// Segment `seg` is retired (it maps nothing).
+    pub fn close_table(&mut self, seg: u32) {
+        debug_assert!(self.tables[seg as usize].is_empty());
+        self.tables[seg as usize] = ChunkTable::default();
+    }
+
+    /// Address of page `p` of segment `seg`.
+    #[inline]
+    pub fn page_addr(&self, seg: u32, p: u64) -> u64 {
+        self.tables[seg as usize].base() + p * self.page
+    }
+
+    /// `cuMemMap`s handle `h` of `pages` pages at page `first` of `seg` and
+    /// records it (counted in `stats`; access is [`Physical::set_access`]'s).
+    /// On failure nothing is recorded and the handle is still the caller's.
+    pub fn map_chunk<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        seg: u32,
+        first: u64,
+        h: PhysHandle,
+        pages: u64,
+    ) -> Result<(), DeviceError> {
+        let addr = self.page_addr(seg, first);
+        stats.driver_calls.add(Call::Map);
+        dev.map(addr, pages * self.page, h)?;
+        self.record_mapped(stats, seg, first, Chunk { handle: h, pages });
+        Ok(())
+    }
+
+    /// Records that `chunk` was mapped at page `first` of `seg` by the
+    /// caller (unpinning maps its own): the table, `pages_mapped`,
+    /// `handles_mapped` and the spill accounting.
+    pub fn record_mapped(&mut self, stats: &mut Stats, seg: u32, first: u64, chunk: Chunk) {
+        self.tables[seg as usize].add(first, chunk);
+        self.note_mapping(stats, chunk.handle, chunk.pages, true);
+        stats.pages_mapped += chunk.pages;
+        stats.handles_mapped += 1;
+    }
+
+    /// Records that the chunk at page `first` of `seg` is no longer mapped
+    /// (the caller unmapped it, or its pages are lost); returns it. The
+    /// handle is the caller's.
+    pub fn record_unmapped(&mut self, stats: &mut Stats, seg: u32, first: u64) -> Option<Chunk> {
+        let c = self.tables[seg as usize].remove(first)?;
+        self.note_mapping(stats, c.handle, c.pages, false);
+        stats.pages_mapped -= c.pages;
+        stats.handles_mapped -= 1;
+        self.forget_unready(seg, &[first]);
+        Some(c)
+    }
+
+    /// Records that the chunk at page `first` of `seg` is now backed by
+    /// handle `h` (same pages; the caller remapped it); returns the old
+    /// chunk, whose handle is the caller's.
+    pub fn record_swap(
+        &mut self,
+        stats: &mut Stats,
+        seg: u32,
+        first: u64,
+        h: PhysHandle,
+    ) -> Option<Chunk> {
+        let old = self.tables[seg as usize].replace(first, h)?;
+        self.note_mapping(stats, old.handle, old.pages, false);
+        self.note_mapping(stats, h, old.pages, true);
+        Some(old)
+    }
+
+    /// `cuMemSetAccess` on pages `[first, first + pages)` of `seg` (counted).
+    pub fn set_access<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        seg: u32,
+        first: u64,
+        pages: u64,
+    ) -> Result<(), DeviceError> {
+        stats.driver_calls.add(Call::SetAccess);
+        dev.set_access(self.page_addr(seg, first), pages * self.page)
+    }
+
+    /// `cuMemUnmap`s pages `[first, first + count)` of `seg`, which are
+    /// whole chunks, in one call; their handles go back
+    /// ([`Physical::give_back`]). On failure nothing changes.
+    pub fn unmap_run<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        seg: u32,
+        first: u64,
+        count: u64,
+    ) -> Result<(), DeviceError> {
+        stats.driver_calls.add(Call::Unmap);
+        dev.unmap(self.page_addr(seg, first), count * self.page)?;
+        let firsts: Vec<u64> = self.tables[seg as usize]
+            .chunks_within(first, first + count)
+            .map(|(f, _)| f)
+            .collect();
+        let mut pages = 0;
+        for f in firsts {
+            if let Some(c) = self.record_unmapped(stats, seg, f) {
+                pages += c.pages;
+                self.give_back(c.handle, c.pages);
+            }
+        }
+        self.sync_stats(stats);
+        debug_assert_eq!(pages, count, "unmapped runs are whole chunks");
+        Ok(())
+    }
+
+    /// Unmaps the whole chunks in pages `[first, first + count)` of `seg`:
+    /// in one call, or chunk by chunk when that fails, so that as much as
+    /// possible goes back. Returns the first error; a chunk that could not
+    /// be unmapped stays mapped (and, with `mark_unready`, is listed unready:
+    /// maybe inaccessible).
+    pub fn unmap_chunks<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        seg: u32,
+        first: u64,
+        count: u64,
+        mark_unready: bool,
+    ) -> Result<(), DeviceError> {
+        let Err(e) = self.unmap_run(stats, dev, seg, first, count) else {
+            return Ok(());
+        };
+        let chunks: Vec<(u64, u64)> = self.tables[seg as usize]
+            .chunks_within(first, first + count)
+            .map(|(f, c)| (f, c.pages))
+            .collect();
+        for (f, n) in chunks {
+            if self.unmap_run(stats, dev, seg, f, n).is_err() && mark_unready {
+                self.mark_unready(seg, f);
+            }
+        }
+        Err(e)
+    }
+
+    /// Gives access to the unready chunks overlapping pages `[p0, p1]` of `seg`.
+    pub fn fix_unready<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        seg: u32,
+        p0: u64,
+        p1: u64,
+    ) -> Result<(), DeviceError> {
+        if !self.has_unready() {
+            return Ok(());
+        }
+        for (f, c) in self.tables[seg as usize].chunks_overlapping(p0, p1 + 1) {
+            if !self.is_unready(seg, f) {
+                continue;
+            }
+            self.set_access(stats, dev, seg, f, c.pages)?;
+            self.mark_ready(seg, f);
+        }
+        Ok(())
+    }
+
+    /// Removes every chunk of segment `seg`'s table without a driver call
+    /// (teardown unmaps the runs itself first); returns them ascending.
+    pub fn take_all_chunks(&mut self, seg: u32) -> Vec<(u64, Chunk)> {
+        self.tables[seg as usize].take_all()
     }
 
     // --- The limit -------------------------------------------------------
@@ -84,6 +295,13 @@ impl Physical {
     pub fn set_fraction(&mut self, fraction: f64, limit_pages: u64) {
         self.fraction = fraction;
         self.limit_pages = limit_pages;
+    }
+
+    /// Device pages mapped (segments and regions; host-located, spilled
+    /// pages are not device memory), from the allocator's `stats`.
+    #[inline]
+    pub fn device_pages(&self, stats: &Stats) -> u64 {
+        stats.pages_mapped - self.spill.spilled_pages
     }
 
     /// Pages the limit still has room for, with `mapped` device pages mapped
@@ -371,6 +589,38 @@ impl Physical {
             return Err("a chunk under it is not accessible");
         }
         Ok(())
+    }
+
+    /// The handles under pages `[first, last]` (`span`) of segment `seg`,
+    /// which block `ptr` occupies, marked exported (a second export of the
+    /// same block answers the same chunks and marks nothing twice). Refused,
+    /// with the reason, when a page is unmapped or a chunk not
+    /// [`Physical::exportable`].
+    pub fn export_range(
+        &mut self,
+        seg: u32,
+        span: (u64, u64),
+        ptr: u64,
+    ) -> Result<Vec<ExportedChunk>, String> {
+        let t = &self.tables[seg as usize];
+        let (mut chunks, mut keys) = (Vec::new(), Vec::new());
+        let mut p = span.0;
+        while p <= span.1 {
+            let Some((f, c)) = t.chunk_at(p) else {
+                return Err(format!("page {p} of its segment is not mapped"));
+            };
+            self.exportable(seg, f, c.handle)
+                .map_err(|why| why.to_string())?;
+            chunks.push(ExportedChunk {
+                addr: t.base() + f * self.page,
+                size: c.pages * self.page,
+                handle: c.handle,
+            });
+            keys.push((seg, f));
+            p = f + c.pages;
+        }
+        self.exported.mark(ptr, keys);
+        Ok(chunks)
     }
 
     /// The export marks (`ipc.rs`).

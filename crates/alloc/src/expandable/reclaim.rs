@@ -59,7 +59,8 @@ impl Inner {
         let s = self.seg(b.seg);
         let (wf, wl) = s.whole_pages(self.layout.page, b.addr, b.end());
         let x = exclude.and_then(|(xs, x0, x1)| (xs == b.seg).then_some((x0, x1)));
-        s.chunks_within(wf, wl)
+        self.table(b.seg)
+            .chunks_within(wf, wl)
             .filter(|(f, c)| x.is_none_or(|(x0, x1)| f + c.pages <= x0 || *f > x1))
             .map(|(f, c)| (f, c.pages))
             .collect()
@@ -70,7 +71,7 @@ impl Inner {
         let b = &self.slab[idx];
         let s = self.seg(b.seg);
         let (wf, wl) = s.whole_pages(self.layout.page, b.addr, b.end());
-        if wf >= wl || s.mapped_count(wf, wl) == 0 {
+        if wf >= wl || self.table(b.seg).mapped_count(wf, wl) == 0 {
             return 0;
         }
         self.free_chunks(idx, exclude).iter().map(|c| c.1).sum()

@@ -15,11 +15,12 @@ impl Inner {
         let page = self.layout.page;
         let (p0, p1) = s.page_span(&self.layout, b.addr, b.size);
         let mut best = 0;
-        s.for_each_mapped_run(p0, p1 + 1, |first, count| {
-            let lo = (s.base + first * page).max(b.addr);
-            let hi = (s.base + (first + count) * page).min(b.end());
-            best = best.max(hi - lo);
-        });
+        self.table(b.seg)
+            .for_each_mapped_run(p0, p1 + 1, |first, count| {
+                let lo = (s.base + first * page).max(b.addr);
+                let hi = (s.base + (first + count) * page).min(b.end());
+                best = best.max(hi - lo);
+            });
         best
     }
 
@@ -44,9 +45,8 @@ impl Inner {
             let (mut live, mut mapped) = (0u64, 0u64);
             for pool in &e.pools {
                 for &si in &pool.segments {
-                    let s = self.seg(si);
-                    live += s.active_bytes;
-                    mapped += s.mapped_bytes(page);
+                    live += self.seg(si).active_bytes;
+                    mapped += self.table(si).mapped_pages() * page;
                 }
             }
             per_stream.push(StreamUsage {

@@ -1,12 +1,10 @@
-//! Segments (one address slice per (stream, pool)) and their page tables.
+//! Segments: one address slice per (stream, pool), tiled by its blocks.
 //!
 //! A segment covers `[base, base + len)` of an arena; its blocks tile that
-//! range. Page `i` covers `[base + i·page, base + (i+1)·page)`.
-//! Physical memory is mapped in **chunks**: one handle of one or more whole
-//! pages, mapped at its first page (see [`Chunk`]).
+//! range. Page `i` covers `[base + i·page, base + (i+1)·page)`. Which pages
+//! are mapped, and by which handle, is the physical layer's chunk table of
+//! the segment (`chunks.rs`, held by `physical.rs`).
 //! Invariants (checked by `validate`):
-//! - chunks do not overlap and lie inside the segment; `mapped[i]` ⇔ page `i`
-//!   lies in a chunk; `mapped_pages` = number of set bits = pages of all chunks;
 //! - every page that overlaps an allocated or pending-free block is mapped;
 //! - `active_blocks`, `active_bytes`, `free_blocks` equal a recount of the
 //!   segment's blocks;
@@ -17,18 +15,7 @@
 
 use super::blocks::PoolKind;
 use super::free_index::FreeIndex;
-use bitvec::vec::BitVec;
-use std::collections::BTreeMap;
-use vmmalloc_device::{PhysHandle, Stream};
-
-/// One mapped physical chunk: a handle of `pages` whole pages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Chunk {
-    /// The `cuMemCreate` handle.
-    pub handle: PhysHandle,
-    /// Its size in pages.
-    pub pages: u64,
-}
+use vmmalloc_device::Stream;
 
 /// One expandable segment.
 #[derive(Debug)]
@@ -45,12 +32,6 @@ pub(crate) struct Segment {
     pub first: u32,
     /// The last block if it is free, else `NIL` (not in the free index).
     pub tail: u32,
-    /// Which pages are mapped.
-    pub mapped: BitVec,
-    /// Mapped chunks by first page.
-    pub chunks: BTreeMap<u64, Chunk>,
-    /// Number of mapped pages.
-    pub mapped_pages: u64,
     /// Allocated + pending-free blocks.
     pub active_blocks: u32,
     /// Bytes of allocated + pending-free blocks.
@@ -67,25 +48,6 @@ impl Segment {
         (layout.page_of(off), layout.page_of(off + len - 1))
     }
 
-    /// Whether every page in `[first, last]` is mapped. Compares whole
-    /// bitmap words (bit `i` is bit `i % usize::BITS` of word `i / usize::BITS`).
-    #[inline]
-    pub fn all_mapped(&self, first: u64, last: u64) -> bool {
-        const BITS: usize = usize::BITS as usize;
-        let (f, l) = (first as usize, last as usize);
-        let words = self.mapped.as_raw_slice();
-        let (fw, lw) = (f / BITS, l / BITS);
-        let head = !0usize << (f % BITS);
-        let tail = !0usize >> (BITS - 1 - l % BITS);
-        if fw == lw {
-            let m = head & tail;
-            return words[fw] & m == m;
-        }
-        words[fw] & head == head
-            && words[fw + 1..lw].iter().all(|&w| w == !0)
-            && words[lw] & tail == tail
-    }
-
     /// The whole pages inside `[addr, end)`, as a half-open page range.
     pub fn whole_pages(&self, page: u64, addr: u64, end: u64) -> (u64, u64) {
         let first = (addr - self.base).div_ceil(page);
@@ -93,123 +55,19 @@ impl Segment {
         (first, last.max(first))
     }
 
-    /// Records that `chunk` is now mapped at pages `[first, first + chunk.pages)`.
-    pub fn add_chunk(&mut self, first: u64, chunk: Chunk) {
-        let (f, n) = (first as usize, chunk.pages as usize);
-        self.mapped[f..f + n].fill(true);
-        self.mapped_pages += chunk.pages;
-        self.chunks.insert(first, chunk);
-    }
-
-    /// Records that the chunk at `first` is no longer mapped; returns it.
-    pub fn remove_chunk(&mut self, first: u64) -> Option<Chunk> {
-        let c = self.chunks.remove(&first)?;
-        let (f, n) = (first as usize, c.pages as usize);
-        self.mapped[f..f + n].fill(false);
-        self.mapped_pages -= c.pages;
-        Some(c)
-    }
-
-    /// The chunk holding page `p`, as `(first page, chunk)`.
-    #[inline]
-    pub fn chunk_at(&self, p: u64) -> Option<(u64, Chunk)> {
-        let (&f, &c) = self.chunks.range(..=p).next_back()?;
-        (p < f + c.pages).then_some((f, c))
-    }
-
-    /// Chunks lying wholly inside pages `[from, to)`, ascending, as
-    /// `(first page, chunk)`.
-    #[inline]
-    pub fn chunks_within(
-        &self,
-        from: u64,
-        to: u64,
-    ) -> impl DoubleEndedIterator<Item = (u64, Chunk)> + '_ {
-        self.chunks
-            .range(from..to.max(from))
-            .filter(move |(&f, c)| f + c.pages <= to)
-            .map(|(&f, &c)| (f, c))
-    }
-
-    /// Chunks overlapping pages `[from, to)`, ascending.
-    pub fn chunks_overlapping(&self, from: u64, to: u64) -> Vec<(u64, Chunk)> {
-        let mut out: Vec<(u64, Chunk)> = self.chunk_at(from).into_iter().collect();
-        let start = if out.is_empty() { from } else { from + 1 };
-        out.extend(
-            self.chunks
-                .range(start..to.max(start))
-                .map(|(&f, &c)| (f, c)),
-        );
-        out
-    }
-
-    /// Runs of mapped pages in the half-open range `[from, to)`, as `(first, count)`.
-    pub fn mapped_runs(&self, from: u64, to: u64) -> Vec<(u64, u64)> {
-        let mut runs = Vec::new();
-        self.for_each_mapped_run(from, to, |f, n| runs.push((f, n)));
-        runs
-    }
-
-    /// Calls `f(first, count)` for each run of mapped pages in the half-open
-    /// range `[from, to)`, ascending. Scans the bitmap a word at a time.
-    #[inline]
-    pub fn for_each_mapped_run(&self, from: u64, to: u64, mut f: impl FnMut(u64, u64)) {
-        let to = to.min(self.mapped.len() as u64) as usize;
-        let mut p = from as usize;
-        while p < to {
-            let bits = &self.mapped[p..to];
-            let Some(start) = bits.first_one() else { break };
-            let len = bits[start..].first_zero().unwrap_or(bits.len() - start);
-            f((p + start) as u64, len as u64);
-            p += start + len;
-        }
-    }
-
-    /// Runs of unmapped pages in the half-open range `[from, to)`, as
-    /// `(first, count)`, ascending.
-    pub fn unmapped_runs(&self, from: u64, to: u64) -> Vec<(u64, u64)> {
-        let to = to.min(self.mapped.len() as u64) as usize;
-        let mut runs = Vec::new();
-        let mut p = from as usize;
-        while p < to {
-            let bits = &self.mapped[p..to];
-            let Some(start) = bits.first_zero() else {
-                break;
-            };
-            let len = bits[start..].first_one().unwrap_or(bits.len() - start);
-            runs.push(((p + start) as u64, len as u64));
-            p += start + len;
-        }
-        runs
-    }
-
-    /// Number of mapped pages in the half-open range `[from, to)`.
-    #[inline]
-    pub fn mapped_count(&self, from: u64, to: u64) -> u64 {
-        let to = to.min(self.mapped.len() as u64);
-        if from >= to {
-            return 0;
-        }
-        self.mapped[from as usize..to as usize].count_ones() as u64
-    }
-
-    /// Bytes mapped in this segment.
-    pub fn mapped_bytes(&self, page: u64) -> u64 {
-        self.mapped_pages * page
-    }
-
     /// The segment's contribution to `inactive_split_bytes` and `inactive_split`:
     /// free bytes on mapped pages and free blocks, counted only while the
     /// segment holds an active block (a wholly free segment is not "split").
+    /// `mapped_pages`: the segment's mapped pages (its chunk table's).
     #[inline]
-    pub fn inactive_split(&self, page: u64) -> (i64, i64) {
+    pub fn inactive_split(&self, mapped_pages: u64, page: u64) -> (i64, i64) {
         if self.active_blocks == 0 {
             (0, 0)
         } else {
             (
                 // Never negative: only a paused segment ([`super::sleep`])
                 // holds active bytes on unmapped pages.
-                ((self.mapped_pages * page) as i64 - self.active_bytes as i64).max(0),
+                ((mapped_pages * page) as i64 - self.active_bytes as i64).max(0),
                 i64::from(self.free_blocks),
             )
         }
@@ -253,41 +111,6 @@ impl StreamEntry {
             tag,
             synced_at: 0,
             pools: [StreamPool::default(), StreamPool::default()],
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::PoolKind;
-    use super::Segment;
-    use bitvec::vec::BitVec;
-
-    /// `all_mapped` agrees with a bit-by-bit check on every range.
-    #[test]
-    fn all_mapped_matches_a_bit_loop() {
-        let mut s = Segment {
-            base: 0,
-            len: 300,
-            owner: 0,
-            kind: PoolKind::Large,
-            first: 0,
-            tail: 0,
-            mapped: BitVec::repeat(false, 300),
-            chunks: Default::default(),
-            mapped_pages: 0,
-            active_blocks: 0,
-            active_bytes: 0,
-            free_blocks: 0,
-        };
-        for i in (0..300).filter(|i| !matches!(i, 5 | 130 | 255)) {
-            s.mapped.set(i, true);
-        }
-        for f in 0..300u64 {
-            for l in f..300u64 {
-                let want = (f..=l).all(|i| s.mapped[i as usize]);
-                assert_eq!(s.all_mapped(f, l), want, "[{f}, {l}]");
-            }
         }
     }
 }

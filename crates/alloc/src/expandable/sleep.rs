@@ -264,7 +264,7 @@ impl Inner {
         // block was recorded on.
         let mut owners: Vec<u32> = segs
             .iter()
-            .filter(|&&s| self.seg(s).mapped_pages > 0)
+            .filter(|&&s| self.table(s).mapped_pages() > 0)
             .map(|&s| self.seg(s).owner)
             .collect();
         owners.sort_unstable();
@@ -314,18 +314,10 @@ impl Inner {
         // Host-located (spilled) chunks under the tags go back too (spill.rs).
         let host_pages_before = self.phys.spilled_pages();
         for &s in &segs {
-            let len = self.seg(s).mapped.len() as u64;
-            for (f, n) in self.seg(s).mapped_runs(0, len) {
-                if let Err(e) = self.unmap_run(dev, s, f, n) {
-                    // Chunk by chunk: as much as possible goes back.
-                    let chunks: Vec<(u64, u64)> = self
-                        .seg(s)
-                        .chunks_within(f, f + n)
-                        .map(|(cf, c)| (cf, c.pages))
-                        .collect();
-                    for (cf, cp) in chunks {
-                        let _ = self.unmap_run(dev, s, cf, cp);
-                    }
+            let len = self.table(s).len();
+            for (f, n) in self.table(s).mapped_runs(0, len) {
+                // Chunk by chunk if the run fails: as much as possible goes back.
+                if let Err(e) = self.unmap_chunks(dev, s, f, n, false) {
                     first_err.get_or_insert(e);
                 }
             }
@@ -389,11 +381,11 @@ impl Inner {
             let mut fail = None;
             for &(p0, p1) in &spans {
                 // Chunks left mapped by a failed pause or rollback may lack access.
-                if let Err(e) = self.fix_unready(dev, seg, p0, p1) {
+                if let Err(e) = self.phys.fix_unready(&mut self.stats, dev, seg, p0, p1) {
                     fail = Some(AllocError::from(e));
                     break;
                 }
-                runs.extend(self.seg(seg).unmapped_runs(p0, p1 + 1));
+                runs.extend(self.table(seg).unmapped_runs(p0, p1 + 1));
             }
             if fail.is_none() && !runs.is_empty() {
                 let need: u64 = runs.iter().map(|r| r.1).sum();
@@ -465,16 +457,7 @@ impl Inner {
     fn undo_resume<D: Device + ?Sized>(&mut self, dev: &D, done: &[(u32, Vec<(u64, u64)>)]) {
         for (seg, runs) in done {
             for &(f, n) in runs {
-                if self.unmap_run(dev, *seg, f, n).is_err() {
-                    let chunks: Vec<(u64, u64)> = self
-                        .seg(*seg)
-                        .chunks_within(f, f + n)
-                        .map(|(cf, c)| (cf, c.pages))
-                        .collect();
-                    for (cf, cp) in chunks {
-                        let _ = self.unmap_run(dev, *seg, cf, cp);
-                    }
-                }
+                let _ = self.unmap_chunks(dev, *seg, f, n, false);
             }
         }
         // A chunk whose release fails stays pooled (accounted, not leaked).
@@ -493,7 +476,7 @@ impl Inner {
             let id = self.streams[s.owner as usize].tag;
             let paused = self.sleep.is_paused(id);
             let t = by.entry(id).or_default();
-            t.mapped_bytes += s.mapped_pages * page;
+            t.mapped_bytes += self.table(i as u32).mapped_pages() * page;
             for b in self.seg_blocks(i as u32) {
                 let blk = &self.slab[b];
                 if blk.state == BlockState::Allocated {

@@ -4,25 +4,25 @@
 //! `inactive`, unmapped parts `unmapped`.
 
 use super::blocks::BlockState as B;
-use super::segment::Segment;
+use super::chunks::ChunkTable;
 use super::Inner;
 use crate::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 
 impl Inner {
     /// Cuts free block `[addr, end)` of `s` into mapped / unmapped pieces.
-    fn free_pieces(&self, s: &Segment, addr: u64, end: u64, out: &mut Vec<BlockInfo>) {
+    fn free_pieces(&self, s: &ChunkTable, addr: u64, end: u64, out: &mut Vec<BlockInfo>) {
         let page = self.layout.page;
         let mut cur = addr;
         while cur < end {
-            let p = self.layout.page_of(cur - s.base);
-            let mapped = s.mapped[p as usize];
+            let p = self.layout.page_of(cur - s.base());
+            let mapped = s.is_mapped(p);
             // Extend over pages with the same mapping state.
             let mut q = p + 1;
-            let last = self.layout.page_of(end - 1 - s.base);
-            while q <= last && s.mapped[q as usize] == mapped {
+            let last = self.layout.page_of(end - 1 - s.base());
+            while q <= last && s.is_mapped(q) == mapped {
                 q += 1;
             }
-            let piece_end = (s.base + q * page).min(end);
+            let piece_end = (s.base() + q * page).min(end);
             let state = if mapped {
                 BlockState::Inactive
             } else {
@@ -46,13 +46,16 @@ impl Inner {
     /// The allocator's segments and blocks.
     pub(super) fn snapshot(&self, ordinal: u32) -> Snapshot {
         let mut segments = Vec::new();
-        for s in self.segments.iter().flatten() {
+        for (si, s) in self.segments.iter().enumerate() {
+            let Some(s) = s else { continue };
             let paused = self.sleep.is_paused(self.streams[s.owner as usize].tag);
             let mut blocks = Vec::new();
             let (mut allocated, mut active, mut requested) = (0, 0, 0);
             for b in self.blocks_in(s) {
                 match b.state {
-                    B::Free => self.free_pieces(s, b.addr, b.end(), &mut blocks),
+                    B::Free => {
+                        self.free_pieces(self.table(si as u32), b.addr, b.end(), &mut blocks)
+                    }
                     B::Allocated | B::PendingFree => {
                         let state = if b.state == B::Allocated {
                             allocated += b.size;

@@ -26,9 +26,9 @@
 //! mapped chunks whose handle is in `host`; every handle in `host` is mapped
 //! or in `host_free`; no host handle is pooled.
 
+use super::chunks::Chunk;
 use super::ladder::Need;
 use super::pages::{Backing, Planned};
-use super::segment::Chunk;
 use super::Inner;
 use std::collections::HashSet;
 use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
@@ -163,11 +163,9 @@ impl Inner {
             .collect();
         for seg in segs {
             let host: Vec<(u64, Chunk)> = self
-                .seg(seg)
-                .chunks
-                .iter()
+                .table(seg)
+                .chunks()
                 .filter(|(_, c)| self.phys.is_host(c.handle))
-                .map(|(&f, &c)| (f, c))
                 .collect();
             for (f, c) in host {
                 if let Err(e) = self.migrate_chunk(dev, seg, f, c) {
@@ -252,62 +250,8 @@ impl Inner {
                 }
             }
         };
-        let addr = self.seg(seg).base + f * page;
-        let len = c.pages * page;
-        // The bytes (`sim` holds none: its copies are unsupported).
-        let mut bytes = vec![0u8; len as usize];
-        self.stats.driver_calls.add(Call::CopyDtoH);
-        let carry = match dev.copy_from_device(addr, &mut bytes) {
-            Ok(()) => true,
-            Err(DeviceError::Unsupported { .. }) => false,
-            Err(e) => {
-                self.phys.pool_put(&mut self.stats, new, c.pages);
-                return Err(e);
-            }
-        };
-        self.stats.driver_calls.add(Call::Unmap);
-        if let Err(e) = dev.unmap(addr, len) {
-            self.phys.pool_put(&mut self.stats, new, c.pages);
-            return Err(e);
-        }
-        let mapped = (|| {
-            self.stats.driver_calls.add(Call::Map);
-            dev.map(addr, len, new)?;
-            self.stats.driver_calls.add(Call::SetAccess);
-            if let Err(e) = dev.set_access(addr, len) {
-                let _ = dev.unmap(addr, len);
-                return Err(e);
-            }
-            Ok(())
-        })();
-        if let Err(e) = mapped {
-            // Put the host chunk back where it was.
-            self.phys.pool_put(&mut self.stats, new, c.pages);
-            self.stats.driver_calls.add(Call::Map);
-            let back = dev.map(addr, len, c.handle).and_then(|()| {
-                self.stats.driver_calls.add(Call::SetAccess);
-                dev.set_access(addr, len)
-            });
-            if back.is_err() {
-                self.phys.mark_unready(seg, f);
-            }
-            return Err(e);
-        }
-        if carry {
-            self.stats.driver_calls.add(Call::CopyHtoD);
-            dev.copy_to_device(addr, &bytes)?;
-        }
-        let s = self.seg_mut(seg);
-        s.chunks.insert(
-            f,
-            Chunk {
-                handle: new,
-                pages: c.pages,
-            },
-        );
         self.phys
-            .note_mapping(&mut self.stats, c.handle, c.pages, false);
-        self.phys.drop_host(c.handle);
+            .rehome_chunk(&mut self.stats, dev, seg, f, c, new)?;
         self.stats.spill_migrations += 1;
         Ok(())
     }
@@ -317,8 +261,8 @@ impl Inner {
     pub(super) fn validate_spill(&self) -> Result<(), String> {
         let mut pages = 0;
         let mut seen = 0usize;
-        for s in self.segments.iter().flatten() {
-            for c in s.chunks.values() {
+        for t in self.phys.tables() {
+            for (_, c) in t.chunks() {
                 if self.phys.is_host(c.handle) {
                     pages += c.pages;
                     seen += 1;

@@ -18,7 +18,7 @@ impl Inner {
     /// its slice goes back to the arena.
     pub(super) fn retire_segment_if_empty(&mut self, seg: u32) -> bool {
         let s = self.seg(seg);
-        if s.active_blocks > 0 || s.mapped_pages > 0 || self.phys.unready_in(seg) {
+        if s.active_blocks > 0 || !self.table(seg).is_empty() || self.phys.unready_in(seg) {
             return false;
         }
         let (owner, kind, first, base) = (s.owner, s.kind, s.first, s.base);
@@ -28,6 +28,7 @@ impl Inner {
         pool.segments.retain(|&x| x != seg);
         self.slab.remove(first);
         self.segments[seg as usize] = None;
+        self.phys.close_table(seg);
         self.vacant_segments.push(seg);
         self.arenas.give_back(base, self.layout.slice);
         self.counters.segment.add(kind as usize, -1);
@@ -94,7 +95,7 @@ impl Inner {
             let has_pages = self.streams[i]
                 .pools
                 .iter()
-                .any(|p| p.segments.iter().any(|&s| self.seg(s).mapped_pages > 0));
+                .any(|p| p.segments.iter().any(|&s| !self.table(s).is_empty()));
             if has_pages {
                 let stream = self.streams[i].stream;
                 self.stats.driver_calls.add(Call::StreamSync);
@@ -112,22 +113,23 @@ impl Inner {
             self.events.free.push(p.event);
         }
         let page = self.layout.page;
-        for seg in self.segments.iter_mut().flatten() {
-            let runs = seg.mapped_runs(0, seg.mapped.len() as u64);
+        for seg in 0..self.segments.len() as u32 {
+            if self.segments[seg as usize].is_none() {
+                continue;
+            }
+            let runs = self.table(seg).mapped_runs(0, self.table(seg).len());
             for (first, count) in runs {
                 self.stats.driver_calls.add(Call::Unmap);
-                let addr = seg.base + first * page;
+                let addr = self.phys.page_addr(seg, first);
                 match twice(|| dev.unmap(addr, count * page)) {
                     Ok(()) => {}
                     Err(e) => log("unmap", &e),
                 }
             }
-            for (_, c) in std::mem::take(&mut seg.chunks) {
+            for (_, c) in self.phys.take_all_chunks(seg) {
                 // Host-located chunks too: the pool is released below.
                 self.phys.put_pooled(c.handle, c.pages);
             }
-            seg.mapped.fill(false);
-            seg.mapped_pages = 0;
         }
         for h in self.phys.drain_host_free() {
             self.stats.driver_calls.add(Call::Release);

@@ -1,8 +1,10 @@
 //! `validate()`: every invariant, recounted from scratch, one function per
 //! group (in the order [`Inner::validate`] checks them):
 //!
-//! - **chunks** ([`Inner::validate_chunks`]): page bitmaps and chunk tables
-//!   agree; chunks do not overlap or leave their segment; no handle twice;
+//! - **chunks** ([`Inner::validate_chunks`]): every chunk table is sound
+//!   (page bitmap and chunks agree; chunks do not overlap or leave their
+//!   segment) and covers its segment; a retired slot maps nothing; no
+//!   handle twice;
 //! - **blocks** ([`Inner::validate_blocks`]): each segment is listed by its
 //!   stream's pool; blocks tile each segment, links agree, free neighbours
 //!   are merged, segment counters equal a recount; allocated blocks are
@@ -108,8 +110,8 @@ impl Inner {
         self.validate_model(model, &g, &mapped)
     }
 
-    /// Chunks: each segment's bitmap agrees with its chunk table, chunks
-    /// neither overlap nor leave the segment, and no handle is mapped twice
+    /// Chunks: every chunk table is sound ([`super::chunks::ChunkTable::validate`]),
+    /// a retired segment's is empty, and no handle is mapped twice
     /// (`handles` collects them). Recounts the reserved bytes and segments.
     fn validate_chunks(
         &self,
@@ -118,47 +120,40 @@ impl Inner {
     ) -> Result<Mapped, String> {
         let page = self.layout.page;
         let mut mapped = Mapped::default();
-        for (si, s) in self.segments.iter().enumerate() {
-            let Some(s) = s else { continue };
-            let k = s.kind as usize;
-            mapped.bases.push(s.base);
-            if s.mapped.count_ones() as u64 != s.mapped_pages {
+        for (si, t) in self.phys.tables().iter().enumerate() {
+            let Some(Some(s)) = self.segments.get(si) else {
+                if !t.is_empty() {
+                    return Err(format!("retired segment {si} still maps chunks"));
+                }
+                continue;
+            };
+            if t.base() != s.base || t.len() != s.len.div_ceil(page) {
                 return Err(format!(
-                    "segment {si}: mapped_pages {} but {} bits set",
-                    s.mapped_pages,
-                    s.mapped.count_ones()
+                    "segment {si}: chunk table of {} pages at {:#x}, segment of {} bytes at {:#x}",
+                    t.len(),
+                    t.base(),
+                    s.len,
+                    s.base
                 ));
             }
-            let mut covered = 0u64;
-            let mut prev_end = 0u64;
-            for (&f, c) in &s.chunks {
-                if c.pages == 0 || f < prev_end || f + c.pages > s.mapped.len() as u64 {
-                    return Err(format!(
-                        "segment {si}: chunk at page {f} ({} pages) overlaps another or leaves the segment",
-                        c.pages
-                    ));
-                }
-                if !s.mapped[f as usize..(f + c.pages) as usize].all() {
-                    return Err(format!(
-                        "segment {si}: chunk at page {f} is not marked mapped"
-                    ));
-                }
+            t.validate().map_err(|e| format!("segment {si}: {e}"))?;
+            for (_, c) in t.chunks() {
                 if !handles.insert(c.handle.0) {
                     return Err(format!("handle {:#x} is mapped twice", c.handle.0));
                 }
-                covered += c.pages;
-                prev_end = f + c.pages;
             }
-            if covered != s.mapped_pages {
-                return Err(format!(
-                    "segment {si}: chunks cover {covered} pages but {} are marked mapped",
-                    s.mapped_pages
-                ));
+            let k = s.kind as usize;
+            mapped.chunks += t.chunk_count();
+            mapped.pages += t.mapped_pages();
+            rc.reserved_bytes[k] += (t.mapped_pages() * page) as i64;
+        }
+        for (si, s) in self.segments.iter().enumerate() {
+            let Some(s) = s else { continue };
+            if si >= self.phys.tables().len() {
+                return Err(format!("segment {si} has no chunk table"));
             }
-            mapped.chunks += s.chunks.len() as u64;
-            mapped.pages += s.mapped_pages;
-            rc.reserved_bytes[k] += (s.mapped_pages * page) as i64;
-            rc.segment[k] += 1;
+            mapped.bases.push(s.base);
+            rc.segment[s.kind as usize] += 1;
         }
         Ok(mapped)
     }
@@ -171,7 +166,6 @@ impl Inner {
     /// equal a recount. Recounts the block stats; returns, per stream entry
     /// and pool, the free blocks that are not tails (for the free index).
     fn validate_blocks(&self, rc: &mut Recount) -> Result<Vec<[usize; 2]>, String> {
-        let page = self.layout.page;
         let mut blocks_seen = 0usize;
         let mut allocated_seen = 0usize;
         let mut free_seen = vec![[0usize; 2]; self.streams.len()];
@@ -301,7 +295,7 @@ impl Inner {
                     s.active_blocks, s.active_bytes, s.free_blocks
                 ));
             }
-            let (sb, sn) = s.inactive_split(page);
+            let (sb, sn) = self.inactive_split(si);
             rc.inactive_split_bytes[k] += sb;
             rc.inactive_split[k] += sn;
         }
@@ -337,14 +331,16 @@ impl Inner {
                     continue;
                 }
                 let (p0, p1) = s.page_span(&self.layout, b.addr, b.size);
-                if !s.all_mapped(p0, p1) {
+                if !self.table(si).all_mapped(p0, p1) {
                     return Err(format!(
                         "active block {:#x}+{:#x} is not fully mapped",
                         b.addr, b.size
                     ));
                 }
                 if self.phys.has_unready()
-                    && s.chunks_overlapping(p0, p1 + 1)
+                    && self
+                        .table(si)
+                        .chunks_overlapping(p0, p1 + 1)
                         .iter()
                         .any(|&(f, _)| self.phys.is_unready(si, f))
                 {
@@ -413,7 +409,7 @@ impl Inner {
     fn validate_unready(&self) -> Result<(), String> {
         for &(s, p) in self.phys.unready() {
             match self.segments.get(s as usize) {
-                Some(Some(seg)) if seg.chunks.contains_key(&p) => {}
+                Some(Some(_)) if self.table(s).has_chunk_at(p) => {}
                 _ => {
                     return Err(format!(
                         "unready chunk at page {p} of segment {s} is not mapped"

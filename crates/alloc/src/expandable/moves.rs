@@ -1,0 +1,543 @@
+//! Unpinning's moves: the live pages of a chunk get exact chunks of their
+//! own at the same addresses, and the old chunk's handle is given back (see
+//! `unpin.rs` for when and which chunks; this file is how one moves).
+//!
+//! One chunk:
+//!
+//! 1. with room beside it (the pool or the limit): exact chunks for the live
+//!    runs are obtained first and filled on the device: mapped in a scratch
+//!    reservation, made accessible, `cuMemcpyDtoD` from the live runs
+//!    (waited for), unmapped. Then the old chunk is unmapped, the new ones
+//!    are mapped at the live runs' addresses and made accessible, and the
+//!    old handle is pooled. A failure maps the old chunk back; it still
+//!    holds every byte;
+//! 2. with no room (memory is full, the common case when this runs): the
+//!    live runs' bytes go to (pageable) host memory (`cuMemcpyDtoH`), the
+//!    old chunk is unmapped and **released first**, the new chunks are
+//!    created in the memory it freed, mapped, made accessible and filled
+//!    (`cuMemcpyHtoD`). A failure creates a chunk of the old size again (on
+//!    the host, with `spill`-style host memory, if the device refuses) and
+//!    copies the bytes back.
+//!
+//! The driver's rules behind it: `cuMemUnmap` takes whole mappings and
+//! `cuMemMap`'s `offset` "must be zero" (cuda.h), so part of a chunk can
+//! neither be unmapped nor remapped; hence new handles for the live runs.
+
+use super::chunks::Chunk;
+use super::physical::Physical;
+use crate::Stats;
+use vmmalloc_device::{Call, Device, DeviceError, HostBuffer, PhysHandle};
+
+/// One chunk to unpin: a chunk partly under live blocks.
+#[derive(Debug, Clone)]
+pub(crate) struct Move {
+    /// Segment.
+    pub seg: u32,
+    /// First page of the chunk.
+    pub first: u64,
+    /// The chunk.
+    pub chunk: Chunk,
+    /// Runs of pages under blocks in use, `(first, pages)`, ascending and
+    /// not adjacent.
+    pub live: Vec<(u64, u64)>,
+    /// Pages of `live`.
+    pub live_pages: u64,
+}
+
+impl Move {
+    /// Pages the chunk holds under free space only.
+    pub fn free_pages(&self) -> u64 {
+        self.chunk.pages - self.live_pages
+    }
+}
+
+impl Physical {
+    /// Moves the live runs of `p` to exact chunks and frees the old one
+    /// (beside it when there is room, else in its place). On an error the
+    /// chunk is as it was (see the module docs).
+    pub fn unpin_chunk<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        p: &Move,
+    ) -> Result<(), DeviceError> {
+        match self.room_handles(stats, dev, p)? {
+            Some(handles) => self.swap_beside(stats, dev, p, handles),
+            None => {
+                let saved = self.save_live(stats, dev, p)?;
+                self.swap_in_place(stats, dev, p, &saved)
+            }
+        }
+    }
+
+    /// Copies the bytes of `p`'s live runs to one host buffer, runs in
+    /// order. A device that holds no bytes (`sim`) still gets every copy
+    /// call (so that its cost model charges them) and refuses it.
+    fn save_live<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        p: &Move,
+    ) -> Result<HostBuffer, DeviceError> {
+        let page = self.page();
+        let base = self.table(p.seg).base();
+        // Pageable memory: page-locking a buffer of this size
+        // (`cuMemHostAlloc`) would cost more than the copy it speeds up.
+        let mut buf = HostBuffer::heap(p.live_pages * page).ok_or(DeviceError::OutOfMemory {
+            call: Call::HostAlloc,
+            requested: p.live_pages * page,
+            free: 0,
+            total: 0,
+        })?;
+        let mut at = 0usize;
+        for &(f, n) in &p.live {
+            let len = (n * page) as usize;
+            stats.driver_calls.add(Call::CopyDtoH);
+            match dev.copy_from_device(base + f * page, &mut buf[at..at + len]) {
+                Ok(()) | Err(DeviceError::Unsupported { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            at += len;
+        }
+        Ok(buf)
+    }
+
+    /// Handles for `p`'s live runs beside the old chunk: pooled ones of each
+    /// size, else new ones within the limit (releasing pooled handles for
+    /// room). `None` when the limit has no room for them; every handle
+    /// obtained is pooled again then.
+    fn room_handles<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        p: &Move,
+    ) -> Result<Option<Vec<PhysHandle>>, DeviceError> {
+        let page = self.page();
+        let mut handles: Vec<PhysHandle> = Vec::with_capacity(p.live.len());
+        let mut held = 0;
+        let mut fail = None;
+        for &(_, n) in &p.live {
+            if let Some(h) = self.take_pooled(n) {
+                handles.push(h);
+                held += n;
+                continue;
+            }
+            let over = |me: &Self, stats: &Stats| me.over_limit(me.device_pages(stats), held + n);
+            while over(self, stats) {
+                match self.release_largest(stats, dev) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e) => {
+                        fail = Some(e);
+                        break;
+                    }
+                }
+            }
+            if fail.is_some() || over(self, stats) {
+                break;
+            }
+            stats.driver_calls.add(Call::Create);
+            match dev.create(n * page) {
+                Ok(h) => {
+                    stats.num_device_alloc += 1;
+                    handles.push(h);
+                    held += n;
+                }
+                Err(e) if e.is_out_of_memory() => break,
+                Err(e) => {
+                    fail = Some(e);
+                    break;
+                }
+            }
+        }
+        if handles.len() == p.live.len() {
+            self.sync_stats(stats);
+            return Ok(Some(handles));
+        }
+        for (h, &(_, n)) in handles.into_iter().zip(&p.live) {
+            self.pool_put(stats, h, n);
+        }
+        self.sync_stats(stats);
+        match fail {
+            Some(e) => Err(e),
+            None => Ok(None),
+        }
+    }
+
+    /// With the new handles in hand: copy the live runs into them on the
+    /// device ([`Inner::copy_beside`]), unmap the old chunk, map the new ones
+    /// in its place, pool the old handle. A failure maps the old chunk back
+    /// (it still holds every byte) and pools the new handles.
+    fn swap_beside<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        p: &Move,
+        handles: Vec<PhysHandle>,
+    ) -> Result<(), DeviceError> {
+        let (addr, len) = self.chunk_range(p);
+        let pool_new = |me: &mut Self, stats: &mut Stats, hs: &[PhysHandle]| {
+            for (&h, &(_, n)) in hs.iter().zip(&p.live) {
+                me.pool_put(stats, h, n);
+            }
+            me.sync_stats(stats);
+        };
+        if let Err(e) = self.copy_beside(stats, dev, p, &handles) {
+            pool_new(self, stats, &handles);
+            return Err(e);
+        }
+        stats.driver_calls.add(Call::Unmap);
+        if let Err(e) = dev.unmap(addr, len) {
+            pool_new(self, stats, &handles);
+            return Err(e);
+        }
+        if let Err(e) = self.map_live(stats, dev, p, &handles, None) {
+            pool_new(self, stats, &handles);
+            self.map_back(stats, dev, p, p.chunk.handle);
+            return Err(e);
+        }
+        self.commit_unpin(stats, p, &handles);
+        self.pool_put(stats, p.chunk.handle, p.chunk.pages);
+        self.sync_stats(stats);
+        Ok(())
+    }
+
+    /// Copies `p`'s live runs into `handles` on the device: the handles are
+    /// mapped one after another in a scratch reservation, made accessible
+    /// with one call, filled by `cuMemcpyDtoD` (which
+    /// [`Device::copy_device`] waits for), then unmapped again and the
+    /// reservation freed. Device memory moves at ~610 GiB/s, against
+    /// ~12.5 GiB/s for a round trip through pageable host memory
+    /// (docs/driver.md). On failure nothing stays mapped and the handles
+    /// are the caller's, unchanged.
+    fn copy_beside<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        p: &Move,
+        handles: &[PhysHandle],
+    ) -> Result<(), DeviceError> {
+        let page = self.page();
+        let base = self.table(p.seg).base();
+        let len = p.live_pages * page;
+        stats.driver_calls.add(Call::Reserve);
+        let scratch = dev.reserve(len, 0)?;
+        let mut mapped = 0;
+        let mut result = Ok(());
+        for (&(_, n), &h) in p.live.iter().zip(handles) {
+            stats.driver_calls.add(Call::Map);
+            if let Err(e) = dev.map(scratch + mapped, n * page, h) {
+                result = Err(e);
+                break;
+            }
+            mapped += n * page;
+        }
+        if result.is_ok() {
+            stats.driver_calls.add(Call::SetAccess);
+            result = dev.set_access(scratch, len);
+        }
+        if result.is_ok() {
+            let mut at = 0;
+            for &(f, n) in &p.live {
+                stats.driver_calls.add(Call::CopyDtoD);
+                match dev.copy_device(scratch + at, base + f * page, n * page) {
+                    Ok(()) | Err(DeviceError::Unsupported { .. }) => {}
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+                at += n * page;
+            }
+        }
+        // Take the scratch mappings down: in one call, else run by run.
+        if mapped > 0 {
+            stats.driver_calls.add(Call::Unmap);
+            if dev.unmap(scratch, mapped).is_err() {
+                let mut at = 0;
+                for &(_, n) in &p.live {
+                    if at >= mapped {
+                        break;
+                    }
+                    stats.driver_calls.add(Call::Unmap);
+                    if let Err(e) = dev.unmap(scratch + at, n * page) {
+                        eprintln!(
+                            "vmmalloc: unpinning: unmapping scratch {:#x}: {e}",
+                            scratch + at
+                        );
+                    }
+                    at += n * page;
+                }
+            }
+        }
+        for attempt in 0..2 {
+            stats.driver_calls.add(Call::AddressFree);
+            match dev.free_reservation(scratch, len) {
+                Ok(()) => break,
+                Err(e) if attempt == 1 => {
+                    eprintln!("vmmalloc: unpinning: freeing scratch {scratch:#x}: {e}")
+                }
+                Err(_) => {}
+            }
+        }
+        result
+    }
+
+    /// With no room beside it: unmap and release the old chunk, create the
+    /// new ones in the memory it freed, map them, copy the bytes back. A
+    /// failure after the release re-creates a chunk of the old size and
+    /// copies the bytes into it.
+    fn swap_in_place<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        p: &Move,
+        saved: &HostBuffer,
+    ) -> Result<(), DeviceError> {
+        let page = self.page();
+        let (addr, len) = self.chunk_range(p);
+        stats.driver_calls.add(Call::Unmap);
+        dev.unmap(addr, len)?;
+        if let Err(e) = self.release_handle(stats, dev, p.chunk.handle) {
+            self.map_back(stats, dev, p, p.chunk.handle);
+            return Err(e);
+        }
+        let mut handles = Vec::with_capacity(p.live.len());
+        let mut fail = None;
+        for &(_, n) in &p.live {
+            stats.driver_calls.add(Call::Create);
+            match dev.create(n * page) {
+                Ok(h) => {
+                    stats.num_device_alloc += 1;
+                    handles.push(h);
+                }
+                Err(e) => {
+                    fail = Some(e);
+                    break;
+                }
+            }
+        }
+        if fail.is_none() {
+            match self.map_live(stats, dev, p, &handles, Some(saved)) {
+                Ok(()) => {
+                    self.commit_unpin(stats, p, &handles);
+                    self.sync_stats(stats);
+                    return Ok(());
+                }
+                Err(e) => fail = Some(e),
+            }
+        }
+        for h in handles {
+            let _ = self.release_handle(stats, dev, h);
+        }
+        self.restore_released(stats, dev, p, saved);
+        Err(fail.expect("set on every failing path"))
+    }
+
+    /// Bytes `[addr, addr + len)` of `p`'s chunk.
+    fn chunk_range(&self, p: &Move) -> (u64, u64) {
+        let page = self.page();
+        (self.page_addr(p.seg, p.first), p.chunk.pages * page)
+    }
+
+    /// Maps `handles` at `p`'s live runs, makes them accessible and copies
+    /// `saved` (when the bytes went through the host) back. On failure
+    /// unmaps what it mapped (the handles stay the caller's).
+    fn map_live<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        p: &Move,
+        handles: &[PhysHandle],
+        saved: Option<&HostBuffer>,
+    ) -> Result<(), DeviceError> {
+        let page = self.page();
+        let base = self.table(p.seg).base();
+        let mut mapped = 0;
+        let mut result = Ok(());
+        for (&(f, n), &h) in p.live.iter().zip(handles) {
+            stats.driver_calls.add(Call::Map);
+            if let Err(e) = dev.map(base + f * page, n * page, h) {
+                result = Err(e);
+                break;
+            }
+            mapped += 1;
+            stats.driver_calls.add(Call::SetAccess);
+            if let Err(e) = dev.set_access(base + f * page, n * page) {
+                result = Err(e);
+                break;
+            }
+        }
+        if let (Ok(()), Some(saved)) = (&result, saved) {
+            let mut at = 0usize;
+            for &(f, n) in &p.live {
+                let len = (n * page) as usize;
+                stats.driver_calls.add(Call::CopyHtoD);
+                match dev.copy_to_device(base + f * page, &saved[at..at + len]) {
+                    Ok(()) | Err(DeviceError::Unsupported { .. }) => {}
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+                at += len;
+            }
+        }
+        if result.is_err() {
+            for &(f, n) in &p.live[..mapped] {
+                stats.driver_calls.add(Call::Unmap);
+                let _ = dev.unmap(base + f * page, n * page);
+            }
+        }
+        result
+    }
+
+    /// Maps `handle` (holding the chunk's bytes) at `p`'s chunk again. If
+    /// even that fails the chunk stays in the table, listed as unready
+    /// (mapped, maybe inaccessible), so that a later access retries it.
+    fn map_back<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        p: &Move,
+        handle: PhysHandle,
+    ) {
+        let (addr, len) = self.chunk_range(p);
+        stats.driver_calls.add(Call::Map);
+        let back = dev.map(addr, len, handle).and_then(|()| {
+            stats.driver_calls.add(Call::SetAccess);
+            dev.set_access(addr, len)
+        });
+        if back.is_err() {
+            self.mark_unready(p.seg, p.first);
+        }
+    }
+
+    /// After the old handle of `p` was released and the swap failed: a new
+    /// chunk of the old size (device memory, else host memory as `spill`
+    /// makes it), mapped where the old one was, with the live bytes copied
+    /// back. Only a device that refuses both (memory taken by another
+    /// process in between, and no host memory) loses the bytes; that is
+    /// logged.
+    fn restore_released<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        p: &Move,
+        saved: &HostBuffer,
+    ) {
+        let (addr, len) = self.chunk_range(p);
+        stats.driver_calls.add(Call::Create);
+        let handle = match dev.create(len) {
+            Ok(h) => {
+                stats.num_device_alloc += 1;
+                Some(h)
+            }
+            Err(_) => {
+                stats.driver_calls.add(Call::Create);
+                dev.create_on_host(len).ok().inspect(|h| self.add_host(*h))
+            }
+        };
+        let Some(handle) = handle else {
+            eprintln!(
+                "vmmalloc: unpinning failed and no memory was left to put {} MiB of live tensors back at {addr:#x}",
+                len >> 20
+            );
+            // The pages are gone from the device: record them unmapped.
+            self.record_unmapped(stats, p.seg, p.first);
+            return;
+        };
+        self.record_swap(stats, p.seg, p.first, handle);
+        self.map_back(stats, dev, p, handle);
+        let page = self.page();
+        let mut at = 0usize;
+        for &(f, n) in &p.live {
+            let n = (n * page) as usize;
+            stats.driver_calls.add(Call::CopyHtoD);
+            let _ = dev.copy_to_device(self.table(p.seg).base() + f * page, &saved[at..at + n]);
+            at += n;
+        }
+    }
+
+    /// Records a finished unpin in the chunk table: the old chunk out, the
+    /// new ones in (the old handle is the caller's).
+    fn commit_unpin(&mut self, stats: &mut Stats, p: &Move, handles: &[PhysHandle]) {
+        self.record_unmapped(stats, p.seg, p.first);
+        for (&(f, n), &h) in p.live.iter().zip(handles) {
+            let chunk = Chunk {
+                handle: h,
+                pages: n,
+            };
+            self.record_mapped(stats, p.seg, f, chunk);
+        }
+    }
+
+    /// Moves the chunk at page `first` of `seg` (`c`) into handle `new` of
+    /// the same size, at the same addresses: its bytes go through host
+    /// memory (`cuMemcpyDtoH`, unmap, map `new`, access, `cuMemcpyHtoD`).
+    /// Spill uses it to bring a host-located chunk back to device memory.
+    /// On a failure before `new` is mapped, `new` is pooled and `c` mapped
+    /// back (listed unready if even that fails). Once `new` is mapped the
+    /// old handle goes back ([`Physical::give_back`]: a host handle to its
+    /// release list), even if copying the bytes back then fails.
+    pub fn rehome_chunk<D: Device + ?Sized>(
+        &mut self,
+        stats: &mut Stats,
+        dev: &D,
+        seg: u32,
+        f: u64,
+        c: Chunk,
+        new: PhysHandle,
+    ) -> Result<(), DeviceError> {
+        let addr = self.page_addr(seg, f);
+        let len = c.pages * self.page();
+        // The bytes (`sim` holds none: its copies are unsupported).
+        let mut bytes = vec![0u8; len as usize];
+        stats.driver_calls.add(Call::CopyDtoH);
+        let carry = match dev.copy_from_device(addr, &mut bytes) {
+            Ok(()) => true,
+            Err(DeviceError::Unsupported { .. }) => false,
+            Err(e) => {
+                self.pool_put(stats, new, c.pages);
+                return Err(e);
+            }
+        };
+        stats.driver_calls.add(Call::Unmap);
+        if let Err(e) = dev.unmap(addr, len) {
+            self.pool_put(stats, new, c.pages);
+            return Err(e);
+        }
+        let mapped = (|| {
+            stats.driver_calls.add(Call::Map);
+            dev.map(addr, len, new)?;
+            stats.driver_calls.add(Call::SetAccess);
+            if let Err(e) = dev.set_access(addr, len) {
+                let _ = dev.unmap(addr, len);
+                return Err(e);
+            }
+            Ok(())
+        })();
+        if let Err(e) = mapped {
+            // Put the host chunk back where it was.
+            self.pool_put(stats, new, c.pages);
+            stats.driver_calls.add(Call::Map);
+            let back = dev.map(addr, len, c.handle).and_then(|()| {
+                stats.driver_calls.add(Call::SetAccess);
+                dev.set_access(addr, len)
+            });
+            if back.is_err() {
+                self.mark_unready(seg, f);
+            }
+            return Err(e);
+        }
+        // Recorded before the bytes go back: `new` is mapped there now,
+        // whatever the copy does.
+        self.record_swap(stats, seg, f, new);
+        self.give_back(c.handle, c.pages);
+        if carry {
+            stats.driver_calls.add(Call::CopyHtoD);
+            dev.copy_to_device(addr, &bytes)?;
+        }
+        Ok(())
+    }
+}
