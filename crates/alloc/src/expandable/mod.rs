@@ -224,7 +224,7 @@ impl Inner {
     /// Device pages mapped in all segments and regions (host-located,
     /// spilled pages do not count: they are not device memory).
     fn mapped_pages(&self) -> u64 {
-        self.stats.pages_mapped - self.phys.spilled_pages()
+        self.phys.device_pages(&self.stats)
     }
 }
 
