@@ -220,7 +220,10 @@ fn a_failed_copy_while_migrating_back_loses_no_handle() {
                 n: seen + 1,
                 kind: FaultKind::Driver(999),
             });
-            assert!(a.migrate_spilled().is_err(), "{call}: the failure is reported");
+            assert!(
+                a.migrate_spilled().is_err(),
+                "{call}: the failure is reported"
+            );
             a.validate().unwrap_or_else(|e| panic!("{call}: {e}"));
             dev.hook().set_plan(FaultPlan::None);
             a.migrate_spilled().unwrap();

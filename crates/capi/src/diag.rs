@@ -7,7 +7,7 @@
 //! otherwise (errno-like, but never stale).
 
 use crate::config::LogLevel;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, CString};
 use std::io::Write;
 
@@ -15,10 +15,24 @@ thread_local! {
     /// The calling thread's last error. The pointer handed out by
     /// [`last_error_ptr`] stays valid until the next exported call on this thread.
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+    /// Whether `LAST_ERROR` may hold a message. A plain flag with no
+    /// destructor: clearing an empty last error, what every successful
+    /// call does, is one thread-local load, not a visit to a slot whose
+    /// destructor must be registered and checked (issue 27, the hot path).
+    static ERROR_SET: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Clears the calling thread's last error.
+#[inline]
 pub(crate) fn clear_error() {
+    if ERROR_SET.get() {
+        take_error();
+    }
+}
+
+#[cold]
+fn take_error() {
+    ERROR_SET.set(false);
     // `try_with`: during thread teardown the slot may be gone; nothing to clear then.
     let _ = LAST_ERROR.try_with(|e| e.borrow_mut().take());
 }
@@ -26,7 +40,9 @@ pub(crate) fn clear_error() {
 /// Sets the calling thread's last error.
 pub(crate) fn set_error(message: &str) {
     let c = c_string_lossy(message);
-    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = Some(c));
+    if LAST_ERROR.try_with(|e| *e.borrow_mut() = Some(c)).is_ok() {
+        ERROR_SET.set(true);
+    }
 }
 
 /// The calling thread's last error as a C string owned by this library, or NULL.

@@ -264,6 +264,10 @@ pub struct Runtime {
     log: LogLevel,
     /// Device count PyTorch reported through `vmmalloc_init` (0: not called).
     init_count: AtomicU32,
+    /// Ordinals below this are served ([`ordinal_limit`] of the
+    /// configuration and `init_count`; 0 when the configuration is bad):
+    /// the hot path's whole ordinal check is one load and one compare.
+    served: AtomicU32,
     /// Whether the configuration error was logged already.
     config_error_logged: AtomicBool,
     slots: Box<[OnceLock<Arc<DeviceState>>]>,
@@ -455,10 +459,12 @@ pub fn reset() {
 impl Runtime {
     fn new(config: Result<Config, ConfigError>) -> Self {
         let log = config.as_ref().map_or(LogLevel::Error, |c| c.log);
+        let served = config.as_ref().map_or(0, |c| ordinal_limit(c, 0));
         Runtime {
             config,
             log,
             init_count: AtomicU32::new(0),
+            served: AtomicU32::new(served),
             config_error_logged: AtomicBool::new(false),
             slots: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
             creating: Mutex::new(()),
@@ -493,6 +499,9 @@ impl Runtime {
     /// Records PyTorch's device count (from the init hook).
     pub fn set_device_count(&self, n: u32) {
         self.init_count.store(n, Ordering::Relaxed);
+        if let Ok(c) = &self.config {
+            self.served.store(ordinal_limit(c, n), Ordering::Relaxed);
+        }
     }
 
     /// Checks that `device` is a valid ordinal; returns it as an index.
@@ -515,9 +524,9 @@ impl Runtime {
     /// loads).
     #[inline]
     pub fn ready(&self, device: i32) -> Option<&DeviceState> {
-        let config = self.config.as_ref().ok()?;
-        let ordinal = u32::try_from(device).ok()?;
-        if ordinal >= ordinal_limit(config, self.init_count.load(Ordering::Relaxed)) {
+        // A negative ordinal becomes a huge one, above any limit.
+        let ordinal = device as u32;
+        if ordinal >= self.served.load(Ordering::Relaxed) {
             return None;
         }
         let d = self.slots.get(ordinal as usize)?.get()?;
