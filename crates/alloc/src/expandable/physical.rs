@@ -1,8 +1,10 @@
-//! The physical layer: every handle the allocator holds and where it is —
+//! The physical layer: the handles the allocator holds and where they are —
 //! the segments' chunk tables (which handle is mapped at which page,
 //! `chunks.rs`), the chunk pool, the limit (memory fraction), chunks left
 //! unready, spill's host-located handles and the chunks pinned by IPC
-//! export.
+//! export. (Growable regions keep their own stack of chunks, `growable.rs`:
+//! a region is not a segment and maps only at its end; they take from and
+//! give back to this pool, count under this limit and spill's accounting.)
 //!
 //! It makes the driver calls that move handles (`cuMemMap`,
 //! `cuMemSetAccess`, `cuMemUnmap`, `cuMemRelease`) and records them; the
