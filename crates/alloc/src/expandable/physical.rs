@@ -181,7 +181,7 @@ impl Physical {
 
     /// `cuMemSetAccess` on pages `[first, first + pages)` of `seg` (counted).
     pub fn set_access<D: Device + ?Sized>(
-        &mut self,
+        &self,
         stats: &mut Stats,
         dev: &D,
         seg: u32,
