@@ -321,4 +321,50 @@ mod tests {
         assert!(t.is_empty() && t.mapped_pages() == 0 && t.mapped_count(0, 16) == 0);
         t.validate().unwrap();
     }
+
+    proptest::proptest! {
+        /// Random adds (where the pages are free) and removes agree with a
+        /// page-by-page oracle: the bitmap, the count, the runs, the chunk
+        /// lookups, and `validate`.
+        #[test]
+        fn random_adds_and_removes_match_a_page_oracle(
+            ops in proptest::collection::vec((0u64..96, 1u64..9, proptest::bool::ANY), 1..80)
+        ) {
+            const N: u64 = 96;
+            let mut t = ChunkTable::new(0, N);
+            let mut owner: Vec<Option<u64>> = vec![None; N as usize];
+            for (i, &(first, pages, add)) in ops.iter().enumerate() {
+                let pages = pages.min(N - first);
+                if add && (first..first + pages).all(|p| owner[p as usize].is_none()) {
+                    t.add(first, Chunk { handle: PhysHandle(i as u64), pages });
+                    for p in first..first + pages {
+                        owner[p as usize] = Some(first);
+                    }
+                } else if !add {
+                    let want = owner[first as usize] == Some(first);
+                    let got = t.remove(first);
+                    proptest::prop_assert_eq!(got.is_some(), want);
+                    if let Some(c) = got {
+                        for p in first..first + c.pages {
+                            owner[p as usize] = None;
+                        }
+                    }
+                }
+                t.validate().map_err(proptest::test_runner::TestCaseError::fail)?;
+                let mapped = owner.iter().filter(|o| o.is_some()).count() as u64;
+                proptest::prop_assert_eq!(t.mapped_pages(), mapped);
+                for p in 0..N {
+                    proptest::prop_assert_eq!(t.is_mapped(p), owner[p as usize].is_some());
+                    proptest::prop_assert_eq!(t.chunk_at(p).map(|c| c.0), owner[p as usize]);
+                }
+                let (a, b) = (first.min(N - 1), (first + pages).min(N));
+                let ones = (a..b).filter(|&p| owner[p as usize].is_some()).count() as u64;
+                proptest::prop_assert_eq!(t.mapped_count(a, b), ones);
+                proptest::prop_assert_eq!(t.all_mapped(a, b - 1), ones == b - a);
+                let run_pages: u64 = t.mapped_runs(0, N).iter().map(|r| r.1).sum();
+                let gap_pages: u64 = t.unmapped_runs(0, N).iter().map(|r| r.1).sum();
+                proptest::prop_assert_eq!((run_pages, gap_pages), (mapped, N - mapped));
+            }
+        }
+    }
 }
