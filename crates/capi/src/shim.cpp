@@ -164,6 +164,24 @@ const char* kind_name(int code) {
 
 }  // namespace
 
+// vmmalloc_malloc while a capture is underway somewhere in the process: the
+// request may belong to a graph pool, and the capture mode is relaxed around
+// it. Out of line, so that the hot path below sets up no frame for the guard.
+__attribute__((noinline, cold)) static int malloc_during_capture(size_t size, int device, void* stream,
+                                                                 void** out) {
+  MempoolId_t pool;
+  RelaxedCaptureMode relaxed(true);
+  return pool_for(device, static_cast<cudaStream_t>(stream), &pool)
+             ? vmmalloc_pool_try_malloc(size, device, stream, pool.first, pool.second, out)
+             : vmmalloc_try_malloc(size, device, stream, out);
+}
+
+// A failed vmmalloc_malloc: throws (or returns NULL, see below).
+__attribute__((noinline, cold)) static void* malloc_failed(int rc) {
+  if (vmmalloc_raises()) raise(rc);
+  return nullptr;
+}
+
 extern "C" {
 
 // PyTorch's alloc_fn. Throws on failure unless on_oom:null (NULL) or
@@ -171,21 +189,12 @@ extern "C" {
 // (an empty tensor needs no memory; CUDACachingAllocator returns nullptr too).
 __attribute__((visibility("default"))) void* vmmalloc_malloc(size_t size, int device, void* stream) {
   void* out = nullptr;
-  int rc;
-  if (active.load(std::memory_order_acquire) == 0) {
-    // No capture underway in this process (the hot path): no pool to route
-    // to, no capture mode to relax.
-    rc = vmmalloc_try_malloc(size, device, stream, &out);
-  } else {
-    MempoolId_t pool;
-    RelaxedCaptureMode relaxed(true);
-    rc = pool_for(device, static_cast<cudaStream_t>(stream), &pool)
-             ? vmmalloc_pool_try_malloc(size, device, stream, pool.first, pool.second, &out)
-             : vmmalloc_try_malloc(size, device, stream, &out);
-  }
+  // No capture underway in this process (the hot path): no pool to route
+  // to, no capture mode to relax.
+  int rc = active.load(std::memory_order_acquire) == 0 ? vmmalloc_try_malloc(size, device, stream, &out)
+                                                       : malloc_during_capture(size, device, stream, &out);
   if (rc == 0) return out;
-  if (vmmalloc_raises()) raise(rc);
-  return nullptr;
+  return malloc_failed(rc);
 }
 
 // Registers the companion's thrower (NULL: back to std::runtime_error).
