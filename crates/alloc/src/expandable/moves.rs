@@ -165,7 +165,7 @@ impl Physical {
     }
 
     /// With the new handles in hand: copy the live runs into them on the
-    /// device ([`Inner::copy_beside`]), unmap the old chunk, map the new ones
+    /// device ([`Physical::copy_beside`]), unmap the old chunk, map the new ones
     /// in its place, pool the old handle. A failure maps the old chunk back
     /// (it still holds every byte) and pools the new handles.
     fn swap_beside<D: Device + ?Sized>(
