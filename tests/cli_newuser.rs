@@ -5,7 +5,7 @@
 use std::process::{Command, Output};
 
 mod common;
-use common::{stderr, stdout, tmpdir};
+use common::{stderr, stdout, succeeded, tmpdir};
 
 /// The CLI with `RUST_BACKTRACE=1`, as many Rust users (and some machines)
 /// have it set: user errors must stay one line anyway.
@@ -20,14 +20,7 @@ fn run(args: &[&str]) -> Output {
 }
 
 fn ok(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(
-        o.status.success(),
-        "vmmalloc {args:?} failed:\n{}\n{}",
-        stdout(&o),
-        stderr(&o)
-    );
-    stdout(&o)
+    stdout(&succeeded(args, run(args)))
 }
 
 /// Runs a command that must fail with a user error: a non-zero exit and

@@ -29,9 +29,9 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// Runs the CLI and asserts success (showing both outputs if not).
-pub fn run_ok(args: &[&str]) -> Output {
-    let o = run(args);
+/// Asserts that the run of the CLI with `args` that gave `o` succeeded
+/// (showing both outputs if not); returns `o`.
+pub fn succeeded(args: &[&str], o: Output) -> Output {
     assert!(
         o.status.success(),
         "vmmalloc {args:?} failed:\n{}\n{}",
@@ -39,6 +39,11 @@ pub fn run_ok(args: &[&str]) -> Output {
         stderr(&o)
     );
     o
+}
+
+/// Runs the CLI and asserts success (showing both outputs if not).
+pub fn run_ok(args: &[&str]) -> Output {
+    succeeded(args, run(args))
 }
 
 /// Runs the CLI, asserts success, returns standard output.
