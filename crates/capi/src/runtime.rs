@@ -509,10 +509,9 @@ impl Runtime {
     #[inline]
     pub fn check_ordinal(&self, device: i32) -> Result<u32, Error> {
         let config = self.config()?;
-        let init = self.init_count.load(Ordering::Relaxed);
         match u32::try_from(device) {
-            Ok(d) if d < ordinal_limit(config, init) => Ok(d),
-            _ => Err(self.bad_ordinal(config, device, init)),
+            Ok(d) if d < self.served.load(Ordering::Relaxed) => Ok(d),
+            _ => Err(self.bad_ordinal(config, device, self.init_count.load(Ordering::Relaxed))),
         }
     }
 
