@@ -155,7 +155,7 @@ impl Physical {
             return Ok(Some(handles));
         }
         for (h, &(_, n)) in handles.into_iter().zip(&p.live) {
-            self.pool_put(stats, h, n);
+            self.give_back(h, n);
         }
         self.sync_stats(stats);
         match fail {
@@ -178,7 +178,7 @@ impl Physical {
         let (addr, len) = self.chunk_range(p);
         let pool_new = |me: &mut Self, stats: &mut Stats, hs: &[PhysHandle]| {
             for (&h, &(_, n)) in hs.iter().zip(&p.live) {
-                me.pool_put(stats, h, n);
+                me.give_back(h, n);
             }
             me.sync_stats(stats);
         };
@@ -198,7 +198,6 @@ impl Physical {
         }
         self.commit_unpin(stats, p, &handles);
         self.pool_put(stats, p.chunk.handle, p.chunk.pages);
-        self.sync_stats(stats);
         Ok(())
     }
 
