@@ -242,7 +242,7 @@ pub fn best<'a>(
 pub const PLUGIN_LIMITS: [&str; 4] = [
     "torch.backends.cudnn.benchmark = True raises: CUDAPluggableAllocator has no cacheInfo hook",
     "torch.cuda.memory._record_memory_history raises: set record_history:True in VMMALLOC_CONF (no stack frames)",
-    "CUDA graph pools are not counted in torch.cuda.memory_stats() (vmmalloc.graph_pool_* keys count them)",
+    "CUDA graphs and torch.cuda.MemPool need backend:expandable (the other backends refuse them)",
     "cudaIpcGetMemHandle on its memory is not supported (torch.multiprocessing shares CUDA tensors with it)",
 ];
 

@@ -135,24 +135,31 @@ assert check(0, pool, {a, b, c})
 assert not check(0, pool, {a, b})
 assert not check(0, pool, {a, b, c, 64})
 state = torch._C._cuda_getCheckpointState(0, pool)
-# b dies after the checkpoint (its memory stays held: never handed out again).
+# b dies after the checkpoint: the checkpoint holds nothing, so b's block
+# is free in the pool (a snapshot shows it inactive) and is reused.
 lib.vmmalloc_free(b, 0, 0, None)
 assert check(0, pool, {a, c})
+snap = torch._C._cuda_memorySnapshot(pool)
+blocks = {}
+for s in snap["segments"]:
+    addr = s["address"]
+    for blk in s["blocks"]:
+        blocks[addr] = blk["state"]
+        addr += blk["size"]
+assert blocks.get(b) == "inactive", (hex(b), blocks)
 d = pool_malloc(pool, 512)
-assert d != b
+assert d == b, "the freed block is reused"
 lib.vmmalloc_free(d, 0, 0, None)
-held = pool_stats(pool)["allocated_bytes.all.current"]
-# The restore hands back a, b, c (a and c were live: freed and handed back).
+# The restore frees every block of the pool and allocates a, b, c again at
+# their addresses (a and c: freed and allocated, as PyTorch reports them).
 torch._C._cuda_setCheckpointPoolState(0, state, [], [])
 assert check(0, pool, {a, b, c})
 # b is dead for the tree: raw_delete reaches the pool through the
 # pluggable bookkeeping the restore filled.
 torch._C._cuda_cudaCachingAllocator_raw_delete(b)
 assert check(0, pool, {a, c})
-assert pool_stats(pool)["allocated_bytes.all.current"] == held, "b is held by the checkpoint"
 del state
 gc.collect()
-assert pool_stats(pool)["allocated_bytes.all.current"] < held, "dropping the checkpoint releases b"
 # Errors are PyTorch errors, not crashes.
 try:
     torch._C._cuda_getCheckpointState(0, (5, 5))
@@ -168,6 +175,210 @@ print("TREES OK")
 ''', tmp_path, cache)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "TREES OK" in out.stdout
+
+
+# The rows of issue 32's table, each through torch._C as PyTorch calls it
+# (the shim's C++ hooks behind CUDAPluggableAllocator) and the C ABI.
+HOOKS = PRELUDE + '''
+MiB = 1 << 20
+malloc = lib.vmmalloc_malloc            # PyTorch's alloc_fn (C++: throws on failure)
+malloc.restype = ctypes.c_void_p
+malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+def stats():
+    return torch._C._cuda_memoryStats(0)
+def allocated():
+    return stats()["allocated_bytes"]["all"]["current"]
+def reserved():
+    return stats()["reserved_bytes"]["all"]["current"]
+begin = torch._C._cuda_beginAllocateCurrentThreadToPool
+end = torch._C._cuda_endAllocateToPool
+release = torch._C._cuda_releasePool
+'''
+
+
+def test_frees_during_a_capture_are_reused_by_it(lib, tmp_path, cache):
+    out = run(HOOKS + '''
+pool = (0, 2)
+begin(0, pool)
+first = malloc(16 * MiB, 0, None)
+lib.vmmalloc_free(first, 0, 0, None)
+grown = reserved()
+for i in range(50):
+    t = malloc(16 * MiB, 0, None)
+    assert t == first, (i, hex(t), hex(first))
+    lib.vmmalloc_free(t, 0, 0, None)
+assert reserved() == grown, (reserved(), grown)
+assert pool_stats(pool)["reserved_bytes.all.current"] < 2 * 16 * MiB, pool_stats(pool)  # one temporary, not 50
+end(0, pool)
+release(0, pool)
+print("REUSE OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "REUSE OK" in out.stdout
+
+
+def test_main_frees_during_a_pool_block_are_not_deferred(lib, tmp_path, cache):
+    # 100 MiB device: 64 MiB in the main pool, freed inside use_mem_pool,
+    # then 64 MiB into the pool fits only if the free was not deferred.
+    out = run(HOOKS.replace("capacity_gb:1", "capacity_gb:0.1") + '''
+x = malloc(64 * MiB, 0, None)
+pool = (0, 3)
+begin(0, pool)
+lib.vmmalloc_free(x, 0, 0, None)
+assert stats()["allocation"]["all"]["current"] == 0
+y = malloc(64 * MiB, 0, None)
+assert pool_stats(pool)["allocated_bytes.all.current"] == 64 * MiB
+end(0, pool)
+lib.vmmalloc_free(y, 0, 0, None)
+release(0, pool)
+print("MAIN OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MAIN OK" in out.stdout
+
+
+def test_checkpoints_hold_nothing_and_pool_bytes_are_counted(lib, tmp_path, cache):
+    # Ten recordings into one pool, each with a 64 MiB output the user then
+    # drops, a checkpoint after each: the pool stays at 64 MiB, and
+    # torch's figures include it.
+    out = run(HOOKS + '''
+pool = (0, 4)
+states = []
+first = None
+for i in range(10):
+    begin(0, pool)
+    out = malloc(64 * MiB, 0, None)
+    end(0, pool)
+    if i:
+        release(0, pool)                      # the tree's graphs share one use
+    states.append(torch._C._cuda_getCheckpointState(0, pool))
+    assert allocated() == 64 * MiB, allocated()
+    first = first or reserved()               # 64 MiB mapped in 20 MiB steps (kLargeBuffer)
+    assert reserved() == first < 2 * 64 * MiB, (i, reserved(), first)
+    lib.vmmalloc_free(out, 0, 0, None)        # the user drops the output
+assert pool_stats(pool)["reserved_bytes.all.current"] == first, pool_stats(pool)
+assert lib.vmmalloc_pool_use_count(0, *pool) == 1
+# Restoring any of them re-creates its block at its address.
+torch._C._cuda_setCheckpointPoolState(0, states[3], [], [])
+assert allocated() == 64 * MiB and reserved() == first
+st = vmmalloc.memory_stats(0)
+assert st["vmmalloc.graph_pools"] == 1 and st["vmmalloc.graph_pool_allocated_bytes"] == 64 * MiB, st
+assert st["vmmalloc.graph_pool_checkpoints"] == 10, st
+print("CHECKPOINTS OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "CHECKPOINTS OK" in out.stdout
+
+
+def test_nested_use_mem_pool_and_failed_begin_raise(lib, tmp_path, cache):
+    out = run(HOOKS + '''
+pool = (0, 5)
+assert lib.vmmalloc_pool_create_or_incref(0, *pool) == 0      # MemPool()
+begin(0, pool)                                               # use_mem_pool
+try:
+    begin(0, pool)                                           # nested: raises
+    raise SystemExit("nested use_mem_pool did not raise")
+except RuntimeError as e:
+    assert "already recording" in str(e), e
+assert lib.vmmalloc_pool_use_count(0, *pool) == 2
+end(0, pool)
+release(0, pool)
+assert lib.vmmalloc_pool_use_count(0, *pool) == 1, "the MemPool keeps its use"
+try:
+    end(0, pool)
+    raise SystemExit("end without a capture did not raise")
+except RuntimeError as e:
+    assert "not currently recording" in str(e), e
+print("NESTED OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "NESTED OK" in out.stdout
+    # A backend without private pools refuses the capture instead of
+    # sending its allocations to the main pool.
+    out = run(HOOKS.replace("backend:expandable", "backend:caching") + '''
+try:
+    begin(0, (0, 6))
+    raise SystemExit("begin on backend:caching did not raise")
+except RuntimeError as e:
+    assert "has no CUDA-graph private pools" in str(e), e
+print("REFUSED OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "REFUSED OK" in out.stdout
+
+
+def test_snapshot_settings_and_oom_observers(lib, tmp_path, cache):
+    out = run(HOOKS.replace("capacity_gb:1", "capacity_gb:0.25") + '''
+settings = torch._C._cuda_memorySnapshot((0, 0))["allocator_settings"]
+assert settings["garbage_collection_threshold"] == 0.0, settings
+assert settings["max_split_size"] in (-1, (1 << 64) - 1), settings
+assert settings["expandable_segments"] is True, settings
+conf = settings.get("PYTORCH_CUDA_ALLOC_CONF", settings.get("last_allocator_settings"))
+assert conf.startswith("vmmalloc ") and "backend:expandable" in conf and "device:host" in conf, settings
+seen = []
+# torch._C._cuda_attach_out_of_memory_observer initializes CUDA first (no
+# driver here): the companion attaches the observer to itself as it would.
+comp = _companion._loaded
+OBS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+observer = OBS(lambda *a: seen.append(a))
+assert comp.vmmalloc_companion_attach_oom_observer_for_tests(observer) == 0
+comp.vmmalloc_companion_malloc_for_tests.argtypes = [ctypes.c_size_t, ctypes.c_int]
+assert comp.vmmalloc_companion_malloc_for_tests(300 * MiB, 0) == 1
+assert len(seen) == 1, seen
+device, size, cap, free = seen[0]
+total = 256 * MiB
+assert (device, size, cap) == (0, 300 * MiB, total), seen
+assert 0 < free <= total, seen
+print("SETTINGS OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SETTINGS OK" in out.stdout
+
+
+def test_pause_and_resume_a_pool_in_place(lib, tmp_path, cache):
+    out = run(HOOKS.replace("capacity_gb:1", "capacity_gb:0.1") + '''
+pool = (0, 8)
+begin(0, pool)
+a = malloc(32 * MiB, 0, None)
+end(0, pool)
+ctypes.memset(a, 0x5A, 32 * MiB)
+mapped = pool_stats(pool)["reserved_bytes.all.current"]    # 40 MiB: 20 MiB steps
+assert mapped >= 32 * MiB
+freed = vmmalloc.pause_pool(pool, keep=True)
+assert freed == mapped, (freed, mapped)
+assert reserved() == 0, reserved()
+assert pool_stats(pool)["vmmalloc.paused"] is True
+try:
+    vmmalloc.pause_pool(pool)
+    raise SystemExit("pausing twice did not raise")
+except vmmalloc.VmmallocError as e:
+    assert "paused" in str(e), e
+# While paused, its memory is usable by others: 80 MiB fit.
+other = malloc(80 * MiB, 0, None)
+try:
+    vmmalloc.resume_pool(pool)
+    raise SystemExit("resume without memory did not raise")
+except vmmalloc.VmmallocError as e:
+    assert "out of memory" in str(e).lower(), e
+assert pool_stats(pool)["vmmalloc.paused"] is True
+lib.vmmalloc_free(other, 0, 0, None)
+assert vmmalloc.resume_pool(pool) == mapped
+assert ctypes.string_at(a, 32 * MiB) == b"\x5a" * (32 * MiB), "contents lost"
+assert pool_stats(pool)["vmmalloc.paused"] is False
+# keep=False: same addresses, contents not kept.
+assert vmmalloc.pause_pool(pool, keep=False) == mapped
+assert vmmalloc.resume_pool(pool) == mapped
+try:
+    vmmalloc.pause_pool((0, 99))
+    raise SystemExit("unknown pool did not raise")
+except vmmalloc.VmmallocError as e:
+    assert "unknown pool (0, 99)" in str(e), e
+lib.vmmalloc_free(a, 0, 0, None)
+release(0, pool)
+print("PAUSE OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PAUSE OK" in out.stdout
 
 
 def test_mempool_use_counts_and_per_pool_stats(lib, tmp_path, cache):
@@ -189,8 +400,8 @@ st = pool_stats(pool)
 assert st["allocated_bytes.all.current"] == 3 << 20 and st["vmmalloc.live_blocks"] == 1, st
 assert st["vmmalloc.use_count"] == 1
 assert vmmalloc.pool_memory_stats(pool) == st
-# The main allocator's figures do not include the pool's.
-assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 0
+# The device's figures include the pool's, as PyTorch's do.
+assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 3 << 20
 # MemPool.snapshot(): only the pool's segments, owned by it.
 snap = torch._C._cuda_memorySnapshot(pool)
 assert snap["segments"] and all(s["segment_pool_id"] == pool for s in snap["segments"]), snap["segments"]
@@ -198,7 +409,10 @@ live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "activ
 assert [b["address"] for b in live] == [x]
 lib.vmmalloc_free(x, 0, 0, None)
 assert lib.vmmalloc_pool_release(0, *pool) == 0       # ~MemPool
-assert lib.vmmalloc_pool_use_count(0, *pool) == -1 and "released already" in vmmalloc.last_error()
+assert lib.vmmalloc_pool_release(0, *pool) == -1 and "no users left" in vmmalloc.last_error()
+vmmalloc.empty_cache()                                 # the freeable pool's memory goes back
+assert lib.vmmalloc_pool_use_count(0, *pool) == -1 and "gone" in vmmalloc.last_error()
+assert torch._C._cuda_memoryStats(0)["reserved_bytes"]["all"]["current"] == 0
 print("MEMPOOL OK")
 ''', tmp_path, cache)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -39,7 +39,7 @@ from ._lib import (
     version,
 )
 from ._check import check
-from ._sleep import get_tag, pause, region, resume, set_tag, tag_stats
+from ._sleep import get_tag, pause, pause_pool, region, resume, resume_pool, set_tag, tag_stats
 from ._ipc import ipc_close, ipc_export, ipc_import
 from . import _lib
 from ._growable import GrowableTensor, growable, on_memory_pressure
@@ -70,8 +70,10 @@ __all__ = [
     # Sleep and wake (_sleep.py)
     "get_tag",
     "pause",
+    "pause_pool",
     "region",
     "resume",
+    "resume_pool",
     "set_tag",
     "tag_stats",
     # Region mode (_region.py)

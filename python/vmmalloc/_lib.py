@@ -164,10 +164,14 @@ def memory_summary(device=0):
 
 def pool_memory_stats(pool, device=0):
     """A private pool's statistics (``torch.cuda.MemPool().id`` or a CUDA
-    graph's pool): PyTorch's memory_stats() keys for the pool's memory alone,
-    plus ``vmmalloc.live_blocks`` and ``vmmalloc.use_count``. Raises
-    VmmallocError for an unknown pool."""
-    hi, lo = pool
+    graph's pool, or a (hi, lo) pair): PyTorch's memory_stats() keys for the
+    pool's memory alone (a share of the device's figures), plus
+    ``vmmalloc.live_blocks``, ``vmmalloc.use_count``, ``vmmalloc.recording``,
+    ``vmmalloc.paused`` and ``vmmalloc.backup_bytes``. Raises VmmallocError
+    for an unknown pool."""
+    from ._sleep import _pool_id
+
+    hi, lo = _pool_id(pool)
     return json.loads(_take_string(load().vmmalloc_pool_stats_json(device, hi, lo), "vmmalloc_pool_stats_json"))
 
 

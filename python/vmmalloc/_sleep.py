@@ -10,6 +10,17 @@ at the same addresses (docs/guide.md, "Sleep and wake").
     vmmalloc.resume("weights")                     # ... and copied back
 
 Tags are per thread. Only the ``expandable`` backend can sleep.
+
+A CUDA graph's (or ``torch.cuda.MemPool``'s) private pool pauses in place,
+without recapture: the graph replays at the same addresses once resumed.
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = model(static_in)
+    vmmalloc.pause_pool(g, keep=True)   # contents to host; memory given back
+    ...                                 # the trainer uses the memory
+    vmmalloc.resume_pool(g)             # mapped again, contents copied back
+    g.replay()                          # bitwise the output it gave before
 """
 
 import ctypes
@@ -30,6 +41,8 @@ def _load():
             ("vmmalloc_pause", c.c_int64, [c.c_char_p, c.c_int]),
             ("vmmalloc_resume", c.c_int64, [c.c_char_p]),
             ("vmmalloc_tag_stats_json", c.c_void_p, [c.c_int]),
+            ("vmmalloc_pool_pause", c.c_int64, [c.c_int, c.c_uint64, c.c_uint64, c.c_int]),
+            ("vmmalloc_pool_resume", c.c_int64, [c.c_int, c.c_uint64, c.c_uint64]),
         ])
         setattr(lib, _DECLARED, True)
     return lib
@@ -101,3 +114,56 @@ def tag_stats(device=0):
     """Per-tag memory of a device: a list of dicts (tag, paused, blocks,
     live_bytes, mapped_bytes, paused_bytes, backup_bytes)."""
     return json.loads(_lib._take_string(_load().vmmalloc_tag_stats_json(device), "vmmalloc_tag_stats_json"))
+
+
+def _pool_id(pool):
+    """(hi, lo) of a pool given as a ``torch.cuda.CUDAGraph`` (its
+    ``pool()``), a ``torch.cuda.MemPool`` (its ``id``), or a pair of ints."""
+    if hasattr(pool, "pool") and callable(pool.pool):
+        pool = pool.pool()
+    elif hasattr(pool, "id") and not isinstance(pool, (tuple, list)):
+        pool = pool.id
+    try:
+        hi, lo = pool
+        hi, lo = int(hi), int(lo)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"a pool is a torch.cuda.CUDAGraph, a torch.cuda.MemPool or a (hi, lo) pair of ints, "
+            f"not {type(pool).__name__}") from None
+    if not (0 <= hi < 1 << 64 and 0 <= lo < 1 << 64) or (hi, lo) == (0, 0):
+        raise _lib.VmmallocError(f"pool ({hi}, {lo}) is not a private pool id")
+    return hi, lo
+
+
+def _device(device):
+    if device is None:
+        return 0
+    index = getattr(device, "index", device)
+    return 0 if index is None else int(index)
+
+
+def pause_pool(pool, keep=True, device=None):
+    """Pauses a CUDA graph's or MemPool's private pool in place: waits for
+    the device, copies the pool's live blocks to host memory (``keep=True``;
+    with ``keep=False`` their contents are lost, for graphs whose every
+    replay writes before it reads), unmaps its pages and gives the physical
+    memory back. Every address stays reserved. Returns the bytes given back.
+    Raises VmmallocError (unknown pool, paused already, a capture underway,
+    a backend without pools; nothing changed)."""
+    hi, lo = _pool_id(pool)
+    n = _load().vmmalloc_pool_pause(_device(device), hi, lo, 1 if keep else 0)
+    if n < 0:
+        raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_pool_pause failed")
+    return n
+
+
+def resume_pool(pool, device=None):
+    """Maps memory again under a paused pool, at the same addresses, and
+    copies its kept contents back. On failure (out of memory included)
+    nothing stays mapped, the pool stays paused and VmmallocError is raised;
+    a retry once memory is free succeeds. Returns the bytes mapped."""
+    hi, lo = _pool_id(pool)
+    n = _load().vmmalloc_pool_resume(_device(device), hi, lo)
+    if n < 0:
+        raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_pool_resume failed")
+    return n

@@ -375,6 +375,11 @@ pub enum AllocError {
     /// IPC: an allocation that cannot be exported (see [`crate::ipc`]).
     #[error("{0}")]
     Ipc(String),
+    /// Private pools (CUDA graphs, MemPools; see [`crate::pools`]): an
+    /// unknown pool, a pool in the wrong state for the call, or a policy
+    /// without pools.
+    #[error("{0}")]
+    Pool(String),
 }
 
 impl AllocError {

@@ -29,6 +29,7 @@ pub mod expandable;
 pub mod growable;
 pub mod ipc;
 pub mod native;
+pub mod pools;
 pub mod pressure;
 #[doc(hidden)]
 pub mod torch_es;
@@ -145,5 +146,12 @@ pub trait Allocator: Send + Sync {
             "{ptr:#x} is not exported (the {} policy cannot export)",
             self.name()
         )))
+    }
+
+    /// The private pools of CUDA graphs and `torch.cuda.MemPool`s
+    /// ([`pools`]), if the policy has them (only `expandable` does);
+    /// `None` by default.
+    fn pools(&self) -> Option<&dyn pools::PrivatePools> {
+        None
     }
 }

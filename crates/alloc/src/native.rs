@@ -229,6 +229,7 @@ impl<D: Device> Allocator for NativeAllocator<D> {
                     active_size: size,
                     requested_size: l.requested,
                     is_expandable: false,
+                    pool: (0, 0),
                     blocks: vec![BlockInfo {
                         address: ptr,
                         size,

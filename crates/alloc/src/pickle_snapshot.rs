@@ -5,7 +5,7 @@
 //! ```text
 //! {
 //!   "segments": [ {device, address, total_size, stream, segment_type,
-//!                  segment_pool_id: (0, 0), allocated_size, active_size,
+//!                  segment_pool_id, allocated_size, active_size,
 //!                  requested_size, is_expandable, frames: [],
 //!                  blocks: [ {address, size, requested_size, state, frames: []} ]} ],
 //!   "device_traces": [ [ {action, addr, size, stream, time_us, frames: []
@@ -247,7 +247,7 @@ fn segments(
             ("segment_type", Value::String(s.segment_type.to_string())),
             (
                 "segment_pool_id",
-                Value::Tuple(vec![Value::I64(0), Value::I64(0)]),
+                Value::Tuple(vec![int(s.pool.0)?, int(s.pool.1)?]),
             ),
             ("allocated_size", pick(allocated, s.allocated_size)?),
             ("active_size", pick(active, s.active_size)?),
@@ -392,6 +392,7 @@ mod tests {
             active_size: 3 * mib,
             requested_size: 3 * mib - 100,
             is_expandable: true,
+            pool: (0, 0),
             blocks: vec![
                 block(
                     0x1000_0000,
@@ -414,6 +415,7 @@ mod tests {
             active_size: 1024,
             requested_size: 500,
             is_expandable: false,
+            pool: (0, 0),
             blocks: vec![
                 block(0x2000_0000, 512, 500, BlockState::ActiveAllocated),
                 block(0x2000_0200, 512, 0, BlockState::ActivePendingFree),

@@ -65,6 +65,9 @@ pub struct SegmentInfo {
     pub requested_size: u64,
     /// Whether the segment grows by mapping pages.
     pub is_expandable: bool,
+    /// The private pool owning the segment (PyTorch's `segment_pool_id`;
+    /// `(0, 0)`: the main pool).
+    pub pool: (u64, u64),
     /// Blocks in address order, covering the segment.
     pub blocks: Vec<BlockInfo>,
 }

@@ -180,7 +180,8 @@ impl From<AllocError> for Error {
             | AllocError::InvalidSize { .. }
             | AllocError::InvalidOption(_)
             | AllocError::Sleep(_)
-            | AllocError::Ipc(_) => ErrorKind::InvalidArgument,
+            | AllocError::Ipc(_)
+            | AllocError::Pool(_) => ErrorKind::InvalidArgument,
             AllocError::Device(d) => device_kind(d),
             AllocError::Failed(_) => ErrorKind::Failed,
         };

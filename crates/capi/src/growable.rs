@@ -30,7 +30,7 @@ pub(crate) static PRESSURE: Pressure = Pressure::new();
 /// Whether a capture is underway on `d` for `stream` (an unanswerable
 /// question counts as yes: the callback is then skipped, the safe side).
 pub(crate) fn capturing(d: &DeviceState, stream: Stream) -> bool {
-    d.pools.capturing() || d.device.is_capturing(stream).unwrap_or(true)
+    d.capturing() || d.device.is_capturing(stream).unwrap_or(true)
 }
 
 /// The device whose allocator holds region `ptr`, with its growable view.

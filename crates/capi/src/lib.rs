@@ -88,6 +88,7 @@
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+mod checkpoints;
 pub mod config;
 mod devices;
 mod diag;
@@ -97,7 +98,6 @@ mod fork;
 mod growable;
 mod history;
 pub mod ipc;
-mod pools;
 mod region;
 mod runtime;
 pub mod sleep;
@@ -120,6 +120,7 @@ use std::any::Any;
 use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
+use vmmalloc_alloc::pools::PoolId;
 use vmmalloc_alloc::{AllocError, Allocation, Stats};
 use vmmalloc_device::cuda::stream_key;
 
@@ -237,7 +238,7 @@ fn try_malloc(
     size: usize,
     device: c_int,
     stream: *mut c_void,
-    pool: Option<pools::PoolId>,
+    pool: Option<PoolId>,
     out: *mut *mut c_void,
 ) -> c_int {
     if out.is_null() {
@@ -248,7 +249,7 @@ fn try_malloc(
     let (rc, ptr) = entry_with(name, on_error, || {
         let rt = runtime::runtime();
         let hot = pool.is_none() && size != 0 && size as u64 <= MAX_REQUEST && !rt.spill();
-        if let Some(d) = rt.ready(device).filter(|d| hot && !d.pools.pending()) {
+        if let Some(d) = rt.ready(device).filter(|_| hot) {
             let key = stream_key(addr(stream));
             return match d.malloc(size as u64, key) {
                 Ok(a) => (
@@ -271,7 +272,7 @@ fn malloc_call(
     size: usize,
     device: c_int,
     stream: *mut c_void,
-    pool: Option<pools::PoolId>,
+    pool: Option<PoolId>,
 ) -> String {
     match pool {
         None => format!("{name}(size={size}, device={device}, stream={stream:p})"),
@@ -312,7 +313,7 @@ fn malloc_failed(
 }
 
 /// Every allocation but the hot path's: creates the allocator on first use,
-/// applies frees queued during a capture, routes to graph pools, refuses
+/// routes to private pools, refuses
 /// sizes beyond any device, reports a spill.
 fn try_malloc_general(
     rt: runtime::RuntimeRef,
@@ -320,7 +321,7 @@ fn try_malloc_general(
     size: usize,
     device: c_int,
     stream: *mut c_void,
-    pool: Option<pools::PoolId>,
+    pool: Option<PoolId>,
 ) -> (c_int, *mut c_void) {
     let call = || malloc_call(name, size, device, stream, pool);
     let d = match rt.device(device) {
@@ -341,11 +342,6 @@ fn try_malloc_general(
         );
         return (VMMALLOC_OK, std::ptr::null_mut());
     }
-    if !d.pools.capturing() {
-        for e in d.flush() {
-            fail(&rt, LError, e);
-        }
-    }
     // Sizes beyond any device never reach a policy (whose rounding could
     // overflow); larger-than-this-device ones get the policy's full report.
     // spill:true: say so when this request spilled (growable.rs).
@@ -358,7 +354,7 @@ fn try_malloc_general(
             vmmalloc_alloc::summary::format_bytes(d.device.caps().total_memory)
         )))
     } else if let Some(id) = pool {
-        d.pools.malloc(id, size as u64, stream_key(addr(stream)))
+        d.pool_malloc(id, size as u64, stream_key(addr(stream)))
     } else {
         // On out-of-memory: the pressure callback (growable.rs), retried once.
         let key = stream_key(addr(stream));
@@ -473,7 +469,7 @@ pub extern "C" fn vmmalloc_forked() -> c_int {
 fn pool_hook(
     name: &str,
     device: c_int,
-    id: pools::PoolId,
+    id: PoolId,
     hook: impl FnOnce(&runtime::DeviceState) -> Result<(), Error>,
 ) -> c_int {
     entry(name, -1, || {
@@ -506,7 +502,11 @@ pub extern "C" fn vmmalloc_pool_begin(device: c_int, pool_hi: u64, pool_lo: u64)
         "vmmalloc_begin_allocate_to_pool",
         device,
         (pool_hi, pool_lo),
-        |d| d.pool_begin((pool_hi, pool_lo)),
+        |d| {
+            d.pools()?
+                .begin_allocate_to_pool((pool_hi, pool_lo))
+                .map_err(|e| d.error(e))
+        },
     )
 }
 
@@ -518,7 +518,11 @@ pub extern "C" fn vmmalloc_pool_end(device: c_int, pool_hi: u64, pool_lo: u64) -
         "vmmalloc_end_allocate_to_pool",
         device,
         (pool_hi, pool_lo),
-        |d| d.pools.end((pool_hi, pool_lo)),
+        |d| {
+            d.pools()?
+                .end_allocate_to_pool((pool_hi, pool_lo))
+                .map_err(|e| d.error(e))
+        },
     )
 }
 
@@ -529,7 +533,9 @@ pub extern "C" fn vmmalloc_pool_end(device: c_int, pool_hi: u64, pool_lo: u64) -
 #[no_mangle]
 pub extern "C" fn vmmalloc_pool_release(device: c_int, pool_hi: u64, pool_lo: u64) -> c_int {
     pool_hook("vmmalloc_release_pool", device, (pool_hi, pool_lo), |d| {
-        d.pool_release((pool_hi, pool_lo))
+        d.pools()?
+            .release_pool((pool_hi, pool_lo))
+            .map_err(|e| d.error(e))
     })
 }
 
@@ -551,10 +557,9 @@ pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, st
         let call = || {
             format!("vmmalloc_free(ptr={ptr:p}, size={size}, device={device}, stream={stream:p})")
         };
-        // The hot path: the device named owns the pointer, no graph pool
-        // exists; builds no text.
-        if let Some(d) = rt.ready(device).filter(|d| d.pools.idle()) {
-            match d.free_main(p) {
+        // The hot path: the device named owns the pointer; builds no text.
+        if let Some(d) = rt.ready(device) {
+            match d.free(p) {
                 Ok(()) => return,
                 // Another device may own it: the general path asks them all.
                 Err(AllocError::InvalidPointer { .. }) => {}
@@ -650,7 +655,7 @@ pub extern "C" fn vmmalloc_empty_cache() {
                 fail(&rt, LError, format!("vmmalloc_empty_cache(): {e}"));
                 continue;
             }
-            if d.pools.capturing() {
+            if d.capturing() {
                 // A capture is underway: releasing memory would unmap and
                 // release pages (illegal during capture); nothing is freed.
                 diag::log(
@@ -659,9 +664,6 @@ pub extern "C" fn vmmalloc_empty_cache() {
                     &format!("vmmalloc_empty_cache(): device {}: skipped, a CUDA graph capture is underway", d.ordinal),
                 );
                 continue;
-            }
-            for e in d.flush().into_iter().chain(d.pools.empty_released()) {
-                fail(&rt, LError, format!("vmmalloc_empty_cache(): {e}"));
             }
             if let Err(e) = d.empty_cache() {
                 fail(
@@ -710,16 +712,10 @@ pub extern "C" fn vmmalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) 
                 failed.get_or_insert(e);
                 continue;
             }
-            let r = match d
+            match d
                 .allocator
                 .record_stream(addr(ptr), stream_key(addr(stream)))
             {
-                Err(AllocError::InvalidPointer { .. }) => {
-                    d.pools.record_stream(addr(ptr), stream_key(addr(stream)))
-                }
-                other => other,
-            };
-            match r {
                 Ok(()) => return,
                 Err(AllocError::InvalidPointer { .. }) => continue,
                 Err(e) => return fail(&rt, LError, format!("{call}: {e}")),
@@ -744,13 +740,7 @@ fn stats_of(rt: &Runtime, device: c_int) -> Result<(u32, Stats), Error> {
     }
     let stats = rt
         .existing(ordinal)
-        .map(|d| {
-            // Frees deferred during a capture that has ended count now.
-            for e in d.flush() {
-                diag::log(rt.log_level(), LError, &e);
-            }
-            d.allocator.stats()
-        })
+        .map(|d| d.allocator.stats())
         .unwrap_or_default();
     Ok((ordinal, stats))
 }
@@ -766,20 +756,13 @@ pub extern "C" fn vmmalloc_memory_stats_json(device: c_int) -> *mut c_char {
         let rt = runtime::runtime();
         match stats_of(&rt, device).and_then(|(ordinal, s)| {
             let mut map = serde_json::to_value(s.to_map()).map_err(json_error)?;
-            // CUDA graph pools (their memory is not in the figures above).
-            let (pools, deferred) = rt.existing(ordinal).map_or((0, 0), |d| d.pools.counts());
             if let Some(m) = map.as_object_mut() {
-                m.insert("vmmalloc.graph_pools".into(), pools.into());
-                m.insert("vmmalloc.deferred_frees".into(), deferred.into());
-                let (allocated, reserved) =
-                    rt.existing(ordinal).map_or((0, 0), |d| d.pools.bytes());
-                m.insert(
-                    "vmmalloc.graph_pool_allocated_bytes".into(),
-                    allocated.into(),
-                );
-                m.insert("vmmalloc.graph_pool_reserved_bytes".into(), reserved.into());
-                let refused = rt.existing(ordinal).map_or(0, |d| d.pools.refused());
-                m.insert("vmmalloc.graph_pool_refused_calls".into(), refused.into());
+                // Private pools (CUDA graphs, MemPools): their bytes are in
+                // the figures above, as PyTorch counts them; these break
+                // them out.
+                for (k, v) in torch_abi::pool_totals(rt.existing(ordinal).map(|d| &**d)) {
+                    m.insert(k.into(), v.into());
+                }
                 sleep::add_stats(m, rt.existing(ordinal));
             }
             serde_json::to_string(&map).map_err(json_error)
@@ -878,6 +861,78 @@ pub unsafe extern "C" fn vmmalloc_dump_snapshot(path: *const c_char) -> c_int {
                     LError,
                     format!("vmmalloc_dump_snapshot({}): {m}", p.display()),
                 );
+                -1
+            }
+        }
+    })
+}
+
+/// The effective configuration as `key:value` pairs joined by `,` (every
+/// key, defaults included), as `VMMALLOC_CONF` would spell it. The torch
+/// companion reports it as snapshot()'s allocator settings. Free it with
+/// [`vmmalloc_free_string`]; NULL (reason in [`vmmalloc_last_error`]) when
+/// the configuration is invalid.
+#[no_mangle]
+pub extern "C" fn vmmalloc_settings() -> *mut c_char {
+    entry("vmmalloc_settings", std::ptr::null_mut(), || {
+        let rt = runtime::runtime();
+        match rt.config() {
+            Ok(c) => owned_c_string(
+                &c.settings()
+                    .iter()
+                    .map(|(k, v)| format!("{k}:{v}"))
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ),
+            Err(m) => {
+                fail(&rt, LError, format!("vmmalloc_settings(): {m}"));
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Device `device`'s free and total memory as its backend sees them
+/// (`cuMemGetInfo` on `device:cuda`; the modeled capacity and what is not
+/// mapped on `host`/`sim`), written to `free` and `total`. The torch
+/// companion passes them to PyTorch's out-of-memory observers. Returns 0,
+/// or -1 (bad ordinal, NULL pointer, driver error).
+///
+/// # Safety
+///
+/// `free` and `total` are valid for writing one value each.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_mem_get_info(
+    device: c_int,
+    free: *mut u64,
+    total: *mut u64,
+) -> c_int {
+    if free.is_null() || total.is_null() {
+        diag::fail(
+            LError,
+            LError,
+            "vmmalloc_mem_get_info: free or total is NULL",
+        );
+        return -1;
+    }
+    entry("vmmalloc_mem_get_info", -1, || {
+        let rt = runtime::runtime();
+        let call = format!("vmmalloc_mem_get_info(device={device})");
+        match rt.device(device).and_then(|d| {
+            d.device
+                .mem_info()
+                .map_err(|e| Error::from(AllocError::Device(e)))
+        }) {
+            Ok(m) => {
+                // SAFETY: both non-null and, per the contract, valid for a write.
+                unsafe {
+                    free.write(m.free);
+                    total.write(m.total);
+                }
+                0
+            }
+            Err(m) => {
+                fail(&rt, LError, format!("{call}: {m}"));
                 -1
             }
         }

@@ -16,16 +16,16 @@
 //! process may use it: one replaced by `vmmalloc_configure` (which holds no
 //! allocator) is leaked, and only `vmmalloc_reset_for_tests` frees one.
 
+use crate::checkpoints::Checkpoints;
 use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
 use crate::diag;
 use crate::error::Error;
 use crate::history::History;
-use crate::pools::{GraphPools, PoolGuard, PoolHook, PoolId};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use vmmalloc_alloc::{AllocError, Allocation, Allocator, Policy, PolicyOptions, Stream};
-use vmmalloc_device::adaptors::Hooked;
+use vmmalloc_alloc::pools::{PoolId, PrivatePools, Restored};
+use vmmalloc_alloc::{AllocError, Allocation, Allocator, Stream};
 use vmmalloc_device::Device;
 
 /// Device ordinals the plug-in can serve (0 .. MAX_DEVICES-1).
@@ -41,11 +41,9 @@ pub struct DeviceState {
     pub allocator: Box<dyn Allocator>,
     /// The event history (`record_history:True`).
     pub history: Option<History>,
-    /// CUDA graph private pools and the frees deferred during capture.
-    pub pools: GraphPools,
-    /// The policy and options a graph pool's allocator is built with.
-    policy: Policy,
-    options: PolicyOptions,
+    /// Checkpoints of private pools (`getCheckpointState`): lists of
+    /// blocks, holding no memory.
+    pub checkpoints: Checkpoints,
     /// Why the device failed: a panic during a call on it (`crate::entry`).
     /// Set once; from then on every call on the device fails with it.
     failure: OnceLock<String>,
@@ -173,57 +171,78 @@ impl DeviceState {
         }
     }
 
-    /// Frees `ptr` (of the main allocator or a graph pool); while a capture
-    /// is underway on the device the free is queued (see [`GraphPools`]).
-    pub fn free(&self, ptr: u64) -> Result<(), AllocError> {
-        self.pools.free(ptr, &|p| self.free_main(p))
-    }
-
-    /// Applies the frees queued during capture if no capture is underway,
-    /// returning what failed.
-    pub fn flush(&self) -> Vec<String> {
-        self.pools.flush_with(&|p| self.free_main(p))
-    }
-
-    /// `beginAllocateToPool`: creates the pool's allocator (same policy and
-    /// options, same device) on first use.
-    pub fn pool_begin(&self, id: PoolId) -> Result<(), Error> {
-        self.pools.begin(id, |guard| self.pool_allocator(guard))
-    }
-
-    /// `createOrIncrefPool`: creates pool `id` (same policy, options and
-    /// device as the main allocator) or adds a user to it.
-    pub fn pool_create_or_incref(&self, id: PoolId) -> Result<(), Error> {
-        self.pools
-            .create_or_incref(id, |guard| self.pool_allocator(guard))
-    }
-
-    /// A pool's allocator over this device, behind the pool's guard.
-    fn pool_allocator(&self, guard: Arc<PoolGuard>) -> Result<Box<dyn Allocator>, Error> {
-        let device: Arc<dyn Device> = Arc::new(Hooked::new(self.device.clone(), PoolHook(guard)));
-        vmmalloc_alloc::build(self.policy, device, &self.options).map_err(|e| {
-            Error::from(e).context(format!(
-                "cannot create the pool's {} allocator",
-                self.policy
+    /// The allocator's private pools (CUDA graphs, `torch.cuda.MemPool`), or
+    /// why it has none: only `backend:expandable` keeps pools (PyTorch's
+    /// graph-pool semantics need owners inside the allocator, see
+    /// `vmmalloc_alloc::pools`).
+    pub fn pools(&self) -> Result<&dyn PrivatePools, Error> {
+        self.allocator.pools().ok_or_else(|| {
+            Error::unsupported(format!(
+                "backend:{} has no CUDA-graph private pools: CUDA graphs, torch.compile's \
+                 reduce-overhead mode and torch.cuda.MemPool need backend:expandable (the default)",
+                self.allocator.name()
             ))
         })
     }
 
-    /// `setCheckpointPoolState` for checkpoint `handle` (see [`GraphPools::restore`]).
-    pub fn pool_restore(&self, handle: u64) -> Result<crate::pools::Restored, Error> {
-        self.pools.restore(handle, &|p| self.free_main(p))
+    /// Whether a capture into a private pool is underway on this device.
+    pub fn capturing(&self) -> bool {
+        self.allocator
+            .pools()
+            .is_some_and(|p| p.captures_underway() > 0)
     }
 
-    /// `releasePool`: one graph using pool `id` is gone (see [`GraphPools::release`]).
-    pub fn pool_release(&self, id: PoolId) -> Result<(), Error> {
-        self.pools.release(id, &|p| self.free_main(p))
+    /// Allocates `size` bytes on `stream` from private pool `id`, recording
+    /// the events when history is on.
+    pub fn pool_malloc(&self, id: PoolId, size: u64, stream: Stream) -> Result<Allocation, Error> {
+        let pools = self.pools()?;
+        let r = match &self.history {
+            None => pools.pool_malloc(id, size, stream),
+            Some(h) => {
+                let mut ring = h.lock();
+                let r = pools.pool_malloc(id, size, stream);
+                match &r {
+                    Ok(a) => {
+                        ring.segment_events(&*self.allocator);
+                        ring.push_alloc(a.ptr, a.requested, stream.0);
+                    }
+                    Err(AllocError::OutOfMemory(rep)) => {
+                        ring.push_oom(rep.requested, rep.device_free, stream.0)
+                    }
+                    Err(_) => {}
+                }
+                r
+            }
+        };
+        r.map_err(|e| self.error(e))
     }
 
-    /// Frees from the main allocator, recording the events when history is
-    /// on. Graph pools are not asked: for callers that know none exists
-    /// ([`GraphPools::idle`]); others call [`DeviceState::free`].
+    /// `setCheckpointPoolState` for checkpoint `handle`: restores its pool
+    /// to the blocks it recorded (see `PrivatePools::restore_pool`).
+    pub fn pool_restore(&self, handle: u64) -> Result<Restored, Error> {
+        let (id, blocks) = self.checkpoints.get(handle)?;
+        let r = self
+            .pools()?
+            .restore_pool(id, &blocks)
+            .map_err(|e| self.error(e))?;
+        if let Some(h) = &self.history {
+            let mut ring = h.lock();
+            for p in &r.freed {
+                ring.push_free(*p);
+            }
+            for b in &r.allocated {
+                ring.push_alloc(b.ptr, b.requested, b.stream.0);
+            }
+            ring.segment_events(&*self.allocator);
+        }
+        Ok(r)
+    }
+
+    /// Frees `ptr` (of the main pool or a private pool), recording the
+    /// events when history is on. During a capture the allocator defers
+    /// only what PyTorch defers (a block with `record_stream` uses).
     #[inline]
-    pub fn free_main(&self, ptr: u64) -> Result<(), AllocError> {
+    pub fn free(&self, ptr: u64) -> Result<(), AllocError> {
         // An IPC export of `ptr` ends before its memory can be reused.
         crate::ipc::on_free(ptr);
         match &self.history {
@@ -232,7 +251,7 @@ impl DeviceState {
         }
     }
 
-    /// [`DeviceState::free_main`] with history on.
+    /// [`DeviceState::free`] with history on.
     #[cold]
     fn free_recorded(&self, h: &History, ptr: u64) -> Result<(), AllocError> {
         let mut ring = h.lock();
@@ -614,9 +633,7 @@ impl Runtime {
             history: config
                 .record_history
                 .then(|| History::new(config.max_entries)),
-            pools: GraphPools::new(config.log),
-            policy,
-            options,
+            checkpoints: Checkpoints::default(),
             failure: OnceLock::new(),
         });
         Ok(slot.get_or_init(|| state))

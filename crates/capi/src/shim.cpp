@@ -74,6 +74,11 @@ std::atomic<int> active{0};
 
 // The optional companion's thrower: throws c10::OutOfMemoryError(what).
 std::atomic<void (*)(const char*)> oom_thrower{nullptr};
+// The companion's out-of-memory handler (preferred over the thrower): told
+// the device and the failed request's size (PyTorch's OutOfMemoryObserver
+// arguments), it notifies observers and throws c10::OutOfMemoryError(what).
+typedef void (*OomHandler)(int device, size_t size, const char* what);
+std::atomic<OomHandler> oom_handler{nullptr};
 
 std::string last_error_text() {
   const char* e = vmmalloc_last_error();
@@ -151,9 +156,12 @@ const char* kind_name(int code) {
 // c10::OutOfMemoryError (companion) or std::runtime_error starting "CUDA out
 // of memory."; every other kind a std::runtime_error "vmmalloc: <kind>: ...",
 // which PyTorch raises as RuntimeError.
-[[noreturn]] void raise(int code) {
+[[noreturn]] void raise(int code, size_t size, int device) {
   if (code == 1) {
     std::string what = "CUDA out of memory. vmmalloc: " + last_error_text();
+    if (OomHandler h = oom_handler.load(std::memory_order_acquire)) {
+      h(device, size, what.c_str());  // throws c10::OutOfMemoryError
+    }
     if (void (*t)(const char*) = oom_thrower.load(std::memory_order_acquire)) {
       t(what.c_str());  // throws c10::OutOfMemoryError
     }
@@ -177,8 +185,8 @@ __attribute__((noinline, cold)) static int malloc_during_capture(size_t size, in
 }
 
 // A failed vmmalloc_malloc: throws (or returns NULL, see below).
-__attribute__((noinline, cold)) static void* malloc_failed(int rc) {
-  if (vmmalloc_raises()) raise(rc);
+__attribute__((noinline, cold)) static void* malloc_failed(int rc, size_t size, int device) {
+  if (vmmalloc_raises()) raise(rc, size, device);
   return nullptr;
 }
 
@@ -194,7 +202,7 @@ __attribute__((visibility("default"))) void* vmmalloc_malloc(size_t size, int de
   int rc = active.load(std::memory_order_acquire) == 0 ? vmmalloc_try_malloc(size, device, stream, &out)
                                                        : malloc_during_capture(size, device, stream, &out);
   if (rc == 0) return out;
-  return malloc_failed(rc);
+  return malloc_failed(rc, size, device);
 }
 
 // Registers the companion's thrower (NULL: back to std::runtime_error).
@@ -202,13 +210,35 @@ __attribute__((visibility("default"))) void vmmalloc_set_oom_thrower(void (*thro
   oom_thrower.store(thrower, std::memory_order_release);
 }
 
+// Registers the companion's out-of-memory handler (NULL: none): called with
+// the device, the failed request's size and the message when
+// vmmalloc_malloc runs out of memory; it must throw (if it returns, the
+// thrower or std::runtime_error follows).
+__attribute__((visibility("default"))) void vmmalloc_set_oom_handler(OomHandler handler) {
+  oom_handler.store(handler, std::memory_order_release);
+}
+
 }  // extern "C"
 
 // The graph hooks have C++ parameter types; C linkage only fixes their names
 // (PyTorch takes their addresses through Python, never by name).
+//
+// A refused beginAllocateToPool or endAllocateToPool throws, as PyTorch's
+// own TORCH_CHECKs in DeviceCachingAllocator::beginAllocateToPool ("already
+// recording to mempool_id") and endAllocateToPool ("not currently recording
+// to mempool_id") do: a capture whose allocations silently went to the main
+// pool would replay into memory others reuse. releasePool never throws: it
+// runs in CUDAGraph::reset() from ~CUDAGraph (a throw there is
+// std::terminate); its failure is logged and left in vmmalloc_last_error().
+[[noreturn]] static void pool_hook_failed(const char* hook) {
+  throw std::runtime_error(std::string("vmmalloc: ") + hook + ": " + last_error_text());
+}
+
 extern "C" __attribute__((visibility("default"))) void vmmalloc_begin_allocate_to_pool(
     int device, MempoolId_t pool, StreamFilter filter) {
-  if (vmmalloc_pool_begin(device, pool.first, pool.second) != 0) return;  // logged by Rust
+  if (vmmalloc_pool_begin(device, pool.first, pool.second) != 0) {
+    pool_hook_failed("beginAllocateToPool");  // nothing changed (Rust checks first)
+  }
   std::lock_guard<std::mutex> g(captures_mutex);
   captures->push_back(Capture{device, pool, std::move(filter)});
   active.fetch_add(1, std::memory_order_release);
@@ -226,11 +256,13 @@ extern "C" __attribute__((visibility("default"))) void vmmalloc_end_allocate_to_
       }
     }
   }
-  // The Rust side reports a pool with no capture underway.
-  vmmalloc_pool_end(device, pool.first, pool.second);
+  // The Rust side refuses a pool with no capture underway.
+  if (vmmalloc_pool_end(device, pool.first, pool.second) != 0) {
+    pool_hook_failed("endAllocateToPool");
+  }
 }
 
 extern "C" __attribute__((visibility("default"))) void vmmalloc_release_pool(int device,
                                                                              MempoolId_t pool) {
-  vmmalloc_pool_release(device, pool.first, pool.second);
+  vmmalloc_pool_release(device, pool.first, pool.second);  // logged by Rust on failure
 }

@@ -7,6 +7,9 @@
 //! int64_t vmmalloc_pause(const char* tags, int backup); // bytes given back, or -1
 //! int64_t vmmalloc_resume(const char* tags);            // bytes mapped again, or -1
 //! char*   vmmalloc_tag_stats_json(int device);          // [{"tag":..,"paused":..,...}]
+//! // A CUDA graph's or MemPool's private pool (PyTorch's MempoolId_t (hi, lo)).
+//! int64_t vmmalloc_pool_pause(int device, uint64_t hi, uint64_t lo, int keep); // bytes, or -1
+//! int64_t vmmalloc_pool_resume(int device, uint64_t hi, uint64_t lo);          // bytes, or -1
 //! ```
 //!
 //! `tags` is a comma-separated list; `""` (or NULL) means every tag (pause:
@@ -119,6 +122,65 @@ pub unsafe extern "C" fn vmmalloc_resume(tags: *const c_char) -> i64 {
     })
 }
 
+/// Pauses private pool `(hi, lo)` of `device` (a CUDA graph's, whose id
+/// `torch.cuda.CUDAGraph.pool()` returns, or a `torch.cuda.MemPool`'s
+/// `.id`): synchronizes the device (a replay in flight must not fault),
+/// copies the pool's live blocks to host memory if `keep` is non-zero (else
+/// their contents are lost: for pools whose every replay writes before it
+/// reads), unmaps every page of the pool and releases the physical memory.
+/// Every address stays reserved, so the graph replays at the same addresses
+/// once resumed. Returns the bytes given back, or -1 with the reason in
+/// `vmmalloc_last_error` (unknown pool, paused already, a capture underway,
+/// a policy without pools, a driver failure; nothing changed).
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_pause(device: c_int, hi: u64, lo: u64, keep: c_int) -> i64 {
+    let call = format!("vmmalloc_pool_pause(device={device}, pool=({hi}, {lo}), keep={keep})");
+    pool_op("vmmalloc_pool_pause", call, device, |d| {
+        d.pools()?
+            .pause_pool((hi, lo), keep != 0)
+            .map_err(|e| d.error(e))
+    })
+}
+
+/// Resumes private pool `(hi, lo)` of `device`: maps physical memory at
+/// every page the pool mapped before its pause, grants access to every
+/// device that had it, copies the kept contents back. On failure (out of
+/// memory included) nothing of the pool stays mapped and it stays paused: a
+/// retry once memory is free succeeds. Returns the bytes mapped, or -1 with
+/// the reason in `vmmalloc_last_error`.
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_resume(device: c_int, hi: u64, lo: u64) -> i64 {
+    let call = format!("vmmalloc_pool_resume(device={device}, pool=({hi}, {lo}))");
+    pool_op("vmmalloc_pool_resume", call, device, |d| {
+        d.pools()?.resume_pool((hi, lo)).map_err(|e| d.error(e))
+    })
+}
+
+/// Runs a pause or resume of one private pool of `device`.
+fn pool_op(
+    name: &str,
+    call: String,
+    device: c_int,
+    op: impl FnOnce(&runtime::DeviceState) -> Result<u64, crate::Error>,
+) -> i64 {
+    entry(name, -1, || {
+        let rt = runtime::runtime();
+        match rt.device(device).and_then(|d| {
+            d.check()?;
+            op(d)
+        }) {
+            Ok(b) => {
+                diag::log(rt.log_level(), LInfo, &format!("{call}: {b} bytes"));
+                b.min(i64::MAX as u64) as i64
+            }
+            Err(m) => {
+                fail(&rt, LError, format!("{call}: {m}"));
+                -1
+            }
+        }
+    })
+}
+
 /// Runs pause or resume on every active device.
 fn run(
     name: &str,
@@ -148,16 +210,13 @@ fn run(
                 fail(&rt, LError, format!("{call}: {e}"));
                 return -1;
             }
-            if d.pools.capturing() {
+            if d.capturing() {
                 fail(
                     &rt,
                     LError,
                     format!("{call}: device {}: a CUDA graph capture is underway; unmap and release are illegal during capture (nothing changed)", d.ordinal),
                 );
                 return -1;
-            }
-            for e in d.flush() {
-                fail(&rt, LError, format!("{call}: {e}"));
             }
             match op(&names, d) {
                 Ok(b) => total += b,

@@ -3,7 +3,8 @@
 //! the allocator (the companion only translates types).
 //!
 //! ```c
-//! // Pools (torch.cuda.MemPool, CUDA graph trees), see pools.rs.
+//! // Private pools (torch.cuda.MemPool, CUDA graph trees): vmmalloc_alloc::pools;
+//! // checkpoints hold no memory (checkpoints.rs).
 //! int      vmmalloc_pool_create_or_incref(int device, uint64_t hi, uint64_t lo);
 //! int      vmmalloc_pool_use_count(int device, uint64_t hi, uint64_t lo);   // count, or -1
 //! int      vmmalloc_pool_check_live(int device, uint64_t hi, uint64_t lo,
@@ -29,11 +30,10 @@
 
 use crate::config::LogLevel::{Error as LError, Info as LInfo};
 use crate::error::Error;
-use crate::pools::PoolId;
 use crate::runtime::{self, DeviceState};
 use crate::{diag, entry, owned_c_string};
-use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void};
+use vmmalloc_alloc::pools::PoolId;
 use vmmalloc_alloc::stats::StatArray;
 use vmmalloc_alloc::{BlockState, Snapshot, Stat, Stats};
 
@@ -91,6 +91,36 @@ pub struct VmmallocBlock {
     pub active: c_int,
 }
 
+/// The `vmmalloc.graph_pool*` rows of `vmmalloc_memory_stats_json`: how
+/// many private pools exist, how many are paused, their share of the
+/// allocated and reserved bytes (already in PyTorch's figures), the frees
+/// deferred by captures, and the checkpoints alive (which hold nothing).
+pub fn pool_totals(d: Option<&DeviceState>) -> Vec<(&'static str, i64)> {
+    let (mut pools, mut paused, mut allocated, mut reserved, mut deferred) = (0, 0, 0, 0, 0);
+    let mut checkpoints = 0;
+    if let Some(d) = d {
+        checkpoints = d.checkpoints.counts().0 as i64;
+        if let Some(p) = d.allocator.pools() {
+            deferred = p.deferred_frees() as i64;
+            for id in p.pool_ids() {
+                let Ok(s) = p.pool_stats(id) else { continue };
+                pools += 1;
+                paused += i64::from(s.paused);
+                allocated += s.stats.allocated_bytes.all().current;
+                reserved += s.stats.reserved_bytes.all().current;
+            }
+        }
+    }
+    vec![
+        ("vmmalloc.graph_pools", pools),
+        ("vmmalloc.graph_pools_paused", paused),
+        ("vmmalloc.graph_pool_allocated_bytes", allocated),
+        ("vmmalloc.graph_pool_reserved_bytes", reserved),
+        ("vmmalloc.deferred_frees", deferred),
+        ("vmmalloc.graph_pool_checkpoints", checkpoints),
+    ]
+}
+
 /// The callback type of [`vmmalloc_visit_segments`].
 pub type SegmentFn =
     unsafe extern "C" fn(*mut c_void, *const VmmallocSegment, *const VmmallocBlock, usize);
@@ -129,7 +159,10 @@ fn with_device<T: Clone>(
 pub extern "C" fn vmmalloc_pool_create_or_incref(device: c_int, hi: u64, lo: u64) -> c_int {
     let call = format!("vmmalloc_pool_create_or_incref(device={device}, pool=({hi}, {lo}))");
     with_device("vmmalloc_pool_create_or_incref", call, device, -1, |d| {
-        d.pool_create_or_incref((hi, lo)).map(|()| 0)
+        d.pools()?
+            .create_or_incref_pool((hi, lo))
+            .map(|()| 0)
+            .map_err(|e| d.error(e))
     })
 }
 
@@ -139,9 +172,10 @@ pub extern "C" fn vmmalloc_pool_create_or_incref(device: c_int, hi: u64, lo: u64
 pub extern "C" fn vmmalloc_pool_use_count(device: c_int, hi: u64, lo: u64) -> c_int {
     let call = format!("vmmalloc_pool_use_count(device={device}, pool=({hi}, {lo}))");
     with_device("vmmalloc_pool_use_count", call, device, -1, |d| {
-        d.pools
-            .use_count((hi, lo))
+        d.pools()?
+            .pool_use_count((hi, lo))
             .map(|n| c_int::try_from(n).unwrap_or(c_int::MAX))
+            .map_err(|e| d.error(e))
     })
 }
 
@@ -161,38 +195,57 @@ pub unsafe extern "C" fn vmmalloc_pool_check_live(
     n: usize,
 ) -> c_int {
     let call = format!("vmmalloc_pool_check_live(device={device}, pool=({hi}, {lo}), n={n})");
-    let expected: HashSet<u64> = if n == 0 {
-        HashSet::new()
+    let expected: Vec<u64> = if n == 0 {
+        Vec::new()
     } else if ptrs.is_null() {
         diag::fail(LError, LError, &format!("{call}: ptrs is NULL"));
         return -1;
     } else {
         // SAFETY: non-null and, per the contract, valid for `n` reads.
-        unsafe { std::slice::from_raw_parts(ptrs, n) }
-            .iter()
-            .copied()
-            .collect()
+        unsafe { std::slice::from_raw_parts(ptrs, n) }.to_vec()
     };
     with_device("vmmalloc_pool_check_live", call, device, -1, |d| {
-        d.pools.check_live((hi, lo), &expected).map(c_int::from)
+        // PyTorch's checkPoolLiveAllocations: every allocated block of the
+        // pool is expected, and as many as expected.
+        let live = d
+            .pools()?
+            .pool_live_blocks((hi, lo))
+            .map_err(|e| d.error(e))?;
+        let mut want = expected;
+        want.sort_unstable();
+        want.dedup();
+        Ok(c_int::from(
+            live.len() == want.len() && live.iter().all(|b| want.binary_search(&b.ptr).is_ok()),
+        ))
     })
 }
 
-/// PyTorch's `getCheckpointState`: records (and holds, see pools.rs) the
-/// blocks live in pool `(hi, lo)`. Returns the checkpoint's handle, or 0.
+/// PyTorch's `getCheckpointState`: records the blocks live in pool
+/// `(hi, lo)` (holding no memory, see checkpoints.rs). Returns the
+/// checkpoint's handle, or 0 (unknown pool, a pool with no users left:
+/// PyTorch's "Not expected to checkpoint freeable graph").
 #[no_mangle]
 pub extern "C" fn vmmalloc_pool_checkpoint(device: c_int, hi: u64, lo: u64) -> u64 {
     let call = format!("vmmalloc_pool_checkpoint(device={device}, pool=({hi}, {lo}))");
     with_device("vmmalloc_pool_checkpoint", call, device, 0, |d| {
-        d.pools.checkpoint((hi, lo))
+        let pools = d.pools()?;
+        if pools.pool_use_count((hi, lo)).map_err(|e| d.error(e))? == 0 {
+            return Err(Error::invalid(format!(
+                "pool ({hi}, {lo}) was released: no checkpoint of it"
+            )));
+        }
+        let blocks = pools.pool_live_blocks((hi, lo)).map_err(|e| d.error(e))?;
+        Ok(d.checkpoints.add((hi, lo), blocks))
     })
 }
 
 /// PyTorch's `setCheckpointPoolState`: restores checkpoint `handle` of
-/// `device`'s pools. Calls `freed` for each pointer freed and `allocated`
-/// for each block handed back (a pointer may be in both, as in PyTorch's
-/// `CheckpointDelta`). Returns 0, or -1 (unknown checkpoint, capture
-/// underway) having called neither.
+/// `device`'s pools: frees every block of its pool and allocates the
+/// checkpointed blocks again at their addresses. Calls `freed` for each
+/// pointer freed and `allocated` for each block allocated again (a pointer
+/// may be in both, as in PyTorch's `CheckpointDelta`). Returns 0, or -1
+/// (unknown checkpoint, capture underway, pool paused) having changed
+/// nothing and called neither.
 ///
 /// # Safety
 ///
@@ -232,12 +285,14 @@ pub unsafe extern "C" fn vmmalloc_checkpoint_restore(
 pub extern "C" fn vmmalloc_checkpoint_drop(device: c_int, handle: u64) -> c_int {
     let call = format!("vmmalloc_checkpoint_drop(device={device}, checkpoint={handle})");
     with_device("vmmalloc_checkpoint_drop", call, device, -1, |d| {
-        d.pools.drop_checkpoint(handle).map(|()| 0)
+        d.checkpoints.drop_handle(handle).map(|()| 0)
     })
 }
 
-/// Pool `(hi, lo)`'s statistics as JSON with PyTorch's `memory_stats()` keys,
-/// plus `vmmalloc.live_blocks` and `vmmalloc.use_count`. Free it with
+/// Pool `(hi, lo)`'s statistics as JSON with PyTorch's `memory_stats()` keys
+/// (current values; the pool's share of the device's figures), plus
+/// `vmmalloc.live_blocks`, `vmmalloc.use_count`, `vmmalloc.recording`,
+/// `vmmalloc.paused` and `vmmalloc.backup_bytes`. Free it with
 /// `vmmalloc_free_string`; NULL on failure (unknown pool).
 #[no_mangle]
 pub extern "C" fn vmmalloc_pool_stats_json(device: c_int, hi: u64, lo: u64) -> *mut c_char {
@@ -248,12 +303,14 @@ pub extern "C" fn vmmalloc_pool_stats_json(device: c_int, hi: u64, lo: u64) -> *
         device,
         std::ptr::null_mut(),
         |d| {
-            let (stats, live) = d.pools.pool_stats((hi, lo))?;
-            let uses = d.pools.use_count((hi, lo))?;
-            let mut map = serde_json::to_value(stats.to_map()).map_err(crate::json_error)?;
+            let p = d.pools()?.pool_stats((hi, lo)).map_err(|e| d.error(e))?;
+            let mut map = serde_json::to_value(p.stats.to_map()).map_err(crate::json_error)?;
             if let Some(m) = map.as_object_mut() {
-                m.insert("vmmalloc.live_blocks".into(), live.into());
-                m.insert("vmmalloc.use_count".into(), uses.into());
+                m.insert("vmmalloc.live_blocks".into(), p.live_blocks.into());
+                m.insert("vmmalloc.use_count".into(), p.use_count.into());
+                m.insert("vmmalloc.recording".into(), p.recording.into());
+                m.insert("vmmalloc.paused".into(), p.paused.into());
+                m.insert("vmmalloc.backup_bytes".into(), p.backup_bytes.into());
             }
             let text = serde_json::to_string(&map).map_err(crate::json_error)?;
             Ok(owned_c_string(&text))
@@ -336,8 +393,20 @@ pub unsafe extern "C" fn vmmalloc_device_stats(device: c_int, out: *mut i64, n: 
     })
 }
 
-fn visit(snapshot: &Snapshot, device: c_int, pool: PoolId, cb: SegmentFn, ctx: *mut c_void) {
+/// Calls `cb` for each mapped run of each segment of `snapshot` (of pool
+/// `only`'s segments when given).
+fn visit(
+    snapshot: &Snapshot,
+    device: c_int,
+    only: Option<PoolId>,
+    cb: SegmentFn,
+    ctx: *mut c_void,
+) {
     for seg in &snapshot.segments {
+        if only.is_some_and(|o| o != seg.pool) {
+            continue;
+        }
+        let pool = seg.pool;
         // PyTorch reports one segment per contiguous mapped range: unmapped
         // blocks of an expandable segment are not part of any
         // (CUDACachingAllocator.cpp, snapshot()). Its Python side computes
@@ -420,12 +489,14 @@ pub unsafe extern "C" fn vmmalloc_visit_segments(
         let mut visited = 0;
         for d in devices {
             let ordinal = d.ordinal as c_int;
-            if only == 0 {
-                visit(&d.allocator.snapshot(), ordinal, (0, 0), cb, ctx);
-            }
-            for (id, snap) in d.pools.snapshots((only != 0).then_some((hi, lo))) {
-                visit(&snap, ordinal, id, cb, ctx);
-                visited += 1;
+            let only = (only != 0).then_some((hi, lo));
+            visit(&d.allocator.snapshot(), ordinal, only, cb, ctx);
+            if let Some(p) = d.allocator.pools() {
+                visited += p
+                    .pool_ids()
+                    .into_iter()
+                    .filter(|id| only.is_none_or(|o| o == *id))
+                    .count() as c_int;
             }
         }
         visited

@@ -152,71 +152,113 @@ int main(int argc, char** argv) {
   free_fn(a, 40 * MiB, 0, nullptr);
 
   // 4. Graph pools through PyTorch's hook signatures: allocations on the
-  //    captured stream go to the pool, others to the main allocator.
+  //    captured stream go to the pool, others to the main allocator; frees
+  //    follow PyTorch (c10/cuda/CUDACachingAllocator.cpp, free()): only a
+  //    block with record_stream uses waits for the capture to end.
   reset();
   std::string roomy = "device:host,capacity_gb:1,log:off,backend:" + backend;
   CHECK(configure(roomy.c_str()) == 0, "%s", err().c_str());
   cudaStream_t captured = reinterpret_cast<cudaStream_t>(0x100);
   MempoolId_t pool{0, 1};
+  auto throws = [&](auto call, const char* needle) {
+    try {
+      call();
+    } catch (const std::runtime_error& e) {
+      std::string what = e.what();
+      CHECK(what.find(needle) != std::string::npos, "threw %s, expected %s", what.c_str(), needle);
+      return;
+    }
+    CHECK(false, "did not throw (expected %s)", needle);
+  };
   void* before = malloc_fn(MiB, 0, nullptr);
+  if (backend != "expandable") {
+    // Only expandable keeps private pools: a capture is refused, loudly.
+    throws([&] { begin(0, pool, [captured](cudaStream_t s) { return s == captured; }); },
+           "has no CUDA-graph private pools");
+    void* p = malloc_fn(MiB, 0, captured);  // not routed anywhere: main allocator
+    CHECK(p != nullptr && live() == 2, "live %ld", live());
+    free_fn(p, MiB, 0, captured);
+    free_fn(before, MiB, 0, nullptr);
+    CHECK(live() == 0, "live %ld", live());
+    reset();
+    std::printf("ok %d checks\n", checks);
+    return 0;
+  }
   begin(0, pool, [captured](cudaStream_t s) { return s == captured; });
   CHECK(last_error() == nullptr, "%s", err().c_str());
-  // During capture a free is queued (no event query, unmap or release), and
-  // empty_cache leaves the device alone.
+  // A free of the main allocator during a capture is never deferred.
   free_fn(before, MiB, 0, nullptr);
   CHECK(last_error() == nullptr, "%s", err().c_str());
-  CHECK(stat("vmmalloc.deferred_frees") == 1 && live() == 1, "deferred %ld, live %ld",
+  CHECK(stat("vmmalloc.deferred_frees") == 0 && live() == 0, "deferred %ld, live %ld",
         stat("vmmalloc.deferred_frees"), live());
-  empty_cache();
+  empty_cache();  // returns nothing during a capture, and says nothing wrong
   CHECK(last_error() == nullptr, "%s", err().c_str());
   void* in_pool = malloc_fn(3 * MiB, 0, captured);
   void* outside = malloc_fn(3 * MiB, 0, nullptr);
   CHECK(in_pool && outside, "%s", err().c_str());
-  // `outside`, and `before` (its free is queued).
-  CHECK(live() == 2, "the main allocator holds %ld allocations, expected 2", live());
+  // Pool bytes are in the device's figures, as PyTorch counts them.
+  CHECK(live() == 2, "the allocator holds %ld allocations, expected 2", live());
+  CHECK(stat("vmmalloc.graph_pool_allocated_bytes") >= long(3 * MiB), "pool bytes %ld",
+        stat("vmmalloc.graph_pool_allocated_bytes"));
+  // A temporary freed during the capture is reused by it: 50 rounds of
+  // 16 MiB leave the pool's reservation where one round left it.
+  void* tmp = malloc_fn(16 * MiB, 0, captured);
+  free_fn(tmp, 16 * MiB, 0, captured);
+  long reserved = stat("vmmalloc.graph_pool_reserved_bytes");
+  for (int i = 0; i < 50; ++i) {
+    void* t = malloc_fn(16 * MiB, 0, captured);
+    CHECK(t == tmp, "round %d: %p, not the freed %p", i, t, tmp);
+    free_fn(t, 16 * MiB, 0, captured);
+  }
+  CHECK(stat("vmmalloc.graph_pool_reserved_bytes") == reserved, "pool grew to %ld from %ld",
+        stat("vmmalloc.graph_pool_reserved_bytes"), reserved);
   std::memset(in_pool, 0x5a, 3 * MiB);
-  record_stream(in_pool, nullptr);  // Tensor.record_stream on a pool block
+  // A block used by another stream (record_stream) waits for the capture to end.
+  void* shared = malloc_fn(MiB, 0, captured);
+  record_stream(shared, nullptr);  // the default stream (host devices know no other)
   CHECK(last_error() == nullptr, "%s", err().c_str());
+  free_fn(shared, MiB, 0, captured);
+  CHECK(stat("vmmalloc.deferred_frees") == 1, "deferred %ld", stat("vmmalloc.deferred_frees"));
   // A second capture into the same pool is refused while the first runs.
-  begin(0, pool, [](cudaStream_t) { return true; });
-  CHECK(err().find("already being captured") != std::string::npos, "%s", err().c_str());
+  throws([&] { begin(0, pool, [](cudaStream_t) { return true; }); }, "already recording");
   end(0, pool);
   CHECK(last_error() == nullptr, "%s", err().c_str());
-  // The first call after the capture applies the queued free.
-  CHECK(stat("vmmalloc.deferred_frees") == 0, "deferred %ld", stat("vmmalloc.deferred_frees"));
-  CHECK(live() == 1, "live %ld after the queued free", live());
-  // After the capture, the stream allocates from the main allocator again,
-  // and main-allocator churn never touches the pool's memory.
+  // The first allocation after the capture applies the deferred free; the
+  // stream allocates from the main allocator again, and main-allocator
+  // churn never touches the pool's memory.
   void* after = malloc_fn(MiB, 0, captured);
-  CHECK(live() == 2, "live %ld", live());
+  CHECK(stat("vmmalloc.deferred_frees") == 0, "deferred %ld", stat("vmmalloc.deferred_frees"));
+  CHECK(live() == 3, "live %ld", live());
   for (int i = 0; i < 20; ++i) {
     void* p = malloc_fn((i + 1) * MiB, 0, nullptr);
     CHECK(p != nullptr, "%s", err().c_str());
     std::memset(p, 0xee, (i + 1) * MiB);
     free_fn(p, 0, 0, nullptr);
   }
+  empty_cache();
   for (size_t i = 0; i < 3 * MiB; i += 4096) {
     CHECK(static_cast<unsigned char*>(in_pool)[i] == 0x5a, "pool byte %zu overwritten", i);
   }
-  // Bad input: unknown pools, ending twice, releasing twice.
-  end(0, MempoolId_t{9, 9});
-  CHECK(err().find("unknown pool (9, 9)") != std::string::npos, "%s", err().c_str());
-  end(0, pool);
-  CHECK(err().find("no capture into pool (0, 1)") != std::string::npos, "%s", err().c_str());
+  // Bad input: unknown pools, ending twice (both throw, as PyTorch's
+  // TORCH_CHECKs), releasing twice (logged: releasePool runs in destructors).
+  throws([&] { end(0, MempoolId_t{9, 9}); }, "unknown pool (9, 9)");
+  throws([&] { end(0, pool); }, "not currently recording");
   release(0, pool);
   CHECK(last_error() == nullptr, "%s", err().c_str());
   release(0, pool);
-  CHECK(err().find("released already") != std::string::npos, "%s", err().c_str());
+  CHECK(err().find("no users left") != std::string::npos, "%s", err().c_str());
   release(0, MempoolId_t{5, 5});
   CHECK(err().find("unknown pool (5, 5)") != std::string::npos, "%s", err().c_str());
-  // The graph's output is still usable, and freeing it drops the pool.
+  // The graph's output is still usable; once freed, empty_cache returns the
+  // pool's memory and the pool is gone.
   CHECK(static_cast<unsigned char*>(in_pool)[4096] == 0x5a, "output lost after release");
   CHECK(stat("vmmalloc.graph_pools") == 1, "pools %ld", stat("vmmalloc.graph_pools"));
-  CHECK(stat("vmmalloc.graph_pool_allocated_bytes") >= long(3 * MiB), "pool bytes %ld",
-        stat("vmmalloc.graph_pool_allocated_bytes"));
   free_fn(in_pool, 3 * MiB, 0, captured);
   CHECK(last_error() == nullptr, "%s", err().c_str());
+  empty_cache();
   CHECK(stat("vmmalloc.graph_pools") == 0, "pools %ld", stat("vmmalloc.graph_pools"));
+  CHECK(stat("vmmalloc.graph_pool_reserved_bytes") == 0, "pool bytes %ld",
+        stat("vmmalloc.graph_pool_reserved_bytes"));
   free_fn(outside, 0, 0, nullptr);
   free_fn(after, 0, 0, nullptr);
   CHECK(live() == 0, "live %ld", live());

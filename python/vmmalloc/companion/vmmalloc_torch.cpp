@@ -28,6 +28,8 @@
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -96,6 +98,11 @@ struct Lib {
   int (*ipc_import)(const void*, size_t, void**);
   int (*ipc_close)(void*);
   int (*ipc_import_device)(const void*, size_t, int, void**);  // -1: the handle's device
+  // Optional (newer libvmmalloc): the out-of-memory handler and device memory info.
+  void (*set_oom_handler)(void (*)(int, size_t, const char*));
+  int (*mem_get_info)(int, uint64_t*, uint64_t*);
+  char* (*settings)();
+  void (*free_string)(char*);
 };
 Lib lib;
 
@@ -126,31 +133,14 @@ class VmmallocAllocator : public Base {
   std::string name() VMM_OVERRIDE { return "vmmalloc"; }
 
   // Out-of-memory observers (torch.cuda.memory._record_memory_history's
-  // oom hook, attachOutOfMemoryObserver): called when an allocation raises.
+  // oom hook, attachOutOfMemoryObserver): called by notify_oom, from the
+  // handler libvmmalloc's vmmalloc_malloc calls before it throws, so every
+  // PyTorch allocation path (allocate, raw_alloc, raw_alloc_with_stream)
+  // notifies once.
 #ifndef VMM_NO_attachOutOfMemoryObserver
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) VMM_OVERRIDE {
     std::lock_guard<std::mutex> g(mu_);
     oom_observers_.push_back(std::move(observer));
-  }
-#endif
-
-  c10::DataPtr allocate(size_t size) VMM_OVERRIDE {
-    try {
-      return Base::allocate(size);
-    } catch (const c10::OutOfMemoryError&) {
-      notify_oom();
-      throw;
-    }
-  }
-
-#ifndef VMM_NO_raw_alloc_with_stream
-  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) VMM_OVERRIDE {
-    try {
-      return Base::raw_alloc_with_stream(nbytes, stream);
-    } catch (const c10::OutOfMemoryError&) {
-      notify_oom();
-      throw;
-    }
   }
 #endif
 
@@ -214,7 +204,8 @@ class VmmallocAllocator : public Base {
   // vmmalloc.dump_snapshot() (record_history:True).
 #ifndef VMM_NO_snapshot
   CCA::SnapshotInfo snapshot(MempoolId_t mempool, bool /*include_traces*/) VMM_OVERRIDE {
-    CCA::SnapshotInfo info;
+    CCA::SnapshotInfo info{};  // value-initialized: no field left indeterminate
+    set_config(info.config_metadata);
     bool only = mempool.first != 0 || mempool.second != 0;
     TORCH_CHECK(lib.visit_segments(-1, only ? 1 : 0, mempool.first, mempool.second, &add_segment,
                                    &info) >= 0,
@@ -408,21 +399,76 @@ class VmmallocAllocator : public Base {
     }
   }
 
-  void notify_oom() {
+
+ public:
+  // PyTorch's observers get (device, size of the failed request, the
+  // memory-fraction cap if one is set else the device's total, the device's
+  // free bytes): DeviceCachingAllocator::malloc,
+  // `obs(device, alloc_size, set_fraction ? allowed_memory_maximum :
+  // device_total, device_free)` (c10/cuda/CUDACachingAllocator.cpp).
+  void notify_oom(int device, size_t size) {
     std::vector<CCA::OutOfMemoryObserver> observers;
+    double fraction = -1;
     {
       std::lock_guard<std::mutex> g(mu_);
       observers = oom_observers_;
+      auto it = fractions_.find(device);
+      if (it != fractions_.end()) fraction = it->second;
     }
     if (observers.empty()) return;
-    int device = 0;
-    int64_t v[kStatsLen] = {};
-    cudaGetDevice(&device);
-    lib.device_stats(device, v, kStatsLen);
-    size_t free_bytes = 0, total = 0;
-    if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) (void)cudaGetLastError();
-    int64_t allocated = v[4 * 3 * 4];  // allocated_bytes.all.current
-    for (auto& o : observers) o(device, allocated, total, free_bytes);
+    uint64_t free_bytes = 0, total = 0;
+    if (!lib.mem_get_info || lib.mem_get_info(device, &free_bytes, &total) != 0) {
+      size_t f = 0, t = 0;
+      if (cudaMemGetInfo(&f, &t) == cudaSuccess) {
+        free_bytes = f;
+        total = t;
+      } else {
+        (void)cudaGetLastError();
+      }
+    }
+    size_t cap = fraction >= 0 ? static_cast<size_t>(fraction * static_cast<double>(total)) : total;
+    for (auto& o : observers) o(device, size, cap, free_bytes);
+  }
+
+ private:
+  // The allocator settings of snapshot()["allocator_settings"]
+  // (torch/csrc/cuda/Module.cpp reads config_metadata): vmmalloc maps pages
+  // (expandable segments), never caps splits (PyTorch's default
+  // max_split_size, SIZE_MAX) and has no garbage-collection threshold (0, its
+  // default); last_allocator_settings (Python's "PYTORCH_CUDA_ALLOC_CONF"
+  // key) carries vmmalloc's effective configuration. Fields a PyTorch
+  // version lacks are skipped at compile time.
+  template <class T, class = void>
+  struct HasSettings : std::false_type {};
+  template <class T>
+  struct HasSettings<T, std::void_t<decltype(std::declval<T&>().last_allocator_settings)>>
+      : std::true_type {};
+  template <class T, class = void>
+  struct HasSplit : std::false_type {};
+  template <class T>
+  struct HasSplit<T, std::void_t<decltype(std::declval<T&>().max_split_size)>> : std::true_type {};
+  template <class T, class = void>
+  struct HasGc : std::false_type {};
+  template <class T>
+  struct HasGc<T, std::void_t<decltype(std::declval<T&>().garbage_collection_threshold)>>
+      : std::true_type {};
+
+  template <class C>
+  static void set_config(C& c) {
+    c.expandable_segments = true;
+    if constexpr (HasSplit<C>::value) c.max_split_size = std::numeric_limits<size_t>::max();
+    if constexpr (HasGc<C>::value) c.garbage_collection_threshold = 0.0;
+    if constexpr (HasSettings<C>::value) {
+      std::string text = "vmmalloc";
+      if (lib.settings && lib.free_string) {
+        if (char* s = lib.settings()) {
+          text += " ";
+          text += s;
+          lib.free_string(s);
+        }
+      }
+      c.last_allocator_settings = text;
+    }
   }
 
   std::mutex mu_;
@@ -462,6 +508,44 @@ extern "C" int vmmalloc_companion_has_ipc() { return lib.ipc_export != nullptr; 
 extern "C" void vmmalloc_companion_throw_oom(const char* what) {
   throw c10::OutOfMemoryError(
       c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::string(what));
+}
+
+// libvmmalloc's out-of-memory handler (vmmalloc_set_oom_handler): tells the
+// observers, then throws c10::OutOfMemoryError (torch.cuda.OutOfMemoryError).
+extern "C" void vmmalloc_companion_on_oom(int device, size_t size, const char* what) {
+  if (current) (*current)->notify_oom(device, size);
+  vmmalloc_companion_throw_oom(what);
+}
+
+// Allocates `size` bytes on `device` through the function PyTorch's
+// allocate/raw_alloc paths call (lib.malloc, libvmmalloc's vmmalloc_malloc)
+// and frees them: 0 on success, 1 if it raised c10::OutOfMemoryError (the
+// observers were told), -1 for any other exception. For tests on machines
+// without a GPU, where PyTorch's own entry points stop at cudaGetDevice.
+extern "C" int vmmalloc_companion_malloc_for_tests(size_t size, int device) {
+  try {
+    void* p = lib.malloc(size, device, nullptr);
+    if (p) lib.free(p, size, device, nullptr);
+    return 0;
+  } catch (const c10::OutOfMemoryError&) {
+    return 1;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// Attaches `fn` as an out-of-memory observer of the installed allocator,
+// as torch._C._cuda_attach_out_of_memory_observer does (it initializes CUDA
+// first, so it needs a GPU). Returns 0, or -1 when none is installed. Tests.
+extern "C" int vmmalloc_companion_attach_oom_observer_for_tests(void (*fn)(int64_t, int64_t,
+                                                                             int64_t, int64_t)) {
+  if (!current || !fn) return -1;
+  (*current)->attachOutOfMemoryObserver(
+      [fn](int64_t device, size_t size, size_t cap, size_t free_bytes) {
+        fn(device, static_cast<int64_t>(size), static_cast<int64_t>(cap),
+           static_cast<int64_t>(free_bytes));
+      });
+  return 0;
 }
 
 // Makes a VmmallocAllocator over the libvmmalloc at `library` (already loaded
@@ -510,6 +594,10 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
     }
     std::string later;
     resolve(h, "vmmalloc_ipc_import_device", lib.ipc_import_device, later);
+    resolve(h, "vmmalloc_set_oom_handler", lib.set_oom_handler, later);
+    resolve(h, "vmmalloc_mem_get_info", lib.mem_get_info, later);
+    resolve(h, "vmmalloc_settings", lib.settings, later);
+    resolve(h, "vmmalloc_free_string", lib.free_string, later);
     auto a = std::make_shared<VmmallocAllocator>();
     a->set_init_fn(lib.init);
     a->set_reset_fn(lib.empty_cache);
@@ -520,6 +608,7 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
     a->set_release_pool(lib.release_pool);
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
     current = new std::shared_ptr<VmmallocAllocator>(a);
+    if (lib.set_oom_handler) lib.set_oom_handler(&vmmalloc_companion_on_oom);
     return 0;
   } catch (const std::exception& e) {
     copy_error(e.what(), err, err_len);

@@ -109,6 +109,7 @@ impl State {
                 active_size: 0,
                 requested_size: 0,
                 is_expandable: expandable,
+                pool: (0, 0),
                 blocks: Vec::new(),
             };
             for id in self.walk(&by_ptr, start) {

@@ -13,17 +13,18 @@ use vmmalloc_device::{round_up, Device, Stream};
 const AHEAD_BELOW: f64 = 0.8;
 
 impl Inner {
-    /// Index of the entry of (`stream`, tag `tag`), created on first use.
+    /// Index of the entry of (`stream`, tag `tag`, private pool `pool`; 0:
+    /// the main pool), created on first use.
     #[inline]
-    pub(super) fn stream_index(&mut self, stream: Stream, tag: u32) -> u32 {
+    pub(super) fn stream_index(&mut self, stream: Stream, tag: u32, pool: u32) -> u32 {
         if let Some(i) = self
             .streams
             .iter()
-            .position(|e| e.stream == stream && e.tag == tag)
+            .position(|e| e.stream == stream && e.tag == tag && e.pool == pool)
         {
             return i as u32;
         }
-        self.streams.push(StreamEntry::tagged(stream, tag));
+        self.streams.push(StreamEntry::new(stream, tag, pool));
         (self.streams.len() - 1) as u32
     }
 
@@ -43,12 +44,31 @@ impl Inner {
         }
     }
 
-    /// Allocates `size` bytes on `stream`.
+    /// Allocates `size` bytes on `stream` from the main pool, under the
+    /// calling thread's tag.
     pub(super) fn malloc<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         size: u64,
         stream: Stream,
+    ) -> AllocResult<Allocation> {
+        // Sleep and wake: each tag has stream entries (so segments) of its own.
+        let tag = super::tags::current_tag_id();
+        if self.sleep.is_paused(tag) {
+            return Err(self.paused_error(tag));
+        }
+        self.malloc_owned(dev, size, stream, tag, 0)
+    }
+
+    /// Allocates `size` bytes on `stream` in the segments of tag `tag` and
+    /// private pool `pool` (0: the main pool; see `private_pools.rs`).
+    pub(super) fn malloc_owned<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        size: u64,
+        stream: Stream,
+        tag: u32,
+        pool: u32,
     ) -> AllocResult<Allocation> {
         if size == 0 {
             return Err(AllocError::InvalidSize {
@@ -66,16 +86,14 @@ impl Inner {
             return Err(self.oom(dev, size, round_up(size, MIN_BLOCK), stream, lacking));
         }
         let rounded = round_up(size, MIN_BLOCK);
+        if !self.pools.deferred.is_empty() && self.pools.captures == 0 {
+            self.flush_deferred(dev);
+        }
         if !self.events.pending.is_empty() {
             self.process_events(dev);
         }
         let kind = PoolKind::for_size(rounded);
-        // Sleep and wake: each tag has stream entries (so segments) of its own.
-        let tag = super::tags::current_tag_id();
-        if self.sleep.is_paused(tag) {
-            return Err(self.paused_error(tag));
-        }
-        let owner = self.stream_index(stream, tag);
+        let owner = self.stream_index(stream, tag, pool);
         let mut waited_for_events = false;
         loop {
             // Best fit among the free blocks inside segments, then a segment's
@@ -235,7 +253,7 @@ impl Inner {
     /// The free block to carve a request at `addr` from: `idx` itself when
     /// it starts there, else the part of it from `addr` on (split off).
     #[inline]
-    fn carve_at(&mut self, idx: u32, addr: u64) -> u32 {
+    pub(super) fn carve_at(&mut self, idx: u32, addr: u64) -> u32 {
         if self.slab[idx].addr == addr {
             idx
         } else {
@@ -343,6 +361,9 @@ impl Inner {
             free_blocks: 1,
         });
         self.phys.open_table(seg_idx, base, pages);
+        if self.owner_pinned(owner) {
+            self.phys.set_pinned(seg_idx, true);
+        }
         let pool = &mut self.streams[owner as usize].pools[kind as usize];
         pool.segments.push(seg_idx);
         self.counters.segment.add(kind as usize, 1);
@@ -352,7 +373,13 @@ impl Inner {
     /// Turns free block `idx` (whose pages are mapped) into an allocation of
     /// `rounded` bytes, splitting off the remainder.
     #[inline]
-    fn take_block(&mut self, idx: u32, size: u64, rounded: u64, stream: Stream) -> Allocation {
+    pub(super) fn take_block(
+        &mut self,
+        idx: u32,
+        size: u64,
+        rounded: u64,
+        stream: Stream,
+    ) -> Allocation {
         let (bsize, addr, seg) = {
             let b = &self.slab[idx];
             (b.size, b.addr, b.seg)
@@ -414,7 +441,12 @@ impl Inner {
             return Err(AllocError::InvalidPointer { ptr });
         };
         let mut pending = false;
-        if self.slab[idx].streams.is_some() {
+        // During a capture, a block other streams used waits until no
+        // capture is underway: an event recorded now could not be queried
+        // (PyTorch's `needs_events_deferred_until_no_capture`). Any other
+        // block goes back to its owner at once, for the capture to reuse.
+        let deferred = self.pools.captures > 0 && self.slab[idx].streams.is_some();
+        if self.slab[idx].streams.is_some() && !deferred {
             match self.record_free_events(dev, idx) {
                 Ok(n) => pending = n > 0,
                 Err(e) => {
@@ -425,6 +457,9 @@ impl Inner {
         }
         // A paused block may be freed: its backup is dropped.
         self.sleep.forget(ptr);
+        if !self.pools.is_empty() {
+            self.pools.forget(ptr);
+        }
         // Freeing ends an IPC export.
         self.phys.exports_mut().forget(ptr);
         let (size, requested, seg) = {
@@ -436,8 +471,11 @@ impl Inner {
         c.allocation.add(k, -1);
         c.allocated_bytes.add(k, -(size as i64));
         c.requested_bytes.add(k, -(requested as i64));
-        if pending {
+        if pending || deferred {
             self.slab[idx].state = BlockState::PendingFree;
+            if deferred {
+                self.pools.deferred.push(idx);
+            }
         } else {
             self.free_block(idx);
         }

@@ -35,6 +35,10 @@ pub(crate) struct ChunkTable {
     chunks: BTreeMap<u64, Chunk>,
     /// Number of mapped pages.
     mapped_pages: u64,
+    /// Whether the pages must stay where they are: a private pool's
+    /// segment while a CUDA graph may replay it (`private_pools.rs`). The
+    /// physical layer refuses to unmap or move them.
+    pinned: bool,
 }
 
 impl ChunkTable {
@@ -45,7 +49,19 @@ impl ChunkTable {
             mapped: BitVec::repeat(false, pages as usize),
             chunks: BTreeMap::new(),
             mapped_pages: 0,
+            pinned: false,
         }
+    }
+
+    /// Whether the pages are pinned (see the field).
+    #[inline]
+    pub fn pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// Pins or unpins the pages.
+    pub fn set_pinned(&mut self, pinned: bool) {
+        self.pinned = pinned;
     }
 
     /// Address of page 0 of the segment.

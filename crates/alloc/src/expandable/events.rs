@@ -89,7 +89,7 @@ impl Inner {
     }
 
     /// One of block's events completed; the block becomes free after its last.
-    fn event_done(&mut self, i: usize) {
+    pub(super) fn event_done(&mut self, i: usize) {
         let p = self.events.pending.swap_remove(i);
         self.events.free.push(p.event);
         let b = &mut self.slab[p.block];

@@ -103,7 +103,7 @@ impl Inner {
         }
         let (seg_i, size) = (b.seg, b.size);
         let s = self.seg(seg_i);
-        if self.sleep.is_paused(self.streams[s.owner as usize].tag) {
+        if self.owner_paused(s.owner) {
             return Err(refuse("its tag is paused (resume it first)".into()));
         }
         let span = s.page_span(&self.layout, ptr, size);

@@ -213,11 +213,17 @@ impl Inner {
         last: bool,
         exclude: Exclude,
     ) -> Result<(), Backing> {
-        let reclaimable = if last {
+        let mut reclaimable = if last {
             0
         } else {
             self.reclaimable(exclude, lack)
         };
+        // Freeable graph pools (no users left) give their free pages back
+        // after one device synchronize (`private_pools.rs`), as PyTorch
+        // releases freeable pools when an allocation fails.
+        if reclaimable < lack && !last && self.unpin_freeable_pools(dev) {
+            reclaimable = self.reclaimable(exclude, lack);
+        }
         if reclaimable >= lack {
             self.stats.num_alloc_retries += 1;
             if self.reclaim(dev, lack, exclude) == 0 {

@@ -88,6 +88,7 @@ mod moves;
 mod pages;
 mod physical;
 mod pool;
+mod private_pools;
 mod reclaim;
 mod report;
 mod segment;
@@ -108,6 +109,7 @@ pub use config::{
 pub use growable::GrowableInfo;
 pub use sleep::{tag_summary, TagStats};
 
+use crate::pools::{PoolBlock, PoolId, PoolStats, PrivatePools, Restored};
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
 use arena::Arenas;
 use blocks::{LiveMap, Slab};
@@ -164,6 +166,9 @@ pub(crate) struct Inner {
     sleep: sleep::SleepState,
     /// Growable regions by address ([`growable`]).
     growables: std::collections::BTreeMap<u64, growable::Growable>,
+    /// Private pools (CUDA graphs, MemPools) and the frees deferred by
+    /// captures ([`private_pools`]).
+    pools: private_pools::PoolTable,
 }
 
 impl Inner {
@@ -274,6 +279,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 counters: Counters::default(),
                 sleep: sleep::SleepState::default(),
                 growables: Default::default(),
+                pools: Default::default(),
             }),
         })
     }
@@ -474,6 +480,80 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
 
     fn unexport(&self, ptr: u64) -> AllocResult<()> {
         self.call("unexport", |i, _| i.unexport_block(ptr))
+    }
+
+    fn pools(&self) -> Option<&dyn PrivatePools> {
+        Some(self)
+    }
+}
+
+impl<D: Device> PrivatePools for ExpandableAllocator<D> {
+    fn create_or_incref_pool(&self, id: PoolId) -> AllocResult<()> {
+        self.call("create_or_incref_pool", |i, _| i.create_or_incref_pool(id))
+    }
+
+    fn begin_allocate_to_pool(&self, id: PoolId) -> AllocResult<()> {
+        self.call("begin_allocate_to_pool", |i, _| {
+            i.begin_allocate_to_pool(id)
+        })
+    }
+
+    fn end_allocate_to_pool(&self, id: PoolId) -> AllocResult<()> {
+        self.call("end_allocate_to_pool", |i, _| i.end_allocate_to_pool(id))
+    }
+
+    fn release_pool(&self, id: PoolId) -> AllocResult<()> {
+        self.call("release_pool", |i, _| i.release_pool(id))
+    }
+
+    fn pool_use_count(&self, id: PoolId) -> AllocResult<u32> {
+        self.call("pool_use_count", |i, _| i.pool_use_count(id))
+    }
+
+    fn pool_malloc(&self, id: PoolId, size: u64, stream: Stream) -> AllocResult<Allocation> {
+        self.call_noting_wait("pool_malloc", |i, d, waited| {
+            if waited {
+                i.threads.overlapped(true);
+            }
+            i.threads.call(Some(stream));
+            i.pool_malloc(d, id, size, stream)
+        })
+    }
+
+    fn pool_live_blocks(&self, id: PoolId) -> AllocResult<Vec<PoolBlock>> {
+        self.call("pool_live_blocks", |i, _| i.pool_live_blocks(id))
+    }
+
+    fn restore_pool(&self, id: PoolId, blocks: &[PoolBlock]) -> AllocResult<Restored> {
+        self.call("restore_pool", |i, d| i.restore_pool(d, id, blocks))
+    }
+
+    fn pool_stats(&self, id: PoolId) -> AllocResult<PoolStats> {
+        self.call("pool_stats", |i, _| i.pool_stats(id))
+    }
+
+    fn pool_ids(&self) -> Vec<PoolId> {
+        self.read("pool_ids", Inner::pool_ids)
+    }
+
+    fn pool_of(&self, ptr: u64) -> Option<PoolId> {
+        self.read("pool_of", |i| i.pool_of(ptr))
+    }
+
+    fn pause_pool(&self, id: PoolId, keep: bool) -> AllocResult<u64> {
+        self.call("pause_pool", |i, d| i.pause_pool(d, id, keep))
+    }
+
+    fn resume_pool(&self, id: PoolId) -> AllocResult<u64> {
+        self.call("resume_pool", |i, d| i.resume_pool(d, id))
+    }
+
+    fn captures_underway(&self) -> u32 {
+        self.read("captures_underway", |i| i.pools.captures)
+    }
+
+    fn deferred_frees(&self) -> u64 {
+        self.read("deferred_frees", |i| i.pools.deferred.len() as u64)
     }
 }
 

@@ -225,7 +225,7 @@ impl Inner {
         room: (u64, u64),
         freed_at: u64,
     ) -> Result<(), DeviceError> {
-        if !self.tight() {
+        if !self.tight() || self.table(seg).pinned() {
             return Ok(());
         }
         // Only the chunks holding the first and the last page can reach past
@@ -248,6 +248,9 @@ impl Inner {
         }
         let owner = self.seg(seg).owner;
         if freed_at > self.streams[owner as usize].synced_at {
+            if !self.may_wait(dev, owner) {
+                return Ok(()); // a capturing stream: the split waits
+            }
             self.wait_stream(dev, owner)?;
         }
         for (f, c) in partial {
@@ -270,7 +273,13 @@ impl Inner {
         need: Need,
         exclude: Exclude,
     ) -> Result<(), Backing> {
-        let (plan, handles) = self.acquire(dev, runs, need, exclude)?;
+        // A pinned segment (a graph pool's) never spills: its pages stay
+        // device memory for as long as a graph may replay them.
+        let (plan, handles) = if self.table(seg).pinned() {
+            self.acquire_device(dev, runs, need, exclude)?
+        } else {
+            self.acquire(dev, runs, need, exclude)?
+        };
         self.map_chunks(dev, seg, &plan, handles)
             .map_err(|e| Backing::Fail(e.into()))
     }

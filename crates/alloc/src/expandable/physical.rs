@@ -110,6 +110,14 @@ impl Physical {
         self.tables[i] = ChunkTable::new(base, pages);
     }
 
+    /// Pins (or unpins) the pages of segment `seg`: while pinned, nothing
+    /// may choose them to unmap or move ([`Physical::may_move`],
+    /// [`ChunkTable::pinned`]): a private pool's pages while a CUDA graph may
+    /// replay them (`private_pools.rs`).
+    pub fn set_pinned(&mut self, seg: u32, pinned: bool) {
+        self.tables[seg as usize].set_pinned(pinned);
+    }
+
     /// Segment `seg` is retired (it maps nothing).
     pub fn close_table(&mut self, seg: u32) {
         debug_assert!(self.tables[seg as usize].is_empty());
@@ -573,9 +581,12 @@ impl Physical {
     /// May the chunk at page `first` of segment `seg`, handle `h`, move to
     /// other handles (unpinning)? Not host memory (spill), not a chunk whose
     /// access may be missing (unready), not a chunk shared with another
-    /// process (IPC export).
+    /// process (IPC export), not a pinned segment's (a graph pool's).
     pub fn may_move(&self, seg: u32, first: u64, h: PhysHandle) -> bool {
-        !(self.is_host(h) || self.is_unready(seg, first) || self.exported.pins(seg, first))
+        !(self.tables[seg as usize].pinned()
+            || self.is_host(h)
+            || self.is_unready(seg, first)
+            || self.exported.pins(seg, first))
     }
 
     /// Why the chunk at page `first` of `seg`, handle `h`, cannot be

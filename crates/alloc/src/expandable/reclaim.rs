@@ -66,9 +66,14 @@ impl Inner {
             .collect()
     }
 
-    /// Pages of whole free chunks of free block `idx`, minus `exclude`.
+    /// Pages of whole free chunks of free block `idx`, minus `exclude`
+    /// (none in a pinned segment: a graph pool's pages never go back while
+    /// a graph may replay them).
     fn free_pages(&self, idx: u32, exclude: Exclude) -> u64 {
         let b = &self.slab[idx];
+        if self.table(b.seg).pinned() {
+            return 0;
+        }
         let s = self.seg(b.seg);
         let (wf, wl) = s.whole_pages(self.layout.page, b.addr, b.end());
         if wf >= wl || self.table(b.seg).mapped_count(wf, wl) == 0 {
@@ -97,6 +102,18 @@ impl Inner {
             }
         }
         total
+    }
+
+    /// Whether the stream of entry `owner` may be synchronized now: not
+    /// while it is capturing a CUDA graph (synchronizing a capturing stream
+    /// fails and invalidates the capture: CUDA Programming Guide,
+    /// "Prohibited and Unhandled Operations"). Asked only while a capture
+    /// is underway ([`super::private_pools`]).
+    pub(super) fn may_wait<D: Device + ?Sized>(&self, dev: &D, owner: u32) -> bool {
+        self.pools.captures == 0
+            || !dev
+                .is_capturing(self.streams[owner as usize].stream)
+                .unwrap_or(true)
     }
 
     /// Waits for all work queued so far on the stream of entry `owner`.
@@ -137,7 +154,7 @@ impl Inner {
                 continue;
             }
             if freed_at > self.streams[owner as usize].synced_at
-                && self.wait_stream(dev, owner).is_err()
+                && (!self.may_wait(dev, owner) || self.wait_stream(dev, owner).is_err())
             {
                 unsafe_streams.push(owner);
                 continue;
@@ -183,6 +200,10 @@ impl Inner {
                 continue;
             }
             if freed_at > self.streams[owner as usize].synced_at {
+                if !self.may_wait(dev, owner) {
+                    unsafe_streams.push(owner);
+                    continue;
+                }
                 if let Err(e) = self.wait_stream(dev, owner) {
                     unsafe_streams.push(owner);
                     first_err.get_or_insert(e);

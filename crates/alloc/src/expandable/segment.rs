@@ -79,8 +79,12 @@ impl Segment {
 pub(crate) struct StreamEntry {
     /// The stream.
     pub stream: Stream,
-    /// The tag of the blocks in this entry's segments (0 = the default tag).
+    /// The tag of the blocks in this entry's segments (0 = the default tag;
+    /// always 0 in a private pool's entries: pools ignore tags).
     pub tag: u32,
+    /// The private pool owning this entry's segments (`private_pools.rs`):
+    /// 0 for the main pool, else the pool's slot + 1.
+    pub pool: u32,
     /// Allocator tick of the last wait on this stream: blocks freed at or
     /// before it are safe to unmap without waiting again.
     pub synced_at: u64,
@@ -98,17 +102,12 @@ pub(crate) struct StreamPool {
 }
 
 impl StreamEntry {
-    /// A stream never used before, with the default tag.
-    #[allow(dead_code)]
-    pub fn new(stream: Stream) -> Self {
-        Self::tagged(stream, 0)
-    }
-
-    /// A (stream, tag) pair never used before.
-    pub fn tagged(stream: Stream, tag: u32) -> Self {
+    /// A (stream, tag, pool) never used before.
+    pub fn new(stream: Stream, tag: u32, pool: u32) -> Self {
         StreamEntry {
             stream,
             tag,
+            pool,
             synced_at: 0,
             pools: [StreamPool::default(), StreamPool::default()],
         }

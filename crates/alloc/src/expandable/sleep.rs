@@ -92,6 +92,11 @@ impl SleepState {
         !self.paused.is_empty() && self.paused.contains_key(&id)
     }
 
+    /// A host buffer of `len` bytes for a backup ([`host_buffer`]).
+    pub fn host_buffer<D: Device + ?Sized>(&mut self, dev: &D, len: u64) -> Option<HostBuffer> {
+        host_buffer(dev, &mut self.spare, len)
+    }
+
     /// Drops the backup of a block freed at `ptr` (freeing a paused block is allowed).
     #[inline]
     pub fn forget(&mut self, ptr: u64) {
@@ -153,6 +158,7 @@ impl Inner {
             let mut ids: Vec<u32> = if pausing {
                 self.streams
                     .iter()
+                    .filter(|e| e.pool == 0)
                     .map(|e| e.tag)
                     .filter(|&t| t != 0 && !self.sleep.is_paused(t))
                     .collect()
@@ -195,7 +201,7 @@ impl Inner {
     }
 
     /// Refuses while any known stream (or one of `extra`) is capturing a CUDA graph.
-    fn check_no_capture<D: Device + ?Sized>(
+    pub(super) fn check_no_capture<D: Device + ?Sized>(
         &self,
         dev: &D,
         what: &str,
@@ -220,7 +226,10 @@ impl Inner {
     fn tag_segments(&self, ids: &[u32]) -> Vec<u32> {
         (0..self.segments.len() as u32)
             .filter(|&i| match &self.segments[i as usize] {
-                Some(s) => ids.contains(&self.streams[s.owner as usize].tag),
+                Some(s) => {
+                    let e = &self.streams[s.owner as usize];
+                    e.pool == 0 && ids.contains(&e.tag)
+                }
                 None => false,
             })
             .collect()
@@ -473,6 +482,9 @@ impl Inner {
         }
         for (i, s) in self.segments.iter().enumerate() {
             let Some(s) = s else { continue };
+            if self.streams[s.owner as usize].pool != 0 {
+                continue; // a private pool's memory (pool_stats) carries no tag
+            }
             let id = self.streams[s.owner as usize].tag;
             let paused = self.sleep.is_paused(id);
             let t = by.entry(id).or_default();

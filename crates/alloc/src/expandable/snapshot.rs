@@ -48,7 +48,7 @@ impl Inner {
         let mut segments = Vec::new();
         for (si, s) in self.segments.iter().enumerate() {
             let Some(s) = s else { continue };
-            let paused = self.sleep.is_paused(self.streams[s.owner as usize].tag);
+            let paused = self.owner_paused(s.owner);
             let mut blocks = Vec::new();
             let (mut allocated, mut active, mut requested) = (0, 0, 0);
             for b in self.blocks_in(s) {
@@ -87,6 +87,7 @@ impl Inner {
                 active_size: active,
                 requested_size: requested,
                 is_expandable: true,
+                pool: self.owner_pool_id(s.owner),
                 blocks,
             });
         }
@@ -121,6 +122,7 @@ impl Inner {
                 active_size: mapped,
                 requested_size: g.size,
                 is_expandable: true,
+                pool: (0, 0),
                 blocks,
             });
         }

@@ -162,6 +162,9 @@ impl Inner {
             .filter(|&i| self.segments[i as usize].is_some())
             .collect();
         for seg in segs {
+            if self.table(seg).pinned() {
+                continue; // a graph pool's pages stay where they are
+            }
             let host: Vec<(u64, Chunk)> = self
                 .table(seg)
                 .chunks()

@@ -21,6 +21,10 @@ impl Inner {
         if s.active_blocks > 0 || !self.table(seg).is_empty() || self.phys.unready_in(seg) {
             return false;
         }
+        // A paused pool keeps every address: its graphs replay there.
+        if self.streams[s.owner as usize].pool != 0 && self.owner_paused(s.owner) {
+            return false;
+        }
         let (owner, kind, first, base) = (s.owner, s.kind, s.first, s.base);
         // The only block is the free tail, which is not in the free index.
         debug_assert!(self.slab[first].state == BlockState::Free && s.tail == first);
@@ -39,7 +43,18 @@ impl Inner {
     /// whole free page (waiting only for the streams that used them), releases
     /// every pooled handle, retires empty segments and frees empty arenas.
     pub(super) fn empty_cache<D: Device + ?Sized>(&mut self, dev: &D) -> AllocResult<()> {
+        // During a capture nothing may be synchronized, unmapped or released
+        // (PyTorch's `release_cached_blocks` skips its pools then too).
+        if self.pools.captures > 0 {
+            return Ok(());
+        }
         let mut first_err: Option<DeviceError> = None;
+        if !self.pools.deferred.is_empty() {
+            self.flush_deferred(dev);
+        }
+        // Freeable graph pools: one device synchronize, then their free
+        // pages go back with the rest (`private_pools.rs`).
+        self.unpin_freeable_pools(dev);
         if let Err(e) = self.sync_pending(dev) {
             first_err.get_or_insert(e);
         }
@@ -59,6 +74,7 @@ impl Inner {
         for s in segs {
             self.retire_segment_if_empty(s);
         }
+        self.drop_dead_pools();
         if let Err(e) = self.arenas.free_empty(dev, &mut self.stats) {
             first_err.get_or_insert(e);
         }

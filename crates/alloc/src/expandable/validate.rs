@@ -90,6 +90,7 @@ impl Inner {
         self.validate_active_mapped(model)?;
         self.validate_free_index(&free_seen)?;
         self.validate_events()?;
+        self.validate_pools()?;
         self.validate_unready()?;
         let g = self.validate_growables(dev, &mut handles)?;
         mapped.pages += g.pages;
@@ -259,8 +260,14 @@ impl Inner {
                             rc.allocated_bytes[k] += b.size as i64;
                             rc.requested_bytes[k] += b.requested as i64;
                         } else {
+                            // A block freed during a capture waits with no
+                            // event (`private_pools.rs`, deferred).
                             let n = self.events.pending.iter().filter(|p| p.block == i).count();
-                            if b.pending_events == 0 || n != b.pending_events as usize {
+                            let deferred =
+                                b.pending_events == 0 && self.pools.deferred.contains(&i);
+                            if (b.pending_events == 0 && !deferred)
+                                || n != b.pending_events as usize
+                            {
                                 return Err(format!(
                                     "pending block {:#x}: {} events counted, {n} pending",
                                     b.addr, b.pending_events
@@ -323,7 +330,7 @@ impl Inner {
         for (si, s) in self.segments.iter().enumerate() {
             let Some(s) = s else { continue };
             let si = si as u32;
-            if self.sleep.is_paused(self.streams[s.owner as usize].tag) {
+            if self.owner_paused(s.owner) {
                 continue;
             }
             for b in self.blocks_in(s) {
@@ -481,14 +488,16 @@ impl Inner {
             &st.inactive_split_bytes,
             rc.inactive_split_bytes,
         )?;
-        if st.num_sync_all_streams != 0 {
-            return Err("a device-wide synchronize was counted".into());
-        }
-        if st.driver_calls.get(Call::DeviceSync) != st.unpin_device_syncs {
+        // Device-wide synchronizes: before unpinning, and (counted as
+        // PyTorch's `num_sync_all_streams`) before a graph pool's pages go
+        // back or are paused (`private_pools.rs`).
+        if st.driver_calls.get(Call::DeviceSync) != st.unpin_device_syncs + st.num_sync_all_streams
+        {
             return Err(format!(
-                "{} device-wide synchronizes, {} of them before unpinning",
+                "{} device-wide synchronizes, {} of them before unpinning and {} for graph pools",
                 st.driver_calls.get(Call::DeviceSync),
-                st.unpin_device_syncs
+                st.unpin_device_syncs,
+                st.num_sync_all_streams
             ));
         }
         Ok(())
