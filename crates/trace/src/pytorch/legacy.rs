@@ -1,3 +1,6 @@
+//! The reader as it was before the pull parser (serde-pickle's value tree),
+//! kept for tests only: the oracle that the streaming reader must agree with.
+//!
 //! Reader for PyTorch memory snapshots (`torch.cuda.memory._dump_snapshot`).
 //!
 //! A snapshot is a pickled dict (protocol 2–5) of plain Python values:
@@ -45,30 +48,7 @@ use crate::model::{
 };
 use crate::reconstruct::{build_device, RawDevice};
 
-/// Device indices a snapshot may use (a larger one is treated as corrupt input).
-pub const MAX_DEVICES: u32 = 1024;
-
-/// The `action` values this reader knows.
-pub const ACTIONS: [&str; 10] = [
-    "alloc",
-    "free_requested",
-    "free_completed",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "snapshot",
-    "oom",
-    "user_defined",
-];
-
-/// Reads the snapshot at `path`; the trace is named after the file stem.
-///
-/// Errors name the file, and where it applies the device and event index.
-pub fn read_snapshot(path: &Path) -> Result<Trace> {
-    let bytes = std::fs::read(path).map_err(|e| TraceError::from(e).in_file(path))?;
-    parse_snapshot(&bytes, &file_stem(path)).map_err(|e| e.in_file(path))
-}
+use super::{ACTIONS, MAX_DEVICES};
 
 /// Parses snapshot bytes into a trace named `name`.
 pub fn parse_snapshot(bytes: &[u8], name: &str) -> Result<Trace> {
@@ -160,8 +140,7 @@ pub fn parse_snapshot(bytes: &[u8], name: &str) -> Result<Trace> {
     let mut raw: Vec<RawDevice> = (0..n_devices)
         .map(|d| RawDevice {
             device: d as u32,
-            events: Vec::new(),
-            segments: Vec::new(),
+            ..RawDevice::default()
         })
         .collect();
     for (d, events) in per_device.into_iter().enumerate() {
@@ -644,7 +623,8 @@ fn render(v: &Value) -> String {
     }
 }
 
-pub(crate) fn file_stem(path: &Path) -> String {
+#[allow(dead_code)]
+fn file_stem(path: &Path) -> String {
     path.file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| path.display().to_string())
