@@ -1,5 +1,9 @@
-//! The reader as it was before the pull parser (serde-pickle's value tree),
-//! kept for tests only: the oracle that the streaming reader must agree with.
+//! The reader as it was before the pull parser (issue 34): serde-pickle
+//! decodes the whole file into its value tree, cloning every memoized value
+//! at each reference, and the tree is then converted. Not for use: it is kept
+//! as the baseline of `cargo bench -p vmmalloc-trace --bench snapshot_read`
+//! (old against new, side by side) and as the oracle the streaming reader's
+//! tests compare with (`tests/reader_equivalence.rs`).
 //!
 //! Reader for PyTorch memory snapshots (`torch.cuda.memory._dump_snapshot`).
 //!
@@ -623,9 +627,9 @@ fn render(v: &Value) -> String {
     }
 }
 
-#[allow(dead_code)]
-fn file_stem(path: &Path) -> String {
-    path.file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| path.display().to_string())
+/// Reads the snapshot at `path` as the old `load_path` did: the whole file
+/// into memory, then [`parse_snapshot`].
+pub fn read_snapshot(path: &Path) -> Result<Trace> {
+    let bytes = std::fs::read(path).map_err(|e| TraceError::from(e).in_file(path))?;
+    parse_snapshot(&bytes, &super::file_stem(path)).map_err(|e| e.in_file(path))
 }

@@ -44,8 +44,7 @@
 //! docs/trace-format.md gives the measured speed and memory.
 
 mod decode;
-#[cfg(test)]
-mod legacy;
+pub mod legacy;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
