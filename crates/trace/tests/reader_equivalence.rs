@@ -304,3 +304,33 @@ proptest! {
         }
     }
 }
+
+/// One event dict object in two batches (a hand-made snapshot; PyTorch
+/// writes a fresh dict per event): the one thing the old reader read and
+/// this one refuses, with an error that says why.
+#[test]
+fn one_event_object_in_two_batches_is_a_clear_error() {
+    let dir = TempDir::new("shared");
+    let p = dir.0.join("shared.pickle");
+    let script = "import pickle, sys\n\
+        ev = {'action': 'snapshot', 'addr': 0, 'size': 0, 'stream': 0}\n\
+        al = [{'action': 'alloc', 'addr': i * 512, 'size': 100, 'stream': 0} for i in range(1500)]\n\
+        pickle.dump({'segments': [], 'device_traces': [[ev] + al + [ev]]}, open(sys.argv[1], 'wb'), protocol=4)\n";
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(&p)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(legacy::read_snapshot(&p).is_ok());
+    let m = load_path(&p).unwrap_err().to_string();
+    assert!(
+        m.contains("event 1501") && m.contains("already appeared earlier"),
+        "{m}"
+    );
+}

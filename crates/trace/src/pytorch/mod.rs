@@ -853,11 +853,25 @@ fn to_stream(v: i128) -> std::result::Result<u64, ErrorKind> {
     }
 }
 
+/// Why `v`, expected to be a dict, is not one.
+fn not_a_dict(vm: &Vm, v: Val) -> String {
+    if v == Val::Dropped {
+        // A memo reference to an event, segment or block dict converted and
+        // freed before (see docs/trace-format.md, "Reading large snapshots").
+        "is a dict object that already appeared earlier in the file (one object in two \
+         places, which PyTorch never writes; this reader converts each event, segment and \
+         block dict once)"
+            .to_string()
+    } else {
+        format!("is {}, expected a dict", type_name(vm, v))
+    }
+}
+
 /// An event dict as an [`Event`], and its `frames` value.
 fn parse_event(vm: &Vm, v: Val) -> std::result::Result<(Event, Option<Val>), ErrorKind> {
-    let items = vm.items(v, &[Kind::Dict]).ok_or_else(|| {
-        ErrorKind::Schema(format!("event is {}, expected a dict", type_name(vm, v)))
-    })?;
+    let items = vm
+        .items(v, &[Kind::Dict])
+        .ok_or_else(|| ErrorKind::Schema(format!("event {}", not_a_dict(vm, v))))?;
     let d = fields(items);
     let kind = match d[K_ACTION as usize] {
         Some(Val::Str(s)) => match s.checked_sub(K_ACTIONS) {
@@ -945,7 +959,7 @@ fn parse_event(vm: &Vm, v: Val) -> std::result::Result<(Event, Option<Val>), Err
 fn parse_segment(vm: &Vm, v: Val) -> std::result::Result<Segment, String> {
     let items = vm
         .items(v, &[Kind::Dict])
-        .ok_or_else(|| format!("is {}, expected a dict", type_name(vm, v)))?;
+        .ok_or_else(|| not_a_dict(vm, v))?;
     let d = fields(items);
     let e = |k: ErrorKind| k.to_string();
     let device = match int(vm, d[K_DEVICE as usize], K_DEVICE).map_err(e)? {
@@ -1008,7 +1022,7 @@ fn parse_segment(vm: &Vm, v: Val) -> std::result::Result<Segment, String> {
 fn parse_block(vm: &Vm, v: Val, default_addr: u64) -> std::result::Result<Block, String> {
     let items = vm
         .items(v, &[Kind::Dict])
-        .ok_or_else(|| format!("is {}, expected a dict", type_name(vm, v)))?;
+        .ok_or_else(|| not_a_dict(vm, v))?;
     let d = fields(items);
     let e = |k: ErrorKind| k.to_string();
     let size = to_size(
