@@ -197,8 +197,8 @@ fn opts() -> Opts {
     if !o.bench {
         o.sizes = vec![2.0];
         o.runs = 1;
-        o.old_max_mb = 2.0;
-        o.python_max_mb = 2.0;
+        o.old_max_mb = f64::INFINITY;
+        o.python_max_mb = f64::INFINITY;
     }
     o
 }
