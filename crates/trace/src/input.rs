@@ -1,6 +1,7 @@
 //! What the command line accepts as a trace: a snapshot pickle, a text trace,
 //! or a workload name with overrides.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -9,15 +10,30 @@ use crate::model::Trace;
 use crate::workloads::{self, WORKLOADS};
 
 /// Loads the trace at `path`, detecting its format: a pickle (first byte
-/// `0x80`, protocols 2–5) is read as a PyTorch snapshot, a file whose first
-/// non-comment line is `vmmalloc-trace 1` as a text trace.
+/// `0x80`, protocols 2–5) is read as a PyTorch snapshot (streamed, never
+/// held in memory), a file whose first non-comment line is
+/// `vmmalloc-trace 1` as a text trace.
 pub fn load_path(path: &Path) -> Result<Trace> {
-    let bytes = std::fs::read(path).map_err(|e| TraceError::from(e).in_file(path))?;
+    let mut f = std::fs::File::open(path).map_err(|e| TraceError::from(e).in_file(path))?;
+    let mut first = [0u8; 1];
+    let n = loop {
+        match f.read(&mut first) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => break r.map_err(|e| TraceError::from(e).in_file(path))?,
+        }
+    };
+    if n == 1 && first[0] == 0x80 {
+        return crate::pytorch::read_snapshot_from(
+            first.chain(f),
+            &crate::pytorch::file_stem(path),
+        )
+        .map_err(|e| e.in_file(path));
+    }
+    let mut bytes = first[..n].to_vec();
+    f.read_to_end(&mut bytes)
+        .map_err(|e| TraceError::from(e).in_file(path))?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
         Err(TraceError::new(ErrorKind::Empty).in_file(path))
-    } else if bytes.first() == Some(&0x80) {
-        crate::pytorch::parse_snapshot(&bytes, &crate::pytorch::file_stem(path))
-            .map_err(|e| e.in_file(path))
     } else if crate::text::looks_like_text(&bytes) {
         crate::text::read_text(path)
     } else {

@@ -23,7 +23,9 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::error::{ErrorKind, Result, TraceError};
-use crate::model::{Alloc, BlockState, DeviceTrace, DeviceTraceParts, Event, EventKind, Segment};
+use crate::model::{
+    Alloc, BlockState, DeviceTrace, DeviceTraceParts, Event, EventKind, Segment, Stack,
+};
 
 /// One device of a snapshot, as read: events in order (frees not yet resolved)
 /// and the final segments.
@@ -32,6 +34,10 @@ pub(crate) struct RawDevice {
     pub device: u32,
     pub events: Vec<Event>,
     pub segments: Vec<Segment>,
+    /// Stacks of alloc events, by event index.
+    pub frames: BTreeMap<usize, Stack>,
+    /// Alloc events whose `frames` were not a list of frame dicts (a warning).
+    pub bad_frames: usize,
 }
 
 /// The warning for a snapshot whose device has segments but no events: what
@@ -52,6 +58,8 @@ pub(crate) fn build_device(
         device,
         mut events,
         segments,
+        frames,
+        bad_frames,
     } = raw;
     let mut warnings = Vec::new();
     if events.is_empty() {
@@ -177,6 +185,11 @@ pub(crate) fn build_device(
         ));
     }
 
+    if bad_frames > 0 {
+        warnings.push(format!(
+            "{bad_frames} allocation events have `frames` that are not a list of {{filename, line, name}} dicts; their stacks are dropped"
+        ));
+    }
     DeviceTrace::new(DeviceTraceParts {
         device,
         pre_trace: pre.into_values().collect(),
@@ -184,7 +197,7 @@ pub(crate) fn build_device(
         segments_final: segments,
         allocator_settings: settings.clone(),
         warnings,
-        frames: BTreeMap::new(),
+        frames,
     })
 }
 

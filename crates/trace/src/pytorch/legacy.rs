@@ -1,3 +1,10 @@
+//! The reader as it was before the pull parser (issue 34): serde-pickle
+//! decodes the whole file into its value tree, cloning every memoized value
+//! at each reference, and the tree is then converted. Not for use: it is kept
+//! as the baseline of `cargo bench -p vmmalloc-trace --bench snapshot_read`
+//! (old against new, side by side) and as the oracle the streaming reader's
+//! tests compare with (`tests/reader_equivalence.rs`).
+//!
 //! Reader for PyTorch memory snapshots (`torch.cuda.memory._dump_snapshot`).
 //!
 //! A snapshot is a pickled dict (protocol 2–5) of plain Python values:
@@ -45,30 +52,7 @@ use crate::model::{
 };
 use crate::reconstruct::{build_device, RawDevice};
 
-/// Device indices a snapshot may use (a larger one is treated as corrupt input).
-pub const MAX_DEVICES: u32 = 1024;
-
-/// The `action` values this reader knows.
-pub const ACTIONS: [&str; 10] = [
-    "alloc",
-    "free_requested",
-    "free_completed",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "snapshot",
-    "oom",
-    "user_defined",
-];
-
-/// Reads the snapshot at `path`; the trace is named after the file stem.
-///
-/// Errors name the file, and where it applies the device and event index.
-pub fn read_snapshot(path: &Path) -> Result<Trace> {
-    let bytes = std::fs::read(path).map_err(|e| TraceError::from(e).in_file(path))?;
-    parse_snapshot(&bytes, &file_stem(path)).map_err(|e| e.in_file(path))
-}
+use super::{ACTIONS, MAX_DEVICES};
 
 /// Parses snapshot bytes into a trace named `name`.
 pub fn parse_snapshot(bytes: &[u8], name: &str) -> Result<Trace> {
@@ -160,8 +144,7 @@ pub fn parse_snapshot(bytes: &[u8], name: &str) -> Result<Trace> {
     let mut raw: Vec<RawDevice> = (0..n_devices)
         .map(|d| RawDevice {
             device: d as u32,
-            events: Vec::new(),
-            segments: Vec::new(),
+            ..RawDevice::default()
         })
         .collect();
     for (d, events) in per_device.into_iter().enumerate() {
@@ -644,8 +627,9 @@ fn render(v: &Value) -> String {
     }
 }
 
-pub(crate) fn file_stem(path: &Path) -> String {
-    path.file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| path.display().to_string())
+/// Reads the snapshot at `path` as the old `load_path` did: the whole file
+/// into memory, then [`parse_snapshot`].
+pub fn read_snapshot(path: &Path) -> Result<Trace> {
+    let bytes = std::fs::read(path).map_err(|e| TraceError::from(e).in_file(path))?;
+    parse_snapshot(&bytes, &super::file_stem(path)).map_err(|e| e.in_file(path))
 }
