@@ -13,7 +13,8 @@
 //! freed before the limit is reached; it acts only once
 //! `torch.cuda.set_per_process_memory_fraction` is set).
 
-use crate::compare::{gib, unlimited_capacity, TightCapacity};
+use crate::compare::{gib, TightCapacity};
+use crate::device_size::unlimited_capacity;
 use crate::replay_cmd::format_bytes;
 use anyhow::{bail, Context, Result};
 use std::sync::Mutex;
@@ -136,11 +137,11 @@ pub struct Verdict {
     pub steady_ms: Option<f64>,
 }
 
-/// Evaluates every candidate on `devices` at `gpu` bytes (per device;
-/// `None`: 1.05 × each device's peak live).
+/// Evaluates every candidate on `devices`, each judged on the GPU of the
+/// same index in `gpus` (bytes, already checked: [`gpu_sizes`]).
 pub fn evaluate(
     devices: &[&DeviceTrace],
-    gpu: Option<u64>,
+    gpus: &[u64],
     base: &ReplayConfig,
 ) -> Result<Vec<Verdict>> {
     let specs: Vec<PolicySpec> = CANDIDATES
@@ -170,16 +171,14 @@ pub fn evaluate(
                     steady_ms: Some(0.0),
                 };
                 let mut headroom: Option<u64> = None;
-                for dt in devices {
+                for (dt, &cap) in devices.iter().zip(gpus) {
                     let ops = dt.replay_ops();
                     let peak = dt.peak_live_bytes();
-                    let cap = gpu
-                        .unwrap_or_else(|| TightCapacity::default().bytes(peak, base.granularity));
                     let mut cfg = base.clone();
                     cfg.policy = spec.policy;
                     cfg.options = spec.options.clone();
                     // Search beyond the GPU: how far a setting misses counts too.
-                    let search = min_capacity(ops, peak, &cfg, unlimited_capacity(peak).max(cap));
+                    let search = min_capacity(ops, peak, &cfg, unlimited_capacity(peak, cap));
                     v.min_capacity = match (v.min_capacity, search.min_capacity) {
                         (Some(a), Some(b)) => Some(a.max(b)),
                         _ => None,
@@ -213,6 +212,24 @@ pub fn evaluate(
     let mut v = out.into_inner().unwrap_or_else(|e| e.into_inner());
     v.sort_by_key(|(i, _)| *i);
     Ok(v.into_iter().map(|(_, v)| v).collect())
+}
+
+/// The GPU each device is judged on: `gpu` (`--gpu`, checked), or the
+/// tight device `compare` uses (1.05 x the device's peak live), checked as
+/// every device size is.
+pub fn gpu_sizes(
+    trace: &str,
+    devices: &[&DeviceTrace],
+    gpu: Option<u64>,
+    granularity: u64,
+) -> Result<Vec<u64>> {
+    devices
+        .iter()
+        .map(|d| match gpu {
+            Some(g) => Ok(g),
+            None => TightCapacity::default().bytes(trace, d.peak_live_bytes(), granularity),
+        })
+        .collect()
 }
 
 /// The best of `verdicts` that fit: the most headroom, where headroom within
@@ -291,7 +308,8 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     let base = args.sim.base_config()?;
     let gpu = match &args.gpu {
         Some(s) => {
-            let b = crate::replay_cmd::parse_capacity("--gpu", s)?;
+            // A GPU is the size it is: rounded down to whole granules.
+            let b = crate::device_size::parse_capacity("--gpu", s, 1)?;
             let r = b / base.granularity * base.granularity;
             if r == 0 {
                 bail!(
@@ -305,14 +323,8 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     };
     let trace = crate::input::load_input(&args.input)?;
     let devices: Vec<&DeviceTrace> = trace.devices.iter().collect();
-    if devices.iter().all(|d| d.replay_ops().is_empty()) {
-        bail!(
-            "{}: no allocations to replay (a snapshot needs torch.cuda.memory._record_memory_history() before the \
-             run it describes)",
-            args.input
-        );
-    }
-    for dt in &devices {
+    let gpus = gpu_sizes(&trace.name, &devices, gpu, base.granularity)?;
+    for (dt, cap) in devices.iter().zip(&gpus) {
         let peak = dt.peak_live_bytes();
         println!(
             "{} device {}: {} events, peak live {}; judged on {}",
@@ -324,12 +336,12 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                 Some(g) => format!("a {} GPU (--gpu)", format_bytes(g)),
                 None => format!(
                     "a {} device, 1.05 x peak live (give --gpu SIZE for your card)",
-                    format_bytes(TightCapacity::default().bytes(peak, base.granularity))
+                    format_bytes(*cap)
                 ),
             }
         );
     }
-    let verdicts = evaluate(&devices, gpu, &base)?;
+    let verdicts = evaluate(&devices, &gpus, &base)?;
     println!();
     let header = [
         "setting (replayed as)",
@@ -388,13 +400,7 @@ pub fn run(args: AdviseArgs) -> Result<()> {
         base.cost_label
     );
     // Headroom within 1 % of the GPU (at least one granule) is a tie.
-    let gpu_ref = gpu.unwrap_or_else(|| {
-        devices
-            .iter()
-            .map(|d| TightCapacity::default().bytes(d.peak_live_bytes(), base.granularity))
-            .max()
-            .unwrap_or(0)
-    });
+    let gpu_ref = gpus.iter().copied().max().unwrap_or(0);
     let tie = (gpu_ref / 100).max(base.granularity);
     let say = |who: &str, v: &Verdict| {
         println!(

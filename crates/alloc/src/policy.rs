@@ -105,8 +105,22 @@ fn parse_size_or_zero(value: &str) -> Result<u64, String> {
 /// `MiB`/`Mi` = 2^20, `GiB`/`Gi` = 2^30, `TiB`/`Ti` = 2^40; `kB` = 10^3,
 /// `MB` = 10^6, `GB` = 10^9, `TB` = 10^12. A bare `K`, `M`, `G` or `T` is
 /// ambiguous (2^30 or 10^9?) and rejected with a hint, as are negative and
-/// zero sizes.
+/// zero sizes, a number without a unit that is not a whole byte count
+/// (`1.5`: did you mean `1.5GiB`?), and sizes of 2^64 bytes or more.
 pub fn parse_size(s: &str) -> Result<u64, String> {
+    let b = parse_size_unbounded(s)?;
+    u64::try_from(b).map_err(|_| {
+        format!(
+            "`{}` is too large: a size is below 2^64 bytes (16 EiB)",
+            s.trim()
+        )
+    })
+}
+
+/// [`parse_size`] without its upper bound: the bytes as a `u128` (saturated
+/// far above any device), so that a caller with a limit of its own (the
+/// simulated device's) names that limit for any size written.
+pub fn parse_size_unbounded(s: &str) -> Result<u128, String> {
     let t = s.trim();
     if t.starts_with('-') {
         return Err(format!(
@@ -117,12 +131,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size (e.g. 80GiB, 12GB, 512MiB, 1048576)"))?;
+    let not_a_size = || format!("`{s}` is not a size (e.g. 80GiB, 12GB, 512MiB, 1048576)");
+    let v: f64 = num.parse().map_err(|_| not_a_size())?;
     let unit = unit.trim();
-    let mult = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1u64,
+    let mult: u128 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
         "kib" | "ki" => 1 << 10,
         "mib" | "mi" => 1 << 20,
         "gib" | "gi" => 1 << 30,
@@ -145,11 +158,25 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
             ))
         }
     };
-    let bytes = v * mult as f64;
-    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+    let bytes: u128 = if num.contains('.') {
+        if mult == 1 {
+            return Err(format!(
+                "`{s}` is not a whole number of bytes: a size without a unit counts bytes \
+                 (did you mean `{num}GiB`?)"
+            ));
+        }
+        // `as` saturates: a decimal far beyond any device stays far beyond it.
+        (v * mult as f64).round() as u128
+    } else {
+        // A whole number, exactly (no f64 rounding above 2^53), saturated.
+        num.parse::<u128>()
+            .unwrap_or(u128::MAX)
+            .saturating_mul(mult)
+    };
+    if bytes == 0 {
         return Err(format!("`{s}` is not a positive size"));
     }
-    Ok(bytes.round() as u64)
+    Ok(bytes)
 }
 
 /// A boolean option value: `true`/`false`/`1`/`0`.
@@ -299,8 +326,13 @@ impl FromStr for PolicySpec {
             }
         }
         if !conf.is_empty() {
-            spec.options.caching = crate::caching::CachingConfig::parse(&conf.join(","))
-                .map_err(|e| AllocError::InvalidOption(format!("policy `{label}`: {e}")))?;
+            spec.options.caching =
+                crate::caching::CachingConfig::parse(&conf.join(",")).map_err(|e| match e {
+                    AllocError::InvalidOption(m) => {
+                        AllocError::InvalidOption(format!("policy `{label}`: {m}"))
+                    }
+                    other => other,
+                })?;
         }
         Ok(spec)
     }
@@ -416,6 +448,25 @@ mod tests {
         assert!(parse_size("lots").unwrap_err().contains("lots"));
         assert!(parse_size("3 parsecs").unwrap_err().contains("parsecs"));
         assert!(parse_size("0").is_err());
+        // No unit: a whole byte count, or refused with the likely meaning.
+        let e = parse_size("1.5").unwrap_err();
+        assert!(
+            e.contains("whole number of bytes") && e.contains("1.5GiB"),
+            "{e}"
+        );
+        assert!(parse_size("2.0B").unwrap_err().contains("2.0GiB"));
+        // 2^64 bytes is too large, not "not positive"; below it parses.
+        let e = parse_size("18446744073709551616").unwrap_err();
+        assert!(e.contains("too large"), "{e}");
+        assert_eq!(parse_size("18446744073709551615"), Ok(u64::MAX));
+        assert_eq!(
+            parse_size_unbounded("18446744073709551616"),
+            Ok(1u128 << 64)
+        );
+        assert!(parse_size("99999999999999999999999999999999999999999TiB")
+            .unwrap_err()
+            .contains("too large"));
+        assert!(parse_size("0.0000001KiB").is_err());
     }
 
     #[test]

@@ -339,9 +339,19 @@ pub fn phase_needs(
 /// [`phase_needs`]): 16 bytes per parameter for the trainer, 2 for the
 /// inference weights, the KV cache, activations and slack, rounded up to GiB.
 pub fn roomy_capacity(p: &RlColocateParams) -> u64 {
-    let params = p.params_m * 1_000_000;
-    let acts = u64::from(p.layers) * p.act_mb * MIB * 8;
-    (params * 20 + p.kv_cache_mb * MIB + acts + 8 * GIB).div_ceil(GIB) * GIB
+    // Saturating: absurd parameters give an absurd size for the caller to
+    // refuse, never an overflow.
+    let params = p.params_m.saturating_mul(1_000_000);
+    let acts = u64::from(p.layers)
+        .saturating_mul(p.act_mb)
+        .saturating_mul(MIB * 8);
+    params
+        .saturating_mul(20)
+        .saturating_add(p.kv_cache_mb.saturating_mul(MIB))
+        .saturating_add(acts)
+        .saturating_add(8 * GIB)
+        .div_ceil(GIB)
+        .saturating_mul(GIB)
 }
 
 #[cfg(test)]
