@@ -17,7 +17,6 @@ companion) whose message starts with "CUDA out of memory.".
 """
 
 import os
-import re
 import warnings
 
 from . import _companion, _torch
@@ -102,17 +101,14 @@ def oom_exception():
     return _oom
 
 
-def _conf_value(text, key):
-    """The value of ``key`` in VMMALLOC_CONF-style text (``key:value,...``), or None."""
-    m = re.search(r"(?:^|,)\s*%s\s*:\s*([^,]*)" % re.escape(key), text or "")
-    return m.group(1).strip() if m else None
-
-
 def _no_gpu_warning(torch, conf):
     """The warning for ``device:cuda`` (the default) on a machine where
-    PyTorch sees no CUDA GPU, or None."""
-    text = conf if conf is not None else os.environ.get("VMMALLOC_CONF", "")
-    device = _conf_value(text, "device") or "cuda"
+    PyTorch sees no CUDA GPU, or None. The device is the library's reading of
+    the configuration (``conf``, else the one in effect), never Python's."""
+    try:
+        device = _lib.config(conf)["device"]
+    except VmmallocError:
+        return None  # a bad configuration is reported where it is used
     available = getattr(getattr(torch, "cuda", None), "is_available", None)
     if device != "cuda" or available is None or available():
         return None

@@ -356,8 +356,10 @@ pub const CONF_NAMES: [(&str, &str, u64); 6] = [
 
 /// Splits one option into key and value at its first `=` or `:`, whichever
 /// comes first (policy specs write `key=value`, `VMMALLOC_CONF` and
-/// `PYTORCH_CUDA_ALLOC_CONF` write `key:value`; both are accepted).
-fn split_option(kv: &str) -> Option<(&str, &str)> {
+/// `PYTORCH_CUDA_ALLOC_CONF` write `key:value`; both are accepted). The one
+/// splitter of every option list: policy specs, `VMMALLOC_CONF` (the C ABI's
+/// configuration) and workload specs (`serve-kv:seed:7` = `serve-kv:seed=7`).
+pub fn split_option(kv: &str) -> Option<(&str, &str)> {
     let at = kv.find(['=', ':'])?;
     Some((kv[..at].trim(), kv[at + 1..].trim()))
 }

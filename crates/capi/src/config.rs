@@ -397,16 +397,13 @@ impl Config {
             if item.is_empty() {
                 continue;
             }
-            let (key, value) = item
-                .find([':', '='])
-                .map(|at| (&item[..at], &item[at + 1..]))
-                .ok_or_else(|| ConfigError {
-                    key: Some(item.to_string()),
-                    message: format!(
-                        "`{item}` is not a key:value pair; valid keys: {}",
-                        key_names()
-                    ),
-                })?;
+            let (key, value) = vmmalloc_alloc::split_option(item).ok_or_else(|| ConfigError {
+                key: Some(item.to_string()),
+                message: format!(
+                    "`{item}` is not a key:value pair; valid keys: {}",
+                    key_names()
+                ),
+            })?;
             c.set(key.trim(), value.trim())?;
         }
         c.check()?;

@@ -976,6 +976,51 @@ pub unsafe extern "C" fn vmmalloc_configure(conf: *const c_char) -> c_int {
     })
 }
 
+/// The configuration as the library parsed it, one JSON object of every
+/// setting (`{"backend": "expandable", "device": "host", ...}`, the values
+/// `allocator_settings` shows): of `conf` (`VMMALLOC_CONF` syntax) when it
+/// is not NULL, else the configuration in effect ([`vmmalloc_configure`] or
+/// `VMMALLOC_CONF`). The Python package asks this instead of parsing the
+/// text itself, so both read one configuration the one way (issue 36). The
+/// caller frees the string with [`vmmalloc_free_string`]; NULL if the text
+/// does not parse, the error in [`vmmalloc_last_error`] (not logged).
+///
+/// # Safety
+///
+/// `conf` is NULL or a NUL-terminated string valid for reads.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_config_json(conf: *const c_char) -> *mut c_char {
+    entry("vmmalloc_config_json", std::ptr::null_mut(), || {
+        let parsed = if conf.is_null() {
+            runtime::runtime().config_unlogged().cloned()
+        } else {
+            // SAFETY: non-null and, per the contract, a NUL-terminated string.
+            match unsafe { CStr::from_ptr(conf) }.to_str() {
+                Ok(t) => config::Config::parse(t).map_err(Error::from),
+                Err(_) => {
+                    diag::set_error("vmmalloc_config_json: conf is not valid UTF-8");
+                    return std::ptr::null_mut();
+                }
+            }
+        };
+        let json = parsed.and_then(|c| {
+            let map: serde_json::Map<String, serde_json::Value> = c
+                .settings()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.into()))
+                .collect();
+            serde_json::to_string(&map).map_err(json_error)
+        });
+        match json {
+            Ok(j) => owned_c_string(&j),
+            Err(e) => {
+                diag::set_error(e.message());
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
 /// Returns 0 if the configuration (from [`vmmalloc_configure`] or
 /// `VMMALLOC_CONF`) is valid, -1 with the error in [`vmmalloc_last_error`].
 #[no_mangle]

@@ -220,13 +220,16 @@ pub fn params_from_spec(spec: &str) -> Option<Result<RlColocateParams>> {
     if name != RlColocateParams::WORKLOAD {
         return None;
     }
+    // The same overrides, split as `workload_by_name` splits them (an item
+    // that is not `key=value` is an error, never skipped).
     let mut p = RlColocateParams::default();
-    for (k, v) in overrides.split(',').filter_map(|kv| kv.split_once('=')) {
-        if let Err(e) = p.set(k.trim(), v.trim()) {
-            return Some(Err(e));
+    let set = |p: &mut RlColocateParams| -> Result<()> {
+        for (k, v) in super::parse_overrides(RlColocateParams::WORKLOAD, overrides)? {
+            p.set(k, v)?;
         }
-    }
-    Some(Ok(p))
+        Ok(())
+    };
+    Some(set(&mut p).map(|()| p))
 }
 
 /// The device memory one phase needs under one policy.
