@@ -369,7 +369,8 @@ pub fn run(args: AdviseArgs) -> Result<()> {
             ]
         })
         .collect();
-    let w: Vec<usize> = (0..6)
+    let width = crate::compare::TERMINAL_WIDTH;
+    let mut w: Vec<usize> = (0..6)
         .map(|i| {
             rows.iter()
                 .map(|r| r[i].len())
@@ -378,8 +379,16 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                 .unwrap_or(0)
         })
         .collect();
+    // The table fits the terminal width: a setting too long for the first
+    // column gets a line of its own, its figures on the next.
+    let figures: usize = w[1..].iter().map(|x| x + 2).sum();
+    w[0] = w[0].min(width.saturating_sub(figures)).max(header[0].len());
     let line = |cells: [&str; 6]| {
-        let mut s = format!("{:<w0$}", cells[0], w0 = w[0]);
+        let mut s = if cells[0].len() > w[0] {
+            format!("{}\n{:<w0$}", cells[0], "", w0 = w[0])
+        } else {
+            format!("{:<w0$}", cells[0], w0 = w[0])
+        };
         for i in 1..6 {
             s.push_str(&format!("  {:>wi$}", cells[i], wi = w[i]));
         }
@@ -389,27 +398,46 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     for r in &rows {
         line([&r[0], &r[1], &r[2], &r[3], &r[4], &r[5]]);
     }
-    println!(
-        "\nneeds: the smallest device that replays the trace (bisection to {} MiB); headroom: the GPU minus that; \
-         cold / steady ms: modeled driver time ({} cost model) of the first replay on the GPU and of a further one \
-         (every later iteration). Each setting was replayed, not estimated. Best: the most headroom, where \
-         headroom within 1 % of the GPU counts as a tie and the lower driver time per further pass decides; \
-         where PyTorch's best setting ties with the plug-in (headroom within 1 %, driver time per further pass \
-         within 1 ms or 5 %), stay with PyTorch's.",
-        base.granularity >> 20,
-        base.cost_label
+    println!();
+    print!(
+        "{}",
+        crate::compare::wrap(
+            &format!(
+                "needs: the smallest device that replays the trace (bisection to {} MiB); headroom: the GPU minus that; \
+                 cold / steady ms: modeled driver time ({} cost model) of the first replay on the GPU and of a further one \
+                 (every later iteration). Each setting was replayed, not estimated. Best: the most headroom, where \
+                 headroom within 1 % of the GPU counts as a tie and the lower driver time per further pass decides; \
+                 where PyTorch's best setting ties with the plug-in (headroom within 1 %, driver time per further pass \
+                 within 1 ms or 5 %), stay with PyTorch's.",
+                base.granularity >> 20,
+                base.cost_label
+            ),
+            width
+        )
     );
     // Headroom within 1 % of the GPU (at least one granule) is a tie.
     let gpu_ref = gpus.iter().copied().max().unwrap_or(0);
     let tie = (gpu_ref / 100).max(base.granularity);
     let say = |who: &str, v: &Verdict| {
-        println!(
-            "{who}: {} — headroom {}, driver time {:.1} ms cold, {} ms per further pass.",
-            v.candidate.spec,
-            v.headroom.map_or("-".into(), format_bytes),
-            v.cold_ms,
-            ms(v.steady_ms)
+        print!(
+            "{}",
+            crate::compare::wrap(
+                &format!(
+                    "{who}: {} — headroom {}, driver time {:.1} ms cold, {} ms per further pass.",
+                    v.candidate.spec,
+                    v.headroom.map_or("-".into(), format_bytes),
+                    v.cold_ms,
+                    ms(v.steady_ms)
+                ),
+                width
+            )
         );
+    };
+    // An indented paragraph, wrapped to the width.
+    let indented = |text: &str| {
+        for l in crate::compare::wrap(text, width - 2).lines() {
+            println!("  {l}");
+        }
     };
     let pytorch = best(verdicts.iter().filter(|v| v.candidate.pytorch), tie);
     let overall = recommend(&verdicts, tie);
@@ -433,10 +461,16 @@ pub fn run(args: AdviseArgs) -> Result<()> {
             .filter_map(|v| Some((v.min_capacity?, v)))
             .min_by_key(|(m, _)| *m)
         {
-            Some((m, v)) => println!(
-                "Keeping PyTorch's allocator: no setting of it fits; the closest, {}, needs {}.",
-                v.candidate.spec,
-                format_bytes(m)
+            Some((m, v)) => print!(
+                "{}",
+                crate::compare::wrap(
+                    &format!(
+                        "Keeping PyTorch's allocator: no setting of it fits; the closest, {}, needs {}.",
+                        v.candidate.spec,
+                        format_bytes(m)
+                    ),
+                    width
+                )
             ),
             None => println!("Keeping PyTorch's allocator: no setting of it fits."),
         },
@@ -446,21 +480,23 @@ pub fn run(args: AdviseArgs) -> Result<()> {
             say("Best", v);
             if tied {
                 let plugin = best(verdicts.iter(), tie).expect("a best exists");
-                println!(
-                    "  {} ties with it (headroom {}, {} ms per further pass): staying with PyTorch's own allocator \
+                indented(&format!(
+                    "{} ties with it (headroom {}, {} ms per further pass): staying with PyTorch's own allocator \
                      needs no plug-in and keeps everything PyTorch supports.",
                     plugin.candidate.spec,
                     plugin.headroom.map_or("-".into(), format_bytes),
                     ms(plugin.steady_ms)
-                );
+                ));
             }
             if !v.candidate.also.is_empty() {
-                println!("  {}", v.candidate.also);
+                indented(v.candidate.also);
             }
             if !v.candidate.pytorch {
                 println!("  What the plug-in does not support yet (docs/pytorch.md, \"Limits\"):");
                 for l in PLUGIN_LIMITS {
-                    println!("  - {l}");
+                    for (i, part) in crate::compare::wrap(l, width - 4).lines().enumerate() {
+                        println!("  {} {part}", if i == 0 { "-" } else { " " });
+                    }
                 }
             }
             println!("{}", v.candidate.env);

@@ -22,7 +22,8 @@ use vmmalloc_trace::DeviceTrace;
 #[derive(clap::Args, Debug)]
 pub struct CompareArgs {
     /// Snapshots (.pickle), text traces, or workload names (`train-varlen`,
-    /// `serve-kv:seed=3`, ...). Default: the bundled snapshot and the three workloads.
+    /// `serve-kv:seed=3`, ...). Default: the bundled snapshot and every built-in workload
+    /// (`vmmalloc workloads` lists them).
     pub inputs: Vec<String>,
     /// Policies to compare, comma-separated, each `NAME[:key=value,...]`
     /// with policy options, e.g. `expandable,expandable:max_chunk=20MiB,caching`

@@ -26,7 +26,7 @@ use std::process::ExitCode;
 
 /// vmmalloc — a GPU memory allocator on the CUDA virtual-memory API, and the tools to compare it.
 #[derive(Parser)]
-#[command(name = "vmmalloc", version, about)]
+#[command(name = "vmmalloc", version, about, max_term_width = 100)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

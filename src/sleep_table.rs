@@ -21,8 +21,12 @@ pub fn section(inputs: &[String], policies: &[PolicySpec]) -> Result<String> {
             rl_colocate::roomy_capacity(&params).into(),
             1,
         )?;
-        out.push_str(&format!(
-            "\n{spec}: device memory each phase needs (GiB), trainer and inference engine on one GPU\n"
+        out.push('\n');
+        out.push_str(&crate::compare::wrap(
+            &format!(
+                "{spec}: device memory each phase needs (GiB), trainer and inference engine on one GPU"
+            ),
+            crate::compare::TERMINAL_WIDTH,
         ));
         out.push_str(&format!(
             "{:<28} {:<10} {:>14} {:>14}\n",

@@ -62,3 +62,39 @@ fn info_pytorch_appends_the_python_self_check() {
         .as_str()
         .is_some_and(|s| s.starts_with("verdict: not usable")));
 }
+
+#[test]
+fn info_pytorch_outside_the_packages_python_names_vmmalloc_python() {
+    // A Python without the package: python3 with an empty PYTHONPATH (the
+    // check is moot where python3 itself has vmmalloc installed).
+    let empty = std::env::temp_dir().join(format!("vmmalloc-nopkg-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let has_it = Command::new("python3")
+        .args(["-c", "import vmmalloc"])
+        .env("PYTHONPATH", &empty)
+        .output()
+        .map_or(true, |o| o.status.success());
+    if has_it {
+        eprintln!("python3 has the vmmalloc package installed: nothing to check");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_vmmalloc"))
+        .args(["info", "--pytorch"])
+        .env("VMMALLOC_CUDA_LIBRARY", "/nonexistent/libcuda.so.1")
+        .env("VMMALLOC_PYTHON", "python3")
+        .env("PYTHONPATH", &empty)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("PyTorch check:"))
+        .unwrap_or_else(|| panic!("no PyTorch check line:\n{stdout}"));
+    assert!(
+        line.contains("No module named vmmalloc")
+            && line.contains("pip install ./python")
+            && line.contains("VMMALLOC_PYTHON=.venv/bin/python"),
+        "{line}"
+    );
+}
