@@ -214,6 +214,9 @@ fn advise_keeps_pytorch_on_a_tie_and_prints_specs_the_cli_accepts() {
         .skip_while(|l| !l.starts_with("setting"))
         .skip(1)
         .take_while(|l| !l.trim().is_empty())
+        // A setting too long for the column has its figures on the next,
+        // indented line.
+        .filter(|l| !l.starts_with(' '))
         .map(|l| l.split_whitespace().next().unwrap())
         .collect();
     assert!(specs.len() >= 8, "{text}");

@@ -88,15 +88,6 @@ fn parse_unit_fraction(value: &str) -> Result<f64, String> {
     }
 }
 
-/// [`parse_size`], but `0` is allowed too (a threshold or a slack of none).
-fn parse_size_or_zero(value: &str) -> Result<u64, String> {
-    if value.trim() == "0" {
-        Ok(0)
-    } else {
-        parse_size(value)
-    }
-}
-
 /// Parses a size: bytes, or a number with a unit (decimals allowed, units
 /// case-insensitive), e.g. `20MiB`, `12GB`, `1.5Gi`.
 ///
@@ -179,15 +170,6 @@ pub fn parse_size_unbounded(s: &str) -> Result<u128, String> {
     Ok(bytes)
 }
 
-/// A boolean option value: `true`/`false`/`1`/`0`.
-fn parse_bool(value: &str) -> Result<bool, String> {
-    match value.trim() {
-        "1" | "true" | "True" => Ok(true),
-        "0" | "false" | "False" => Ok(false),
-        v => Err(format!("`{v}` is not a boolean (true/false/1/0)")),
-    }
-}
-
 /// A policy with options, written `NAME[:key=value,...]`, e.g.
 /// `expandable:max_chunk=20MiB` or `caching:max_split_size_mb=128`. Its label
 /// (the text as written, trimmed) names its row in reports.
@@ -226,69 +208,28 @@ impl PolicySpec {
         self.label == self.policy.name()
     }
 
+    /// Sets one option; `expandable`'s through the one option table
+    /// ([`crate::options`]).
     fn set(&mut self, key: &str, value: &str) -> AllocResult<()> {
-        let bad = |msg: String| {
-            AllocError::InvalidOption(format!("policy `{}`: option `{key}`: {msg}", self.label))
-        };
-        // A VMMALLOC_CONF name (`max_chunk_mb:20`) sets the same option as
-        // its spec name (`max_chunk=20MiB`): a whole number of its unit.
-        if let Some(&(_, name, unit)) = CONF_NAMES.iter().find(|(conf, ..)| *conf == key) {
-            if self.policy == Policy::Expandable {
-                let n: u64 = value.trim().parse().map_err(|_| {
-                    bad(format!(
-                        "`{value}` is not a whole number of {} (or write `{name}={value}MiB`-style sizes)",
-                        if unit == 1 << 30 { "GiB" } else { "MiB" }
-                    ))
-                })?;
-                let bytes = n
-                    .checked_mul(unit)
-                    .ok_or_else(|| bad(format!("`{value}` is too large")))?;
-                return self.set(name, &bytes.to_string());
-            }
+        if self.policy == Policy::Expandable {
+            return match crate::options::set(&mut self.options.expandable, key, value) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(AllocError::InvalidOption(format!(
+                    "policy `{}`: unknown option `{key}`; valid options for {}: {}",
+                    self.label,
+                    self.policy,
+                    crate::options::names()
+                ))),
+                Err(msg) => Err(AllocError::InvalidOption(format!(
+                    "policy `{}`: option `{key}`: {msg}",
+                    self.label
+                ))),
+            };
         }
-        let o = &mut self.options;
-        match (self.policy, key) {
-            (Policy::Expandable, "max_chunk") => {
-                o.expandable.max_chunk = Some(parse_size(value).map_err(bad)?)
-            }
-            (Policy::Expandable, "page_size") => {
-                o.expandable.page_size = Some(parse_size(value).map_err(bad)?)
-            }
-            (Policy::Expandable, "arena_size") => {
-                o.expandable.arena_size = Some(parse_size(value).map_err(bad)?)
-            }
-            (Policy::Expandable, "release_threshold") => {
-                o.expandable.release_threshold = parse_size_or_zero(value).map_err(bad)?
-            }
-            (Policy::Expandable, "split_threshold") => {
-                o.expandable.split_threshold = parse_unit_fraction(value).map_err(bad)?
-            }
-            (Policy::Expandable, "split_slack") => {
-                o.expandable.split_slack = parse_size_or_zero(value).map_err(bad)?
-            }
-            (Policy::Expandable, "memory_fraction") => {
-                o.expandable.memory_fraction = parse_unit_fraction(value).map_err(bad)?
-            }
-            (Policy::Expandable, "spill") => o.expandable.spill = parse_bool(value).map_err(bad)?,
-            (Policy::Expandable, "unpin") => o.expandable.unpin = value.parse().map_err(bad)?,
-            (Policy::Expandable, "grow_granule") => {
-                o.expandable.grow_granule = parse_size_or_zero(value).map_err(bad)?
-            }
-            _ => {
-                let valid = match self.policy {
-                    Policy::Expandable => {
-                        "max_chunk, split_threshold, split_slack, page_size, arena_size, release_threshold, memory_fraction, spill, unpin, grow_granule \
-                         (or VMMALLOC_CONF's names: max_chunk_mb, split_slack_mb, page_size_mb, arena_gb, release_threshold_mb, grow_mb)"
-                    }
-                    _ => "none",
-                };
-                return Err(AllocError::InvalidOption(format!(
-                    "policy `{}`: unknown option `{key}`; valid options for {}: {valid}",
-                    self.label, self.policy
-                )));
-            }
-        }
-        Ok(())
+        Err(AllocError::InvalidOption(format!(
+            "policy `{}`: unknown option `{key}`; valid options for {}: none",
+            self.label, self.policy
+        )))
     }
 }
 
@@ -337,22 +278,6 @@ impl FromStr for PolicySpec {
         Ok(spec)
     }
 }
-
-/// The option names `VMMALLOC_CONF` uses (crates/capi/src/config.rs) and
-/// the policy-spec names they stand for, with the unit of their whole-number
-/// value: `(conf name, spec name, bytes per unit)`. A policy spec accepts
-/// either name, so a `VMMALLOC_CONF` line pasted after `expandable:` is a
-/// spec (`expandable:max_chunk_mb:20,unpin:false`). The other expandable
-/// keys (`split_threshold`, `spill`, `unpin`, `memory_fraction`) have one
-/// name in both.
-pub const CONF_NAMES: [(&str, &str, u64); 6] = [
-    ("max_chunk_mb", "max_chunk", 1 << 20),
-    ("split_slack_mb", "split_slack", 1 << 20),
-    ("page_size_mb", "page_size", 1 << 20),
-    ("arena_gb", "arena_size", 1 << 30),
-    ("release_threshold_mb", "release_threshold", 1 << 20),
-    ("grow_mb", "grow_granule", 1 << 20),
-];
 
 /// Splits one option into key and value at its first `=` or `:`, whichever
 /// comes first (policy specs write `key=value`, `VMMALLOC_CONF` and
@@ -573,7 +498,10 @@ mod tests {
             .to_string()
             .contains("grow_mb"));
         // Every VMMALLOC_CONF name stands for an option the spec knows.
-        for (conf, name, _) in CONF_NAMES {
+        for (name, conf) in crate::options::OPTIONS
+            .iter()
+            .filter_map(|o| Some((o.name, o.conf.filter(|(_, u)| *u > 1)?.0)))
+        {
             let spec = format!("expandable:{name}=4MiB");
             assert!(spec.parse::<PolicySpec>().is_ok(), "{spec}");
             let spec = format!("expandable:{conf}:4");

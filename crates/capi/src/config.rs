@@ -285,20 +285,11 @@ impl OnOom {
 pub struct Config {
     /// `backend`: the allocation policy.
     pub backend: Policy,
+    /// The `expandable` options (`page_size_mb`, `max_chunk_mb`, `unpin`,
+    /// ...), read through the one option table, [`vmmalloc_alloc::options`].
+    pub expandable: ExpandableConfig,
     /// `device`: the device backend.
     pub device: DeviceKind,
-    /// `page_size_mb`: expandable page size in bytes (`None`: the policy's default).
-    pub page_size: Option<u64>,
-    /// `arena_gb`: expandable arena size in bytes (`None`: the policy's default).
-    pub arena_size: Option<u64>,
-    /// `max_chunk_mb`: expandable largest chunk in bytes (`None`: adaptive).
-    pub max_chunk: Option<u64>,
-    /// `split_threshold`: expandable split threshold (`None`: the default).
-    pub split_threshold: Option<f64>,
-    /// `split_slack_mb`: expandable split slack in bytes (`None`: the default).
-    pub split_slack: Option<u64>,
-    /// `release_threshold_mb`: expandable pool release threshold in bytes (`None`: unlimited).
-    pub release_threshold: Option<u64>,
     /// `capacity_gb`: host/sim device memory in bytes (`None`: 4 GiB host, 80 GiB sim).
     pub capacity: Option<u64>,
     /// `device_count`: host/sim device ordinals.
@@ -326,12 +317,6 @@ pub struct Config {
     /// `ipc`: request exportable (POSIX fd) handles (cuda): `None` = auto
     /// (where the device supports them), `Some(b)` = True / False.
     pub ipc: Option<bool>,
-    /// `spill`: expandable spills to host memory when the device is full.
-    pub spill: bool,
-    /// `unpin`: when expandable unpins partly live chunks as memory runs short.
-    pub unpin: vmmalloc_alloc::expandable::UnpinMode,
-    /// `grow_mb`: expandable tail growth granule in bytes (`None`: the default).
-    pub grow_granule: Option<u64>,
 }
 
 impl Default for Config {
@@ -339,12 +324,7 @@ impl Default for Config {
         Config {
             backend: Policy::Expandable,
             device: DeviceKind::Cuda,
-            page_size: None,
-            max_chunk: None,
-            split_threshold: None,
-            split_slack: None,
-            arena_size: None,
-            release_threshold: None,
+            expandable: ExpandableConfig::default(),
             capacity: None,
             device_count: 1,
             record_history: false,
@@ -358,9 +338,6 @@ impl Default for Config {
             source: String::new(),
             peers: Peers::Auto,
             ipc: None,
-            spill: false,
-            unpin: vmmalloc_alloc::expandable::UnpinMode::Auto,
-            grow_granule: None,
         }
     }
 }
@@ -411,31 +388,14 @@ impl Config {
     }
 
     fn set(&mut self, key: &str, v: &str) -> Result<(), ConfigError> {
-        // A policy-spec name (`max_chunk:20MiB`, as `vmmalloc replay --policy
-        // expandable:max_chunk=20MiB` writes it) sets the same option as its
-        // VMMALLOC_CONF name: one name table, vmmalloc_alloc::CONF_NAMES.
-        if let Some(&(conf, _, unit)) = vmmalloc_alloc::CONF_NAMES
-            .iter()
-            .find(|(_, spec, _)| *spec == key)
-        {
-            let bytes = if v.trim() == "0" {
-                0
-            } else {
-                vmmalloc_alloc::parse_size(v).map_err(|e| {
-                    ConfigError::bad_value(key, v, &format!("a size such as 20MiB ({e})"))
-                })?
-            };
-            if !bytes.is_multiple_of(unit) {
-                return Err(ConfigError::bad_value(
-                    key,
-                    v,
-                    &format!(
-                        "a whole number of {} (as `{conf}`)",
-                        if unit == GIB { "GiB" } else { "MiB" }
-                    ),
-                ));
-            }
-            return self.set(conf, &(bytes / unit).to_string());
+        // The expandable options, by their VMMALLOC_CONF name
+        // (`max_chunk_mb:20`) or their policy-spec name (`max_chunk:20MiB`,
+        // as `vmmalloc replay --policy expandable:max_chunk=20MiB` writes
+        // it): one table, vmmalloc_alloc::options.
+        if vmmalloc_alloc::options::find(key).is_some_and(|(o, _)| o.conf.is_some()) {
+            return vmmalloc_alloc::options::set(&mut self.expandable, key, v)
+                .map(drop)
+                .map_err(|valid| ConfigError::bad_value(key, v, &valid));
         }
         match key {
             "backend" => {
@@ -455,19 +415,6 @@ impl Config {
                         )
                     })?
             }
-            "page_size_mb" => self.page_size = Some(positive_int(key, v)? * MIB),
-            "arena_gb" => self.arena_size = Some(positive_int(key, v)? * GIB),
-            "max_chunk_mb" => self.max_chunk = Some(positive_int(key, v)? * MIB),
-            "split_threshold" => {
-                self.split_threshold = Some(
-                    v.parse::<f64>()
-                        .ok()
-                        .filter(|x| (0.0..=1.0).contains(x))
-                        .ok_or_else(|| ConfigError::bad_value(key, v, "a number in [0, 1]"))?,
-                )
-            }
-            "split_slack_mb" => self.split_slack = Some(int(key, v)? * MIB),
-            "release_threshold_mb" => self.release_threshold = Some(int(key, v)? * MIB),
             "capacity_gb" => {
                 let gb = positive_float(key, v)?;
                 let bytes = (gb * GIB as f64) as u64 / MODEL_GRANULARITY * MODEL_GRANULARITY;
@@ -556,13 +503,6 @@ impl Config {
                     ),
                 }
             }
-            "spill" => self.spill = boolean(key, v)?,
-            "unpin" => {
-                self.unpin = vmmalloc_alloc::expandable::UnpinMode::parse(v).ok_or_else(|| {
-                    ConfigError::bad_value(key, v, vmmalloc_alloc::expandable::UnpinMode::VALUES)
-                })?
-            }
-            "grow_mb" => self.grow_granule = Some(int(key, v)? * MIB),
             _ => {
                 return Err(ConfigError {
                     key: Some(key.to_string()),
@@ -649,7 +589,6 @@ impl Config {
     /// into [`ExpandableConfig`], the PyTorch keys through
     /// [`CachingConfig::parse`] (PyTorch's own parser and checks).
     pub fn policy_options(&self) -> Result<PolicyOptions, ConfigError> {
-        let defaults = ExpandableConfig::default();
         let caching =
             CachingConfig::parse(&self.pytorch_alloc_conf()).map_err(|e| ConfigError {
                 key: Some(
@@ -662,18 +601,7 @@ impl Config {
                 ),
             })?;
         Ok(PolicyOptions {
-            expandable: ExpandableConfig {
-                page_size: self.page_size,
-                arena_size: self.arena_size,
-                release_threshold: self.release_threshold.unwrap_or(defaults.release_threshold),
-                max_chunk: self.max_chunk,
-                split_threshold: self.split_threshold.unwrap_or(defaults.split_threshold),
-                split_slack: self.split_slack.unwrap_or(defaults.split_slack),
-                spill: self.spill,
-                unpin: self.unpin,
-                grow_granule: self.grow_granule.unwrap_or(defaults.grow_granule),
-                ..defaults
-            },
+            expandable: self.expandable.clone(),
             caching,
             // The plug-in's fraction comes from PyTorch (`set_memory_fraction_fn`).
             memory_fraction: None,
@@ -682,24 +610,17 @@ impl Config {
 
     /// `key: value` for every setting, for `allocator_settings` and the summary.
     pub fn settings(&self) -> Vec<(&'static str, String)> {
-        let opt =
-            |v: Option<u64>, unit: u64| v.map_or("default".to_string(), |b| (b / unit).to_string());
-        vec![
+        let mut out = vec![
             ("backend", self.effective_policy().name().to_string()),
             ("device", self.device.name().to_string()),
-            ("page_size_mb", opt(self.page_size, MIB)),
-            ("arena_gb", opt(self.arena_size, GIB)),
-            ("max_chunk_mb", opt(self.max_chunk, MIB)),
-            (
-                "split_threshold",
-                self.split_threshold
-                    .map_or("default".to_string(), |t| t.to_string()),
-            ),
-            ("split_slack_mb", opt(self.split_slack, MIB)),
-            ("release_threshold_mb", opt(self.release_threshold, MIB)),
-            ("spill", self.spill.to_string()),
-            ("unpin", self.unpin.to_string()),
-            ("grow_mb", opt(self.grow_granule, MIB)),
+        ];
+        // The expandable options, as the one table shows them.
+        out.extend(
+            vmmalloc_alloc::options::OPTIONS
+                .iter()
+                .filter_map(|o| Some((o.conf?.0, o.show(&self.expandable)))),
+        );
+        out.extend([
             (
                 "capacity_gb",
                 match self.device {
@@ -733,7 +654,8 @@ impl Config {
                 }
                 .to_string(),
             ),
-        ]
+        ]);
+        out
     }
 }
 
@@ -864,9 +786,9 @@ mod tests {
         .unwrap();
         assert_eq!(c.backend, Policy::Native);
         assert_eq!(c.device, DeviceKind::Host);
-        assert_eq!(c.page_size, Some(4 * MIB));
-        assert_eq!(c.arena_size, Some(64 * GIB));
-        assert_eq!(c.release_threshold, Some(0));
+        assert_eq!(c.expandable.page_size, Some(4 * MIB));
+        assert_eq!(c.expandable.arena_size, Some(64 * GIB));
+        assert_eq!(c.expandable.release_threshold, 0);
         assert_eq!(c.capacity, Some(GIB / 2));
         assert_eq!(c.device_count, 2);
         assert!(c.record_history);
@@ -964,6 +886,38 @@ mod tests {
         assert_eq!(o.caching.garbage_collection_threshold, 0.5);
         let d = Config::default().policy_options().unwrap();
         assert_eq!(d, PolicyOptions::default());
+    }
+
+    #[test]
+    fn the_expandable_keys_are_the_option_tables() {
+        // Every VMMALLOC_CONF name of the one option table is a documented
+        // key, and each key sets what the CLI's policy spec sets with it
+        // (one parser: vmmalloc_alloc::options).
+        for o in &vmmalloc_alloc::options::OPTIONS {
+            let Some((conf, unit)) = o.conf else {
+                assert!(Config::parse(&format!("{}:0.5", o.name)).is_err());
+                continue;
+            };
+            assert!(KEYS.iter().any(|k| k.name == conf), "{conf} is not in KEYS");
+            let value = match o.kind {
+                vmmalloc_alloc::options::Kind::Bool => "true".to_string(),
+                vmmalloc_alloc::options::Kind::Unpin => "false".to_string(),
+                vmmalloc_alloc::options::Kind::Fraction => "0.5".to_string(),
+                _ => (8 * MIB.max(unit) / unit).to_string(),
+            };
+            let c = Config::parse(&format!("{conf}:{value}")).unwrap();
+            let spec: vmmalloc_alloc::PolicySpec =
+                format!("expandable:{conf}={value}").parse().unwrap();
+            assert_eq!(
+                c.policy_options().unwrap().expandable,
+                spec.options.expandable,
+                "{conf}"
+            );
+            assert_ne!(c.expandable, ExpandableConfig::default(), "{conf}");
+            let shown = c.settings();
+            let (_, v) = shown.iter().find(|(k, _)| *k == conf).unwrap();
+            assert_eq!(v, &value, "{conf}");
+        }
     }
 
     #[test]
@@ -1129,8 +1083,16 @@ mod tests {
         ] {
             let b = Config::parse(text).unwrap();
             assert_eq!(
-                (b.max_chunk, b.grow_granule, b.unpin),
-                (a.max_chunk, a.grow_granule, a.unpin),
+                (
+                    b.expandable.max_chunk,
+                    b.expandable.grow_granule,
+                    b.expandable.unpin
+                ),
+                (
+                    a.expandable.max_chunk,
+                    a.expandable.grow_granule,
+                    a.expandable.unpin
+                ),
                 "{text}"
             );
             assert_eq!(
@@ -1144,16 +1106,24 @@ mod tests {
                 .unwrap();
         assert_eq!(
             (
-                c.arena_size,
-                c.split_slack,
-                c.page_size,
-                c.release_threshold
+                c.expandable.arena_size,
+                c.expandable.split_slack,
+                c.expandable.page_size,
+                c.expandable.release_threshold
             ),
-            (Some(64 * GIB), Some(8 * MIB), Some(4 * MIB), Some(0))
+            (Some(64 * GIB), 8 * MIB, Some(4 * MIB), 0)
         );
-        // A size that is not a whole number of the VMMALLOC_CONF unit names the key.
-        let e = Config::parse("max_chunk:3KiB").unwrap_err();
-        assert_eq!(e.key.as_deref(), Some("max_chunk"), "{e}");
+        // A size by its spec name is exact; allocator_settings shows it in
+        // the VMMALLOC_CONF unit, exactly.
+        let c = Config::parse("max_chunk:3KiB").unwrap();
+        assert_eq!(c.expandable.max_chunk, Some(3 << 10));
+        let shown = c.settings();
+        let (_, v) = shown.iter().find(|(k, _)| *k == "max_chunk_mb").unwrap();
+        assert_eq!(v, "0.0029296875");
+        // memory_fraction is a policy option, not a VMMALLOC_CONF key (the
+        // plug-in's fraction comes from PyTorch).
+        let e = Config::parse("memory_fraction:0.5").unwrap_err();
+        assert!(e.to_string().contains("unknown key"), "{e}");
         let e = Config::parse("max_chunk:lots").unwrap_err();
         assert!(e.to_string().contains("max_chunk"), "{e}");
     }

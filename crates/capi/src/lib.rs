@@ -814,6 +814,7 @@ pub extern "C" fn vmmalloc_memory_summary(device: c_int) -> *mut c_char {
                 &vmmalloc_alloc::summary::Context {
                     device: ordinal,
                     page_size: c
+                        .expandable
                         .page_size
                         .filter(|_| policy == vmmalloc_alloc::Policy::Expandable),
                     backend: policy.name(),
