@@ -5,30 +5,43 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn info(python: &str, extra: &[&str]) -> Output {
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The package from this checkout (its library may or may not be built:
+    // the check reports either, with a verdict).
+    info_with(
+        python,
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
+        extra,
+    )
+}
+
+/// `vmmalloc info --pytorch EXTRA` with `python` and `PYTHONPATH`.
+fn info_with(python: &str, pythonpath: &Path, extra: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_vmmalloc"))
         .arg("info")
         .arg("--pytorch")
         .args(extra)
         .env("VMMALLOC_CUDA_LIBRARY", "/nonexistent/libcuda.so.1")
         .env("VMMALLOC_PYTHON", python)
-        // The package from this checkout (its library may or may not be built:
-        // the check reports either, with a verdict).
-        .env("PYTHONPATH", repo.join("python"))
+        .env("PYTHONPATH", pythonpath)
         .env_remove("VMMALLOC_CONF")
         .output()
         .expect("run vmmalloc info --pytorch")
 }
 
-#[test]
-fn info_pytorch_without_python_says_so() {
-    let out = info("/nonexistent/python3", &[]);
+/// The `PyTorch check:` line of `out`.
+fn check_line(out: &Output) -> String {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
-    let line = stdout
+    stdout
         .lines()
         .find(|l| l.starts_with("PyTorch check:"))
-        .unwrap_or_else(|| panic!("no PyTorch check line:\n{stdout}"));
+        .unwrap_or_else(|| panic!("no PyTorch check line:\n{stdout}"))
+        .to_string()
+}
+
+#[test]
+fn info_pytorch_without_python_says_so() {
+    let line = check_line(&info("/nonexistent/python3", &[]));
     assert!(
         line.starts_with("PyTorch check: cannot run /nonexistent/python3 (")
             && line.ends_with("); set VMMALLOC_PYTHON"),
@@ -78,19 +91,7 @@ fn info_pytorch_outside_the_packages_python_names_vmmalloc_python() {
         eprintln!("python3 has the vmmalloc package installed: nothing to check");
         return;
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_vmmalloc"))
-        .args(["info", "--pytorch"])
-        .env("VMMALLOC_CUDA_LIBRARY", "/nonexistent/libcuda.so.1")
-        .env("VMMALLOC_PYTHON", "python3")
-        .env("PYTHONPATH", &empty)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}");
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("PyTorch check:"))
-        .unwrap_or_else(|| panic!("no PyTorch check line:\n{stdout}"));
+    let line = check_line(&info_with("python3", &empty, &[]));
     assert!(
         line.contains("No module named vmmalloc")
             && line.contains("pip install ./python")

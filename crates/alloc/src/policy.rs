@@ -243,16 +243,22 @@ impl FromStr for PolicySpec {
             label: label.to_string(),
             options: PolicyOptions::default(),
         };
-        // caching / torch-es options, as PYTORCH_CUDA_ALLOC_CONF, parsed together.
-        let mut conf = Vec::new();
-        for kv in opts.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        // Items split at commas outside `[...]` (PyTorch's
+        // `roundup_power2_divisions:[256:1,512:2,>:4]` is one item); caching
+        // and torch-es options parse straight into their CachingConfig, key
+        // by key, through PyTorch's own parser (CachingConfig::set).
+        for kv in split_outside_brackets(opts)
+            .into_iter()
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
             let (k, v) = split_option(kv).ok_or_else(|| {
                 AllocError::InvalidOption(format!(
                     "policy `{label}`: option `{kv}` is not key=value (or key:value)"
                 ))
             })?;
             match spec.policy {
-                Policy::Caching | Policy::TorchEs if k.trim() == "memory_fraction" => {
+                Policy::Caching | Policy::TorchEs if k == "memory_fraction" => {
                     let f = parse_unit_fraction(v).map_err(|m| {
                         AllocError::InvalidOption(format!(
                             "policy `{label}`: option `memory_fraction`: {m}"
@@ -261,22 +267,37 @@ impl FromStr for PolicySpec {
                     spec.options.memory_fraction = Some(f);
                 }
                 Policy::Caching | Policy::TorchEs => {
-                    conf.push(format!("{}:{}", k.trim(), v.trim()))
+                    spec.options.caching.set(k, v).map_err(|e| match e {
+                        AllocError::InvalidOption(m) => {
+                            AllocError::InvalidOption(format!("policy `{label}`: {m}"))
+                        }
+                        other => other,
+                    })?
                 }
-                _ => spec.set(k.trim(), v.trim())?,
+                _ => spec.set(k, v)?,
             }
-        }
-        if !conf.is_empty() {
-            spec.options.caching =
-                crate::caching::CachingConfig::parse(&conf.join(",")).map_err(|e| match e {
-                    AllocError::InvalidOption(m) => {
-                        AllocError::InvalidOption(format!("policy `{label}`: {m}"))
-                    }
-                    other => other,
-                })?;
         }
         Ok(spec)
     }
+}
+
+/// Splits `text` at the commas outside `[...]`.
+fn split_outside_brackets(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (at, ch) in text.char_indices() {
+        match ch {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth <= 0 => {
+                out.push(&text[start..at]);
+                start = at + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&text[start..]);
+    out
 }
 
 /// Splits one option into key and value at its first `=` or `:`, whichever
@@ -492,6 +513,30 @@ mod tests {
         let c: PolicySpec = "caching:max_split_size_mb:128".parse().unwrap();
         let d: PolicySpec = "caching:max_split_size_mb=128".parse().unwrap();
         assert_eq!(c.options, d.options);
+        // Key by key into the same CachingConfig the environment variable's
+        // parser gives, `[...]` lists included.
+        let e: PolicySpec =
+            "caching:roundup_power2_divisions=[256:1,512:2,>:4],max_split_size_mb:128"
+                .parse()
+                .unwrap();
+        assert_eq!(
+            e.options.caching,
+            crate::caching::CachingConfig::parse(
+                "roundup_power2_divisions:[256:1,512:2,>:4],max_split_size_mb:128"
+            )
+            .unwrap()
+        );
+        let err = "caching:max_split_size_mb=1"
+            .parse::<PolicySpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("policy `caching:max_split_size_mb=1`") && err.contains("too small"),
+            "{err}"
+        );
+        assert!("caching:max_split_size_mb=128:3"
+            .parse::<PolicySpec>()
+            .is_err());
         assert!("expandable:grow_mb=big"
             .parse::<PolicySpec>()
             .unwrap_err()

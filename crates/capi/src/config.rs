@@ -302,12 +302,13 @@ pub struct Config {
     pub log: LogLevel,
     /// `on_oom`: raise, NULL or abort.
     pub on_oom: OnOom,
-    /// `max_split_size_mb`, in bytes (caching, torch-es).
-    pub max_split_size: Option<u64>,
-    /// `roundup_power2_divisions`, as written (caching, torch-es).
-    pub roundup_power2_divisions: Option<String>,
-    /// `garbage_collection_threshold` (caching, torch-es).
-    pub garbage_collection_threshold: Option<f64>,
+    /// The PyTorch allocator keys (`max_split_size_mb`,
+    /// `roundup_power2_divisions`, `garbage_collection_threshold`), parsed
+    /// straight into PyTorch's config by its own parser
+    /// ([`CachingConfig::set`]) for caching and torch-es.
+    pub caching: CachingConfig,
+    /// Those keys as given, last value per key, for `allocator_settings`.
+    caching_given: Vec<(String, String)>,
     /// `expandable_segments` (caching; accepted for compatibility).
     pub expandable_segments: Option<bool>,
     /// The text this configuration was parsed from.
@@ -331,9 +332,8 @@ impl Default for Config {
             max_entries: 100_000,
             log: LogLevel::Error,
             on_oom: OnOom::Raise,
-            max_split_size: None,
-            roundup_power2_divisions: None,
-            garbage_collection_threshold: None,
+            caching: CachingConfig::default(),
+            caching_given: Vec::new(),
             expandable_segments: None,
             source: String::new(),
             peers: Peers::Auto,
@@ -465,32 +465,17 @@ impl Config {
                         ConfigError::bad_value(key, v, &OnOom::ALL.map(OnOom::name).join(" | "))
                     })?
             }
-            "max_split_size_mb" => {
-                let mb = positive_int(key, v)?;
-                if mb * MIB <= 20 * MIB {
-                    // PyTorch's own check: max_split_size_mb must exceed kLargeBuffer (20 MiB).
-                    return Err(ConfigError::bad_value(
+            "max_split_size_mb" | "roundup_power2_divisions" | "garbage_collection_threshold" => {
+                // PyTorch's own parser and checks, as the CLI's policy specs use it.
+                self.caching.set(key, v).map_err(|e| {
+                    ConfigError::bad_value(
                         key,
                         v,
-                        "an integer number of MiB above 20",
-                    ));
-                }
-                self.max_split_size = Some(mb * MIB);
-            }
-            "roundup_power2_divisions" => {
-                check_roundup(key, v)?;
-                self.roundup_power2_divisions = Some(v.to_string());
-            }
-            "garbage_collection_threshold" => {
-                let t = positive_float(key, v)?;
-                if t >= 1.0 {
-                    return Err(ConfigError::bad_value(
-                        key,
-                        v,
-                        "a fraction strictly between 0 and 1",
-                    ));
-                }
-                self.garbage_collection_threshold = Some(t);
+                        &format!("as PYTORCH_CUDA_ALLOC_CONF takes it ({e})"),
+                    )
+                })?;
+                self.caching_given.retain(|(k, _)| k != key);
+                self.caching_given.push((key.to_string(), v.to_string()));
             }
             "expandable_segments" => self.expandable_segments = Some(boolean(key, v)?),
             "peers" => self.peers = parse_peers(key, v)?,
@@ -566,16 +551,11 @@ impl Config {
     /// The PyTorch caching options as `PYTORCH_CUDA_ALLOC_CONF` text (for the
     /// baselines' parser and for `allocator_settings`).
     pub fn pytorch_alloc_conf(&self) -> String {
-        let mut parts = Vec::new();
-        if let Some(m) = self.max_split_size {
-            parts.push(format!("max_split_size_mb:{}", m / MIB));
-        }
-        if let Some(r) = &self.roundup_power2_divisions {
-            parts.push(format!("roundup_power2_divisions:{r}"));
-        }
-        if let Some(g) = self.garbage_collection_threshold {
-            parts.push(format!("garbage_collection_threshold:{g}"));
-        }
+        let mut parts: Vec<String> = self
+            .caching_given
+            .iter()
+            .map(|(k, v)| format!("{k}:{v}"))
+            .collect();
         if let Some(e) = self.expandable_segments {
             parts.push(format!(
                 "expandable_segments:{}",
@@ -586,20 +566,13 @@ impl Config {
     }
 
     /// The options handed to [`vmmalloc_alloc::build`]: the expandable keys
-    /// into [`ExpandableConfig`], the PyTorch keys through
-    /// [`CachingConfig::parse`] (PyTorch's own parser and checks).
+    /// as the option table set them ([`vmmalloc_alloc::options`]), the
+    /// PyTorch keys as [`CachingConfig::set`] parsed them.
     pub fn policy_options(&self) -> Result<PolicyOptions, ConfigError> {
-        let caching =
-            CachingConfig::parse(&self.pytorch_alloc_conf()).map_err(|e| ConfigError {
-                key: Some(
-                    "max_split_size_mb/roundup_power2_divisions/garbage_collection_threshold"
-                        .into(),
-                ),
-                message: format!(
-                    "PyTorch allocator options `{}`: {e}",
-                    self.pytorch_alloc_conf()
-                ),
-            })?;
+        let mut caching = self.caching.clone();
+        if let Some(e) = self.expandable_segments {
+            caching.expandable_segments = e;
+        }
         Ok(PolicyOptions {
             expandable: self.expandable.clone(),
             caching,
@@ -740,32 +713,6 @@ fn parse_peers(key: &str, v: &str) -> Result<Peers, ConfigError> {
     }
 }
 
-/// PyTorch's forms: `N`, or `[size:N,...,>:N]` with powers of two as divisions.
-fn check_roundup(key: &str, v: &str) -> Result<(), ConfigError> {
-    let valid = "a power of two (or 0), or a list like [256:1,512:2,>:4] of sizes in MiB (or >) and powers of two";
-    let is_div = |s: &str| {
-        s.trim()
-            .parse::<u64>()
-            .is_ok_and(|n| n == 0 || n.is_power_of_two())
-    };
-    let ok = if let Some(inner) = v.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
-        !inner.trim().is_empty()
-            && inner.split(',').all(|pair| {
-                pair.split_once(':').is_some_and(|(size, div)| {
-                    let size = size.trim();
-                    (size == ">" || size.parse::<u64>().is_ok_and(|n| n > 0)) && is_div(div)
-                })
-            })
-    } else {
-        is_div(v)
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(ConfigError::bad_value(key, v, valid))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -800,10 +747,10 @@ mod tests {
              garbage_collection_threshold:0.6,expandable_segments:True",
         )
         .unwrap();
-        assert_eq!(p.max_split_size, Some(512 * MIB));
+        assert_eq!(p.caching.max_split_size, 512 * MIB);
         assert_eq!(
-            p.roundup_power2_divisions.as_deref(),
-            Some("[256:1,512:2,>:8]")
+            p.caching,
+            CachingConfig::parse("max_split_size_mb:512,roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.6").unwrap()
         );
         assert_eq!(p.effective_policy(), Policy::TorchEs);
         assert_eq!(
@@ -1033,21 +980,23 @@ mod tests {
             ),
             ("device:sim,device_count:65", "device_count", "1 to 64"),
             ("max_entries:0", "max_entries", "positive integer"),
-            ("max_split_size_mb:20", "max_split_size_mb", "above 20"),
+            // PyTorch's own checks and words (AcceleratorAllocatorConfig:
+            // 20 MiB, kLargeBuffer, is the least).
+            ("max_split_size_mb:19", "max_split_size_mb", "must be >= 20"),
             (
                 "roundup_power2_divisions:3",
                 "roundup_power2_divisions",
-                "power of two",
+                "power of 2",
             ),
             (
                 "roundup_power2_divisions:[256:3]",
                 "roundup_power2_divisions",
-                "power of two",
+                "power of 2",
             ),
             (
                 "garbage_collection_threshold:1.0",
                 "garbage_collection_threshold",
-                "between 0 and 1",
+                "set it in (0.0, 1.0)",
             ),
             (
                 "capacity_gb:4",
