@@ -290,6 +290,9 @@ def test_pytorch_cuda_alloc_conf_is_not_ignored_silently(lib, fake_torch, tmp_pa
     assert warn({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}).endswith(
         "VMMALLOC_CONF=backend:caching,expandable_segments:True")
     assert "To ask" not in warn({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    # The library reads the line: a `[...]` list stays one value (issue 36).
+    assert warn({"PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:[256:1,512:2],max_split_size_mb:64"}).endswith(
+        "VMMALLOC_CONF=roundup_power2_divisions:[256:1,512:2],max_split_size_mb:64")
     out, _ = run_py(["-c", "import vmmalloc; vmmalloc.enable('device:host')"], fake_torch, tmp_path,
                     PYTORCH_CUDA_ALLOC_CONF="backend:caching")
     assert out.returncode == 0, out.stderr

@@ -84,6 +84,7 @@ def _declare(lib):
         "vmmalloc_configure": (c_int, [c_char_p]),
         "vmmalloc_check_config": (c_int, []),
         "vmmalloc_config_json": (c_void_p, [c_char_p]),
+        "vmmalloc_pytorch_conf_line": (c_void_p, [c_char_p]),
         "vmmalloc_last_error": (c_char_p, []),
         "vmmalloc_version": (c_char_p, []),
         "vmmalloc_free_string": (None, [c_void_p]),
@@ -162,6 +163,13 @@ def config(conf=None):
     naming the bad key."""
     arg = None if conf is None else conf.encode()
     return json.loads(_take_string(load().vmmalloc_config_json(arg), "vmmalloc_config_json"))
+
+
+def pytorch_conf_line(text):
+    """The VMMALLOC_CONF items that ask vmmalloc for what the
+    PYTORCH_CUDA_ALLOC_CONF ``text`` asks PyTorch for ("" when nothing
+    carries over), as the library reads both variables."""
+    return _take_string(load().vmmalloc_pytorch_conf_line(text.encode()), "vmmalloc_pytorch_conf_line")
 
 
 def memory_stats(device=0):

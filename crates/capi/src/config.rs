@@ -632,6 +632,54 @@ impl Config {
     }
 }
 
+/// The `VMMALLOC_CONF` items that ask vmmalloc for what a
+/// `PYTORCH_CUDA_ALLOC_CONF` line asks PyTorch for, comma-joined (empty when
+/// nothing carries over): `backend` (PyTorch's `native` is vmmalloc's
+/// `caching`; `cudaMallocAsync` has no counterpart) and the keys both read
+/// (`max_split_size_mb`, `roundup_power2_divisions`,
+/// `garbage_collection_threshold`, `expandable_segments`, which implies
+/// `backend:caching`). vmmalloc replaces the allocator that reads that
+/// variable; the Python package's warning quotes this line
+/// (`vmmalloc_pytorch_conf_line`), so the library is the one reader of both
+/// variables. Items split as PyTorch splits them: commas inside `[...]`
+/// belong to the value.
+pub fn from_pytorch_alloc_conf(text: &str) -> String {
+    let mut items: Vec<String> = Vec::new();
+    let mut backend = false;
+    for item in split_items(text).unwrap_or_default() {
+        let Some((key, value)) = vmmalloc_alloc::split_option(item.trim()) else {
+            continue;
+        };
+        match key {
+            "backend" => {
+                let mapped = match value {
+                    "expandable" | "caching" | "torch-es" => Some(value),
+                    // PyTorch's `native` is its caching allocator
+                    // (c10/cuda/CUDAAllocatorConfig.cpp, parseAllocatorConfig).
+                    v if v.eq_ignore_ascii_case("native") => Some("caching"),
+                    _ => None,
+                };
+                if let Some(b) = mapped {
+                    items.push(format!("backend:{b}"));
+                    backend = true;
+                }
+            }
+            "max_split_size_mb"
+            | "roundup_power2_divisions"
+            | "garbage_collection_threshold"
+            | "expandable_segments" => items.push(format!("{key}:{value}")),
+            _ => {}
+        }
+    }
+    let es = items
+        .iter()
+        .any(|i| i.eq_ignore_ascii_case("expandable_segments:true"));
+    if es && !backend {
+        items.insert(0, "backend:caching".to_string());
+    }
+    items.join(",")
+}
+
 /// Splits on commas outside `[...]`.
 fn split_items(text: &str) -> Result<Vec<&str>, ConfigError> {
     let mut items = Vec::new();
@@ -833,6 +881,34 @@ mod tests {
         assert_eq!(o.caching.garbage_collection_threshold, 0.5);
         let d = Config::default().policy_options().unwrap();
         assert_eq!(d, PolicyOptions::default());
+    }
+
+    #[test]
+    fn a_pytorch_line_becomes_the_vmmalloc_line_that_asks_the_same() {
+        for (pytorch, want) in [
+            ("", ""),
+            ("backend:caching", "backend:caching"),
+            (
+                "backend:native,max_split_size_mb:128",
+                "backend:caching,max_split_size_mb:128",
+            ),
+            (
+                "expandable_segments:True",
+                "backend:caching,expandable_segments:True",
+            ),
+            ("backend:cudaMallocAsync", ""),
+            ("pinned_use_cuda_host_register:True", ""),
+            // A list stays one value (PyTorch's tokenizer keeps `[...]` whole).
+            (
+                "roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.6",
+                "roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.6",
+            ),
+        ] {
+            let got = from_pytorch_alloc_conf(pytorch);
+            assert_eq!(got, want, "{pytorch}");
+            // What it asks for is a valid VMMALLOC_CONF.
+            Config::parse(&got).unwrap_or_else(|e| panic!("{got}: {e}"));
+        }
     }
 
     #[test]

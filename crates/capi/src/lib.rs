@@ -1022,6 +1022,34 @@ pub unsafe extern "C" fn vmmalloc_config_json(conf: *const c_char) -> *mut c_cha
     })
 }
 
+/// The `VMMALLOC_CONF` items that ask for what the `PYTORCH_CUDA_ALLOC_CONF`
+/// text `conf` asks PyTorch for ([`config::from_pytorch_alloc_conf`]),
+/// comma-joined, empty when nothing carries over. The Python package quotes
+/// it in its warning that the variable is ignored. The caller frees the
+/// string with [`vmmalloc_free_string`]; NULL if `conf` is NULL or not
+/// UTF-8.
+///
+/// # Safety
+///
+/// `conf` is NULL or a NUL-terminated string valid for reads.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_pytorch_conf_line(conf: *const c_char) -> *mut c_char {
+    entry("vmmalloc_pytorch_conf_line", std::ptr::null_mut(), || {
+        if conf.is_null() {
+            diag::set_error("vmmalloc_pytorch_conf_line(NULL): conf is NULL");
+            return std::ptr::null_mut();
+        }
+        // SAFETY: non-null and, per the contract, a NUL-terminated string.
+        match unsafe { CStr::from_ptr(conf) }.to_str() {
+            Ok(t) => owned_c_string(&config::from_pytorch_alloc_conf(t)),
+            Err(_) => {
+                diag::set_error("vmmalloc_pytorch_conf_line: conf is not valid UTF-8");
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
 /// Returns 0 if the configuration (from [`vmmalloc_configure`] or
 /// `VMMALLOC_CONF`) is valid, -1 with the error in [`vmmalloc_last_error`].
 #[no_mangle]
