@@ -352,6 +352,27 @@ mod tests {
     }
 
     #[test]
+    fn the_docs_describe_every_option_of_the_table() {
+        // docs/pytorch.md has a row per VMMALLOC_CONF name, docs/guide.md
+        // names every spec name (the policy options of `--policy`).
+        let pytorch = include_str!("../../../docs/pytorch.md");
+        let guide = include_str!("../../../docs/guide.md");
+        for o in &OPTIONS {
+            if let Some((conf, _)) = o.conf {
+                assert!(
+                    pytorch.contains(&format!("| `{conf}` |")),
+                    "docs/pytorch.md has no row for `{conf}`"
+                );
+            }
+            assert!(
+                guide.contains(&format!("`{}", o.name)),
+                "docs/guide.md does not name `{}`",
+                o.name
+            );
+        }
+    }
+
+    #[test]
     fn values_are_checked_with_what_is_valid() {
         let mut c = ExpandableConfig::default();
         let e = set(&mut c, "page_size_mb", "0").unwrap_err();
