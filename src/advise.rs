@@ -13,7 +13,8 @@
 //! freed before the limit is reached; it acts only once
 //! `torch.cuda.set_per_process_memory_fraction` is set).
 
-use crate::compare::{gib, unlimited_capacity, TightCapacity};
+use crate::compare::{gib, TightCapacity};
+use crate::device_size::unlimited_capacity;
 use crate::replay_cmd::format_bytes;
 use anyhow::{bail, Context, Result};
 use std::sync::Mutex;
@@ -136,11 +137,11 @@ pub struct Verdict {
     pub steady_ms: Option<f64>,
 }
 
-/// Evaluates every candidate on `devices` at `gpu` bytes (per device;
-/// `None`: 1.05 × each device's peak live).
+/// Evaluates every candidate on `devices`, each judged on the GPU of the
+/// same index in `gpus` (bytes, already checked: [`gpu_sizes`]).
 pub fn evaluate(
     devices: &[&DeviceTrace],
-    gpu: Option<u64>,
+    gpus: &[u64],
     base: &ReplayConfig,
 ) -> Result<Vec<Verdict>> {
     let specs: Vec<PolicySpec> = CANDIDATES
@@ -170,16 +171,14 @@ pub fn evaluate(
                     steady_ms: Some(0.0),
                 };
                 let mut headroom: Option<u64> = None;
-                for dt in devices {
+                for (dt, &cap) in devices.iter().zip(gpus) {
                     let ops = dt.replay_ops();
                     let peak = dt.peak_live_bytes();
-                    let cap = gpu
-                        .unwrap_or_else(|| TightCapacity::default().bytes(peak, base.granularity));
                     let mut cfg = base.clone();
                     cfg.policy = spec.policy;
                     cfg.options = spec.options.clone();
                     // Search beyond the GPU: how far a setting misses counts too.
-                    let search = min_capacity(ops, peak, &cfg, unlimited_capacity(peak).max(cap));
+                    let search = min_capacity(ops, peak, &cfg, unlimited_capacity(peak, cap));
                     v.min_capacity = match (v.min_capacity, search.min_capacity) {
                         (Some(a), Some(b)) => Some(a.max(b)),
                         _ => None,
@@ -213,6 +212,24 @@ pub fn evaluate(
     let mut v = out.into_inner().unwrap_or_else(|e| e.into_inner());
     v.sort_by_key(|(i, _)| *i);
     Ok(v.into_iter().map(|(_, v)| v).collect())
+}
+
+/// The GPU each device is judged on: `gpu` (`--gpu`, checked), or the
+/// tight device `compare` uses (1.05 x the device's peak live), checked as
+/// every device size is.
+pub fn gpu_sizes(
+    trace: &str,
+    devices: &[&DeviceTrace],
+    gpu: Option<u64>,
+    granularity: u64,
+) -> Result<Vec<u64>> {
+    devices
+        .iter()
+        .map(|d| match gpu {
+            Some(g) => Ok(g),
+            None => TightCapacity::default().bytes(trace, d.peak_live_bytes(), granularity),
+        })
+        .collect()
 }
 
 /// The best of `verdicts` that fit: the most headroom, where headroom within
@@ -291,7 +308,8 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     let base = args.sim.base_config()?;
     let gpu = match &args.gpu {
         Some(s) => {
-            let b = crate::replay_cmd::parse_capacity("--gpu", s)?;
+            // A GPU is the size it is: rounded down to whole granules.
+            let b = crate::device_size::parse_capacity("--gpu", s, 1)?;
             let r = b / base.granularity * base.granularity;
             if r == 0 {
                 bail!(
@@ -305,14 +323,8 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     };
     let trace = crate::input::load_input(&args.input)?;
     let devices: Vec<&DeviceTrace> = trace.devices.iter().collect();
-    if devices.iter().all(|d| d.replay_ops().is_empty()) {
-        bail!(
-            "{}: no allocations to replay (a snapshot needs torch.cuda.memory._record_memory_history() before the \
-             run it describes)",
-            args.input
-        );
-    }
-    for dt in &devices {
+    let gpus = gpu_sizes(&trace.name, &devices, gpu, base.granularity)?;
+    for (dt, cap) in devices.iter().zip(&gpus) {
         let peak = dt.peak_live_bytes();
         println!(
             "{} device {}: {} events, peak live {}; judged on {}",
@@ -324,12 +336,12 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                 Some(g) => format!("a {} GPU (--gpu)", format_bytes(g)),
                 None => format!(
                     "a {} device, 1.05 x peak live (give --gpu SIZE for your card)",
-                    format_bytes(TightCapacity::default().bytes(peak, base.granularity))
+                    format_bytes(*cap)
                 ),
             }
         );
     }
-    let verdicts = evaluate(&devices, gpu, &base)?;
+    let verdicts = evaluate(&devices, &gpus, &base)?;
     println!();
     let header = [
         "setting (replayed as)",
@@ -357,7 +369,8 @@ pub fn run(args: AdviseArgs) -> Result<()> {
             ]
         })
         .collect();
-    let w: Vec<usize> = (0..6)
+    let width = crate::compare::TERMINAL_WIDTH;
+    let mut w: Vec<usize> = (0..6)
         .map(|i| {
             rows.iter()
                 .map(|r| r[i].len())
@@ -366,8 +379,16 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                 .unwrap_or(0)
         })
         .collect();
+    // The table fits the terminal width: a setting too long for the first
+    // column gets a line of its own, its figures on the next.
+    let figures: usize = w[1..].iter().map(|x| x + 2).sum();
+    w[0] = w[0].min(width.saturating_sub(figures)).max(header[0].len());
     let line = |cells: [&str; 6]| {
-        let mut s = format!("{:<w0$}", cells[0], w0 = w[0]);
+        let mut s = if cells[0].len() > w[0] {
+            format!("{}\n{:<w0$}", cells[0], "", w0 = w[0])
+        } else {
+            format!("{:<w0$}", cells[0], w0 = w[0])
+        };
         for i in 1..6 {
             s.push_str(&format!("  {:>wi$}", cells[i], wi = w[i]));
         }
@@ -377,33 +398,46 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     for r in &rows {
         line([&r[0], &r[1], &r[2], &r[3], &r[4], &r[5]]);
     }
-    println!(
-        "\nneeds: the smallest device that replays the trace (bisection to {} MiB); headroom: the GPU minus that; \
-         cold / steady ms: modeled driver time ({} cost model) of the first replay on the GPU and of a further one \
-         (every later iteration). Each setting was replayed, not estimated. Best: the most headroom, where \
-         headroom within 1 % of the GPU counts as a tie and the lower driver time per further pass decides; \
-         where PyTorch's best setting ties with the plug-in (headroom within 1 %, driver time per further pass \
-         within 1 ms or 5 %), stay with PyTorch's.",
-        base.granularity >> 20,
-        base.cost_label
+    println!();
+    print!(
+        "{}",
+        crate::compare::wrap(
+            &format!(
+                "needs: the smallest device that replays the trace (bisection to {} MiB); headroom: the GPU minus that; \
+                 cold / steady ms: modeled driver time ({} cost model) of the first replay on the GPU and of a further one \
+                 (every later iteration). Each setting was replayed, not estimated. Best: the most headroom, where \
+                 headroom within 1 % of the GPU counts as a tie and the lower driver time per further pass decides; \
+                 where PyTorch's best setting ties with the plug-in (headroom within 1 %, driver time per further pass \
+                 within 1 ms or 5 %), stay with PyTorch's.",
+                base.granularity >> 20,
+                base.cost_label
+            ),
+            width
+        )
     );
     // Headroom within 1 % of the GPU (at least one granule) is a tie.
-    let gpu_ref = gpu.unwrap_or_else(|| {
-        devices
-            .iter()
-            .map(|d| TightCapacity::default().bytes(d.peak_live_bytes(), base.granularity))
-            .max()
-            .unwrap_or(0)
-    });
+    let gpu_ref = gpus.iter().copied().max().unwrap_or(0);
     let tie = (gpu_ref / 100).max(base.granularity);
     let say = |who: &str, v: &Verdict| {
-        println!(
-            "{who}: {} — headroom {}, driver time {:.1} ms cold, {} ms per further pass.",
-            v.candidate.spec,
-            v.headroom.map_or("-".into(), format_bytes),
-            v.cold_ms,
-            ms(v.steady_ms)
+        print!(
+            "{}",
+            crate::compare::wrap(
+                &format!(
+                    "{who}: {} — headroom {}, driver time {:.1} ms cold, {} ms per further pass.",
+                    v.candidate.spec,
+                    v.headroom.map_or("-".into(), format_bytes),
+                    v.cold_ms,
+                    ms(v.steady_ms)
+                ),
+                width
+            )
         );
+    };
+    // An indented paragraph, wrapped to the width.
+    let indented = |text: &str| {
+        for l in crate::compare::wrap(text, width - 2).lines() {
+            println!("  {l}");
+        }
     };
     let pytorch = best(verdicts.iter().filter(|v| v.candidate.pytorch), tie);
     let overall = recommend(&verdicts, tie);
@@ -427,10 +461,16 @@ pub fn run(args: AdviseArgs) -> Result<()> {
             .filter_map(|v| Some((v.min_capacity?, v)))
             .min_by_key(|(m, _)| *m)
         {
-            Some((m, v)) => println!(
-                "Keeping PyTorch's allocator: no setting of it fits; the closest, {}, needs {}.",
-                v.candidate.spec,
-                format_bytes(m)
+            Some((m, v)) => print!(
+                "{}",
+                crate::compare::wrap(
+                    &format!(
+                        "Keeping PyTorch's allocator: no setting of it fits; the closest, {}, needs {}.",
+                        v.candidate.spec,
+                        format_bytes(m)
+                    ),
+                    width
+                )
             ),
             None => println!("Keeping PyTorch's allocator: no setting of it fits."),
         },
@@ -440,21 +480,23 @@ pub fn run(args: AdviseArgs) -> Result<()> {
             say("Best", v);
             if tied {
                 let plugin = best(verdicts.iter(), tie).expect("a best exists");
-                println!(
-                    "  {} ties with it (headroom {}, {} ms per further pass): staying with PyTorch's own allocator \
+                indented(&format!(
+                    "{} ties with it (headroom {}, {} ms per further pass): staying with PyTorch's own allocator \
                      needs no plug-in and keeps everything PyTorch supports.",
                     plugin.candidate.spec,
                     plugin.headroom.map_or("-".into(), format_bytes),
                     ms(plugin.steady_ms)
-                );
+                ));
             }
             if !v.candidate.also.is_empty() {
-                println!("  {}", v.candidate.also);
+                indented(v.candidate.also);
             }
             if !v.candidate.pytorch {
                 println!("  What the plug-in does not support yet (docs/pytorch.md, \"Limits\"):");
                 for l in PLUGIN_LIMITS {
-                    println!("  - {l}");
+                    for (i, part) in crate::compare::wrap(l, width - 4).lines().enumerate() {
+                        println!("  {} {part}", if i == 0 { "-" } else { " " });
+                    }
                 }
             }
             println!("{}", v.candidate.env);

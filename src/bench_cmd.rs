@@ -35,6 +35,9 @@ pub struct BenchArgs {
     /// round is reported (so noise hits every policy alike).
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// Where output folders may be created.
+    #[command(flatten)]
+    pub mkdir: crate::output_path::MkdirArg,
 }
 
 fn device(kind: &str) -> Result<Arc<dyn Device>> {
@@ -95,6 +98,9 @@ fn sim_note(policies: &[Policy]) -> Option<String> {
 /// Runs `vmmalloc bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
     let policies = parse_policies(&args.policies)?;
+    if let Some(j) = args.json.as_deref().filter(|j| *j != "-") {
+        crate::output_path::prepare_file("--json", std::path::Path::new(j), args.mkdir.mkdir)?;
+    }
     if args.rounds == 0 {
         bail!("--rounds must be positive");
     }
@@ -119,17 +125,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let mut pols = Map::new();
     let to_stdout = args.json.as_deref() == Some("-");
-    if !to_stdout {
-        println!(
-            "{:<12} {:>16} {:>14} {:>16} {:>16} {:>8}",
-            "policy",
-            "pair ns median",
-            "pair ns p99",
-            "1 thread pairs/s",
-            "2 threads pairs/s",
-            "2t / 1t"
-        );
-    }
+    let mut lines: Vec<Vec<String>> = vec![[
+        "policy",
+        "pair ns median",
+        "pair ns p99",
+        "1 thread pairs/s",
+        "2 threads pairs/s",
+        "2t / 1t",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()];
     for (p, f) in policies.iter().zip(&figs) {
         let (med, p99, one, two) = (
             median(&f.median),
@@ -141,33 +147,52 @@ pub fn run(args: BenchArgs) -> Result<()> {
             p.name().to_string(),
             json!({"pair_ns_median": med, "pair_ns_p99": p99, "threads": {"1": one, "2": two}}),
         );
-        if !to_stdout {
-            println!(
-                "{:<12} {med:>16.1} {p99:>14.1} {one:>16.0} {two:>17.0} {:>8.2}",
-                p.name(),
-                two / one
-            );
-        }
+        lines.push(vec![
+            p.name().to_string(),
+            format!("{med:.1}"),
+            format!("{p99:.1}"),
+            format!("{one:.0}"),
+            format!("{two:.0}"),
+            format!("{:.2}", two / one),
+        ]);
     }
     if !to_stdout {
+        print!("{}", crate::compare::align(&lines, 1));
+        let width = crate::compare::TERMINAL_WIDTH;
         if let Some(first) = figs.first() {
             let base = median(&first.median);
             for (p, f) in policies.iter().zip(&figs).skip(1) {
                 let r = base / median(&f.median);
-                println!(
-                    "pair time {} / {}: {r:.2} ({}'s median pair takes {r:.2}x {}'s; below 1: {} is faster)",
-                    policies[0], p, policies[0], p, policies[0]
+                print!(
+                    "{}",
+                    crate::compare::wrap(
+                        &format!(
+                            "pair time {} / {}: {r:.2} ({}'s median pair takes {r:.2}x {}'s; below 1: {} is faster)",
+                            policies[0], p, policies[0], p, policies[0]
+                        ),
+                        width
+                    )
                 );
             }
         }
-        println!(
-            "device {}, {} pairs of 1 MiB per policy and round, median of {} rounds; \
-             2t / 1t = pairs/s with 2 threads on 2 streams divided by pairs/s with 1 thread (2.00: perfect scaling)",
-            args.device, args.iters, args.rounds
+        print!(
+            "{}",
+            crate::compare::wrap(
+                &format!(
+                    "device {}, {} pairs of 1 MiB per policy and round, median of {} round{}; \
+                     2t / 1t = pairs/s with 2 threads on 2 streams divided by pairs/s with 1 thread \
+                     (2.00: perfect scaling)",
+                    args.device,
+                    args.iters,
+                    args.rounds,
+                    if args.rounds == 1 { "" } else { "s" }
+                ),
+                width
+            )
         );
         if args.device == "sim" {
             if let Some(note) = sim_note(&policies) {
-                println!("{note}");
+                print!("{}", crate::compare::wrap(&note, width));
             }
         }
     }

@@ -57,6 +57,9 @@ pub struct CalibrateArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: u32,
+    /// Where output folders may be created.
+    #[command(flatten)]
+    pub mkdir: crate::output_path::MkdirArg,
 }
 
 /// Summary of one point's samples, in microseconds.
@@ -352,6 +355,9 @@ pub fn cost_file(points: &[Point], meta: Map<String, Value>) -> (Value, String) 
 
 /// Runs `vmmalloc calibrate`.
 pub fn run(args: CalibrateArgs) -> Result<()> {
+    if let Some(path) = &args.json {
+        crate::output_path::prepare_file("--json", path, args.mkdir.mkdir)?;
+    }
     let dev = CudaDevice::open(args.device)
         .map_err(|e| anyhow::anyhow!("calibrate needs an NVIDIA GPU with the CUDA driver: {e}"))?;
     let driver_version = cuda::driver_version().ok();
@@ -384,10 +390,6 @@ pub fn run(args: CalibrateArgs) -> Result<()> {
         doc["preset_distance"], doc["fit_distance"]
     );
     if let Some(path) = &args.json {
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent)
-                .with_context(|| format!("creating {}", parent.display()))?;
-        }
         std::fs::write(path, format!("{text}\n"))
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!(

@@ -1,6 +1,7 @@
 //! `vmmalloc compare`: replay traces against every policy, find each one's
 //! smallest device, and report overhead and driver cost.
 
+use crate::device_size::unlimited_capacity;
 use crate::input::{load_inputs, resolve_input};
 use crate::report;
 use anyhow::{bail, Context, Result};
@@ -12,14 +13,17 @@ use std::time::Instant;
 use vmmalloc_alloc::{split_policy_specs, Policy, PolicySpec};
 use vmmalloc_device::cost::CostModel;
 use vmmalloc_device::{round_up, Call, CallCounts, GIB, MIB};
-use vmmalloc_trace::replay::{min_capacity, replay, ReplayConfig, ReplayResult, SteadyResult};
+use vmmalloc_trace::replay::{
+    check_config, min_capacity, replay, ReplayConfig, ReplayResult, SteadyResult,
+};
 use vmmalloc_trace::DeviceTrace;
 
 /// Arguments of `vmmalloc compare`.
 #[derive(clap::Args, Debug)]
 pub struct CompareArgs {
     /// Snapshots (.pickle), text traces, or workload names (`train-varlen`,
-    /// `serve-kv:seed=3`, ...). Default: the bundled snapshot and the three workloads.
+    /// `serve-kv:seed=3`, ...). Default: the bundled snapshot and every built-in workload
+    /// (`vmmalloc workloads` lists them).
     pub inputs: Vec<String>,
     /// Policies to compare, comma-separated, each `NAME[:key=value,...]`
     /// with policy options, e.g. `expandable,expandable:max_chunk=20MiB,caching`
@@ -46,9 +50,9 @@ pub struct CompareArgs {
     )]
     pub capacity: Option<String>,
     /// The tight capacity as a multiple of each trace's peak live bytes
-    /// (rounded up to the granularity).
-    #[arg(long, value_name = "F", default_value_t = DEFAULT_TIGHT_FACTOR)]
-    pub tight_factor: f64,
+    /// (at least 1; rounded up to the granularity) [default: 1.05].
+    #[arg(long, value_name = "F", allow_hyphen_values = true)]
+    pub tight_factor: Option<String>,
     /// Exit with an error if any policy ran out of memory at the tight (or
     /// `--capacity`) device, or any replay stopped early (for scripts and CI).
     #[arg(long)]
@@ -57,6 +61,9 @@ pub struct CompareArgs {
     /// wide) instead of the table that fits 100 columns.
     #[arg(long)]
     pub wide: bool,
+    /// Where output folders may be created.
+    #[command(flatten)]
+    pub mkdir: crate::output_path::MkdirArg,
 }
 
 /// The width the default output fits (table, wrapped notes, conclusion).
@@ -81,11 +88,25 @@ impl Default for TightCapacity {
 }
 
 impl TightCapacity {
-    /// The capacity for a trace of `peak_live` bytes, rounded up to `granularity`.
-    pub fn bytes(self, peak_live: u64, granularity: u64) -> u64 {
+    /// The device for trace `trace` of `peak_live` bytes, rounded up to
+    /// `granularity`, checked as every device size is
+    /// ([`crate::device_size::device_size`]).
+    pub fn bytes(self, trace: &str, peak_live: u64, granularity: u64) -> Result<u64> {
         match self {
-            TightCapacity::Factor(f) => round_up((peak_live as f64 * f).ceil() as u64, granularity),
-            TightCapacity::Fixed(b) => round_up(b, granularity),
+            TightCapacity::Factor(f) => crate::device_size::factor_size(
+                &format!(
+                    "{trace}: the tight device, {f} x peak live ({})",
+                    crate::replay_cmd::format_bytes(peak_live)
+                ),
+                f,
+                peak_live,
+                granularity,
+            ),
+            TightCapacity::Fixed(b) => crate::device_size::device_size(
+                &format!("--capacity {}", crate::replay_cmd::format_bytes(b)),
+                b.into(),
+                granularity,
+            ),
         }
     }
 
@@ -250,11 +271,6 @@ pub const SYNCS_LEGEND: &str =
     "syncs = stream/event waits (s/e: cuStreamSynchronize, cuEventSynchronize) + device-wide \
      synchronizations (dev: cuCtxSynchronize and every cuMemFree, which synchronizes the device)";
 
-/// Capacity of the "unlimited" device: far above any trace's need.
-pub fn unlimited_capacity(peak_live: u64) -> u64 {
-    round_up((peak_live * 8).max(80 * GIB), GIB)
-}
-
 /// Measures one device trace against the policies: capacity search, then
 /// the tight replays (on the device `tight` describes; `TightCapacity::default()`
 /// is 1.05 x peak live) and the unlimited ones, each cold and steady, priced
@@ -266,13 +282,13 @@ pub fn measure(
     base: &ReplayConfig,
     tight: TightCapacity,
     tick: &(dyn Fn() + Sync),
-) -> TraceRow {
+) -> Result<TraceRow> {
     let ops = dt.replay_ops();
     let second = second_preset(&base.cost_label);
     let second_model = CostModel::preset(second).expect("a preset name");
     let peak_live = dt.peak_live_bytes();
-    let tight_cap = tight.bytes(peak_live, base.granularity);
-    let unl = unlimited_capacity(peak_live);
+    let tight_cap = tight.bytes(name, peak_live, base.granularity)?;
+    let unl = unlimited_capacity(peak_live, tight_cap);
     let rows: Mutex<Vec<PolicyRow>> = Mutex::new(Vec::new());
     let next = std::sync::atomic::AtomicUsize::new(0);
     let workers = std::thread::available_parallelism()
@@ -313,7 +329,7 @@ pub fn measure(
     });
     let mut policies_rows = rows.into_inner().unwrap();
     policies_rows.sort_by_key(|r| policies.iter().position(|p| p.label == r.spec.label));
-    TraceRow {
+    Ok(TraceRow {
         name: name.to_string(),
         device: dt.device(),
         events: dt.events().len(),
@@ -326,7 +342,7 @@ pub fn measure(
         op_times_s: op_times_s(dt),
         second_cost: second,
         policies: policies_rows,
-    }
+    })
 }
 
 /// Seconds since the first replayed event at each op of `dt.replay_ops()`
@@ -459,9 +475,10 @@ pub fn wrap(text: &str, width: usize) -> String {
     out
 }
 
-/// Aligns `lines` (first: the header) in columns, the first left-aligned and
-/// the rest right-aligned, with a rule under the header.
-fn align(lines: &[Vec<String>], left: usize) -> String {
+/// Aligns `lines` (first: the header) in columns, the first `left` ones
+/// left-aligned and the rest right-aligned, two spaces apart, with a rule
+/// under the header.
+pub fn align(lines: &[Vec<String>], left: usize) -> String {
     let widths: Vec<usize> = (0..lines[0].len())
         .map(|i| {
             lines
@@ -525,7 +542,7 @@ pub fn narrow_table(rows: &[TraceRow]) -> String {
         .collect()];
         for p in &t.policies {
             let steady = p.tight.steady.as_ref();
-            let tight = if p.tight.ok && steady.is_none_or(|s| s.ok) {
+            let tight = if p.fits() {
                 "ok".to_string()
             } else {
                 format!(
@@ -546,10 +563,7 @@ pub fn narrow_table(rows: &[TraceRow]) -> String {
                     p.tight.memory_calls().to_string(),
                     steady.map(|s| s.memory_calls().to_string()),
                 ),
-                pair(
-                    format!("{:.1}", p.tight.modeled_driver_us / 1000.0),
-                    steady.map(|s| format!("{:.1}", s.modeled_driver_us / 1000.0)),
-                ),
+                pair(p.cold_ms_cell(), p.steady_ms_cell()),
                 pair(
                     p.tight.driver_calls.syncs().to_string(),
                     steady.map(|s| s.driver_calls.syncs().to_string()),
@@ -557,127 +571,36 @@ pub fn narrow_table(rows: &[TraceRow]) -> String {
             ]);
         }
         out.push_str(&align(&lines, 1));
+        for note in steady_notes(t) {
+            for l in wrap(&note, TERMINAL_WIDTH - 2).lines() {
+                out.push_str(&format!("  {l}\n"));
+            }
+        }
     }
     out
 }
 
-/// Two or three sentences that answer "which allocator, and why" from the
-/// rows: which policy needs the smallest device on how many traces and by how
-/// much against PyTorch's allocators, what it pays per further pass, and the
-/// advice that follows. Empty without an `expandable` row and a PyTorch one.
-pub fn conclusion(rows: &[TraceRow]) -> String {
-    fn plain(t: &TraceRow, p: Policy) -> Option<&PolicyRow> {
-        t.policies
-            .iter()
-            .find(|r| r.policy == p && r.spec.is_plain())
-    }
-    let mut traces = 0usize;
-    let mut smallest = 0usize; // traces where expandable needs the least (within 1 %)
-    let mut best_gain: Option<(f64, String, &'static str)> = None; // % less than a PyTorch policy
-    let mut tie_everywhere = true;
-    let (mut e_ms, mut p_ms) = (0.0f64, Vec::<(&'static str, f64)>::new());
-    for t in rows {
-        let Some(e) = plain(t, Policy::Expandable) else {
-            continue;
-        };
-        let pytorch: Vec<&PolicyRow> = [Policy::Caching, Policy::TorchEs]
-            .into_iter()
-            .filter_map(|p| plain(t, p))
-            .collect();
-        if pytorch.is_empty() {
-            continue;
-        }
-        traces += 1;
-        let steady = |r: &PolicyRow| {
-            r.tight
-                .steady
-                .as_ref()
-                .map_or(0.0, |s| s.modeled_driver_us / 1000.0)
-        };
-        e_ms += steady(e);
-        for r in &pytorch {
-            match p_ms.iter_mut().find(|(n, _)| *n == r.policy.name()) {
-                Some((_, ms)) => *ms += steady(r),
-                None => p_ms.push((r.policy.name(), steady(r))),
-            }
-        }
-        let Some(ec) = e.min_capacity else {
-            tie_everywhere = false;
-            continue;
-        };
-        let mut least = true;
-        for r in &pytorch {
-            match r.min_capacity {
-                Some(c) if (ec as f64) > c as f64 * 1.01 => {
-                    least = false;
-                    tie_everywhere = false;
-                }
-                Some(c) => {
-                    let gain = (c as f64 - ec as f64) / c as f64 * 100.0;
-                    if gain > 1.0 {
-                        tie_everywhere = false;
-                    }
-                    if best_gain.as_ref().is_none_or(|(g, ..)| gain > *g) {
-                        best_gain = Some((gain, t.name.clone(), r.policy.name()));
-                    }
-                }
-                None => {
-                    tie_everywhere = false;
-                    if best_gain.as_ref().is_none_or(|(g, ..)| *g < f64::INFINITY) {
-                        best_gain = Some((f64::INFINITY, t.name.clone(), r.policy.name()));
-                    }
-                }
-            }
-        }
-        if least {
-            smallest += 1;
-        }
-    }
-    if traces == 0 {
-        return String::new();
-    }
-    let mut s = format!(
-        "Conclusion: expandable needs the smallest device (within 1 %) on {smallest} of {traces} trace{}",
-        if traces == 1 { "" } else { "s" }
-    );
-    match &best_gain {
-        Some((g, name, p)) if g.is_infinite() => {
-            s.push_str(&format!(
-                "; on {name}, {p} found no device that fits at all"
-            ));
-        }
-        Some((g, name, p)) if *g > 1.0 => {
-            s.push_str(&format!(
-                ", up to {g:.1} % less memory than {p} (on {name})"
-            ));
-        }
-        _ => {}
-    }
-    s.push_str(&format!(
-        ". Per further pass it spends {e_ms:.1} ms of modeled driver time, against {} (summed over the traces).",
-        p_ms.iter()
-            .map(|(n, ms)| format!("{ms:.1} ms for {n}"))
-            .collect::<Vec<_>>()
-            .join(" and ")
-    ));
-    let cheapest_pytorch = p_ms.iter().map(|(_, ms)| *ms).fold(f64::INFINITY, f64::min);
-    if tie_everywhere {
-        s.push_str(
-            " Memory does not decide here: where PyTorch's caching allocator fits as well, keep it \
-             (`vmmalloc advise` checks your trace and GPU).",
-        );
-    } else if smallest == traces && e_ms <= cheapest_pytorch + 1.0 {
-        s.push_str(" So expandable: it fits the tightest GPU and pays no more driver time for it.");
-    } else if smallest == traces {
-        s.push_str(
-            " So expandable where memory is tight; where PyTorch's allocators fit, they spend less driver time \
-             (`vmmalloc advise` weighs both for your GPU).",
-        );
-    } else {
-        s.push_str(" Neither wins everywhere: `vmmalloc advise` weighs memory and driver time for your trace and GPU.");
-    }
-    s.push('\n');
-    s
+/// One line per policy that fits the tight device yet makes more calls per
+/// further pass there than on the unlimited device: the steady column's
+/// cost is the lack of room (pages unmapped to make room and mapped again
+/// on every pass), not the policy's steady state; printed under the trace's
+/// rows, indented.
+pub fn steady_notes(t: &TraceRow) -> Vec<String> {
+    t.policies
+        .iter()
+        .filter(|p| p.fits())
+        .filter_map(|p| {
+            let tight = p.tight.steady.as_ref()?.memory_calls();
+            let roomy = p.unlimited.steady.as_ref()?.memory_calls();
+            (tight > roomy).then(|| {
+                format!(
+                    "{}: steady {tight} calls here, {roomy} on {} (unlimited): it unmaps to make room each pass",
+                    p.label(),
+                    crate::replay_cmd::format_bytes(p.unlimited.capacity)
+                )
+            })
+        })
+        .collect()
 }
 
 /// The comparison table with every column (plain text, aligned; `--wide`).
@@ -811,11 +734,7 @@ impl SimArgs {
         let (model, label) = CostModel::select(self.cost.as_deref(), self.cost_file.as_deref())?;
         cfg.cost = model;
         cfg.cost_label = label;
-        let g = self.granularity_mb;
-        if g == 0 || !g.is_power_of_two() {
-            bail!("--granularity-mb must be a power of two, got {g}");
-        }
-        cfg.granularity = g * MIB;
+        cfg.granularity = crate::device_size::granularity(self.granularity_mb)?;
         Ok(cfg)
     }
 }
@@ -824,17 +743,39 @@ impl SimArgs {
 pub fn run(args: CompareArgs) -> Result<()> {
     let policies = parse_policy_specs(&args.policies)?;
     let base = args.sim.base_config()?;
-    let tight = match &args.capacity {
-        Some(c) => TightCapacity::Fixed(crate::replay_cmd::parse_capacity("--capacity", c)?),
-        None => {
-            let f = args.tight_factor;
-            if !(f.is_finite() && f >= 1.0) {
-                bail!("--tight-factor must be a number >= 1 (a multiple of peak live), got {f}");
-            }
-            TightCapacity::Factor(f)
+    let tight = match (&args.capacity, &args.tight_factor) {
+        (Some(c), _) => {
+            crate::device_size::parse_capacity("--capacity", c, base.granularity)?;
+            TightCapacity::Fixed(crate::replay_cmd::parse_size(c)?)
         }
+        (None, Some(f)) => {
+            TightCapacity::Factor(crate::device_size::parse_factor("--tight-factor", f)?)
+        }
+        (None, None) => TightCapacity::default(),
     };
+    // Where the results go, before anything runs.
+    let mkdir = args.mkdir.mkdir;
+    if let Some(dir) = &args.out {
+        crate::output_path::prepare_dir("--out", dir, mkdir)?;
+    }
+    if let Some(j) = args.json.as_deref().filter(|j| *j != "-") {
+        crate::output_path::prepare_file("--json", std::path::Path::new(j), mkdir)?;
+    }
     let traces = load_inputs(&args.inputs)?;
+    // Every device size and every policy's options, before anything runs.
+    for t in &traces {
+        for dt in &t.devices {
+            let cap = tight.bytes(&t.name, dt.peak_live_bytes(), base.granularity)?;
+            for spec in &policies {
+                let mut cfg = base.clone();
+                cfg.policy = spec.policy;
+                cfg.options = spec.options.clone();
+                cfg.capacity = cap;
+                check_config(&cfg)
+                    .map_err(|e| anyhow::anyhow!("--policies {}: {e}", spec.label))?;
+            }
+        }
+    }
     for t in &traces {
         for dt in &t.devices {
             print_reader_warnings(&t.name, dt);
@@ -867,39 +808,48 @@ pub fn run(args: CompareArgs) -> Result<()> {
     for t in &traces {
         for dt in &t.devices {
             bar.set_message(format!("{} (device {})", t.name, dt.device()));
-            rows.push(measure(&t.name, dt, &policies, &base, tight, &tick));
+            rows.push(measure(&t.name, dt, &policies, &base, tight, &tick)?);
         }
     }
     bar.finish_and_clear();
     let json_to_stdout = args.json.as_deref() == Some("-");
     if !json_to_stdout {
-        let notes = format!(
-            "cost model: {}. overhead = min capacity / peak live; memory calls, modeled driver time and syncs at the tight capacity \
-             ({}, rounded up to the {} MiB granularity): cold = first replay, steady = second replay after freeing what the first left live \
-             (what every later iteration pays); cold ms {second} = the cold calls priced by the {second} preset; teardown excluded; {SYNCS_LEGEND}.",
-            base.cost_label,
+        let rule = format!(
+            "{}, rounded up to the {} MiB granularity",
             tight.describe(base.granularity),
-            base.granularity / MIB,
-            second = second_preset(&base.cost_label)
+            base.granularity / MIB
         );
+        let second = second_preset(&base.cost_label);
         if args.wide {
             print!("{}", table(&rows));
-            println!("{notes}");
+            println!(
+                "cost model: {}. overhead = min capacity / peak live; memory calls, modeled driver time and syncs at the tight capacity \
+                 ({rule}): cold = first replay, steady = second replay after freeing what the first left live \
+                 (what every later iteration pays); cold ms {second} = the cold calls priced by the {second} preset; teardown excluded; \
+                 {SYNCS_LEGEND}.",
+                base.cost_label,
+            );
         } else {
             print!("{}", narrow_table(&rows));
             println!();
-            print!("{}", wrap(&notes, TERMINAL_WIDTH));
             print!(
                 "{}",
                 wrap(
-                    "tight: ok, or no (out-of-memory errors of the cold/steady replay); calls, ms and syncs: cold / steady. \
-                     --wide prints every column (syncs by kind, the cold calls priced by a second preset).",
+                    &format!(
+                        "cost model: {}. overhead = min capacity / peak live. tight: the device the calls, driver ms \
+                         and syncs were measured on ({rule}): ok, or no (out-of-memory errors of the cold / steady \
+                         replay). cold = first replay, steady = second replay after freeing what the first left \
+                         live (what every later iteration pays); teardown excluded; syncs = stream/event waits + \
+                         device-wide synchronizations (cuCtxSynchronize and every cuMemFree). --wide prints every \
+                         column (syncs by kind, the cold calls priced by the {second} preset).",
+                        base.cost_label
+                    ),
                     TERMINAL_WIDTH
                 )
             );
         }
         print!("{sleep_section}");
-        let c = conclusion(&rows);
+        let c = crate::conclusion::conclusion(&rows);
         if !c.is_empty() {
             println!();
             print!(
@@ -923,12 +873,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
         if j == "-" {
             println!("{text}");
         } else {
-            let path = std::path::Path::new(j);
-            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                std::fs::create_dir_all(parent)
-                    .with_context(|| format!("creating {}", parent.display()))?;
-            }
-            std::fs::write(path, text + "\n").with_context(|| format!("writing {j}"))?;
+            std::fs::write(j, text + "\n").with_context(|| format!("writing {j}"))?;
         }
     }
     if let Some(dir) = &args.out {

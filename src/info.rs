@@ -114,9 +114,12 @@ fn pytorch_check() -> Result<(String, String), String> {
         .find(|l| !l.trim().is_empty())
         .unwrap_or("no output");
     let hint = if why.contains("No module named vmmalloc") {
-        " (install the package: pip install ./python)"
+        format!(
+            " (install the package into that Python: pip install ./python; or name the \
+             Python that has it, e.g. a virtual environment's: {PYTHON_ENV}=.venv/bin/python)"
+        )
     } else {
-        ""
+        String::new()
     };
     Err(format!(
         "{python} -m vmmalloc --check gave no verdict ({}){hint}",

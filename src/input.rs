@@ -3,7 +3,7 @@
 //! pickle, a text trace, a workload spec (`train-varlen`, `serve-kv:seed=3`),
 //! or the bundled snapshot's name ([`BUILTIN_FIXTURE_NAME`]).
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use vmmalloc_trace::{Input, Trace};
 
 /// The bundled real snapshot (a CS336 language-model training step).
@@ -39,18 +39,29 @@ pub fn default_inputs() -> Vec<String> {
 }
 
 /// Reads (or generates) one input, as every command does. Errors name the
-/// input once and say what it is not.
+/// input once and say what it is not; an input with no allocation to replay
+/// on any device (a header-only text trace) is the same error for every
+/// command ([`NOTHING_TO_REPLAY`]).
 pub fn load_input(s: &str) -> Result<Trace> {
     let resolved = resolve_input(s);
     let input: Input = resolved.parse().with_context(|| {
         format!("input `{s}` (the bundled snapshot is `{BUILTIN_FIXTURE_NAME}`)")
     })?;
     // A file's errors already start with its path.
-    match &input {
+    let trace = match &input {
         Input::Path(_) => input.load().map_err(anyhow::Error::from),
         Input::Workload(_) => input.load().with_context(|| format!("workload `{s}`")),
+    }?;
+    if trace.devices.iter().all(|d| d.replay_ops().is_empty()) {
+        bail!("{s}: {NOTHING_TO_REPLAY}");
     }
+    Ok(trace)
 }
+
+/// What every command says of an input with no allocation to replay.
+pub const NOTHING_TO_REPLAY: &str = "no allocations to replay (a snapshot needs \
+     torch.cuda.memory._record_memory_history() before the run it describes; a text trace needs \
+     `alloc` or `pre` lines, docs/trace-format.md)";
 
 /// Loads `inputs` with [`load_input`], or the default set when empty.
 pub fn load_inputs(inputs: &[String]) -> Result<Vec<Trace>> {

@@ -5,9 +5,12 @@ mod advise;
 mod bench_cmd;
 mod calibrate;
 mod compare;
+mod conclusion;
+mod device_size;
 mod html;
 mod info;
 mod input;
+mod output_path;
 mod point;
 mod replay_cmd;
 mod report;
@@ -23,7 +26,7 @@ use std::process::ExitCode;
 
 /// vmmalloc — a GPU memory allocator on the CUDA virtual-memory API, and the tools to compare it.
 #[derive(Parser)]
-#[command(name = "vmmalloc", version, about)]
+#[command(name = "vmmalloc", version, about, max_term_width = 100)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

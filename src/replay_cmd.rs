@@ -5,7 +5,7 @@ use crate::input::load_inputs;
 use anyhow::{bail, Result};
 use vmmalloc_alloc::PolicySpec;
 use vmmalloc_device::Call;
-use vmmalloc_trace::replay::{replay, ReplayConfig};
+use vmmalloc_trace::replay::{check_config, replay, ReplayConfig};
 
 /// Arguments of `vmmalloc replay`.
 #[derive(clap::Args, Debug)]
@@ -41,15 +41,19 @@ pub struct ReplayArgs {
 impl ReplayArgs {
     /// The replay configuration these options describe (policy, capacity
     /// rounded up to the granularity, cost model).
+    ///
+    /// The capacity is checked as every device size is
+    /// ([`crate::device_size`]), and the policy is created once with its
+    /// options on that device, so that a bad option is one error before
+    /// anything runs.
     pub fn config(&self) -> Result<ReplayConfig> {
         let spec: PolicySpec = self.policy.parse()?;
         let mut cfg = self.sim.base_config()?;
         cfg.policy = spec.policy;
         cfg.options = spec.options;
-        cfg.capacity = vmmalloc_device::round_up(
-            parse_capacity("--capacity", &self.capacity)?,
-            cfg.granularity,
-        );
+        cfg.capacity =
+            crate::device_size::parse_capacity("--capacity", &self.capacity, cfg.granularity)?;
+        check_config(&cfg).map_err(|e| anyhow::anyhow!("--policy {}: {e}", spec.label))?;
         Ok(cfg)
     }
 
@@ -71,30 +75,6 @@ impl ReplayArgs {
     pub fn selects(&self, device: u32) -> bool {
         self.device.is_none_or(|x| x == device)
     }
-}
-
-/// The largest device capacity the simulated device models: 1 TiB. Its
-/// virtual address window (`vmmalloc_device::model::VA_BASE..VA_END`, just
-/// under 16 TiB) must hold what the policies reserve: `expandable` reserves
-/// an arena of 4 x the device (docs/expandable.md), more arenas when its
-/// slices run out, and `torch-es` 1.125 x the device per (stream, pool)
-/// segment (PyTorch's expandable segments). The largest GPUs have 288 GB.
-pub const MAX_CAPACITY: u64 = 1 << 40;
-
-/// Parses a device size given by `flag` (`--capacity`, `--gpu`) and refuses
-/// one beyond [`MAX_CAPACITY`] up front, in one line naming the limit.
-pub fn parse_capacity(flag: &str, s: &str) -> Result<u64> {
-    let b = vmmalloc_alloc::parse_size(s).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
-    if b > MAX_CAPACITY {
-        bail!(
-            "{flag} {}: larger than the simulated device can model (at most {}: its {} virtual address window \
-             must hold the policies' reservations, up to 4 x the device for `expandable`)",
-            s.trim(),
-            format_bytes(MAX_CAPACITY),
-            format_bytes(vmmalloc_device::model::VA_END - vmmalloc_device::model::VA_BASE)
-        );
-    }
-    Ok(b)
 }
 
 /// Parses a size: bytes or a number with a binary (`KiB`..`TiB`, `Ki`..`Ti`)
@@ -278,22 +258,6 @@ mod tests {
         assert!(parse_size("12 parsecs").is_err());
         assert!(parse_size("-1G").is_err());
         assert!(parse_size("0").is_err());
-    }
-
-    #[test]
-    fn the_capacity_limit_fits_the_simulated_address_window_many_times() {
-        use vmmalloc_device::model::{VA_BASE, VA_END};
-        // expandable's first arena (4 x) plus torch-es's segments for a few
-        // streams (1.125 x each) fit with room to spare.
-        const { assert!(MAX_CAPACITY * 15 <= VA_END - VA_BASE) };
-        assert_eq!(parse_capacity("--capacity", "1TiB").unwrap(), MAX_CAPACITY);
-        let e = parse_capacity("--capacity", "4TiB")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.starts_with("--capacity 4TiB: larger than") && e.contains("at most 1.00 TiB"),
-            "{e}"
-        );
     }
 
     #[test]

@@ -15,9 +15,18 @@ pub fn section(inputs: &[String], policies: &[PolicySpec]) -> Result<String> {
             continue;
         };
         let params = params.with_context(|| format!("input `{spec}`"))?;
-        let cap = rl_colocate::roomy_capacity(&params);
-        out.push_str(&format!(
-            "\n{spec}: device memory each phase needs (GiB), trainer and inference engine on one GPU\n"
+        // The roomy device is checked as every device size is.
+        let cap = crate::device_size::device_size(
+            &format!("{spec}: the device of the sleep table"),
+            rl_colocate::roomy_capacity(&params).into(),
+            1,
+        )?;
+        out.push('\n');
+        out.push_str(&crate::compare::wrap(
+            &format!(
+                "{spec}: device memory each phase needs (GiB), trainer and inference engine on one GPU"
+            ),
+            crate::compare::TERMINAL_WIDTH,
         ));
         out.push_str(&format!(
             "{:<28} {:<10} {:>14} {:>14}\n",
@@ -40,10 +49,11 @@ pub fn section(inputs: &[String], policies: &[PolicySpec]) -> Result<String> {
                 ));
             }
         }
-        out.push_str(
+        out.push_str(&crate::compare::wrap(
             "peak device memory in use (cuMemGetInfo total - free) on a simulated device; with sleep the idle engine is paused \
-             (weights and trainer state backed up to host memory, KV cache dropped).\n",
-        );
+             (weights and trainer state backed up to host memory, KV cache dropped).",
+            crate::compare::TERMINAL_WIDTH,
+        ));
     }
     Ok(out)
 }

@@ -22,10 +22,14 @@ pub struct SnapshotArgs {
     /// The pickle to write.
     #[arg(long)]
     pub out: PathBuf,
+    /// Where output folders may be created.
+    #[command(flatten)]
+    pub mkdir: crate::output_path::MkdirArg,
 }
 
 /// Runs `vmmalloc snapshot`.
 pub fn run(args: SnapshotArgs) -> Result<()> {
+    crate::output_path::prepare_file("--out", &args.out, args.mkdir.mkdir)?;
     let points = replay_at(&args.point, true)?;
     let snaps: Vec<_> = points
         .iter()

@@ -26,6 +26,8 @@ fn calibrate_fits_and_writes_a_cost_file_that_compare_reads() {
     let out = bin()
         .args(["calibrate", "--iterations", "3", "--json"])
         .arg(&file)
+        // The folder is outside the current directory: created on request.
+        .arg("--mkdir")
         .env("VMMALLOC_CUDA_LIBRARY", &lib)
         .env("FAKE_CUDA_CAPACITY_MB", "4096")
         .output()

@@ -139,6 +139,14 @@ def test_bad_config_names_the_key(lib, fresh):
         vmmalloc.configure("device:host,capacity_gb:4x")
 
 
+def test_python_reads_the_configuration_from_the_library(lib, fresh):
+    # One parser (the library's): `=` and `:`, the last value wins.
+    assert vmmalloc._lib.config("device=host")["device"] == "host"
+    assert vmmalloc._lib.config("device:cuda,device=host,max_chunk_mb:20")["max_chunk_mb"] == "20"
+    with pytest.raises(vmmalloc.VmmallocError, match=r"unknown key `colour`"):
+        vmmalloc._lib.config("colour:blue")
+
+
 def test_bad_env_config_fails_first_malloc(lib, tmp_path):
     code = (
         "import vmmalloc, sys\n"

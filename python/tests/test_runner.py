@@ -135,8 +135,10 @@ def test_runner_enables_then_runs_script_as_main(lib, fake_torch, tmp_path):
                           "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"}
     assert all(isinstance(p, int) and p > 0 for p in hooks.values())
     assert len(set(hooks.values())) == 7
-    # Without a real torch there is no companion: RuntimeError, said once.
-    assert out.stderr.count("UserWarning: vmmalloc: out-of-memory raises RuntimeError") == 1
+    # Without a real torch there is no companion: RuntimeError, said once,
+    # on one clean line (the runner prints enable()'s warnings as lines).
+    assert out.stderr.count("\nvmmalloc: out-of-memory raises RuntimeError") == 1, out.stderr
+    assert "UserWarning" not in out.stderr, out.stderr
     assert calls[-1] == ["change_current_allocator"]
 
 
@@ -240,6 +242,19 @@ def test_a_missing_script_or_module_is_a_clear_error(lib, fake_torch, tmp_path):
         assert calls == [], "nothing was enabled"
 
 
+def test_the_runner_prints_the_no_gpu_warning_as_one_line(lib, fake_torch, tmp_path):
+    # `python -m vmmalloc` says it as the VMMALLOC_CONF path does: one clean
+    # line, not a `UserWarning` with its source line (issue 36).
+    script = tmp_path / "noop.py"
+    script.write_text("print('RAN')\n")
+    out, _ = run_py(["-m", "vmmalloc", str(script)], fake_torch, tmp_path, FAKE_TORCH_NO_GPU="1",
+                    VMMALLOC_CONF="", PYTORCH_CUDA_ALLOC_CONF="")
+    assert out.returncode == 0 and "RAN" in out.stdout, out.stderr
+    lines = [l for l in out.stderr.splitlines() if "no CUDA GPU" in l or "warnings.warn" in l]
+    assert len(lines) == 1 and lines[0].startswith("vmmalloc: enabled with device:cuda"), out.stderr
+    assert "UserWarning" not in out.stderr, out.stderr
+
+
 def test_device_cuda_without_a_gpu_says_so(lib, fake_torch, tmp_path):
     code = "import vmmalloc; vmmalloc.enable(); print('ENABLED', vmmalloc.is_enabled())"
     env = {"VMMALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
@@ -253,6 +268,15 @@ def test_device_cuda_without_a_gpu_says_so(lib, fake_torch, tmp_path):
     out, _ = run_py(["-c", code.replace("enable()", "enable('device:host')")], fake_torch, tmp_path,
                     FAKE_TORCH_NO_GPU="1", **env)
     assert out.returncode == 0 and "no CUDA GPU" not in out.stderr, out.stderr
+    # The library reads the configuration, not Python: `=` works and the
+    # last value of a key wins (issue 36).
+    for conf in ("device=host", "device:cuda,device:host"):
+        out, _ = run_py(["-c", code], fake_torch, tmp_path, FAKE_TORCH_NO_GPU="1",
+                        VMMALLOC_CONF=conf, PYTORCH_CUDA_ALLOC_CONF="")
+        assert out.returncode == 0 and "no CUDA GPU" not in out.stderr, (conf, out.stderr)
+    out, _ = run_py(["-c", code], fake_torch, tmp_path, FAKE_TORCH_NO_GPU="1",
+                    VMMALLOC_CONF="device:host,device=cuda", PYTORCH_CUDA_ALLOC_CONF="")
+    assert "sees no CUDA GPU" in out.stderr, out.stderr
 
 
 def test_pytorch_cuda_alloc_conf_is_not_ignored_silently(lib, fake_torch, tmp_path):
@@ -266,6 +290,9 @@ def test_pytorch_cuda_alloc_conf_is_not_ignored_silently(lib, fake_torch, tmp_pa
     assert warn({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}).endswith(
         "VMMALLOC_CONF=backend:caching,expandable_segments:True")
     assert "To ask" not in warn({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    # The library reads the line: a `[...]` list stays one value (issue 36).
+    assert warn({"PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:[256:1,512:2],max_split_size_mb:64"}).endswith(
+        "VMMALLOC_CONF=roundup_power2_divisions:[256:1,512:2],max_split_size_mb:64")
     out, _ = run_py(["-c", "import vmmalloc; vmmalloc.enable('device:host')"], fake_torch, tmp_path,
                     PYTORCH_CUDA_ALLOC_CONF="backend:caching")
     assert out.returncode == 0, out.stderr

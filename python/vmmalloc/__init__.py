@@ -17,7 +17,6 @@ companion) whose message starts with "CUDA out of memory.".
 """
 
 import os
-import re
 import warnings
 
 from . import _companion, _torch
@@ -104,17 +103,14 @@ def oom_exception():
     return _oom
 
 
-def _conf_value(text, key):
-    """The value of ``key`` in VMMALLOC_CONF-style text (``key:value,...``), or None."""
-    m = re.search(r"(?:^|,)\s*%s\s*:\s*([^,]*)" % re.escape(key), text or "")
-    return m.group(1).strip() if m else None
-
-
 def _no_gpu_warning(torch, conf):
     """The warning for ``device:cuda`` (the default) on a machine where
-    PyTorch sees no CUDA GPU, or None."""
-    text = conf if conf is not None else os.environ.get("VMMALLOC_CONF", "")
-    device = _conf_value(text, "device") or "cuda"
+    PyTorch sees no CUDA GPU, or None. The device is the library's reading of
+    the configuration (``conf``, else the one in effect), never Python's."""
+    try:
+        device = _lib.config(conf)["device"]
+    except VmmallocError:
+        return None  # a bad configuration is reported where it is used
     available = getattr(getattr(torch, "cuda", None), "is_available", None)
     if device != "cuda" or available is None or available():
         return None
@@ -124,8 +120,6 @@ def _no_gpu_warning(torch, conf):
             "machine check the driver with `python -m vmmalloc --check`.")
 
 
-# PyTorch's own `backend` values (c10/cuda/CUDAAllocatorConfig.cpp, parseAllocatorConfig).
-_PYTORCH_BACKENDS = {"native": "caching", "cudamallocasync": None}
 _VMMALLOC_BACKENDS = ("expandable", "caching", "torch-es", "native")
 
 
@@ -138,27 +132,9 @@ def _pytorch_conf_warning(env=None):
     text = env.get("PYTORCH_CUDA_ALLOC_CONF", "").strip()
     if not text:
         return None
-    items = []
-    for item in (i.strip() for i in text.split(",")):
-        if not item:
-            continue
-        key, _, value = item.partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "backend":
-            if value in _VMMALLOC_BACKENDS and value != "native":
-                items.append(f"backend:{value}")
-            elif value.lower() in _PYTORCH_BACKENDS:
-                mapped = _PYTORCH_BACKENDS[value.lower()]
-                if mapped:
-                    items.append(f"backend:{mapped}")
-            continue
-        if key in ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold",
-                   "expandable_segments"):
-            items.append(f"{key}:{value}")
-    if any(i.startswith("expandable_segments:") and i.split(":", 1)[1].lower() == "true" for i in items) \
-            and not any(i.startswith("backend:") for i in items):
-        items.insert(0, "backend:caching")
-    hint = (f" To ask vmmalloc for the same, set VMMALLOC_CONF={','.join(items)}" if items else "")
+    # The library reads the line (one reader of both variables, issue 36).
+    line = _lib.pytorch_conf_line(text)
+    hint = f" To ask vmmalloc for the same, set VMMALLOC_CONF={line}" if line else ""
     return (f"vmmalloc: PYTORCH_CUDA_ALLOC_CONF={text!r} is ignored: vmmalloc replaces PyTorch's CUDA allocator, "
             f"which reads it, and is configured by VMMALLOC_CONF (same key:value syntax; backend: "
             f"{', '.join(_VMMALLOC_BACKENDS)}; PyTorch's backend:native is vmmalloc's backend:caching).{hint}")

@@ -21,6 +21,7 @@ import atexit
 import os
 import runpy
 import sys
+import warnings
 
 
 def _usage(code):
@@ -117,7 +118,14 @@ def main(argv=None):
             sys.stderr.write(f"vmmalloc: no module named {target!r} (for -m {target})\n")
             return 2
     try:
-        vmmalloc.enable(opts["conf"])
+        # enable()'s warnings (no GPU, PYTORCH_CUDA_ALLOC_CONF ignored) as one
+        # clean line each, as the VMMALLOC_CONF path (_autostart) prints them,
+        # not Python's two-line `file:line: UserWarning` form.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            vmmalloc.enable(opts["conf"])
+        for w in caught:
+            sys.stderr.write(" ".join(str(w.message).split("\n")).rstrip() + "\n")
     except (vmmalloc.VmmallocError, FileNotFoundError) as e:
         sys.stderr.write(f"vmmalloc: cannot enable: {_labelled(str(e), opts['conf'])}\n")
         return 2

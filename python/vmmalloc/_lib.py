@@ -83,6 +83,8 @@ def _declare(lib):
         "vmmalloc_validate": (c_int, [c_int]),
         "vmmalloc_configure": (c_int, [c_char_p]),
         "vmmalloc_check_config": (c_int, []),
+        "vmmalloc_config_json": (c_void_p, [c_char_p]),
+        "vmmalloc_pytorch_conf_line": (c_void_p, [c_char_p]),
         "vmmalloc_last_error": (c_char_p, []),
         "vmmalloc_version": (c_char_p, []),
         "vmmalloc_free_string": (None, [c_void_p]),
@@ -150,6 +152,24 @@ def configure(conf):
 def check_config():
     """Raises VmmallocError naming the bad key if the configuration is invalid."""
     _check(load().vmmalloc_check_config(), "vmmalloc_check_config")
+
+
+def config(conf=None):
+    """The configuration as the library parses it, a dict of every setting
+    (``{"backend": "expandable", "device": "host", ...}``): of ``conf``
+    (VMMALLOC_CONF syntax), or of the configuration in effect when None.
+    Python never parses the text itself: ``key=value`` and ``key:value``, the
+    last value of a key, every rule is the library's. Raises VmmallocError
+    naming the bad key."""
+    arg = None if conf is None else conf.encode()
+    return json.loads(_take_string(load().vmmalloc_config_json(arg), "vmmalloc_config_json"))
+
+
+def pytorch_conf_line(text):
+    """The VMMALLOC_CONF items that ask vmmalloc for what the
+    PYTORCH_CUDA_ALLOC_CONF ``text`` asks PyTorch for ("" when nothing
+    carries over), as the library reads both variables."""
+    return _take_string(load().vmmalloc_pytorch_conf_line(text.encode()), "vmmalloc_pytorch_conf_line")
 
 
 def memory_stats(device=0):

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod conclusion;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -62,4 +64,44 @@ pub fn tmpdir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// The CLI with `RUST_BACKTRACE=1`, as many Rust users (and some machines)
+/// have it set: user errors must stay one line anyway.
+pub fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_vmmalloc"));
+    c.env("RUST_BACKTRACE", "1");
+    c
+}
+
+/// Runs the CLI with `RUST_BACKTRACE=1` ([`bin`]).
+pub fn run_bt(args: &[&str]) -> Output {
+    bin().args(args).output().unwrap()
+}
+
+/// Runs the CLI with `RUST_BACKTRACE=1`, asserts success, returns standard output.
+pub fn ok_bt(args: &[&str]) -> String {
+    stdout(&succeeded(args, run_bt(args)))
+}
+
+/// Runs a command that must fail with a user error, with `RUST_BACKTRACE=1`:
+/// exit status 1 and exactly one line on standard error (`note:` lines
+/// aside), `Error: ...`, no backtrace, no panic. Returns that line.
+pub fn user_error(args: &[&str]) -> String {
+    let o = run_bt(args);
+    let err = stderr(&o);
+    assert!(
+        !o.status.success(),
+        "vmmalloc {args:?} succeeded:\n{}",
+        stdout(&o)
+    );
+    assert_eq!(o.status.code(), Some(1), "vmmalloc {args:?}: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.starts_with("note: ")).collect();
+    assert_eq!(lines.len(), 1, "vmmalloc {args:?}: not one line:\n{err}");
+    assert!(lines[0].starts_with("Error: "), "vmmalloc {args:?}: {err}");
+    assert!(
+        !err.contains("backtrace") && !err.contains("panicked"),
+        "vmmalloc {args:?}: {err}"
+    );
+    lines[0].to_string()
 }

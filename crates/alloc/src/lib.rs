@@ -15,6 +15,7 @@
 
 mod error;
 pub mod frames;
+pub mod options;
 pub mod pickle_snapshot;
 mod policy;
 mod size_classes;
@@ -39,7 +40,8 @@ pub use expandable::tags::{is_known_tag, parse_tag_list, set_thread_tag, thread_
 pub use expandable::TagStats;
 pub use frames::{Frame, Stack};
 pub use policy::{
-    build, parse_size, split_policy_specs, Policy, PolicyOptions, PolicySpec, CONF_NAMES,
+    build, parse_size, parse_size_unbounded, split_option, split_policy_specs, Policy,
+    PolicyOptions, PolicySpec,
 };
 pub use snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 pub use stats::{Stat, StatType, Stats};

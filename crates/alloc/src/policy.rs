@@ -88,15 +88,6 @@ fn parse_unit_fraction(value: &str) -> Result<f64, String> {
     }
 }
 
-/// [`parse_size`], but `0` is allowed too (a threshold or a slack of none).
-fn parse_size_or_zero(value: &str) -> Result<u64, String> {
-    if value.trim() == "0" {
-        Ok(0)
-    } else {
-        parse_size(value)
-    }
-}
-
 /// Parses a size: bytes, or a number with a unit (decimals allowed, units
 /// case-insensitive), e.g. `20MiB`, `12GB`, `1.5Gi`.
 ///
@@ -105,8 +96,22 @@ fn parse_size_or_zero(value: &str) -> Result<u64, String> {
 /// `MiB`/`Mi` = 2^20, `GiB`/`Gi` = 2^30, `TiB`/`Ti` = 2^40; `kB` = 10^3,
 /// `MB` = 10^6, `GB` = 10^9, `TB` = 10^12. A bare `K`, `M`, `G` or `T` is
 /// ambiguous (2^30 or 10^9?) and rejected with a hint, as are negative and
-/// zero sizes.
+/// zero sizes, a number without a unit that is not a whole byte count
+/// (`1.5`: did you mean `1.5GiB`?), and sizes of 2^64 bytes or more.
 pub fn parse_size(s: &str) -> Result<u64, String> {
+    let b = parse_size_unbounded(s)?;
+    u64::try_from(b).map_err(|_| {
+        format!(
+            "`{}` is too large: a size is below 2^64 bytes (16 EiB)",
+            s.trim()
+        )
+    })
+}
+
+/// [`parse_size`] without its upper bound: the bytes as a `u128` (saturated
+/// far above any device), so that a caller with a limit of its own (the
+/// simulated device's) names that limit for any size written.
+pub fn parse_size_unbounded(s: &str) -> Result<u128, String> {
     let t = s.trim();
     if t.starts_with('-') {
         return Err(format!(
@@ -117,12 +122,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size (e.g. 80GiB, 12GB, 512MiB, 1048576)"))?;
+    let not_a_size = || format!("`{s}` is not a size (e.g. 80GiB, 12GB, 512MiB, 1048576)");
+    let v: f64 = num.parse().map_err(|_| not_a_size())?;
     let unit = unit.trim();
-    let mult = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1u64,
+    let mult: u128 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
         "kib" | "ki" => 1 << 10,
         "mib" | "mi" => 1 << 20,
         "gib" | "gi" => 1 << 30,
@@ -145,20 +149,25 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
             ))
         }
     };
-    let bytes = v * mult as f64;
-    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+    let bytes: u128 = if num.contains('.') {
+        if mult == 1 {
+            return Err(format!(
+                "`{s}` is not a whole number of bytes: a size without a unit counts bytes \
+                 (did you mean `{num}GiB`?)"
+            ));
+        }
+        // `as` saturates: a decimal far beyond any device stays far beyond it.
+        (v * mult as f64).round() as u128
+    } else {
+        // A whole number, exactly (no f64 rounding above 2^53), saturated.
+        num.parse::<u128>()
+            .unwrap_or(u128::MAX)
+            .saturating_mul(mult)
+    };
+    if bytes == 0 {
         return Err(format!("`{s}` is not a positive size"));
     }
-    Ok(bytes.round() as u64)
-}
-
-/// A boolean option value: `true`/`false`/`1`/`0`.
-fn parse_bool(value: &str) -> Result<bool, String> {
-    match value.trim() {
-        "1" | "true" | "True" => Ok(true),
-        "0" | "false" | "False" => Ok(false),
-        v => Err(format!("`{v}` is not a boolean (true/false/1/0)")),
-    }
+    Ok(bytes)
 }
 
 /// A policy with options, written `NAME[:key=value,...]`, e.g.
@@ -199,69 +208,28 @@ impl PolicySpec {
         self.label == self.policy.name()
     }
 
+    /// Sets one option; `expandable`'s through the one option table
+    /// ([`crate::options`]).
     fn set(&mut self, key: &str, value: &str) -> AllocResult<()> {
-        let bad = |msg: String| {
-            AllocError::InvalidOption(format!("policy `{}`: option `{key}`: {msg}", self.label))
-        };
-        // A VMMALLOC_CONF name (`max_chunk_mb:20`) sets the same option as
-        // its spec name (`max_chunk=20MiB`): a whole number of its unit.
-        if let Some(&(_, name, unit)) = CONF_NAMES.iter().find(|(conf, ..)| *conf == key) {
-            if self.policy == Policy::Expandable {
-                let n: u64 = value.trim().parse().map_err(|_| {
-                    bad(format!(
-                        "`{value}` is not a whole number of {} (or write `{name}={value}MiB`-style sizes)",
-                        if unit == 1 << 30 { "GiB" } else { "MiB" }
-                    ))
-                })?;
-                let bytes = n
-                    .checked_mul(unit)
-                    .ok_or_else(|| bad(format!("`{value}` is too large")))?;
-                return self.set(name, &bytes.to_string());
-            }
+        if self.policy == Policy::Expandable {
+            return match crate::options::set(&mut self.options.expandable, key, value) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(AllocError::InvalidOption(format!(
+                    "policy `{}`: unknown option `{key}`; valid options for {}: {}",
+                    self.label,
+                    self.policy,
+                    crate::options::names()
+                ))),
+                Err(msg) => Err(AllocError::InvalidOption(format!(
+                    "policy `{}`: option `{key}`: {msg}",
+                    self.label
+                ))),
+            };
         }
-        let o = &mut self.options;
-        match (self.policy, key) {
-            (Policy::Expandable, "max_chunk") => {
-                o.expandable.max_chunk = Some(parse_size(value).map_err(bad)?)
-            }
-            (Policy::Expandable, "page_size") => {
-                o.expandable.page_size = Some(parse_size(value).map_err(bad)?)
-            }
-            (Policy::Expandable, "arena_size") => {
-                o.expandable.arena_size = Some(parse_size(value).map_err(bad)?)
-            }
-            (Policy::Expandable, "release_threshold") => {
-                o.expandable.release_threshold = parse_size_or_zero(value).map_err(bad)?
-            }
-            (Policy::Expandable, "split_threshold") => {
-                o.expandable.split_threshold = parse_unit_fraction(value).map_err(bad)?
-            }
-            (Policy::Expandable, "split_slack") => {
-                o.expandable.split_slack = parse_size_or_zero(value).map_err(bad)?
-            }
-            (Policy::Expandable, "memory_fraction") => {
-                o.expandable.memory_fraction = parse_unit_fraction(value).map_err(bad)?
-            }
-            (Policy::Expandable, "spill") => o.expandable.spill = parse_bool(value).map_err(bad)?,
-            (Policy::Expandable, "unpin") => o.expandable.unpin = value.parse().map_err(bad)?,
-            (Policy::Expandable, "grow_granule") => {
-                o.expandable.grow_granule = parse_size_or_zero(value).map_err(bad)?
-            }
-            _ => {
-                let valid = match self.policy {
-                    Policy::Expandable => {
-                        "max_chunk, split_threshold, split_slack, page_size, arena_size, release_threshold, memory_fraction, spill, unpin, grow_granule \
-                         (or VMMALLOC_CONF's names: max_chunk_mb, split_slack_mb, page_size_mb, arena_gb, release_threshold_mb, grow_mb)"
-                    }
-                    _ => "none",
-                };
-                return Err(AllocError::InvalidOption(format!(
-                    "policy `{}`: unknown option `{key}`; valid options for {}: {valid}",
-                    self.label, self.policy
-                )));
-            }
-        }
-        Ok(())
+        Err(AllocError::InvalidOption(format!(
+            "policy `{}`: unknown option `{key}`; valid options for {}: none",
+            self.label, self.policy
+        )))
     }
 }
 
@@ -275,16 +243,22 @@ impl FromStr for PolicySpec {
             label: label.to_string(),
             options: PolicyOptions::default(),
         };
-        // caching / torch-es options, as PYTORCH_CUDA_ALLOC_CONF, parsed together.
-        let mut conf = Vec::new();
-        for kv in opts.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        // Items split at commas outside `[...]` (PyTorch's
+        // `roundup_power2_divisions:[256:1,512:2,>:4]` is one item); caching
+        // and torch-es options parse straight into their CachingConfig, key
+        // by key, through PyTorch's own parser (CachingConfig::set).
+        for kv in split_outside_brackets(opts)
+            .into_iter()
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
             let (k, v) = split_option(kv).ok_or_else(|| {
                 AllocError::InvalidOption(format!(
                     "policy `{label}`: option `{kv}` is not key=value (or key:value)"
                 ))
             })?;
             match spec.policy {
-                Policy::Caching | Policy::TorchEs if k.trim() == "memory_fraction" => {
+                Policy::Caching | Policy::TorchEs if k == "memory_fraction" => {
                     let f = parse_unit_fraction(v).map_err(|m| {
                         AllocError::InvalidOption(format!(
                             "policy `{label}`: option `memory_fraction`: {m}"
@@ -293,39 +267,45 @@ impl FromStr for PolicySpec {
                     spec.options.memory_fraction = Some(f);
                 }
                 Policy::Caching | Policy::TorchEs => {
-                    conf.push(format!("{}:{}", k.trim(), v.trim()))
+                    spec.options.caching.set(k, v).map_err(|e| match e {
+                        AllocError::InvalidOption(m) => {
+                            AllocError::InvalidOption(format!("policy `{label}`: {m}"))
+                        }
+                        other => other,
+                    })?
                 }
-                _ => spec.set(k.trim(), v.trim())?,
+                _ => spec.set(k, v)?,
             }
-        }
-        if !conf.is_empty() {
-            spec.options.caching = crate::caching::CachingConfig::parse(&conf.join(","))
-                .map_err(|e| AllocError::InvalidOption(format!("policy `{label}`: {e}")))?;
         }
         Ok(spec)
     }
 }
 
-/// The option names `VMMALLOC_CONF` uses (crates/capi/src/config.rs) and
-/// the policy-spec names they stand for, with the unit of their whole-number
-/// value: `(conf name, spec name, bytes per unit)`. A policy spec accepts
-/// either name, so a `VMMALLOC_CONF` line pasted after `expandable:` is a
-/// spec (`expandable:max_chunk_mb:20,unpin:false`). The other expandable
-/// keys (`split_threshold`, `spill`, `unpin`, `memory_fraction`) have one
-/// name in both.
-pub const CONF_NAMES: [(&str, &str, u64); 6] = [
-    ("max_chunk_mb", "max_chunk", 1 << 20),
-    ("split_slack_mb", "split_slack", 1 << 20),
-    ("page_size_mb", "page_size", 1 << 20),
-    ("arena_gb", "arena_size", 1 << 30),
-    ("release_threshold_mb", "release_threshold", 1 << 20),
-    ("grow_mb", "grow_granule", 1 << 20),
-];
+/// Splits `text` at the commas outside `[...]`.
+fn split_outside_brackets(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (at, ch) in text.char_indices() {
+        match ch {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth <= 0 => {
+                out.push(&text[start..at]);
+                start = at + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&text[start..]);
+    out
+}
 
 /// Splits one option into key and value at its first `=` or `:`, whichever
 /// comes first (policy specs write `key=value`, `VMMALLOC_CONF` and
-/// `PYTORCH_CUDA_ALLOC_CONF` write `key:value`; both are accepted).
-fn split_option(kv: &str) -> Option<(&str, &str)> {
+/// `PYTORCH_CUDA_ALLOC_CONF` write `key:value`; both are accepted). The one
+/// splitter of every option list: policy specs, `VMMALLOC_CONF` (the C ABI's
+/// configuration) and workload specs (`serve-kv:seed:7` = `serve-kv:seed=7`).
+pub fn split_option(kv: &str) -> Option<(&str, &str)> {
     let at = kv.find(['=', ':'])?;
     Some((kv[..at].trim(), kv[at + 1..].trim()))
 }
@@ -416,6 +396,25 @@ mod tests {
         assert!(parse_size("lots").unwrap_err().contains("lots"));
         assert!(parse_size("3 parsecs").unwrap_err().contains("parsecs"));
         assert!(parse_size("0").is_err());
+        // No unit: a whole byte count, or refused with the likely meaning.
+        let e = parse_size("1.5").unwrap_err();
+        assert!(
+            e.contains("whole number of bytes") && e.contains("1.5GiB"),
+            "{e}"
+        );
+        assert!(parse_size("2.0B").unwrap_err().contains("2.0GiB"));
+        // 2^64 bytes is too large, not "not positive"; below it parses.
+        let e = parse_size("18446744073709551616").unwrap_err();
+        assert!(e.contains("too large"), "{e}");
+        assert_eq!(parse_size("18446744073709551615"), Ok(u64::MAX));
+        assert_eq!(
+            parse_size_unbounded("18446744073709551616"),
+            Ok(1u128 << 64)
+        );
+        assert!(parse_size("99999999999999999999999999999999999999999TiB")
+            .unwrap_err()
+            .contains("too large"));
+        assert!(parse_size("0.0000001KiB").is_err());
     }
 
     #[test]
@@ -514,13 +513,40 @@ mod tests {
         let c: PolicySpec = "caching:max_split_size_mb:128".parse().unwrap();
         let d: PolicySpec = "caching:max_split_size_mb=128".parse().unwrap();
         assert_eq!(c.options, d.options);
+        // Key by key into the same CachingConfig the environment variable's
+        // parser gives, `[...]` lists included.
+        let e: PolicySpec =
+            "caching:roundup_power2_divisions=[256:1,512:2,>:4],max_split_size_mb:128"
+                .parse()
+                .unwrap();
+        assert_eq!(
+            e.options.caching,
+            crate::caching::CachingConfig::parse(
+                "roundup_power2_divisions:[256:1,512:2,>:4],max_split_size_mb:128"
+            )
+            .unwrap()
+        );
+        let err = "caching:max_split_size_mb=1"
+            .parse::<PolicySpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("policy `caching:max_split_size_mb=1`") && err.contains("too small"),
+            "{err}"
+        );
+        assert!("caching:max_split_size_mb=128:3"
+            .parse::<PolicySpec>()
+            .is_err());
         assert!("expandable:grow_mb=big"
             .parse::<PolicySpec>()
             .unwrap_err()
             .to_string()
             .contains("grow_mb"));
         // Every VMMALLOC_CONF name stands for an option the spec knows.
-        for (conf, name, _) in CONF_NAMES {
+        for (name, conf) in crate::options::OPTIONS
+            .iter()
+            .filter_map(|o| Some((o.name, o.conf.filter(|(_, u)| *u > 1)?.0)))
+        {
             let spec = format!("expandable:{name}=4MiB");
             assert!(spec.parse::<PolicySpec>().is_ok(), "{spec}");
             let spec = format!("expandable:{conf}:4");

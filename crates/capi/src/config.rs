@@ -285,20 +285,11 @@ impl OnOom {
 pub struct Config {
     /// `backend`: the allocation policy.
     pub backend: Policy,
+    /// The `expandable` options (`page_size_mb`, `max_chunk_mb`, `unpin`,
+    /// ...), read through the one option table, [`vmmalloc_alloc::options`].
+    pub expandable: ExpandableConfig,
     /// `device`: the device backend.
     pub device: DeviceKind,
-    /// `page_size_mb`: expandable page size in bytes (`None`: the policy's default).
-    pub page_size: Option<u64>,
-    /// `arena_gb`: expandable arena size in bytes (`None`: the policy's default).
-    pub arena_size: Option<u64>,
-    /// `max_chunk_mb`: expandable largest chunk in bytes (`None`: adaptive).
-    pub max_chunk: Option<u64>,
-    /// `split_threshold`: expandable split threshold (`None`: the default).
-    pub split_threshold: Option<f64>,
-    /// `split_slack_mb`: expandable split slack in bytes (`None`: the default).
-    pub split_slack: Option<u64>,
-    /// `release_threshold_mb`: expandable pool release threshold in bytes (`None`: unlimited).
-    pub release_threshold: Option<u64>,
     /// `capacity_gb`: host/sim device memory in bytes (`None`: 4 GiB host, 80 GiB sim).
     pub capacity: Option<u64>,
     /// `device_count`: host/sim device ordinals.
@@ -311,12 +302,13 @@ pub struct Config {
     pub log: LogLevel,
     /// `on_oom`: raise, NULL or abort.
     pub on_oom: OnOom,
-    /// `max_split_size_mb`, in bytes (caching, torch-es).
-    pub max_split_size: Option<u64>,
-    /// `roundup_power2_divisions`, as written (caching, torch-es).
-    pub roundup_power2_divisions: Option<String>,
-    /// `garbage_collection_threshold` (caching, torch-es).
-    pub garbage_collection_threshold: Option<f64>,
+    /// The PyTorch allocator keys (`max_split_size_mb`,
+    /// `roundup_power2_divisions`, `garbage_collection_threshold`), parsed
+    /// straight into PyTorch's config by its own parser
+    /// ([`CachingConfig::set`]) for caching and torch-es.
+    pub caching: CachingConfig,
+    /// Those keys as given, last value per key, for `allocator_settings`.
+    caching_given: Vec<(String, String)>,
     /// `expandable_segments` (caching; accepted for compatibility).
     pub expandable_segments: Option<bool>,
     /// The text this configuration was parsed from.
@@ -326,12 +318,6 @@ pub struct Config {
     /// `ipc`: request exportable (POSIX fd) handles (cuda): `None` = auto
     /// (where the device supports them), `Some(b)` = True / False.
     pub ipc: Option<bool>,
-    /// `spill`: expandable spills to host memory when the device is full.
-    pub spill: bool,
-    /// `unpin`: when expandable unpins partly live chunks as memory runs short.
-    pub unpin: vmmalloc_alloc::expandable::UnpinMode,
-    /// `grow_mb`: expandable tail growth granule in bytes (`None`: the default).
-    pub grow_granule: Option<u64>,
 }
 
 impl Default for Config {
@@ -339,28 +325,19 @@ impl Default for Config {
         Config {
             backend: Policy::Expandable,
             device: DeviceKind::Cuda,
-            page_size: None,
-            max_chunk: None,
-            split_threshold: None,
-            split_slack: None,
-            arena_size: None,
-            release_threshold: None,
+            expandable: ExpandableConfig::default(),
             capacity: None,
             device_count: 1,
             record_history: false,
             max_entries: 100_000,
             log: LogLevel::Error,
             on_oom: OnOom::Raise,
-            max_split_size: None,
-            roundup_power2_divisions: None,
-            garbage_collection_threshold: None,
+            caching: CachingConfig::default(),
+            caching_given: Vec::new(),
             expandable_segments: None,
             source: String::new(),
             peers: Peers::Auto,
             ipc: None,
-            spill: false,
-            unpin: vmmalloc_alloc::expandable::UnpinMode::Auto,
-            grow_granule: None,
         }
     }
 }
@@ -397,16 +374,13 @@ impl Config {
             if item.is_empty() {
                 continue;
             }
-            let (key, value) = item
-                .find([':', '='])
-                .map(|at| (&item[..at], &item[at + 1..]))
-                .ok_or_else(|| ConfigError {
-                    key: Some(item.to_string()),
-                    message: format!(
-                        "`{item}` is not a key:value pair; valid keys: {}",
-                        key_names()
-                    ),
-                })?;
+            let (key, value) = vmmalloc_alloc::split_option(item).ok_or_else(|| ConfigError {
+                key: Some(item.to_string()),
+                message: format!(
+                    "`{item}` is not a key:value pair; valid keys: {}",
+                    key_names()
+                ),
+            })?;
             c.set(key.trim(), value.trim())?;
         }
         c.check()?;
@@ -414,31 +388,14 @@ impl Config {
     }
 
     fn set(&mut self, key: &str, v: &str) -> Result<(), ConfigError> {
-        // A policy-spec name (`max_chunk:20MiB`, as `vmmalloc replay --policy
-        // expandable:max_chunk=20MiB` writes it) sets the same option as its
-        // VMMALLOC_CONF name: one name table, vmmalloc_alloc::CONF_NAMES.
-        if let Some(&(conf, _, unit)) = vmmalloc_alloc::CONF_NAMES
-            .iter()
-            .find(|(_, spec, _)| *spec == key)
-        {
-            let bytes = if v.trim() == "0" {
-                0
-            } else {
-                vmmalloc_alloc::parse_size(v).map_err(|e| {
-                    ConfigError::bad_value(key, v, &format!("a size such as 20MiB ({e})"))
-                })?
-            };
-            if !bytes.is_multiple_of(unit) {
-                return Err(ConfigError::bad_value(
-                    key,
-                    v,
-                    &format!(
-                        "a whole number of {} (as `{conf}`)",
-                        if unit == GIB { "GiB" } else { "MiB" }
-                    ),
-                ));
-            }
-            return self.set(conf, &(bytes / unit).to_string());
+        // The expandable options, by their VMMALLOC_CONF name
+        // (`max_chunk_mb:20`) or their policy-spec name (`max_chunk:20MiB`,
+        // as `vmmalloc replay --policy expandable:max_chunk=20MiB` writes
+        // it): one table, vmmalloc_alloc::options.
+        if vmmalloc_alloc::options::find(key).is_some_and(|(o, _)| o.conf.is_some()) {
+            return vmmalloc_alloc::options::set(&mut self.expandable, key, v)
+                .map(drop)
+                .map_err(|valid| ConfigError::bad_value(key, v, &valid));
         }
         match key {
             "backend" => {
@@ -458,19 +415,6 @@ impl Config {
                         )
                     })?
             }
-            "page_size_mb" => self.page_size = Some(positive_int(key, v)? * MIB),
-            "arena_gb" => self.arena_size = Some(positive_int(key, v)? * GIB),
-            "max_chunk_mb" => self.max_chunk = Some(positive_int(key, v)? * MIB),
-            "split_threshold" => {
-                self.split_threshold = Some(
-                    v.parse::<f64>()
-                        .ok()
-                        .filter(|x| (0.0..=1.0).contains(x))
-                        .ok_or_else(|| ConfigError::bad_value(key, v, "a number in [0, 1]"))?,
-                )
-            }
-            "split_slack_mb" => self.split_slack = Some(int(key, v)? * MIB),
-            "release_threshold_mb" => self.release_threshold = Some(int(key, v)? * MIB),
             "capacity_gb" => {
                 let gb = positive_float(key, v)?;
                 let bytes = (gb * GIB as f64) as u64 / MODEL_GRANULARITY * MODEL_GRANULARITY;
@@ -521,32 +465,17 @@ impl Config {
                         ConfigError::bad_value(key, v, &OnOom::ALL.map(OnOom::name).join(" | "))
                     })?
             }
-            "max_split_size_mb" => {
-                let mb = positive_int(key, v)?;
-                if mb * MIB <= 20 * MIB {
-                    // PyTorch's own check: max_split_size_mb must exceed kLargeBuffer (20 MiB).
-                    return Err(ConfigError::bad_value(
+            "max_split_size_mb" | "roundup_power2_divisions" | "garbage_collection_threshold" => {
+                // PyTorch's own parser and checks, as the CLI's policy specs use it.
+                self.caching.set(key, v).map_err(|e| {
+                    ConfigError::bad_value(
                         key,
                         v,
-                        "an integer number of MiB above 20",
-                    ));
-                }
-                self.max_split_size = Some(mb * MIB);
-            }
-            "roundup_power2_divisions" => {
-                check_roundup(key, v)?;
-                self.roundup_power2_divisions = Some(v.to_string());
-            }
-            "garbage_collection_threshold" => {
-                let t = positive_float(key, v)?;
-                if t >= 1.0 {
-                    return Err(ConfigError::bad_value(
-                        key,
-                        v,
-                        "a fraction strictly between 0 and 1",
-                    ));
-                }
-                self.garbage_collection_threshold = Some(t);
+                        &format!("as PYTORCH_CUDA_ALLOC_CONF takes it ({e})"),
+                    )
+                })?;
+                self.caching_given.retain(|(k, _)| k != key);
+                self.caching_given.push((key.to_string(), v.to_string()));
             }
             "expandable_segments" => self.expandable_segments = Some(boolean(key, v)?),
             "peers" => self.peers = parse_peers(key, v)?,
@@ -559,13 +488,6 @@ impl Config {
                     ),
                 }
             }
-            "spill" => self.spill = boolean(key, v)?,
-            "unpin" => {
-                self.unpin = vmmalloc_alloc::expandable::UnpinMode::parse(v).ok_or_else(|| {
-                    ConfigError::bad_value(key, v, vmmalloc_alloc::expandable::UnpinMode::VALUES)
-                })?
-            }
-            "grow_mb" => self.grow_granule = Some(int(key, v)? * MIB),
             _ => {
                 return Err(ConfigError {
                     key: Some(key.to_string()),
@@ -629,16 +551,11 @@ impl Config {
     /// The PyTorch caching options as `PYTORCH_CUDA_ALLOC_CONF` text (for the
     /// baselines' parser and for `allocator_settings`).
     pub fn pytorch_alloc_conf(&self) -> String {
-        let mut parts = Vec::new();
-        if let Some(m) = self.max_split_size {
-            parts.push(format!("max_split_size_mb:{}", m / MIB));
-        }
-        if let Some(r) = &self.roundup_power2_divisions {
-            parts.push(format!("roundup_power2_divisions:{r}"));
-        }
-        if let Some(g) = self.garbage_collection_threshold {
-            parts.push(format!("garbage_collection_threshold:{g}"));
-        }
+        let mut parts: Vec<String> = self
+            .caching_given
+            .iter()
+            .map(|(k, v)| format!("{k}:{v}"))
+            .collect();
         if let Some(e) = self.expandable_segments {
             parts.push(format!(
                 "expandable_segments:{}",
@@ -649,34 +566,15 @@ impl Config {
     }
 
     /// The options handed to [`vmmalloc_alloc::build`]: the expandable keys
-    /// into [`ExpandableConfig`], the PyTorch keys through
-    /// [`CachingConfig::parse`] (PyTorch's own parser and checks).
+    /// as the option table set them ([`vmmalloc_alloc::options`]), the
+    /// PyTorch keys as [`CachingConfig::set`] parsed them.
     pub fn policy_options(&self) -> Result<PolicyOptions, ConfigError> {
-        let defaults = ExpandableConfig::default();
-        let caching =
-            CachingConfig::parse(&self.pytorch_alloc_conf()).map_err(|e| ConfigError {
-                key: Some(
-                    "max_split_size_mb/roundup_power2_divisions/garbage_collection_threshold"
-                        .into(),
-                ),
-                message: format!(
-                    "PyTorch allocator options `{}`: {e}",
-                    self.pytorch_alloc_conf()
-                ),
-            })?;
+        let mut caching = self.caching.clone();
+        if let Some(e) = self.expandable_segments {
+            caching.expandable_segments = e;
+        }
         Ok(PolicyOptions {
-            expandable: ExpandableConfig {
-                page_size: self.page_size,
-                arena_size: self.arena_size,
-                release_threshold: self.release_threshold.unwrap_or(defaults.release_threshold),
-                max_chunk: self.max_chunk,
-                split_threshold: self.split_threshold.unwrap_or(defaults.split_threshold),
-                split_slack: self.split_slack.unwrap_or(defaults.split_slack),
-                spill: self.spill,
-                unpin: self.unpin,
-                grow_granule: self.grow_granule.unwrap_or(defaults.grow_granule),
-                ..defaults
-            },
+            expandable: self.expandable.clone(),
             caching,
             // The plug-in's fraction comes from PyTorch (`set_memory_fraction_fn`).
             memory_fraction: None,
@@ -685,24 +583,17 @@ impl Config {
 
     /// `key: value` for every setting, for `allocator_settings` and the summary.
     pub fn settings(&self) -> Vec<(&'static str, String)> {
-        let opt =
-            |v: Option<u64>, unit: u64| v.map_or("default".to_string(), |b| (b / unit).to_string());
-        vec![
+        let mut out = vec![
             ("backend", self.effective_policy().name().to_string()),
             ("device", self.device.name().to_string()),
-            ("page_size_mb", opt(self.page_size, MIB)),
-            ("arena_gb", opt(self.arena_size, GIB)),
-            ("max_chunk_mb", opt(self.max_chunk, MIB)),
-            (
-                "split_threshold",
-                self.split_threshold
-                    .map_or("default".to_string(), |t| t.to_string()),
-            ),
-            ("split_slack_mb", opt(self.split_slack, MIB)),
-            ("release_threshold_mb", opt(self.release_threshold, MIB)),
-            ("spill", self.spill.to_string()),
-            ("unpin", self.unpin.to_string()),
-            ("grow_mb", opt(self.grow_granule, MIB)),
+        ];
+        // The expandable options, as the one table shows them.
+        out.extend(
+            vmmalloc_alloc::options::OPTIONS
+                .iter()
+                .filter_map(|o| Some((o.conf?.0, o.show(&self.expandable)))),
+        );
+        out.extend([
             (
                 "capacity_gb",
                 match self.device {
@@ -736,8 +627,57 @@ impl Config {
                 }
                 .to_string(),
             ),
-        ]
+        ]);
+        out
     }
+}
+
+/// The `VMMALLOC_CONF` items that ask vmmalloc for what a
+/// `PYTORCH_CUDA_ALLOC_CONF` line asks PyTorch for, comma-joined (empty when
+/// nothing carries over): `backend` (PyTorch's `native` is vmmalloc's
+/// `caching`; `cudaMallocAsync` has no counterpart) and the keys both read
+/// (`max_split_size_mb`, `roundup_power2_divisions`,
+/// `garbage_collection_threshold`, `expandable_segments`, which implies
+/// `backend:caching`). vmmalloc replaces the allocator that reads that
+/// variable; the Python package's warning quotes this line
+/// (`vmmalloc_pytorch_conf_line`), so the library is the one reader of both
+/// variables. Items split as PyTorch splits them: commas inside `[...]`
+/// belong to the value.
+pub fn from_pytorch_alloc_conf(text: &str) -> String {
+    let mut items: Vec<String> = Vec::new();
+    let mut backend = false;
+    for item in split_items(text).unwrap_or_default() {
+        let Some((key, value)) = vmmalloc_alloc::split_option(item.trim()) else {
+            continue;
+        };
+        match key {
+            "backend" => {
+                let mapped = match value {
+                    "expandable" | "caching" | "torch-es" => Some(value),
+                    // PyTorch's `native` is its caching allocator
+                    // (c10/cuda/CUDAAllocatorConfig.cpp, parseAllocatorConfig).
+                    v if v.eq_ignore_ascii_case("native") => Some("caching"),
+                    _ => None,
+                };
+                if let Some(b) = mapped {
+                    items.push(format!("backend:{b}"));
+                    backend = true;
+                }
+            }
+            "max_split_size_mb"
+            | "roundup_power2_divisions"
+            | "garbage_collection_threshold"
+            | "expandable_segments" => items.push(format!("{key}:{value}")),
+            _ => {}
+        }
+    }
+    let es = items
+        .iter()
+        .any(|i| i.eq_ignore_ascii_case("expandable_segments:true"));
+    if es && !backend {
+        items.insert(0, "backend:caching".to_string());
+    }
+    items.join(",")
 }
 
 /// Splits on commas outside `[...]`.
@@ -821,32 +761,6 @@ fn parse_peers(key: &str, v: &str) -> Result<Peers, ConfigError> {
     }
 }
 
-/// PyTorch's forms: `N`, or `[size:N,...,>:N]` with powers of two as divisions.
-fn check_roundup(key: &str, v: &str) -> Result<(), ConfigError> {
-    let valid = "a power of two (or 0), or a list like [256:1,512:2,>:4] of sizes in MiB (or >) and powers of two";
-    let is_div = |s: &str| {
-        s.trim()
-            .parse::<u64>()
-            .is_ok_and(|n| n == 0 || n.is_power_of_two())
-    };
-    let ok = if let Some(inner) = v.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
-        !inner.trim().is_empty()
-            && inner.split(',').all(|pair| {
-                pair.split_once(':').is_some_and(|(size, div)| {
-                    let size = size.trim();
-                    (size == ">" || size.parse::<u64>().is_ok_and(|n| n > 0)) && is_div(div)
-                })
-            })
-    } else {
-        is_div(v)
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(ConfigError::bad_value(key, v, valid))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -867,9 +781,9 @@ mod tests {
         .unwrap();
         assert_eq!(c.backend, Policy::Native);
         assert_eq!(c.device, DeviceKind::Host);
-        assert_eq!(c.page_size, Some(4 * MIB));
-        assert_eq!(c.arena_size, Some(64 * GIB));
-        assert_eq!(c.release_threshold, Some(0));
+        assert_eq!(c.expandable.page_size, Some(4 * MIB));
+        assert_eq!(c.expandable.arena_size, Some(64 * GIB));
+        assert_eq!(c.expandable.release_threshold, 0);
         assert_eq!(c.capacity, Some(GIB / 2));
         assert_eq!(c.device_count, 2);
         assert!(c.record_history);
@@ -881,10 +795,10 @@ mod tests {
              garbage_collection_threshold:0.6,expandable_segments:True",
         )
         .unwrap();
-        assert_eq!(p.max_split_size, Some(512 * MIB));
+        assert_eq!(p.caching.max_split_size, 512 * MIB);
         assert_eq!(
-            p.roundup_power2_divisions.as_deref(),
-            Some("[256:1,512:2,>:8]")
+            p.caching,
+            CachingConfig::parse("max_split_size_mb:512,roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.6").unwrap()
         );
         assert_eq!(p.effective_policy(), Policy::TorchEs);
         assert_eq!(
@@ -967,6 +881,66 @@ mod tests {
         assert_eq!(o.caching.garbage_collection_threshold, 0.5);
         let d = Config::default().policy_options().unwrap();
         assert_eq!(d, PolicyOptions::default());
+    }
+
+    #[test]
+    fn a_pytorch_line_becomes_the_vmmalloc_line_that_asks_the_same() {
+        for (pytorch, want) in [
+            ("", ""),
+            ("backend:caching", "backend:caching"),
+            (
+                "backend:native,max_split_size_mb:128",
+                "backend:caching,max_split_size_mb:128",
+            ),
+            (
+                "expandable_segments:True",
+                "backend:caching,expandable_segments:True",
+            ),
+            ("backend:cudaMallocAsync", ""),
+            ("pinned_use_cuda_host_register:True", ""),
+            // A list stays one value (PyTorch's tokenizer keeps `[...]` whole).
+            (
+                "roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.6",
+                "roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.6",
+            ),
+        ] {
+            let got = from_pytorch_alloc_conf(pytorch);
+            assert_eq!(got, want, "{pytorch}");
+            // What it asks for is a valid VMMALLOC_CONF.
+            Config::parse(&got).unwrap_or_else(|e| panic!("{got}: {e}"));
+        }
+    }
+
+    #[test]
+    fn the_expandable_keys_are_the_option_tables() {
+        // Every VMMALLOC_CONF name of the one option table is a documented
+        // key, and each key sets what the CLI's policy spec sets with it
+        // (one parser: vmmalloc_alloc::options).
+        for o in &vmmalloc_alloc::options::OPTIONS {
+            let Some((conf, unit)) = o.conf else {
+                assert!(Config::parse(&format!("{}:0.5", o.name)).is_err());
+                continue;
+            };
+            assert!(KEYS.iter().any(|k| k.name == conf), "{conf} is not in KEYS");
+            let value = match o.kind {
+                vmmalloc_alloc::options::Kind::Bool => "true".to_string(),
+                vmmalloc_alloc::options::Kind::Unpin => "false".to_string(),
+                vmmalloc_alloc::options::Kind::Fraction => "0.5".to_string(),
+                _ => (8 * MIB.max(unit) / unit).to_string(),
+            };
+            let c = Config::parse(&format!("{conf}:{value}")).unwrap();
+            let spec: vmmalloc_alloc::PolicySpec =
+                format!("expandable:{conf}={value}").parse().unwrap();
+            assert_eq!(
+                c.policy_options().unwrap().expandable,
+                spec.options.expandable,
+                "{conf}"
+            );
+            assert_ne!(c.expandable, ExpandableConfig::default(), "{conf}");
+            let shown = c.settings();
+            let (_, v) = shown.iter().find(|(k, _)| *k == conf).unwrap();
+            assert_eq!(v, &value, "{conf}");
+        }
     }
 
     #[test]
@@ -1082,21 +1056,23 @@ mod tests {
             ),
             ("device:sim,device_count:65", "device_count", "1 to 64"),
             ("max_entries:0", "max_entries", "positive integer"),
-            ("max_split_size_mb:20", "max_split_size_mb", "above 20"),
+            // PyTorch's own checks and words (AcceleratorAllocatorConfig:
+            // 20 MiB, kLargeBuffer, is the least).
+            ("max_split_size_mb:19", "max_split_size_mb", "must be >= 20"),
             (
                 "roundup_power2_divisions:3",
                 "roundup_power2_divisions",
-                "power of two",
+                "power of 2",
             ),
             (
                 "roundup_power2_divisions:[256:3]",
                 "roundup_power2_divisions",
-                "power of two",
+                "power of 2",
             ),
             (
                 "garbage_collection_threshold:1.0",
                 "garbage_collection_threshold",
-                "between 0 and 1",
+                "set it in (0.0, 1.0)",
             ),
             (
                 "capacity_gb:4",
@@ -1132,8 +1108,16 @@ mod tests {
         ] {
             let b = Config::parse(text).unwrap();
             assert_eq!(
-                (b.max_chunk, b.grow_granule, b.unpin),
-                (a.max_chunk, a.grow_granule, a.unpin),
+                (
+                    b.expandable.max_chunk,
+                    b.expandable.grow_granule,
+                    b.expandable.unpin
+                ),
+                (
+                    a.expandable.max_chunk,
+                    a.expandable.grow_granule,
+                    a.expandable.unpin
+                ),
                 "{text}"
             );
             assert_eq!(
@@ -1147,16 +1131,24 @@ mod tests {
                 .unwrap();
         assert_eq!(
             (
-                c.arena_size,
-                c.split_slack,
-                c.page_size,
-                c.release_threshold
+                c.expandable.arena_size,
+                c.expandable.split_slack,
+                c.expandable.page_size,
+                c.expandable.release_threshold
             ),
-            (Some(64 * GIB), Some(8 * MIB), Some(4 * MIB), Some(0))
+            (Some(64 * GIB), 8 * MIB, Some(4 * MIB), 0)
         );
-        // A size that is not a whole number of the VMMALLOC_CONF unit names the key.
-        let e = Config::parse("max_chunk:3KiB").unwrap_err();
-        assert_eq!(e.key.as_deref(), Some("max_chunk"), "{e}");
+        // A size by its spec name is exact; allocator_settings shows it in
+        // the VMMALLOC_CONF unit, exactly.
+        let c = Config::parse("max_chunk:3KiB").unwrap();
+        assert_eq!(c.expandable.max_chunk, Some(3 << 10));
+        let shown = c.settings();
+        let (_, v) = shown.iter().find(|(k, _)| *k == "max_chunk_mb").unwrap();
+        assert_eq!(v, "0.0029296875");
+        // memory_fraction is a policy option, not a VMMALLOC_CONF key (the
+        // plug-in's fraction comes from PyTorch).
+        let e = Config::parse("memory_fraction:0.5").unwrap_err();
+        assert!(e.to_string().contains("unknown key"), "{e}");
         let e = Config::parse("max_chunk:lots").unwrap_err();
         assert!(e.to_string().contains("max_chunk"), "{e}");
     }

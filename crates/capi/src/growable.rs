@@ -211,7 +211,7 @@ pub extern "C" fn vmmalloc_set_pressure_callback(cb: PressureCallback) -> c_int 
 /// With `spill:true`, the device's spill count before an allocation (to
 /// report a spill after it); `None` otherwise (no cost).
 pub(crate) fn spills_before(rt: &runtime::Runtime, d: &DeviceState) -> Option<u64> {
-    let spill = rt.config().map(|c| c.spill).unwrap_or(false);
+    let spill = rt.config().map(|c| c.expandable.spill).unwrap_or(false);
     spill.then(|| d.allocator.stats().num_spills)
 }
 

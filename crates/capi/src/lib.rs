@@ -797,6 +797,7 @@ pub extern "C" fn vmmalloc_memory_summary(device: c_int) -> *mut c_char {
                 &vmmalloc_alloc::summary::Context {
                     device: ordinal,
                     page_size: c
+                        .expandable
                         .page_size
                         .filter(|_| policy == vmmalloc_alloc::Policy::Expandable),
                     backend: policy.name(),
@@ -1026,6 +1027,79 @@ pub unsafe extern "C" fn vmmalloc_configure(conf: *const c_char) -> c_int {
                 // vmmalloc_last_error(), and prints it once (issue 15).
                 diag::set_error(e.message());
                 -1
+            }
+        }
+    })
+}
+
+/// The configuration as the library parsed it, one JSON object of every
+/// setting (`{"backend": "expandable", "device": "host", ...}`, the values
+/// `allocator_settings` shows): of `conf` (`VMMALLOC_CONF` syntax) when it
+/// is not NULL, else the configuration in effect ([`vmmalloc_configure`] or
+/// `VMMALLOC_CONF`). The Python package asks this instead of parsing the
+/// text itself, so both read one configuration the one way (issue 36). The
+/// caller frees the string with [`vmmalloc_free_string`]; NULL if the text
+/// does not parse, the error in [`vmmalloc_last_error`] (not logged).
+///
+/// # Safety
+///
+/// `conf` is NULL or a NUL-terminated string valid for reads.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_config_json(conf: *const c_char) -> *mut c_char {
+    entry("vmmalloc_config_json", std::ptr::null_mut(), || {
+        let parsed = if conf.is_null() {
+            runtime::runtime().config_unlogged().cloned()
+        } else {
+            // SAFETY: non-null and, per the contract, a NUL-terminated string.
+            match unsafe { CStr::from_ptr(conf) }.to_str() {
+                Ok(t) => config::Config::parse(t).map_err(Error::from),
+                Err(_) => {
+                    diag::set_error("vmmalloc_config_json: conf is not valid UTF-8");
+                    return std::ptr::null_mut();
+                }
+            }
+        };
+        let json = parsed.and_then(|c| {
+            let map: serde_json::Map<String, serde_json::Value> = c
+                .settings()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.into()))
+                .collect();
+            serde_json::to_string(&map).map_err(json_error)
+        });
+        match json {
+            Ok(j) => owned_c_string(&j),
+            Err(e) => {
+                diag::set_error(e.message());
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// The `VMMALLOC_CONF` items that ask for what the `PYTORCH_CUDA_ALLOC_CONF`
+/// text `conf` asks PyTorch for ([`config::from_pytorch_alloc_conf`]),
+/// comma-joined, empty when nothing carries over. The Python package quotes
+/// it in its warning that the variable is ignored. The caller frees the
+/// string with [`vmmalloc_free_string`]; NULL if `conf` is NULL or not
+/// UTF-8.
+///
+/// # Safety
+///
+/// `conf` is NULL or a NUL-terminated string valid for reads.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_pytorch_conf_line(conf: *const c_char) -> *mut c_char {
+    entry("vmmalloc_pytorch_conf_line", std::ptr::null_mut(), || {
+        if conf.is_null() {
+            diag::set_error("vmmalloc_pytorch_conf_line(NULL): conf is NULL");
+            return std::ptr::null_mut();
+        }
+        // SAFETY: non-null and, per the contract, a NUL-terminated string.
+        match unsafe { CStr::from_ptr(conf) }.to_str() {
+            Ok(t) => owned_c_string(&config::from_pytorch_alloc_conf(t)),
+            Err(_) => {
+                diag::set_error("vmmalloc_pytorch_conf_line: conf is not valid UTF-8");
+                std::ptr::null_mut()
             }
         }
     })

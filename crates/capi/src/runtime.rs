@@ -556,7 +556,7 @@ impl Runtime {
     /// host memory, which the general path reports).
     #[inline]
     pub fn spill(&self) -> bool {
-        self.config.as_ref().is_ok_and(|c| c.spill)
+        self.config.as_ref().is_ok_and(|c| c.expandable.spill)
     }
 
     /// Why `device` is not a valid ordinal (the tightest bound's reason).

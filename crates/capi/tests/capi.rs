@@ -41,6 +41,7 @@ struct Api {
     validate: unsafe extern "C" fn(c_int) -> c_int,
     configure: unsafe extern "C" fn(*const c_char) -> c_int,
     check_config: unsafe extern "C" fn() -> c_int,
+    config_json: unsafe extern "C" fn(*const c_char) -> *mut c_char,
     last_error: unsafe extern "C" fn() -> *const c_char,
     version: unsafe extern "C" fn() -> *const c_char,
     free_string: unsafe extern "C" fn(*mut c_char),
@@ -88,6 +89,7 @@ fn api() -> &'static Api {
             validate: sym!("vmmalloc_validate"),
             configure: sym!("vmmalloc_configure"),
             check_config: sym!("vmmalloc_check_config"),
+            config_json: sym!("vmmalloc_config_json"),
             last_error: sym!("vmmalloc_last_error"),
             version: sym!("vmmalloc_version"),
             free_string: sym!("vmmalloc_free_string"),
@@ -1084,6 +1086,39 @@ fn sim_devices_are_separate_per_ordinal() {
 // ---------------------------------------------------------------------------
 // Configuration
 // ---------------------------------------------------------------------------
+
+/// `vmmalloc_config_json(conf)` as a map (`Err`: the library's error).
+fn config_json(conf: Option<&str>) -> Result<BTreeMap<String, String>, String> {
+    let c = conf.map(|t| CString::new(t).unwrap());
+    let p = c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+    // SAFETY: NULL or a NUL-terminated string.
+    match take_string(unsafe { (api().config_json)(p) }) {
+        Some(j) => Ok(serde_json::from_str(&j).expect("a JSON object of strings")),
+        None => Err(last_error().expect("a failed config_json sets the last error")),
+    }
+}
+
+#[test]
+fn the_parsed_configuration_is_one_library_call_for_python() {
+    let _g = serial();
+    reset();
+    // `=` and `:` alike, and the last value of a key wins: what Python's
+    // no-GPU warning reads (python/vmmalloc/__init__.py asks this call).
+    let c = config_json(Some("device=host")).unwrap();
+    assert_eq!(c["device"], "host");
+    let c = config_json(Some("device:cuda,device:host,max_chunk=20MiB")).unwrap();
+    assert_eq!(
+        (c["device"].as_str(), c["max_chunk_mb"].as_str()),
+        ("host", "20")
+    );
+    assert_eq!(config_json(Some("")).unwrap()["device"], "cuda");
+    let e = config_json(Some("device:host,colour:blue")).unwrap_err();
+    assert!(e.contains("unknown key `colour`"), "{e}");
+    // NULL: the configuration in effect.
+    configure("device=sim,log:off").unwrap();
+    assert_eq!(config_json(None).unwrap()["device"], "sim");
+    reset();
+}
 
 #[test]
 fn configure_rejects_bad_text_and_late_calls() {

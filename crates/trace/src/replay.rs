@@ -282,13 +282,30 @@ impl Replayed {
     }
 }
 
-/// Replays `ops` with `config` and keeps the allocator alive where the replay
-/// stopped. [`replay`] is this followed by [`Replayed::finish`].
-pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
+/// The simulated device a replay with `config` runs on.
+fn sim_config(config: &ReplayConfig) -> SimConfig {
     let mut sim_config = SimConfig::with_capacity(config.capacity);
     sim_config.granularity = config.granularity;
     sim_config.cost = config.cost;
-    let mut sim = SimDevice::new(sim_config);
+    sim_config
+}
+
+/// Creates `config`'s policy with its options on the simulated device a
+/// replay would run on (capacity, granularity) and drops it: the error that
+/// would stop a replay before its first op (an option the device refuses,
+/// such as a `max_chunk` that is not a multiple of the page), found before
+/// anything runs.
+pub fn check_config(config: &ReplayConfig) -> std::result::Result<(), String> {
+    let device: Arc<dyn Device> = Arc::new(SimDevice::new(sim_config(config)));
+    build(config.policy, device, &config.options)
+        .map(drop)
+        .map_err(|e| format!("creating {}: {e}", config.policy))
+}
+
+/// Replays `ops` with `config` and keeps the allocator alive where the replay
+/// stopped. [`replay`] is this followed by [`Replayed::finish`].
+pub fn replay_keeping(ops: &[Op], config: &ReplayConfig) -> Replayed {
+    let mut sim = SimDevice::new(sim_config(config));
     if let Some(second) = config.second_cost {
         sim = sim.also_priced_by(second);
     }

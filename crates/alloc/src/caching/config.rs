@@ -154,72 +154,7 @@ impl CachingConfig {
         let tk = Tokens { t: tokenize(env) };
         let mut i = 0;
         while i < tk.t.len() {
-            let key = tk.t[i].as_str();
-            i = match key {
-                "max_split_size_mb" => c.parse_max_split_size(&tk, i)?,
-                "max_non_split_rounding_mb" => c.parse_max_non_split_rounding_size(&tk, i)?,
-                "garbage_collection_threshold" => c.parse_garbage_collection_threshold(&tk, i)?,
-                "roundup_power2_divisions" => c.parse_roundup_power2_divisions(&tk, i)?,
-                "expandable_segments" => {
-                    tk.expect(i + 1, ":")?;
-                    c.expandable_segments = tk.to_bool(i + 2, key)?;
-                    i + 2
-                }
-                "release_lock_on_cudamalloc" => {
-                    tk.expect(i + 1, ":")?;
-                    c.release_lock_on_cudamalloc = tk.to_bool(i + 2, key)?;
-                    i + 2
-                }
-                "backend" => {
-                    tk.expect(i + 1, ":")?;
-                    match tk.get(i + 2, key)? {
-                        "native" => i + 2,
-                        "cudaMallocAsync" => {
-                            return Err(err(
-                                "backend:cudaMallocAsync is a different allocator; the caching and torch-es \
-                                 replicas model backend:native only",
-                            ))
-                        }
-                        _ => return Err(err("Unknown allocator backend, options are native and cudaMallocAsync")),
-                    }
-                }
-                "pinned_use_cuda_host_register"
-                | "pinned_use_background_threads"
-                | "graph_capture_record_stream_reuse" => {
-                    // Host (pinned) allocator and graph options: validated, no effect here.
-                    tk.expect(i + 1, ":")?;
-                    tk.to_bool(i + 2, key)?;
-                    i + 2
-                }
-                "pinned_num_register_threads" => {
-                    tk.expect(i + 1, ":")?;
-                    let v = tk.to_size(i + 2, key)?;
-                    if !v.is_power_of_two() {
-                        return Err(err(format!(
-                            "Number of register threads has to be power of 2, got {v}"
-                        )));
-                    }
-                    if v > 128 {
-                        return Err(err(format!(
-                            "Number of register threads should be less than or equal to 128, got {v}"
-                        )));
-                    }
-                    i + 2
-                }
-                "pinned_reserve_segment_size_mb" => {
-                    tk.expect(i + 1, ":")?;
-                    if tk.to_size(i + 2, key)? == 0 {
-                        return Err(err("Pinned reserve segment size has to be greater than 0"));
-                    }
-                    i + 2
-                }
-                other => {
-                    return Err(err(format!(
-                    "Unrecognized key '{other}' in Accelerator allocator config. (valid keys: {})",
-                    KEYS.join(", ")
-                )))
-                }
-            };
+            i = c.apply(&tk, i)?;
             if i + 1 < tk.t.len() {
                 i += 1;
                 tk.expect(i, ",")?;
@@ -227,6 +162,97 @@ impl CachingConfig {
             i += 1;
         }
         Ok(c)
+    }
+
+    /// Sets one option, `key` to `value` (written as in
+    /// `PYTORCH_CUDA_ALLOC_CONF`, `[...]` lists included), checked as
+    /// [`Self::parse`] checks it: the policy specs' caching options
+    /// (`caching:max_split_size_mb=128`) parse straight into the config, key
+    /// by key, through the same code as the environment variable.
+    pub fn set(&mut self, key: &str, value: &str) -> AllocResult<()> {
+        let tk = Tokens {
+            t: tokenize(&format!("{}:{}", key.trim(), value.trim())),
+        };
+        let last = self.apply(&tk, 0)?;
+        if last + 1 != tk.t.len() {
+            return Err(err(format!(
+                "Error parsing {key} value: expected one value, got '{}'",
+                value.trim()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Applies the option whose key is token `i` (`parseArgs`' loop body);
+    /// returns the index of its last token.
+    fn apply(&mut self, tk: &Tokens, i: usize) -> AllocResult<usize> {
+        let c = self;
+        let key = tk.t[i].as_str();
+        Ok(match key {
+            "max_split_size_mb" => c.parse_max_split_size(tk, i)?,
+            "max_non_split_rounding_mb" => c.parse_max_non_split_rounding_size(tk, i)?,
+            "garbage_collection_threshold" => c.parse_garbage_collection_threshold(tk, i)?,
+            "roundup_power2_divisions" => c.parse_roundup_power2_divisions(tk, i)?,
+            "expandable_segments" => {
+                tk.expect(i + 1, ":")?;
+                c.expandable_segments = tk.to_bool(i + 2, key)?;
+                i + 2
+            }
+            "release_lock_on_cudamalloc" => {
+                tk.expect(i + 1, ":")?;
+                c.release_lock_on_cudamalloc = tk.to_bool(i + 2, key)?;
+                i + 2
+            }
+            "backend" => {
+                tk.expect(i + 1, ":")?;
+                match tk.get(i + 2, key)? {
+                    "native" => i + 2,
+                    "cudaMallocAsync" => {
+                        return Err(err(
+                            "backend:cudaMallocAsync is a different allocator; the caching and torch-es \
+                             replicas model backend:native only",
+                        ))
+                    }
+                    _ => return Err(err("Unknown allocator backend, options are native and cudaMallocAsync")),
+                }
+            }
+            "pinned_use_cuda_host_register"
+            | "pinned_use_background_threads"
+            | "graph_capture_record_stream_reuse" => {
+                // Host (pinned) allocator and graph options: validated, no effect here.
+                tk.expect(i + 1, ":")?;
+                tk.to_bool(i + 2, key)?;
+                i + 2
+            }
+            "pinned_num_register_threads" => {
+                tk.expect(i + 1, ":")?;
+                let v = tk.to_size(i + 2, key)?;
+                if !v.is_power_of_two() {
+                    return Err(err(format!(
+                        "Number of register threads has to be power of 2, got {v}"
+                    )));
+                }
+                if v > 128 {
+                    return Err(err(format!(
+                        "Number of register threads should be less than or equal to 128, got {v}"
+                    )));
+                }
+                i + 2
+            }
+            "pinned_reserve_segment_size_mb" => {
+                tk.expect(i + 1, ":")?;
+                if tk.to_size(i + 2, key)? == 0 {
+                    return Err(err("Pinned reserve segment size has to be greater than 0"));
+                }
+                i + 2
+            }
+            other => {
+                return Err(err(format!(
+                    "Unrecognized key '{other}' in Accelerator allocator config. (valid keys: {})",
+                    KEYS.join(", ")
+                )))
+            }
+        })
     }
 
     /// `parseMaxSplitSize`: at least `kLargeBuffer / 1 MiB` = 20.

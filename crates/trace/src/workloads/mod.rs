@@ -114,15 +114,18 @@ pub fn workload_defaults(name: &str) -> Option<Vec<(&'static str, String)>> {
     }
 }
 
-fn parse_overrides<'a>(workload: &str, s: &'a str) -> Result<Vec<(&'a str, &'a str)>> {
+/// Splits a workload's overrides (`seed=7,steps=100`; `seed:7` too, as
+/// policy options and `VMMALLOC_CONF` write them: one splitter,
+/// [`vmmalloc_alloc::split_option`]) into key and value pairs.
+pub(crate) fn parse_overrides<'a>(workload: &str, s: &'a str) -> Result<Vec<(&'a str, &'a str)>> {
     let mut out = Vec::new();
     for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-        let Some((k, v)) = item.split_once('=') else {
+        let Some((k, v)) = vmmalloc_alloc::split_option(item) else {
             return Err(ErrorKind::BadParam {
                 workload: workload.to_string(),
                 key: item.to_string(),
                 value: String::new(),
-                reason: "expected key=value".into(),
+                reason: "expected key=value (or key:value)".into(),
             }
             .into());
         };
@@ -435,6 +438,30 @@ mod tests {
             e.contains("`checkpointing`") && e.contains("true or false"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn workload_options_split_as_policy_options_do() {
+        // `key:value` and `key=value` are the same option (issue 36), as in
+        // policy specs and VMMALLOC_CONF.
+        let colon = workload_by_name("frag-adversary:seed:7,rounds:1").unwrap();
+        let equals = workload_by_name("frag-adversary:seed=7,rounds=1").unwrap();
+        assert_eq!(colon.devices, equals.devices);
+        assert_ne!(
+            colon.devices,
+            workload_by_name("frag-adversary:rounds=1").unwrap().devices
+        );
+        // rl-colocate's sleep table reads its parameters the same way: an
+        // item that is not an option is an error, not skipped.
+        let p = rl_colocate::params_from_spec("rl-colocate:seed:3,iterations=2")
+            .unwrap()
+            .unwrap();
+        assert_eq!((p.seed, p.iterations), (3, 2));
+        let e = rl_colocate::params_from_spec("rl-colocate:iterations")
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expected key=value"), "{e}");
     }
 
     #[test]

@@ -220,13 +220,16 @@ pub fn params_from_spec(spec: &str) -> Option<Result<RlColocateParams>> {
     if name != RlColocateParams::WORKLOAD {
         return None;
     }
+    // The same overrides, split as `workload_by_name` splits them (an item
+    // that is not `key=value` is an error, never skipped).
     let mut p = RlColocateParams::default();
-    for (k, v) in overrides.split(',').filter_map(|kv| kv.split_once('=')) {
-        if let Err(e) = p.set(k.trim(), v.trim()) {
-            return Some(Err(e));
+    let set = |p: &mut RlColocateParams| -> Result<()> {
+        for (k, v) in super::parse_overrides(RlColocateParams::WORKLOAD, overrides)? {
+            p.set(k, v)?;
         }
-    }
-    Some(Ok(p))
+        Ok(())
+    };
+    Some(set(&mut p).map(|()| p))
 }
 
 /// The device memory one phase needs under one policy.
@@ -339,9 +342,19 @@ pub fn phase_needs(
 /// [`phase_needs`]): 16 bytes per parameter for the trainer, 2 for the
 /// inference weights, the KV cache, activations and slack, rounded up to GiB.
 pub fn roomy_capacity(p: &RlColocateParams) -> u64 {
-    let params = p.params_m * 1_000_000;
-    let acts = u64::from(p.layers) * p.act_mb * MIB * 8;
-    (params * 20 + p.kv_cache_mb * MIB + acts + 8 * GIB).div_ceil(GIB) * GIB
+    // Saturating: absurd parameters give an absurd size for the caller to
+    // refuse, never an overflow.
+    let params = p.params_m.saturating_mul(1_000_000);
+    let acts = u64::from(p.layers)
+        .saturating_mul(p.act_mb)
+        .saturating_mul(MIB * 8);
+    params
+        .saturating_mul(20)
+        .saturating_add(p.kv_cache_mb.saturating_mul(MIB))
+        .saturating_add(acts)
+        .saturating_add(8 * GIB)
+        .div_ceil(GIB)
+        .saturating_mul(GIB)
 }
 
 #[cfg(test)]
