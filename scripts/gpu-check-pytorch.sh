@@ -35,6 +35,9 @@
 #                  graphs, NCCL (with and without the register hook), MemPool
 #                  under vmmalloc (issue 28)
 #   ipc            scripts/torch_ipc_checks.py: CUDA IPC both ways (issue 28)
+#   graph-pools    scripts/torch_graph_pool_checks.py: torch.compile
+#                  reduce-overhead peak reserved <= 1.05x PyTorch's, and a
+#                  graph's pool paused, resumed, replayed bitwise (issue 32)
 #   activation     scripts/torch_activation_checks.py: VMMALLOC_CONF alone
 #                  selects vmmalloc (torchrun, spawn), region mode (issue 24)
 #
@@ -63,7 +66,7 @@ STEPS="${STEPS:-22}"
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
 plugin_checks=(peer-copy graph-replay oom-exception memory-allocated growable)
-all_parts=(fragmentation serving train hot-path "${plugin_checks[@]}" sleep unpin-threads complete ipc activation)
+all_parts=(fragmentation serving train hot-path "${plugin_checks[@]}" sleep unpin-threads complete ipc activation graph-pools)
 parts=("$@")
 ((${#parts[@]} > 0)) || parts=("${all_parts[@]}")
 for part in "${parts[@]}"; do
@@ -252,6 +255,7 @@ wants unpin-threads && verdict "unpin with threads" check_script unpin-threads v
 wants complete && verdict "complete allocator" check_script complete vmmalloc torch_complete_checks.py
 wants ipc && verdict "ipc" check_script ipc plain torch_ipc_checks.py
 wants activation && verdict "activation" check_script activation plain torch_activation_checks.py
+wants graph-pools && verdict "graph pools" check_script graph-pools plain torch_graph_pool_checks.py
 
 if ((${#failures[@]} > 0)); then
     echo "gpu-check-pytorch: FAILED: ${failures[*]}"

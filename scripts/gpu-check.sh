@@ -377,7 +377,7 @@ fi
 pytorch_steps=(
     fragmentation:75 serving:60 train:110 hot-path:45
     graphs:30:graph-replay plugin-checks:45:oom-exception:memory-allocated:growable sleep:30
-    unpin-threads:50 complete:75 ipc:60 activation:75
+    unpin-threads:50 complete:75 ipc:60 activation:75 graph-pools:150
 )
 pt=$here/gpu-check-pytorch.sh
 export RESULTS_JSONL="$out_dir/results.jsonl"

@@ -130,20 +130,24 @@ impl DeviceState {
     pub fn malloc(&self, size: u64, stream: Stream) -> Result<Allocation, AllocError> {
         match &self.history {
             None => self.allocator.malloc(size, stream),
-            Some(h) => self.malloc_recorded(h, size, stream),
+            Some(h) => {
+                self.malloc_recorded(h, size, stream, || self.allocator.malloc(size, stream))
+            }
         }
     }
 
-    /// [`DeviceState::malloc`] with history on.
+    /// An allocation (`alloc`, of `size` bytes on `stream`) with history on:
+    /// records its events.
     #[cold]
     fn malloc_recorded(
         &self,
         h: &History,
         size: u64,
         stream: Stream,
+        alloc: impl FnOnce() -> Result<Allocation, AllocError>,
     ) -> Result<Allocation, AllocError> {
         let mut ring = h.lock();
-        let r = self.allocator.malloc(size, stream);
+        let r = alloc();
         match &r {
             Ok(a) => {
                 ring.segment_events(&*self.allocator);
@@ -199,19 +203,7 @@ impl DeviceState {
         let r = match &self.history {
             None => pools.pool_malloc(id, size, stream),
             Some(h) => {
-                let mut ring = h.lock();
-                let r = pools.pool_malloc(id, size, stream);
-                match &r {
-                    Ok(a) => {
-                        ring.segment_events(&*self.allocator);
-                        ring.push_alloc(a.ptr, a.requested, stream.0);
-                    }
-                    Err(AllocError::OutOfMemory(rep)) => {
-                        ring.push_oom(rep.requested, rep.device_free, stream.0)
-                    }
-                    Err(_) => {}
-                }
-                r
+                self.malloc_recorded(h, size, stream, || pools.pool_malloc(id, size, stream))
             }
         };
         r.map_err(|e| self.error(e))
