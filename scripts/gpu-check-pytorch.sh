@@ -38,6 +38,13 @@
 #   graph-pools    scripts/torch_graph_pool_checks.py: torch.compile
 #                  reduce-overhead peak reserved <= 1.05x PyTorch's, and a
 #                  graph's pool paused, resumed, replayed bitwise (issue 32)
+#   history        scripts/torch_history_checks.py: _record_memory_history
+#                  under vmmalloc, OOM observer dump read by memory_viz and
+#                  replayed at the run's peak, cudnn.benchmark, cost (issue 34)
+#   share          scripts/torch_share_checks.py: two processes on one GPU
+#                  under one shared budget, one shrinks (its cap lowered from
+#                  outside) while the other grows; bytes intact, the group
+#                  never above its total (issue 33)
 #   activation     scripts/torch_activation_checks.py: VMMALLOC_CONF alone
 #                  selects vmmalloc (torchrun, spawn), region mode (issue 24)
 #
@@ -66,7 +73,7 @@ STEPS="${STEPS:-22}"
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
 plugin_checks=(peer-copy graph-replay oom-exception memory-allocated growable)
-all_parts=(fragmentation serving train hot-path "${plugin_checks[@]}" sleep unpin-threads complete ipc activation graph-pools)
+all_parts=(fragmentation serving train hot-path "${plugin_checks[@]}" sleep unpin-threads complete ipc activation graph-pools history share)
 parts=("$@")
 ((${#parts[@]} > 0)) || parts=("${all_parts[@]}")
 for part in "${parts[@]}"; do
@@ -219,6 +226,9 @@ if wants hot-path; then
     for alloc in pytorch pytorch-es backend:expandable; do
         verdict "hot-path: $alloc" run_py "$alloc" torch_hot_path.py
     done
+    # The same through PyTorch's pluggable allocator (no companion): the
+    # companion's own path (allocate/raw_deleter, issue 35) beside it.
+    VMMALLOC_COMPANION=0 verdict "hot-path: backend:expandable (pluggable)" run_py backend:expandable torch_hot_path.py
     table torch_hot_path
 fi
 
@@ -256,6 +266,8 @@ wants complete && verdict "complete allocator" check_script complete vmmalloc to
 wants ipc && verdict "ipc" check_script ipc plain torch_ipc_checks.py
 wants activation && verdict "activation" check_script activation plain torch_activation_checks.py
 wants graph-pools && verdict "graph pools" check_script graph-pools plain torch_graph_pool_checks.py
+wants history && verdict "history" check_script history plain torch_history_checks.py
+wants share && verdict "share" check_script share plain torch_share_checks.py
 
 if ((${#failures[@]} > 0)); then
     echo "gpu-check-pytorch: FAILED: ${failures[*]}"

@@ -375,9 +375,9 @@ fi
 # timeout (seconds; the 2026-12-04 H200 run took 16-36 s for the parts that
 # existed then): PART:TIMEOUT[:PART2...].
 pytorch_steps=(
-    fragmentation:75 serving:60 train:110 hot-path:45
+    fragmentation:75 serving:60 train:110 hot-path:60
     graphs:30:graph-replay plugin-checks:45:oom-exception:memory-allocated:growable sleep:30
-    unpin-threads:50 complete:75 ipc:60 activation:75 graph-pools:150
+    unpin-threads:50 complete:75 ipc:90 activation:75 graph-pools:150 history:120 share:60
 )
 pt=$here/gpu-check-pytorch.sh
 export RESULTS_JSONL="$out_dir/results.jsonl"

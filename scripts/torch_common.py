@@ -14,6 +14,13 @@
 - ``result()``: prints the one ``RESULT {json}`` line that
   scripts/gpu-check-pytorch.sh collects, at once (flushed), so that a step
   that later runs out of time still reports what it measured.
+- ``run_child()``: runs a script again as a child (``script args...``) and
+  returns the JSON object its last stdout line holds (the check scripts run
+  each allocator in a process of its own).
+- ``why_no_gpu()``: why a GPU check cannot run here (no PyTorch, no GPU
+  visible), or None.
+- ``find_cli()``: the vmmalloc CLI ($VMMALLOC_CLI, the bundle's bin/, a
+  cargo build, or PATH), or None.
 - ``verify()``: checks that a uint8 tensor holds one value everywhere without
   a temporary the size of the tensor (``torch.sum(t, dtype=torch.int64)``
   materialises an int64 copy eight times as large: issue 25, defect 1).
@@ -21,6 +28,8 @@
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 MIB = 1 << 20
@@ -45,7 +54,10 @@ def allocator_label():
             k, _, v = item.partition(":")
             if k.strip() == "backend":
                 backend = v.strip()
-        return f"vmmalloc:{backend}", vmmalloc
+        # Through the companion (PyTorch's allocator interface in C++, its
+        # own hot path), or PyTorch's pluggable allocator over the C ABI.
+        path = "" if vmmalloc._companion.installed() else " (pluggable)"
+        return f"vmmalloc:{backend}{path}", vmmalloc
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "")
     if "expandable_segments:True" in conf:
         return "pytorch-es", None
@@ -102,3 +114,37 @@ def result(fields):
     """Prints ``RESULT {json}`` at once."""
     print("RESULT " + json.dumps(fields), flush=True)
     sys.stdout.flush()
+
+
+def why_no_gpu():
+    """Why a GPU check cannot run here: no PyTorch, or no GPU visible to it;
+    None when it can."""
+    try:
+        import torch
+    except ImportError as e:
+        return f"no PyTorch ({e})"
+    if not torch.cuda.is_available():
+        return "no GPU visible to PyTorch (use --host for the dry run)"
+    return None
+
+
+def find_cli():
+    """The vmmalloc CLI: $VMMALLOC_CLI, the bundle's bin/, a cargo build, or
+    PATH; None when there is none."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for p in (os.environ.get("VMMALLOC_CLI"), os.path.join(here, "..", "bin", "vmmalloc"),
+              os.path.join(here, "..", "target", "release", "vmmalloc"),
+              os.path.join(here, "..", "target", "debug", "vmmalloc"), shutil.which("vmmalloc")):
+        if p and os.path.isfile(p) and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def run_child(script, *args, timeout=240):
+    """Runs ``python script args...``; returns the JSON of its last stdout
+    line. Raises RuntimeError with the end of its output if it fails."""
+    r = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True, text=True,
+                       timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"child {args} failed ({r.returncode}): {(r.stdout + r.stderr)[-1500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])

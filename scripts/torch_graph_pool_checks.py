@@ -19,9 +19,11 @@ exit 1 if any failed, 3 when it cannot run here (no CUDA device).
 
 import json
 import os
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_common  # noqa: E402
 
 SHAPES = (8, 24, 64, 24, 8, 64)
 WIDTH = 2048
@@ -116,11 +118,7 @@ def child_pause():
 
 
 def run_child(*args):
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True,
-                       text=True, timeout=240)
-    if r.returncode != 0:
-        raise RuntimeError(f"child {args} failed ({r.returncode}): {(r.stdout + r.stderr)[-1500:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return torch_common.run_child(__file__, *args)
 
 
 failures = []

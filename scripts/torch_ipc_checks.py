@@ -26,6 +26,11 @@ Checks (GPU mode):
   Pipe both ways, written by the receiver, the write seen by the sender.
   SKIP while PyTorch's pluggable allocator lacks shareIpcHandle (until the
   torch companion wires it).
+- ``torch_stock_{default,expandable}_{vmmalloc_to_stock,stock_to_vmmalloc}``:
+  a CUDA tensor through a torch.multiprocessing Pipe between this vmmalloc
+  process and a stock PyTorch process (no vmmalloc; PyTorch's default
+  allocator, then expandable segments), both ways, bytes checked on each
+  side: PyTorch's own handles written by the companion and read by it.
 - ``torch_native_handle``: a handle from PyTorch's own allocator
   (expandable_segments:True, ``storage._share_cuda_()``) imported by
   vmmalloc.ipc_import in a vmmalloc process: the bytes read, a write seen by
@@ -39,6 +44,8 @@ import statistics
 import sys
 import time
 import traceback
+
+import torch_common
 
 MIB = 1 << 20
 HOST = "--host" in sys.argv
@@ -159,9 +166,28 @@ def setup_vmmalloc():
 
 
 def worker(conn):
+    """A vmmalloc process (the C ABI and torch.multiprocessing ops)."""
+    serve(conn, stock=False)
+
+
+def stock_worker(conn):
+    """A stock PyTorch process: no vmmalloc, PyTorch's own allocator as
+    PYTORCH_CUDA_ALLOC_CONF (inherited from the parent at spawn) makes it;
+    only the torch_* ops."""
+    serve(conn, stock=True)
+
+
+def serve(conn, stock):
     try:
-        vm = setup_vmmalloc()
-        bufs = Buffers(vm)
+        if stock:
+            import torch
+
+            torch.cuda.init()
+            torch.empty(1, device="cuda")
+            vm = bufs = None
+        else:
+            vm = setup_vmmalloc()
+            bufs = Buffers(vm)
         conn.send(("ready", None))
     except Exception as e:
         conn.send(("error", f"worker setup: {e}"))
@@ -245,8 +271,14 @@ def native_worker(conn):
 class Child:
     def __init__(self, ctx, target, env=None):
         self.conn, theirs = ctx.Pipe()
+        # env: values to set in the child's environment; None removes the
+        # variable (VMMALLOC_CONF's mere presence starts vmmalloc in a child).
         old = {k: os.environ.get(k) for k in (env or {})}
-        os.environ.update(env or {})
+        for k, v in (env or {}).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         try:
             self.proc = ctx.Process(target=target, args=(theirs,), daemon=True)
             self.proc.start()
@@ -384,13 +416,9 @@ def check_create_cost():
 
 def main():
     if not HOST:
-        try:
-            import torch
-        except ImportError as e:
-            report("all", "SKIP", f"no PyTorch ({e})")
-            return 0
-        if not torch.cuda.is_available():
-            report("all", "SKIP", "no GPU visible to PyTorch (use --host for the dry run)")
+        why = torch_common.why_no_gpu()
+        if why:
+            report("all", "SKIP", why)
             return 0
         run_check("driver_export_without_posix_type", check_export_without_type)
         run_check("posix_fd_create_cost", check_create_cost)
@@ -455,44 +483,63 @@ def main():
 
         run_check("capi_consumer_to_producer", consumer_here)
         if HOST:
-            for name in ("torch_mp_parent_to_child", "torch_mp_child_to_parent", "torch_native_handle"):
+            for name in ("torch_mp_parent_to_child", "torch_mp_child_to_parent", "torch_native_handle",
+                         "torch_stock_*"):
                 report(name, "SKIP", "--host dry run (needs PyTorch on a GPU)")
             return 1 if FAILED else 0
 
         import torch
 
-        def torch_to_child():
-            t = torch.empty(n_big, dtype=torch.uint8, device="cuda")
-            fill(t.data_ptr(), n_big, 1)
-            try:
-                child.conn.send(("torch_recv", t))
-            except Exception as e:
-                if "does not yet support" in str(e) or "not support" in str(e):
-                    return "SKIP", f"the pluggable allocator cannot share yet (needs the torch companion): {e}"
-                raise
-            _, good = child.ask()
-            if not good:
-                return "FAIL", "the child did not see the tensor's bytes"
-            if not holds(t.data_ptr(), n_big, 2):
-                return "FAIL", "the child's write is not seen here"
-            return "ok", f"{n_big} B"
+        def torch_to(get_child, who):
+            """A tensor of gen-1 bytes sent to the child, which checks them and
+            writes gen 2, seen here."""
 
-        def torch_from_child():
-            status, t = child.ask(("torch_send", n_big))
-            if status == "send_error":
-                if "support" in t:
-                    return "SKIP", f"the pluggable allocator cannot share yet (needs the torch companion): {t}"
-                return "FAIL", t
-            good = holds(t.data_ptr(), n_big, 1)
-            fill(t.data_ptr(), n_big, 2)
-            del t
-            child.conn.send(("written",))
-            _, seen = child.ask()
-            if not good:
-                return "FAIL", "the child's tensor bytes differ here"
-            if not seen:
-                return "FAIL", "our write is not seen by the child"
-            return "ok", f"{n_big} B"
+            def go():
+                c = get_child()
+                t = torch.empty(n_big, dtype=torch.uint8, device="cuda")
+                fill(t.data_ptr(), n_big, 1)
+                try:
+                    c.conn.send(("torch_recv", t))
+                except Exception as e:
+                    if "does not yet support" in str(e) or "not support" in str(e):
+                        return "SKIP", f"the pluggable allocator cannot share yet (needs the torch companion): {e}"
+                    raise
+                _, good = c.ask()
+                if not good:
+                    return "FAIL", f"{who} did not see the tensor's bytes"
+                if not holds(t.data_ptr(), n_big, 2):
+                    return "FAIL", f"{who}'s write is not seen here"
+                return "ok", f"{n_big} B to {who}, both ways"
+
+            return go
+
+        def torch_from(get_child, who):
+            """A tensor of gen-1 bytes sent by the child, checked here and
+            written with gen 2, which the child sees."""
+
+            def go():
+                c = get_child()
+                status, t = c.ask(("torch_send", n_big))
+                if status == "send_error":
+                    if "support" in t:
+                        return "SKIP", f"the pluggable allocator cannot share yet (needs the torch companion): {t}"
+                    return "FAIL", t
+                good = holds(t.data_ptr(), n_big, 1)
+                fill(t.data_ptr(), n_big, 2)
+                del t
+                torch.cuda.synchronize()
+                c.conn.send(("written",))
+                _, seen = c.ask()
+                if not good:
+                    return "FAIL", f"{who}'s tensor bytes differ here"
+                if not seen:
+                    return "FAIL", f"our write is not seen by {who}"
+                return "ok", f"{n_big} B from {who}, both ways"
+
+            return go
+
+        torch_to_child = torch_to(lambda: child, "the vmmalloc child")
+        torch_from_child = torch_from(lambda: child, "the vmmalloc child")
 
         run_check("torch_mp_parent_to_child", torch_to_child)
         run_check("torch_mp_child_to_parent", torch_from_child)
@@ -518,6 +565,33 @@ def main():
             return "ok", f"PyTorch {torch.__version__} expandable-segments handle version {h[0]}: {n} B at offset {offset}, both ways"
 
         run_check("torch_native_handle", native)
+
+        # A stock PyTorch process (no vmmalloc) on either side of a
+        # torch.multiprocessing Pipe, with PyTorch's default allocator (its
+        # cudaIpc handles) and with expandable segments ('e' handles): the
+        # companion writes PyTorch's own handle for the stock consumer and
+        # reads both kinds from a stock producer (issue 35, item 2).
+        for conf, label in (("", "default"), ("expandable_segments:True", "expandable")):
+            env = {"PYTORCH_CUDA_ALLOC_CONF": conf or None, "VMMALLOC_CONF": None}
+            stock = None
+
+            def start():
+                nonlocal stock
+                if stock is None:
+                    stock = Child(ctx, stock_worker, env=env)
+                    stock.ask(timeout=60)
+                return stock
+
+            who = f"a stock PyTorch process ({label} allocator)"
+            to_stock = torch_to(start, who)
+            from_stock = torch_from(start, who)
+
+            try:
+                run_check(f"torch_stock_{label}_vmmalloc_to_stock", to_stock)
+                run_check(f"torch_stock_{label}_stock_to_vmmalloc", from_stock)
+            finally:
+                if stock is not None:
+                    stock.stop()
     finally:
         child.stop()
     return 1 if FAILED else 0

@@ -14,6 +14,7 @@ mod output_path;
 mod point;
 mod replay_cmd;
 mod report;
+mod share_cmd;
 mod sleep_table;
 mod snapshot_cmd;
 mod summary_cmd;
@@ -54,6 +55,8 @@ enum Command {
     Calibrate(calibrate::CalibrateArgs),
     /// Reserve, create, map, set access, write/read, unmap, release on one GPU: does this environment support the VMM API?
     VmmCheck(vmm_check::VmmCheckArgs),
+    /// A budget shared by the processes on one GPU (VMMALLOC_CONF=share:NAME): list its members, change their caps or its total.
+    Share(share_cmd::ShareArgs),
 }
 
 /// Runs the command; a user error (bad input, a size out of range, a replay
@@ -93,5 +96,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Workloads => workloads_cmd::run(),
         Command::Calibrate(args) => calibrate::run(args),
         Command::VmmCheck(args) => vmm_check::run(args),
+        Command::Share(args) => share_cmd::run(args),
     }
 }

@@ -362,7 +362,15 @@ fn bad_input_is_a_clear_error() {
     );
     let err = fails(&["summary", &f, "--steady"]);
     assert!(err.contains("--steady"), "{err}");
-    let err = fails(&["snapshot", &f, "--at", "oom", "--out", "/tmp/never.pickle"]);
+    let never = std::env::temp_dir().join("never.pickle");
+    let err = fails(&[
+        "snapshot",
+        &f,
+        "--at",
+        "oom",
+        "--out",
+        never.to_str().unwrap(),
+    ]);
     assert!(err.contains("no out-of-memory"), "{err}");
 }
 

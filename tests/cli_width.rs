@@ -31,6 +31,7 @@ fn every_help_fits_100_columns() {
         "workloads",
         "calibrate",
         "vmm-check",
+        "share",
     ] {
         commands.push(vec![c, "--help"]);
     }

@@ -8,6 +8,7 @@ register hook's refusal. Skipped only where torch is missing, never in CI
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -457,3 +458,290 @@ print(vmmalloc.check())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "torch companion" in out.stdout
     assert "checkPoolLiveAllocations" in out.stdout
+
+
+# PyTorch's memory debugging tools through the companion: _record_memory_history
+# (via a test entry that does what torch/csrc/cuda/memory_snapshot.cpp does,
+# minus its lazy CUDA init), allocations on PyTorch's own allocation path
+# (companion_malloc/companion_free), _snapshot/_dump_snapshot, _memory_viz,
+# _allocation_traceback and the vmmalloc CLI's replay of the dump.
+HISTORY = PRELUDE + '''
+import pickle, re, subprocess, os
+MiB = 1 << 20
+comp = _companion._loaded
+comp.vmmalloc_companion_alloc_for_tests.restype = ctypes.c_void_p
+comp.vmmalloc_companion_alloc_for_tests.argtypes = [ctypes.c_size_t, ctypes.c_int]
+comp.vmmalloc_companion_free_for_tests.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_rec = comp.vmmalloc_companion_record_memory_history_for_tests
+_rec.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
+                 ctypes.c_char_p, ctypes.c_size_t]
+_err = ctypes.create_string_buffer(2000)
+
+def record(enabled="all", context="all", stacks="python", max_entries=(1 << 63) - 1, clear=0):
+    enc = lambda s: None if s is None else s.encode()
+    if _rec(enc(enabled), enc(context), enc(stacks), max_entries, clear, _err, len(_err)) != 0:
+        raise RuntimeError(_err.value.decode())
+
+def alloc(n):
+    p = comp.vmmalloc_companion_alloc_for_tests(n, 0)
+    assert p, vmmalloc.last_error()
+    return p
+
+def free(p, n):
+    comp.vmmalloc_companion_free_for_tests(p, n, 0)
+
+def names(frames):
+    return [f["name"] for f in frames]
+'''
+
+
+def test_record_memory_history_gives_pytorch_traces_and_frames(lib, tmp_path, cache):
+    out = run(HISTORY + '''
+assert torch.cuda.memory._snapshot.__module__ == "torch.cuda.memory", "PyTorch's own _snapshot stays"
+assert not torch._C._cuda_isHistoryEnabled()
+before = alloc(3 * MiB)           # allocated before recording starts
+record()
+assert torch._C._cuda_isHistoryEnabled()
+
+def make_activation():
+    return alloc(64 * MiB)   # more than the cache holds: memory is mapped for it
+
+def drop_scratch(p, n):
+    free(p, n)
+
+a = make_activation()
+b = alloc(1000)
+drop_scratch(b, 1000)
+free(before, 3 * MiB)
+assert comp.vmmalloc_companion_alloc_for_tests(5 << 30, 0) is None   # out of memory (1 GB device)
+snap = torch.cuda.memory._snapshot()
+trace = snap["device_traces"][0]
+acts = [(e["action"], e.get("addr"), e["size"]) for e in trace]
+# alloc of a, with the Python frames of the function that allocated it
+ea = [e for e in trace if e["action"] == "alloc" and e["addr"] == a]
+assert len(ea) == 1 and ea[0]["size"] == 64 * MiB, acts
+assert "make_activation" in names(ea[0]["frames"]), ea[0]["frames"]
+assert all(set(f) >= {"filename", "line", "name"} for f in ea[0]["frames"])
+# context="all": the free carries the frames of the freeing call
+fr = [e for e in trace if e["action"] == "free_requested" and e["addr"] == b]
+assert len(fr) == 1 and "drop_scratch" in names(fr[0]["frames"]), fr
+# a block allocated before recording is freed with its size
+assert ("free_requested", before, 3 * MiB) in acts and ("free_completed", before, 3 * MiB) in acts, acts
+# memory was mapped for a, with a's context, before a's alloc entry
+i_alloc = trace.index(ea[0])
+maps = [e for e in trace[:i_alloc] if e["action"] in ("segment_map", "segment_alloc")]
+assert maps and any("make_activation" in names(m["frames"]) for m in maps), acts
+# the out-of-memory, with the device's free bytes
+oom = [e for e in trace if e["action"] == "oom"]
+assert len(oom) == 1 and oom[0]["size"] == 5 << 30 and 0 < oom[0]["device_free"] <= 1 << 30, oom
+# PyTorch's snapshot() records itself
+assert trace[-1]["action"] == "snapshot", acts[-3:]
+# times are microseconds since the epoch, in order
+import time
+ts = [e["time_us"] for e in trace]
+assert ts == sorted(ts) and abs(ts[-1] / 1e6 - time.time()) < 600, ts[-3:]
+# the live block's frames in the segments
+blocks = {blk["address"]: blk for s in snap["segments"] for blk in s["blocks"]}
+assert "make_activation" in names(blocks[a]["frames"]), blocks[a]
+# _allocation_traceback (getContextForPointer)
+tb = torch.cuda.memory._allocation_traceback(a)
+assert tb and "make_activation" in names(tb), tb
+assert torch.cuda.memory._allocation_traceback(a + 64) is None
+# PyTorch's memory_viz reads it
+from torch.cuda import _memory_viz
+assert "segments:" in _memory_viz.segsum(snap)
+assert "make_activation" in _memory_viz.trace(snap)
+for plot in (_memory_viz.segment_plot, _memory_viz.trace_plot):
+    html = plot(snap)
+    assert "<html" in html.lower() and len(html) > 1000, plot
+# _dump_snapshot writes the same thing as a pickle
+path = "dump.pickle"
+torch.cuda.memory._dump_snapshot(path)
+with open(path, "rb") as f:
+    dumped = pickle.load(f)
+assert [e["action"] for e in dumped["device_traces"][0]][:-1] == [e["action"] for e in trace], "dump"
+free(a, 64 * MiB)
+# a ring bounded by max_entries keeps the newest
+record(max_entries=4, clear=1)
+ps = [alloc(4096 + i) for i in range(6)]
+t = torch.cuda.memory._snapshot()["device_traces"][0]
+assert len(t) == 4 and t[-1]["action"] == "snapshot" and t[-2]["addr"] == ps[-1], t
+for i, p in enumerate(ps):
+    free(p, 4096 + i)
+# context=None: events, no frames; stacks="all" is accepted
+record(context=None, clear=1)
+p = alloc(MiB)
+e = [e for e in torch.cuda.memory._snapshot()["device_traces"][0] if e["action"] == "alloc"]
+assert e and all(not x.get("frames") for x in e), e  # PyTorch writes no frames without a context
+free(p, MiB)
+record(stacks="all", clear=1)
+p = alloc(MiB)
+e = [e for e in torch.cuda.memory._snapshot()["device_traces"][0] if e["action"] == "alloc"]
+assert e and "<module>" in names(e[0]["frames"]), e
+free(p, MiB)
+# enabled=None stops and drops the ring
+record(enabled=None)
+assert not torch._C._cuda_isHistoryEnabled()
+assert all(t == [] for t in torch.cuda.memory._snapshot()["device_traces"])
+# bad options are refused as PyTorch refuses them
+try:
+    record(enabled="sometimes")
+    raise SystemExit("accepted a bad option")
+except RuntimeError as e:
+    assert "expected state" in str(e), e
+print("HISTORY OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "HISTORY OK" in out.stdout
+
+
+def test_dumped_history_replays_with_the_runs_peak(lib, tmp_path, cache):
+    from test_capi import cli
+
+    exe = cli()
+    if exe is None:
+        pytest.skip("the vmmalloc CLI is not built (cargo build --bin vmmalloc)")
+    out = run(HISTORY + '''
+import random
+random.seed(7)
+live = {}
+record()
+peak = cur = 0
+for i in range(300):
+    if live and (random.random() < 0.45 or cur > 600 * MiB):
+        p = random.choice(list(live))
+        cur -= live[p]
+        free(p, live.pop(p))
+    else:
+        n = random.choice([512, 4096, 1 << 20, 3 << 20, 17 << 20, 60 << 20])
+        p = alloc(n)
+        live[p] = n
+        cur += n
+        peak = max(peak, cur)
+torch.cuda.memory._dump_snapshot("run.pickle")
+print("PEAK", peak)
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    peak = int(re.search(r"PEAK (\d+)", out.stdout).group(1))
+    rep = subprocess.run([exe, "replay", str(tmp_path / "run.pickle"), "--policy", "expandable",
+                          "--capacity", "4GiB"], capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    m = re.search(r"peak live \(trace\)\s+.*\((\d+) bytes\)", rep.stdout)
+    assert m, rep.stdout
+    assert int(m.group(1)) == peak, (int(m.group(1)), peak, rep.stdout)
+
+
+def test_cache_info_answers_cudnn(lib, tmp_path, cache):
+    out = run(HISTORY + '''
+ci = comp.vmmalloc_companion_cache_info_for_tests
+ci.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]
+largest = ctypes.c_size_t(0)
+assert ci(0, ctypes.byref(largest)) == 0
+assert 512 * MiB < largest.value <= 1 << 30, largest.value   # a zero guess: the free bytes
+p = alloc(64 * MiB)
+free(p, 64 * MiB)
+largest = ctypes.c_size_t(1)
+assert ci(0, ctypes.byref(largest)) == 0
+assert largest.value >= 64 * MiB, largest.value              # served from the cache
+assert ci(99, ctypes.byref(largest)) == -1
+print("CACHEINFO OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "CACHEINFO OK" in out.stdout
+
+
+def test_bench_entry_measures_the_companion_pair(lib, tmp_path, cache):
+    # scripts/bench_history.py's measurement, small: a positive median per
+    # pair with recording off and on, and nothing left allocated.
+    out = run(HISTORY + '''
+bench = comp.vmmalloc_companion_bench_pairs_for_tests
+bench.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+ns = ctypes.c_double()
+assert bench(1 << 20, 0, 50, 3, ctypes.byref(ns)) == 0 and ns.value > 0
+record()
+assert bench(1 << 20, 0, 50, 3, ctypes.byref(ns)) == 0 and ns.value > 0
+assert sum(e["action"] == "alloc" for e in torch.cuda.memory._snapshot()["device_traces"][0]) == 150
+assert bench(1 << 20, 0, 0, 3, ctypes.byref(ns)) == -1
+assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 0
+print("BENCH OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "BENCH OK" in out.stdout
+
+
+def test_versions_older_than_the_oldest_supported_are_refused_by_name(tmp_path):
+    class OldTorch:
+        __version__ = "2.4.1+cu121"
+        __file__ = "/nonexistent/torch/__init__.py"
+
+    with pytest.raises(RuntimeError, match=r"needs PyTorch 2\.5 or newer; this is PyTorch 2\.4\.1"):
+        _companion.build(OldTorch, tmp_path / "c.so")
+    _companion.check_supported("2.5.0")
+    _companion.check_supported("2.15.0+cu132")
+    assert _companion.version_tuple("2.10.0a0+git") == (2, 10)
+    with pytest.raises(ValueError):
+        _companion.version_tuple("nightly")
+
+
+def test_what_older_versions_lack_is_named():
+    assert _companion.absent_in("2.15.0") == []
+    absent = dict(_companion.absent_in("2.5.1"))
+    assert absent["getMemoryFraction"] == "2.6" and absent["annotateMemory"] == "2.14"
+    assert "recordHistory" not in absent and "createOrIncrefPool" not in absent
+    assert dict(_companion.absent_in("2.12.1")) == {"annotateMemory": "2.14"}
+    # Every method of the table is one the companion implements under a version guard.
+    source = _companion.SOURCE.read_text()
+    for method, (major, minor) in _companion.NOT_IN_VERSION.items():
+        assert f"VMM_NO_{method})" in source and f"VMM_TORCH_AT_LEAST({major}, {minor})" in source, method
+
+
+def test_hot_path_bench_entry_runs_both_paths(lib, tmp_path, cache):
+    # scripts/bench_hot_path.py's measurement, small: both paths allocate and
+    # free (nothing left allocated, no pointer left in PyTorch's map).
+    out = run(HISTORY + '''
+bench = comp.vmmalloc_companion_bench_hot_path_for_tests
+bench.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_double),
+                  ctypes.POINTER(ctypes.c_double)]
+ours, theirs = ctypes.c_double(), ctypes.c_double()
+assert bench(1 << 20, 100, 3, ctypes.byref(ours), ctypes.byref(theirs)) == 0
+assert ours.value > 0 and theirs.value > 0
+assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 0
+assert torch._C._cuda_memoryStats(0)["allocation"]["all"]["allocated"] >= 600
+assert bench(1 << 20, 0, 3, ctypes.byref(ours), ctypes.byref(theirs)) == -1
+print("HOT OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "HOT OK" in out.stdout
+
+
+def test_mempool_with_its_own_allocator_is_routed_to_it(lib, tmp_path, cache):
+    # torch.cuda.MemPool(allocator=...) (vLLM's sleep mode): allocations made
+    # into the pool go to its allocator, vmmalloc serves the rest, frees find
+    # their allocator, use counts and live checks answer for the pool. The
+    # sequence PyTorch 2.11+ calls, through a companion test entry (MemPool's
+    # constructor needs a GPU); no_split on one of vmmalloc's own pools.
+    out = run(PRELUDE + '''
+comp = _companion._loaded
+err = ctypes.create_string_buffer(1000)
+assert comp.vmmalloc_companion_mempool_allocator_for_tests(err, len(err)) == 0, err.value
+assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 0
+print("MEMPOOL ALLOCATOR OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MEMPOOL ALLOCATOR OK" in out.stdout
+
+
+def test_mempool_use_on_oom_lends_the_pools_free_blocks(lib, tmp_path, cache):
+    # torch.cuda.MemPool(use_on_oom=True): an allocation outside the pool
+    # that would run out of memory gets the pool's free block (PyTorch's
+    # use_on_oom_pools), until ~MemPool turns it off; through a companion
+    # test entry (MemPool's constructor needs a GPU).
+    out = run(PRELUDE + '''
+comp = _companion._loaded
+err = ctypes.create_string_buffer(1000)
+assert comp.vmmalloc_companion_use_on_oom_for_tests(err, len(err)) == 0, err.value
+assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 0
+print("USE ON OOM OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "USE ON OOM OK" in out.stdout

@@ -39,10 +39,11 @@ from ._lib import (
 )
 from ._check import check
 from ._sleep import get_tag, pause, pause_pool, region, resume, resume_pool, set_tag, tag_stats
-from ._ipc import ipc_close, ipc_export, ipc_import
+from ._ipc import ipc_close, ipc_export, ipc_export_torch, ipc_import
 from . import _lib
 from ._growable import GrowableTensor, growable, on_memory_pressure
 from ._region import get_region, regions
+from ._share import share_info, share_set_cap, share_set_total
 
 __all__ = [
     "VmmallocError",
@@ -81,7 +82,12 @@ __all__ = [
     # IPC without PyTorch (_ipc.py)
     "ipc_close",
     "ipc_export",
+    "ipc_export_torch",
     "ipc_import",
+    # A budget shared by processes on one GPU (_share.py)
+    "share_info",
+    "share_set_cap",
+    "share_set_total",
 ]
 
 __version__ = "0.1.0"
@@ -204,7 +210,7 @@ def enable(conf=None):
     for message in (_pytorch_conf_warning(), _no_gpu_warning(torch, conf)):
         if message:
             warnings.warn(message, stacklevel=2)
-    _torch.patch_memory_functions(torch)
+    _torch.patch_memory_functions(torch, companion_snapshots=_companion.snapshots_supported())
     _oom = _companion.install(torch)
     if _oom[0] != "torch.cuda.OutOfMemoryError":
         warnings.warn(f"vmmalloc: out-of-memory raises RuntimeError, not torch.cuda.OutOfMemoryError "

@@ -205,9 +205,19 @@ def _check_torch(r):
                            "compiler and the CUDA runtime headers; without it vmmalloc runs as the plain "
                            "pluggable allocator)")
             lost = []
+        absent = dict(_companion.absent_in(torch.__version__))
         for method, feature in _companion.FEATURES:
-            state = "no (method missing in this PyTorch)" if method in lost else "yes, with the companion"
+            if method in absent:
+                state = f"not in PyTorch {torch.__version__} (its allocator interface has it from {absent[method]})"
+            elif method in lost:
+                state = "no (method missing in this PyTorch)"
+            else:
+                state = "yes, with the companion"
             r.lines.append(f"    {feature}: {state}")
+        try:
+            _companion.check_supported(torch.__version__)
+        except RuntimeError as e:
+            r.limits.append(str(e))
     if os.environ.get(_torch.NCCL_HOOK_ENV, "").strip().lower() in ("1", "true", "yes", "on", "y"):
         r.lines.append(f"  {_torch.NCCL_HOOK_ENV} is set: enable() turns it off (vmmalloc emits no segment "
                        "trace entries for NCCL registration; collectives work without registered buffers)")

@@ -45,7 +45,8 @@ FEATURES = (
     ("checkPoolLiveAllocations", "torch.compile(mode='reduce-overhead') (CUDA graph trees: checkPoolLiveAllocations)"),
     ("getCheckpointState", "CUDA graph trees' checkpoints (getCheckpointState)"),
     ("setCheckpointPoolState", "CUDA graph trees' path divergence (setCheckpointPoolState)"),
-    ("createOrIncrefPool", "torch.cuda.MemPool while vmmalloc is the allocator (createOrIncrefPool)"),
+    ("createOrIncrefPool", "torch.cuda.MemPool while vmmalloc is the allocator, MemPool(allocator=...) "
+                           "routed to its allocator (createOrIncrefPool)"),
     ("getPoolUseCount", "torch.cuda.MemPool.use_count() (getPoolUseCount)"),
     ("snapshot", "snapshot() for NCCL's initNCCLComm / register_mem_pool and MemPool.snapshot()"),
     ("getDeviceStats", "torch._C._cuda_memoryStats (getDeviceStats; torch.cuda.memory_stats is answered anyway)"),
@@ -55,7 +56,40 @@ FEATURES = (
     ("shareIpcHandle", "CUDA tensors through torch.multiprocessing (shareIpcHandle / getIpcDevPtr over "
                        "libvmmalloc's vmmalloc_ipc_* functions)"),
     ("throw_oom", "torch.cuda.OutOfMemoryError on out-of-memory (RuntimeError without the companion)"),
+    ("recordHistory", "torch.cuda.memory._record_memory_history: trace entries and stack frames in "
+                      "_snapshot()/_dump_snapshot() (recordHistory, isHistoryEnabled)"),
+    ("getContextForPointer", "torch.cuda.memory._allocation_traceback (getContextForPointer)"),
+    ("cacheInfo", "torch.backends.cudnn.benchmark = True (cacheInfo)"),
+    ("recordAnnotation", "record_function annotations in snapshots (recordAnnotation)"),
+    ("pushCompileContext", "torch.compile contexts in trace entries (pushCompileContext)"),
+    ("setUserMetadata", "torch.cuda.memory._set_memory_metadata (setUserMetadata)"),
+    ("annotateMemory", "torch.cuda.memory._annotate_memory (annotateMemory)"),
 )
+
+# Methods the companion implements that older PyTorch interfaces do not have
+# (c10/cuda/CUDACachingAllocator.h of each version; scripts/companion_matrix.py
+# checks every minor version): method -> (major, minor) of the first version
+# with it. Under an older PyTorch the feature does not exist there at all (the
+# Python function is missing too); --check names it. createOrIncrefPool is
+# not listed: before 2.8 the companion creates pools in beginAllocateToPool,
+# as those versions' native allocator does.
+NOT_IN_VERSION = {
+    "getMemoryFraction": (2, 6),
+    "getPoolUseCount": (2, 6),
+    "setUseOnOOM": (2, 8),
+    "pushCompileContext": (2, 8),
+    "setUserMetadata": (2, 10),
+    "getContextForPointer": (2, 12),
+    "annotateMemory": (2, 14),
+}
+
+
+def absent_in(version):
+    """[(method, first version string)] of NOT_IN_VERSION this PyTorch
+    version predates."""
+    v = version_tuple(version)
+    return [(m, f"{a}.{b}") for m, (a, b) in NOT_IN_VERSION.items() if v < (a, b)]
+
 
 _loaded = None  # the companion CDLL, kept for the life of the process
 _load_error = None  # why it could not be built or loaded (tried once per process)
@@ -116,10 +150,20 @@ def cuda_include_dirs():
 def compile_command(torch, source, output, shared=True, disabled=()):
     """The C++ compiler command building `source` against this PyTorch
     (``disabled``: companion methods to leave out, ``-DVMM_NO_<name>``)."""
+    root = Path(torch.__file__).resolve().parent
+    return compile_command_for(root, torch.__version__, _abi(torch), source, output, shared=shared,
+                               disabled=disabled)
+
+
+def compile_command_for(root, version, abi, source, output, shared=True, disabled=(), link=True):
+    """The compiler command building `source` against the PyTorch whose
+    package directory is `root` (its ``include/`` and ``lib/``), version
+    `version`, C++ ABI `abi`. ``link=False`` compiles to an object file only
+    (the version matrix, scripts/companion_matrix.py, has headers only)."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler (c++, g++ or $CXX) found")
-    root = Path(torch.__file__).resolve().parent
+    root = Path(root)
     include, libdir = root / "include", root / "lib"
     if not (include / "c10" / "util" / "Exception.h").is_file():
         raise RuntimeError(f"this PyTorch ships no C++ headers ({include})")
@@ -127,17 +171,57 @@ def compile_command(torch, source, output, shared=True, disabled=()):
     if not cuda:
         raise RuntimeError("no CUDA runtime headers (cuda_runtime_api.h) found: set CUDA_HOME, or install "
                            "the nvidia CUDA runtime wheel PyTorch uses")
-    version = torch.__version__.replace("\\", "").replace('"', "")
-    cmd = [cxx, "-std=c++20", "-O1", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={_abi(torch)}",
+    version = str(version).replace("\\", "").replace('"', "")
+    cmd = [cxx, "-std=c++20", "-O1", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(abi)}",
            f'-DVMMALLOC_TORCH_VERSION="{version}"', f"-I{include}",
            f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}"]
     cmd += [f"-I{d}" for d in cuda]
     cmd += [f"-DVMM_NO_{name}" for name in disabled]
-    cmd += ["-o", str(output), str(source), f"-L{libdir}", "-ltorch_cuda", "-lc10_cuda", "-lc10",
+    if not link:
+        return cmd + ["-c", "-o", str(output), str(source)]
+    cmd += ["-o", str(output), str(source), f"-L{libdir}", "-ltorch_cuda", "-ltorch_cpu", "-lc10_cuda", "-lc10",
             f"-Wl,-rpath,{libdir}"]
     if shared:
         cmd.insert(1, "-shared")
     return cmd
+
+
+# The oldest PyTorch the companion supports: 2.5 (the first with the
+# allocator interface it subclasses in this shape: ShareableHandle,
+# getCheckpointState/setCheckpointPoolState with a device, MemPool).
+OLDEST = (2, 5)
+
+
+def version_tuple(version):
+    """(major, minor) of a version string such as "2.5.1+cu124"."""
+    m = re.match(r"(\d+)\.(\d+)", str(version))
+    if not m:
+        raise ValueError(f"not a PyTorch version: {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def check_supported(version):
+    """Raises RuntimeError, naming the version, for a PyTorch older than OLDEST."""
+    if version_tuple(version) < OLDEST:
+        raise RuntimeError(f"the torch companion needs PyTorch {OLDEST[0]}.{OLDEST[1]} or newer; this is "
+                           f"PyTorch {version} (vmmalloc runs as its plain pluggable allocator)")
+
+
+def compile_leaving_out(command_for):
+    """Runs ``command_for(disabled)`` until it compiles, leaving out each
+    method the compiler says overrides nothing. Returns the methods left out;
+    raises RuntimeError with the compiler's words on any other error."""
+    disabled = []
+    for _ in range(4):
+        out = subprocess.run(command_for(disabled), capture_output=True, text=True,
+                             env=dict(os.environ, LC_ALL="C"))
+        if out.returncode == 0:
+            return disabled
+        more = [m for m in _not_overriding(out.stderr) if m not in disabled]
+        if not more:
+            raise RuntimeError(f"building the torch companion failed:\n{out.stderr.strip()[-2000:]}")
+        disabled += more
+    raise RuntimeError(f"building the torch companion failed:\n{out.stderr.strip()[-2000:]}")
 
 
 # g++: "error: 'bool X::f(...)' marked 'override', but does not override";
@@ -161,21 +245,11 @@ def build(torch, path=None):
     """Builds the companion for the installed PyTorch (half a minute);
     returns its path. Methods this PyTorch's allocator interface lacks are
     left out (see lost_methods())."""
+    check_supported(torch.__version__)
     path = Path(path) if path else companion_path(torch)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    disabled = []
-    for _ in range(3):
-        out = subprocess.run(compile_command(torch, SOURCE, tmp, disabled=disabled), capture_output=True,
-                             text=True, env=dict(os.environ, LC_ALL="C"))
-        if out.returncode == 0:
-            break
-        more = [m for m in _not_overriding(out.stderr) if m not in disabled]
-        if not more:
-            raise RuntimeError(f"building the torch companion failed:\n{out.stderr.strip()[-2000:]}")
-        disabled += more
-    else:
-        raise RuntimeError(f"building the torch companion failed:\n{out.stderr.strip()[-2000:]}")
+    disabled = compile_leaving_out(lambda d: compile_command(torch, SOURCE, tmp, disabled=d))
     lost_path(path).write_text(json.dumps(disabled))
     os.replace(tmp, path)  # atomic: concurrent builders never see half a file
     return path
@@ -239,6 +313,8 @@ def lost_features(installed):
     missing = set(lost_methods(_loaded.path)) if _loaded is not None else set()
     if _loaded is not None and not _loaded.vmmalloc_companion_has_ipc():
         missing.add("shareIpcHandle")  # this libvmmalloc has no vmmalloc_ipc_* functions
+    if _loaded is not None and not _loaded.vmmalloc_companion_has_history():
+        missing.update(("recordHistory", "cacheInfo"))  # no vmmalloc_record_history / cache_info
     return [f for m, f in FEATURES if m in missing]
 
 
@@ -256,6 +332,16 @@ def install_allocator(torch, library):
         return False, err.value.decode(errors="replace")
     _installed = True
     return True, str(lib.path)
+
+
+def snapshots_supported():
+    """Whether the installed companion answers PyTorch's own snapshot
+    functions: snapshot() and recordHistory() built in, over a libvmmalloc
+    that records history (vmmalloc_record_history)."""
+    if not _installed or _loaded is None:
+        return False
+    lost = set(lost_methods(_loaded.path))
+    return not ({"snapshot", "recordHistory", "isHistoryEnabled"} & lost) and _loaded.vmmalloc_companion_has_history()
 
 
 def installed():

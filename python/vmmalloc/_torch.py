@@ -132,13 +132,24 @@ def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces=False
     _lib.dump_snapshot(filename)
 
 
-def patch_memory_functions(torch):
+# PyTorch's own snapshot functions work under the torch companion (its
+# snapshot() and recordHistory() answer them, with PyTorch's stack frames and
+# trace entries), so enable() replaces these only without it.
+SNAPSHOT_FUNCTIONS = ("_snapshot", "_dump_snapshot")
+
+
+def patch_memory_functions(torch, companion_snapshots=False):
     """Makes torch.cuda's memory functions answer from vmmalloc (both
-    ``torch.cuda.X`` and ``torch.cuda.memory.X``). Returns the names patched."""
+    ``torch.cuda.X`` and ``torch.cuda.memory.X``); with
+    ``companion_snapshots`` (the torch companion answers snapshot() and
+    recordHistory()) PyTorch's own ``_snapshot`` and ``_dump_snapshot`` stay.
+    Returns the names patched."""
     ours = globals()
     done = []
     for module in (torch.cuda.memory, torch.cuda):
         for name in PATCHED:
+            if companion_snapshots and name in SNAPSHOT_FUNCTIONS:
+                continue
             if not hasattr(module, name) and module is torch.cuda:
                 continue  # private names live in torch.cuda.memory only
             originals.setdefault((module.__name__, name), getattr(module, name, None))

@@ -184,6 +184,16 @@ entry_points! {
     fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, flags: c_uint);
     /// `CUresult cuMemFreeHost(void *p)` (cuda.h; no `_v2` name).
     fn cuMemFreeHost(p: *mut c_void);
+    /// `CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)`:
+    /// the legacy IPC handle of a `cuMemAlloc` allocation (what
+    /// `cudaIpcGetMemHandle`, and so PyTorch's default allocator, shares).
+    fn cuIpcGetMemHandle(handle: *mut CUipcMemHandle, dptr: CUdeviceptr);
+    /// `CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
+    /// unsigned int Flags)` (cuda.h maps `cuIpcOpenMemHandle` to it; the
+    /// handle is passed by value).
+    fn cuIpcOpenMemHandle_v2(dptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: c_uint);
+    /// `CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)`.
+    fn cuIpcCloseMemHandle(dptr: CUdeviceptr);
 }
 
 /// The CUDA driver library, loaded at run time, with every entry point vmmalloc uses.
@@ -885,6 +895,52 @@ impl Driver {
             (self.fns.cuDeviceGetUuid_v2)(&mut uuid, dev)
         })?;
         Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    /// `cuIpcGetMemHandle`: the legacy IPC handle of the `cuMemAlloc`
+    /// allocation starting at `dptr` (in the current context).
+    pub fn ipc_get_mem_handle(&self, dptr: CUdeviceptr) -> Result<CUipcMemHandle, CuError> {
+        let mut h = CUipcMemHandle {
+            reserved: [0; CU_IPC_HANDLE_SIZE],
+        };
+        // SAFETY: `h` is a valid out-pointer; the driver validates `dptr`.
+        check("cuIpcGetMemHandle", unsafe {
+            (self.fns.cuIpcGetMemHandle)(&mut h, dptr)
+        })?;
+        Ok(h)
+    }
+
+    /// `cuIpcOpenMemHandle_v2`: maps the memory another process exported
+    /// with `cuIpcGetMemHandle` into the current context (flags must be
+    /// [`CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`]); returns the device pointer.
+    /// Opening the same handle again in the same context returns the same
+    /// pointer and counts one more reference (CUDA Driver API, "Memory
+    /// Management", `cuIpcOpenMemHandle`).
+    pub fn ipc_open_mem_handle(
+        &self,
+        handle: CUipcMemHandle,
+        flags: u32,
+    ) -> Result<CUdeviceptr, CuError> {
+        let mut p: CUdeviceptr = 0;
+        // SAFETY: `p` is a valid out-pointer; the handle is passed by value
+        // and validated by the driver.
+        check("cuIpcOpenMemHandle_v2", unsafe {
+            (self.fns.cuIpcOpenMemHandle_v2)(&mut p, handle, flags)
+        })?;
+        Ok(p)
+    }
+
+    /// `cuIpcCloseMemHandle`: drops one reference to memory
+    /// [`Driver::ipc_open_mem_handle`] returned; the last one unmaps it.
+    ///
+    /// # Safety
+    /// No work still queued may use the mapping after its last reference goes.
+    pub unsafe fn ipc_close_mem_handle(&self, dptr: CUdeviceptr) -> Result<(), CuError> {
+        // SAFETY: no pointer is dereferenced; the driver validates `dptr`,
+        // and the caller guarantees no queued work uses the mapping.
+        check("cuIpcCloseMemHandle", unsafe {
+            (self.fns.cuIpcCloseMemHandle)(dptr)
+        })
     }
 
     /// `cuStreamBeginCapture_v2`: starts capturing `stream` into a graph.

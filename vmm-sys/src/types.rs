@@ -346,6 +346,22 @@ pub struct CUuuid {
     pub bytes: [c_char; 16],
 }
 
+/// `CU_IPC_HANDLE_SIZE` (cuda.h): bytes of a legacy IPC handle.
+pub const CU_IPC_HANDLE_SIZE: usize = 64;
+
+/// `CUipcMemHandle` (`struct CUipcMemHandle_st { char reserved[CU_IPC_HANDLE_SIZE]; }`):
+/// the opaque legacy IPC handle of a `cuMemAlloc` allocation.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CUipcMemHandle {
+    /// The handle's bytes, opaque.
+    pub reserved: [c_char; CU_IPC_HANDLE_SIZE],
+}
+
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS` (`CUipcMem_flags`, cuda.h): the one
+/// flag `cuIpcOpenMemHandle` takes.
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: u32 = 0x1;
+
 /// Opaque `struct CUgraph_st`.
 #[repr(C)]
 pub struct CUgraph_st {

@@ -347,6 +347,9 @@ fn symbol_table_is_the_issue_list() {
         "cuGetErrorString",
         "cuMemHostAlloc",
         "cuMemFreeHost",
+        "cuIpcGetMemHandle",
+        "cuIpcOpenMemHandle_v2",
+        "cuIpcCloseMemHandle",
     ];
     assert_eq!(SYMBOLS, expected.as_slice());
     // No VMM entry point has a _v2 name (DESIGN.md, layer 1).
@@ -495,4 +498,15 @@ fn issue_11_types_match_cuda_h() {
     ] {
         assert_eq!(ours, theirs as u32, "{theirs:?}");
     }
+}
+
+#[test]
+fn issue_35_ipc_types_match_cuda_h() {
+    same_layout!(CUipcMemHandle, cu::CUipcMemHandle);
+    assert_eq!(size_of::<CUipcMemHandle>(), CU_IPC_HANDLE_SIZE);
+    same_field!(CUipcMemHandle, cu::CUipcMemHandle, reserved);
+    assert_eq!(
+        CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
+        cu::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32
+    );
 }

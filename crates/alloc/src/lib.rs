@@ -32,6 +32,7 @@ pub mod ipc;
 pub mod native;
 pub mod pools;
 pub mod pressure;
+pub mod share;
 #[doc(hidden)]
 pub mod torch_es;
 
@@ -155,5 +156,65 @@ pub trait Allocator: Send + Sync {
     /// `None` by default.
     fn pools(&self) -> Option<&dyn pools::PrivatePools> {
         None
+    }
+}
+
+/// An allocator shared by reference counting is one: every call goes to
+/// the allocator inside (a member of a shared budget keeps its allocator
+/// in an `Arc`, its poller holds a `Weak`, `share.rs`).
+impl<A: Allocator + ?Sized> Allocator for std::sync::Arc<A> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn malloc(&self, size: u64, stream: Stream) -> AllocResult<Allocation> {
+        (**self).malloc(size, stream)
+    }
+    fn free(&self, ptr: u64) -> AllocResult<()> {
+        (**self).free(ptr)
+    }
+    fn record_stream(&self, ptr: u64, stream: Stream) -> AllocResult<()> {
+        (**self).record_stream(ptr, stream)
+    }
+    fn empty_cache(&self) -> AllocResult<()> {
+        (**self).empty_cache()
+    }
+    fn set_memory_fraction(&self, fraction: f64) -> AllocResult<()> {
+        (**self).set_memory_fraction(fraction)
+    }
+    fn stats(&self) -> Stats {
+        (**self).stats()
+    }
+    fn reset_peak_stats(&self) {
+        (**self).reset_peak_stats()
+    }
+    fn snapshot(&self) -> Snapshot {
+        (**self).snapshot()
+    }
+    fn validate(&self) -> Result<(), String> {
+        (**self).validate()
+    }
+    fn failure(&self) -> Option<&str> {
+        (**self).failure()
+    }
+    fn pause(&self, tags: &[String], backup: bool) -> AllocResult<u64> {
+        (**self).pause(tags, backup)
+    }
+    fn resume(&self, tags: &[String]) -> AllocResult<u64> {
+        (**self).resume(tags)
+    }
+    fn tag_stats(&self) -> Vec<TagStats> {
+        (**self).tag_stats()
+    }
+    fn as_growable(&self) -> Option<&dyn growable::Growable> {
+        (**self).as_growable()
+    }
+    fn export(&self, ptr: u64) -> AllocResult<ipc::ExportedRange> {
+        (**self).export(ptr)
+    }
+    fn unexport(&self, ptr: u64) -> AllocResult<()> {
+        (**self).unexport(ptr)
+    }
+    fn pools(&self) -> Option<&dyn pools::PrivatePools> {
+        (**self).pools()
     }
 }

@@ -112,6 +112,20 @@ pub trait PrivatePools {
     /// `getPoolUseCount`.
     fn pool_use_count(&self, id: PoolId) -> AllocResult<u32>;
 
+    /// `setUseOnOOM` (`MemPool(use_on_oom=True)`; `~MemPool` turns it off):
+    /// a main-pool allocation that would otherwise run out of memory takes
+    /// a free block of pool `id` (same stream, pages mapped already), which
+    /// then belongs to the pool, as PyTorch's `malloc` falls back on its
+    /// `use_on_oom_pools` with `get_free_block`. Refused for an unknown pool.
+    fn set_use_on_oom(&self, id: PoolId, on: bool) -> AllocResult<()>;
+
+    /// `setNoSplit` (`MemPool(no_split=True)`): from now on no block of pool
+    /// `id` is split or merged, as PyTorch's `should_split` answers for its
+    /// `no_split_pools`: a request takes a free block of the pool whole, or
+    /// whole pages of new memory (PyTorch makes a segment of its own for
+    /// it); a freed block stays as it is. Refused for an unknown pool.
+    fn set_no_split(&self, id: PoolId) -> AllocResult<()>;
+
     /// Allocates `size` bytes on `stream` from pool `id`.
     fn pool_malloc(&self, id: PoolId, size: u64, stream: Stream) -> AllocResult<Allocation>;
 

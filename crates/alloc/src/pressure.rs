@@ -65,6 +65,12 @@ impl Pressure {
         *self.cb.write().unwrap_or_else(|e| e.into_inner()) = cb;
     }
 
+    /// The callback set now, if any (a shared budget's poller calls it
+    /// when its member is above a lowered cap, `expandable/share.rs`).
+    pub fn current(&self) -> Option<Arc<PressureFn>> {
+        self.cb.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     /// Whether a callback is set.
     pub fn is_set(&self) -> bool {
         self.cb.read().unwrap_or_else(|e| e.into_inner()).is_some()

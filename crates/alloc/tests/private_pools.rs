@@ -374,6 +374,167 @@ fn freeable_pool_pages_serve_allocations_under_pressure() {
     a.free(m.ptr).unwrap();
 }
 
+/// `MemPool(use_on_oom=True)` (PyTorch's `use_on_oom_pools`, after its
+/// `test_mempool_use_on_oom`): a main-pool allocation that finds no memory
+/// takes a free block of such a pool, in that pool (its stats, its free
+/// list afterwards), never one of a pool without the flag; no
+/// out-of-memory is counted then. Allocations into a pool take nothing,
+/// and turning the flag off (as `~MemPool` does) ends it.
+#[test]
+fn use_on_oom_pools_lend_their_free_blocks_to_the_main_pool() {
+    let (dev, a) = sim(64 * MIB);
+    let s = dev.create_stream().unwrap();
+    let (use_it, not_it, other) = ((7, 1), (7, 2), (7, 3));
+    for id in [use_it, not_it, other] {
+        a.create_or_incref_pool(id).unwrap();
+    }
+    let b = a.pool_malloc(not_it, 20 * MIB, s).unwrap();
+    a.free(b.ptr).unwrap();
+    let u = a.pool_malloc(use_it, 20 * MIB, s).unwrap();
+    a.free(u.ptr).unwrap();
+    let live = a.malloc(10 * MIB, s).unwrap();
+    a.validate().unwrap();
+    // 40 MiB pinned in the two pools, 10 MiB live: 14 MiB left.
+    assert!(a.malloc(20 * MIB, s).unwrap_err().is_out_of_memory());
+    let ooms = a.stats().num_ooms;
+    pool_err(a.set_use_on_oom((9, 9), true), "(9, 9)");
+    a.set_use_on_oom(use_it, true).unwrap();
+    a.validate().unwrap();
+    let before = a
+        .pool_stats(use_it)
+        .unwrap()
+        .stats
+        .allocated_bytes
+        .all()
+        .current;
+    let m = a
+        .malloc(20 * MIB, s)
+        .expect("served from the use_on_oom pool");
+    a.validate().unwrap();
+    assert_eq!(m.ptr, u.ptr, "the pool's free block");
+    assert_eq!(a.pool_of(m.ptr), Some(use_it));
+    assert_eq!(a.stats().num_ooms, ooms, "no out-of-memory counted");
+    let during = a
+        .pool_stats(use_it)
+        .unwrap()
+        .stats
+        .allocated_bytes
+        .all()
+        .current;
+    assert_eq!(during - before, 20 * MIB as i64, "counted in the pool");
+    // Nothing else fits: the pool without the flag lends nothing, and an
+    // allocation into a pool does not fall back.
+    assert!(a.malloc(20 * MIB, s).unwrap_err().is_out_of_memory());
+    assert!(a
+        .pool_malloc(other, 20 * MIB, s)
+        .unwrap_err()
+        .is_out_of_memory());
+    a.free(m.ptr).unwrap();
+    a.validate().unwrap();
+    assert_eq!(
+        a.pool_stats(use_it)
+            .unwrap()
+            .stats
+            .allocated_bytes
+            .all()
+            .current,
+        before
+    );
+    // The block went back to its pool: a pool allocation finds it.
+    let again = a.pool_malloc(use_it, 20 * MIB, s).unwrap();
+    assert_eq!(again.ptr, u.ptr);
+    a.free(again.ptr).unwrap();
+    a.set_use_on_oom(use_it, false).unwrap();
+    assert!(a.malloc(20 * MIB, s).unwrap_err().is_out_of_memory());
+    a.validate().unwrap();
+    // A pool that goes away leaves the list.
+    a.set_use_on_oom(use_it, true).unwrap();
+    a.release_pool(use_it).unwrap();
+    a.free(live.ptr).unwrap();
+    a.empty_cache().unwrap();
+    a.validate().unwrap();
+}
+
+/// `MemPool(no_split=True)` (PyTorch's `no_split_pools`, `should_split`):
+/// blocks are whole pages, freed neighbours are not merged, a free block is
+/// taken whole by a smaller request; the same steps in an ordinary pool
+/// merge and split. On `host` (real bytes, checked), then the pool goes
+/// with its segments; `validate()` after every step.
+#[test]
+fn no_split_pools_never_split_nor_merge_their_blocks() {
+    let (dev, a) = host(256 * MIB);
+    let s = Stream::DEFAULT;
+    let (unsplit, plain) = ((8, 1), (8, 2));
+    a.create_or_incref_pool(unsplit).unwrap();
+    a.create_or_incref_pool(plain).unwrap();
+    pool_err(a.set_no_split((9, 9)), "(9, 9)");
+    a.set_no_split(unsplit).unwrap();
+    let size_of = |id: PoolId, ptr: u64| {
+        a.pool_live_blocks(id)
+            .unwrap()
+            .iter()
+            .find(|b| b.ptr == ptr)
+            .map(|b| b.size)
+            .expect("live in the pool")
+    };
+    let mut steps = Vec::new();
+    for id in [unsplit, plain] {
+        // A small request: a whole page in the no_split pool.
+        let small = a.pool_malloc(id, 1000, s).unwrap();
+        let small_size = size_of(id, small.ptr);
+        let xs: Vec<_> = (0..3)
+            .map(|_| a.pool_malloc(id, 6 * MIB, s).unwrap())
+            .collect();
+        for (i, x) in xs.iter().enumerate() {
+            pattern_fill(&*dev, i as u64, x.ptr, 6 * MIB).unwrap();
+        }
+        a.free(xs[0].ptr).unwrap();
+        a.free(xs[1].ptr).unwrap();
+        a.validate().unwrap();
+        // 10 MiB fits only in the two freed blocks merged.
+        let ten = a.pool_malloc(id, 10 * MIB, s).unwrap();
+        a.validate().unwrap();
+        let four = a.pool_malloc(id, 4 * MIB, s).unwrap();
+        a.validate().unwrap();
+        let four_size = size_of(id, four.ptr);
+        pattern_check(&*dev, 2, xs[2].ptr, 6 * MIB).unwrap();
+        steps.push((
+            small_size,
+            ten.ptr == xs[0].ptr,
+            four.ptr,
+            four_size,
+            xs[0].ptr,
+            xs[1].ptr,
+        ));
+        for p in [small.ptr, ten.ptr, four.ptr, xs[2].ptr] {
+            a.free(p).unwrap();
+            a.validate().unwrap();
+        }
+    }
+    let page = 2 * MIB;
+    let (small, merged, four, four_size, x0, x1) = steps[0];
+    assert_eq!(small, page, "no_split: a small request takes a whole page");
+    assert!(!merged, "no_split: the freed neighbours were merged");
+    assert!(
+        four == x0 || four == x1,
+        "no_split: a freed block is reused"
+    );
+    assert_eq!(four_size, 6 * MIB, "no_split: the 6 MiB block was split");
+    let (small, merged, _, four_size, _, _) = steps[1];
+    assert!(small < page, "an ordinary pool packs small blocks");
+    assert!(merged, "an ordinary pool merges freed neighbours");
+    assert_eq!(four_size, 4 * MIB, "an ordinary pool splits");
+    // No checkpoint restore on unmerged blocks.
+    pool_err(a.restore_pool(unsplit, &[]), "no_split");
+    // Both pools go, segments and all.
+    a.release_pool(unsplit).unwrap();
+    a.release_pool(plain).unwrap();
+    a.empty_cache().unwrap();
+    a.validate().unwrap();
+    assert!(a.pool_ids().is_empty(), "pools left: {:?}", a.pool_ids());
+    assert_eq!(a.stats().reserved_bytes.all().current, 0);
+}
+
 /// Part 2: a pool paused with its contents kept gives its memory back (the
 /// device's free memory rises by at least the pool's size), another tensor
 /// uses it, and after resume every block has its bytes at its address.

@@ -35,7 +35,7 @@ pub struct KeyDoc {
 }
 
 /// Every key `VMMALLOC_CONF` accepts, in documentation order.
-pub const KEYS: [KeyDoc; 23] = [
+pub const KEYS: [KeyDoc; 24] = [
     KeyDoc {
         name: "backend",
         default: "expandable",
@@ -172,6 +172,14 @@ pub const KEYS: [KeyDoc; 23] = [
         meaning: "cuda: request CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR on every cuMemCreate so memory can be \
                   shared with other processes (IPC): auto (where the device supports it) | True (opening fails \
                   where it does not) | False (export fails with an error)",
+    },
+    KeyDoc {
+        name: "share",
+        default: "none (this process's limit alone)",
+        meaning: "expandable: join the shared budget NAME on each device (created on first use with the \
+                  device's memory as its total): every process of the group charges it before it creates \
+                  memory, so together they never hold more than its total; caps are set with `vmmalloc share \
+                  NAME` (docs/share.md)",
     },
 ];
 
@@ -318,6 +326,9 @@ pub struct Config {
     /// `ipc`: request exportable (POSIX fd) handles (cuda): `None` = auto
     /// (where the device supports them), `Some(b)` = True / False.
     pub ipc: Option<bool>,
+    /// `share`: the shared budget group joined on each device
+    /// (docs/share.md), `None` for none.
+    pub share: Option<String>,
 }
 
 impl Default for Config {
@@ -338,6 +349,7 @@ impl Default for Config {
             source: String::new(),
             peers: Peers::Auto,
             ipc: None,
+            share: None,
         }
     }
 }
@@ -479,6 +491,16 @@ impl Config {
             }
             "expandable_segments" => self.expandable_segments = Some(boolean(key, v)?),
             "peers" => self.peers = parse_peers(key, v)?,
+            "share" => {
+                vmmalloc_alloc::share::check_name(v).map_err(|_| {
+                    ConfigError::bad_value(
+                        key,
+                        v,
+                        "a group name of 1 to 64 of A-Z a-z 0-9 _ . - (not starting with a dot)",
+                    )
+                })?;
+                self.share = Some(v.to_string());
+            }
             "ipc" => {
                 self.ipc = match v {
                     "auto" => None,
@@ -517,6 +539,16 @@ impl Config {
             }
         }
         self.policy_options()?;
+        if self.share.is_some() && self.effective_policy() != Policy::Expandable {
+            return Err(ConfigError {
+                key: Some("share".into()),
+                message: format!(
+                    "`share` needs backend:expandable (only its physical layer charges a shared budget); \
+                     backend is {}",
+                    self.effective_policy()
+                ),
+            });
+        }
         if self.expandable_segments == Some(true) && self.backend != Policy::Caching {
             return Err(ConfigError {
                 key: Some("expandable_segments".into()),
@@ -627,6 +659,7 @@ impl Config {
                 }
                 .to_string(),
             ),
+            ("share", self.share.clone().unwrap_or_else(|| "none".into())),
         ]);
         out
     }
@@ -1151,6 +1184,24 @@ mod tests {
         assert!(e.to_string().contains("unknown key"), "{e}");
         let e = Config::parse("max_chunk:lots").unwrap_err();
         assert!(e.to_string().contains("max_chunk"), "{e}");
+    }
+
+    #[test]
+    fn share_takes_a_group_name_and_needs_expandable() {
+        let c = Config::parse("share:train-1").unwrap();
+        assert_eq!(c.share.as_deref(), Some("train-1"));
+        assert!(c
+            .settings()
+            .iter()
+            .any(|(k, v)| *k == "share" && v == "train-1"));
+        assert_eq!(Config::default().share, None);
+        let e = Config::parse("share:a/b").unwrap_err();
+        assert!(
+            e.to_string().contains("share") && e.to_string().contains("1 to 64"),
+            "{e}"
+        );
+        let e = Config::parse("backend:caching,share:x").unwrap_err();
+        assert!(e.to_string().contains("backend:expandable"), "{e}");
     }
 
     #[test]

@@ -39,7 +39,7 @@ pub fn dump(rt: &Runtime, path: &Path) -> Result<(), Error> {
             // which is the ordinal of this slot.
             (
                 d.allocator.snapshot(),
-                d.history.as_ref().map(|h| h.entries()),
+                (d.history.is_on() || d.history.recorded_any()).then(|| d.history.entries()),
             )
         })
         .collect();

@@ -1,4 +1,7 @@
-//! The event history behind a snapshot's `device_traces` (`record_history:True`).
+//! The event history behind a snapshot's `device_traces`: `record_history:True`,
+//! or turned on and off at run time by PyTorch's
+//! `torch.cuda.memory._record_memory_history` (through the torch companion's
+//! `recordHistory` and [`crate::torch_abi::vmmalloc_record_history`]).
 //!
 //! One [`History`] per device: a ring buffer of at most `max_entries` events in
 //! PyTorch's `TraceEntry` shape (`action`, `addr`, `size`, `stream`, `time_us`),
@@ -14,10 +17,20 @@
 //! the recorded order is the order in which the allocator acted (a free on one
 //! thread and the reuse of the same address on another cannot be recorded
 //! out of order).
+//!
+//! Every recorded event is also handed, in that order and on the thread that
+//! caused it, to the trace sink ([`set_sink`]) if one is set: the torch
+//! companion attaches PyTorch's own stack context (`CapturedTraceback`) to it
+//! and keeps PyTorch's `TraceEntry` ring, so `torch.cuda.memory._snapshot()`
+//! carries frames. With history off the hot path reads one relaxed atomic
+//! ([`History::is_on`]).
 
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::{HashMap, VecDeque};
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
+use vmmalloc_alloc::pools::PoolId;
 use vmmalloc_alloc::{Allocator, BlockState, Snapshot};
 
 pub use vmmalloc_alloc::pickle_snapshot::TraceEntry;
@@ -28,10 +41,84 @@ type Ranges = Vec<(u64, u64)>;
 /// Ranges with the stream that owns them, as `(address, size, stream)`.
 type StreamRanges = Vec<(u64, u64, u64)>;
 
+/// The actions of PyTorch's `TraceEntry::Action`, in its enum's order
+/// (c10/core/CachingDeviceAllocator.h: ALLOC, FREE_REQUESTED, FREE_COMPLETED,
+/// SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, SNAPSHOT, OOM):
+/// an action's index is its code in [`VmmallocTraceEntry::action`].
+pub const ACTIONS: [&str; 9] = [
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "snapshot",
+    "oom",
+];
+
+/// The code of `action` in [`ACTIONS`] (-1 if unknown).
+pub fn action_code(action: &str) -> c_int {
+    ACTIONS
+        .iter()
+        .position(|a| *a == action)
+        .map_or(-1, |i| i as c_int)
+}
+
+/// One event as the trace sink receives it (C layout; the torch companion's
+/// `TraceEvent`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmmallocTraceEntry {
+    /// Device ordinal.
+    pub device: c_int,
+    /// The action's index in [`ACTIONS`].
+    pub action: c_int,
+    /// Address; for `oom`, the device's free bytes (as PyTorch's `addr_`).
+    pub addr: u64,
+    /// Bytes (requested size for `alloc` and the frees).
+    pub size: u64,
+    /// The stream (a `cudaStream_t` value).
+    pub stream: u64,
+    /// Microseconds since the Unix epoch.
+    pub time_us: i64,
+    /// The private pool of an allocation or free ((0, 0): the main pool).
+    pub pool_hi: u64,
+    /// Second half of the pool id.
+    pub pool_lo: u64,
+}
+
+/// The trace sink's type: called with each event, on the thread that caused
+/// it, while the device's history lock is held. It must not unwind and must
+/// not call back into libvmmalloc.
+pub type TraceSink = unsafe extern "C" fn(*const VmmallocTraceEntry);
+
+/// The trace sink, or null.
+static SINK: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Sets (or, with None, clears) the process-wide trace sink.
+pub fn set_sink(sink: Option<TraceSink>) {
+    SINK.store(
+        sink.map_or(std::ptr::null_mut(), |f| f as *mut ()),
+        Ordering::Release,
+    );
+}
+
+fn sink() -> Option<TraceSink> {
+    let p = SINK.load(Ordering::Acquire);
+    // SAFETY: SINK holds null or a `TraceSink` stored by `set_sink`; function
+    // pointers and data pointers have the same size on every target we build.
+    (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut (), TraceSink>(p) })
+}
+
 /// The recorder's state, behind the [`History`] lock.
 #[derive(Debug)]
 pub struct Ring {
+    /// The device ordinal the events are of.
+    device: c_int,
     max_entries: usize,
+    /// Whether events are kept here (off when only the sink wants them).
+    keep: bool,
     entries: VecDeque<TraceEntry>,
     /// Whole non-expandable segments at the last look.
     segments: Ranges,
@@ -41,14 +128,16 @@ pub struct Ring {
     last_reserved: (i64, i64),
     /// Events dropped because the ring was full.
     dropped: u64,
-    /// Live allocations: address -> (requested size, stream), for the free events.
-    live: HashMap<u64, (u64, u64)>,
+    /// Live allocations: address -> (requested size, stream, pool), for the free events.
+    live: HashMap<u64, (u64, u64, PoolId)>,
 }
 
 /// A per-device event history.
 #[derive(Debug)]
 pub struct History {
     ring: Mutex<Ring>,
+    /// Whether events are recorded (one relaxed load on the hot path).
+    on: AtomicBool,
 }
 
 /// Microseconds since the Unix epoch (0 if the clock is before it).
@@ -59,12 +148,29 @@ pub fn now_us() -> i64 {
         .unwrap_or(0)
 }
 
+/// How recording is set: [`History::set`]'s argument.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recording {
+    /// Record events.
+    pub enabled: bool,
+    /// Ring size (at least 1).
+    pub max_entries: usize,
+    /// Drop the events recorded so far (always done when disabling, as
+    /// PyTorch's `recordHistory` does).
+    pub clear: bool,
+    /// Keep events in this ring (off: only the trace sink receives them).
+    pub keep: bool,
+}
+
 impl History {
-    /// An empty history keeping at most `max_entries` events.
-    pub fn new(max_entries: usize) -> Self {
+    /// An empty history of device `device` keeping at most `max_entries`
+    /// events, recording from the start if `on`.
+    pub fn new(device: u32, max_entries: usize, on: bool) -> Self {
         History {
             ring: Mutex::new(Ring {
+                device: device as c_int,
                 max_entries: max_entries.max(1),
+                keep: true,
                 entries: VecDeque::new(),
                 segments: Vec::new(),
                 mapped: Vec::new(),
@@ -72,6 +178,37 @@ impl History {
                 dropped: 0,
                 live: HashMap::new(),
             }),
+            on: AtomicBool::new(on),
+        }
+    }
+
+    /// Whether events are being recorded.
+    #[inline]
+    pub fn is_on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    /// Starts, changes or stops recording (PyTorch's `recordHistory`:
+    /// c10/cuda/CUDACachingAllocator.cpp, `if (!enabled || clearHistory)
+    /// alloc_buffer.clear()`). Turned on, the recorder first takes
+    /// `allocator`'s current state as its baseline: what is mapped and live
+    /// already causes no event, and a later free of a block allocated before
+    /// recording carries its size and stream.
+    pub fn set(&self, how: Recording, allocator: &dyn Allocator) {
+        let was_on = self.on.swap(how.enabled, Ordering::SeqCst);
+        let mut ring = self.ring.lock();
+        ring.max_entries = how.max_entries.max(1);
+        ring.keep = how.keep;
+        if !how.enabled || how.clear || !how.keep {
+            ring.entries.clear();
+            ring.dropped = 0;
+        }
+        while ring.entries.len() > ring.max_entries {
+            ring.entries.pop_front();
+            ring.dropped += 1;
+        }
+        if how.enabled && !was_on {
+            ring.baseline(allocator);
         }
     }
 
@@ -85,6 +222,11 @@ impl History {
         self.ring.lock().entries.iter().cloned().collect()
     }
 
+    /// Whether the ring holds events.
+    pub fn recorded_any(&self) -> bool {
+        !self.ring.lock().entries.is_empty()
+    }
+
     /// Events dropped because the ring buffer was full.
     pub fn dropped(&self) -> u64 {
         self.ring.lock().dropped
@@ -94,49 +236,112 @@ impl History {
 impl Ring {
     /// Appends an event, dropping the oldest if full.
     pub fn push(&mut self, action: &'static str, addr: u64, size: u64, stream: u64) {
-        self.push_entry(TraceEntry {
-            action,
-            addr,
-            size,
-            stream,
-            time_us: now_us(),
-            device_free: None,
-        });
+        self.push_in(action, addr, size, stream, (0, 0));
+    }
+
+    /// [`Ring::push`] of an event of pool `pool`.
+    fn push_in(&mut self, action: &'static str, addr: u64, size: u64, stream: u64, pool: PoolId) {
+        self.push_at(action, addr, size, stream, pool, now_us());
+    }
+
+    /// [`Ring::push_in`] at `time_us`.
+    fn push_at(
+        &mut self,
+        action: &'static str,
+        addr: u64,
+        size: u64,
+        stream: u64,
+        pool: PoolId,
+        time_us: i64,
+    ) {
+        self.push_entry(
+            TraceEntry {
+                action,
+                addr,
+                size,
+                stream,
+                time_us,
+                device_free: None,
+            },
+            pool,
+        );
     }
 
     /// Appends an `alloc` event and remembers the allocation for its free.
-    pub fn push_alloc(&mut self, addr: u64, size: u64, stream: u64) {
-        self.live.insert(addr, (size, stream));
-        self.push("alloc", addr, size, stream);
+    pub fn push_alloc(&mut self, addr: u64, size: u64, stream: u64, pool: PoolId) {
+        self.live.insert(addr, (size, stream, pool));
+        self.push_in("alloc", addr, size, stream, pool);
     }
 
     /// Appends the `free_requested` and `free_completed` events of a free.
     /// (The allocator defers reuse across streams itself and does not report
     /// when; both are recorded at the free.)
     pub fn push_free(&mut self, addr: u64) {
-        let (size, stream) = self.live.remove(&addr).unwrap_or((0, 0));
-        self.push("free_requested", addr, size, stream);
-        self.push("free_completed", addr, size, stream);
+        let (size, stream, pool) = self.live.remove(&addr).unwrap_or((0, 0, (0, 0)));
+        self.push_in("free_requested", addr, size, stream, pool);
+        self.push_in("free_completed", addr, size, stream, pool);
     }
 
     /// Appends an `oom` event.
     pub fn push_oom(&mut self, size: u64, device_free: u64, stream: u64) {
-        self.push_entry(TraceEntry {
-            action: "oom",
-            addr: device_free,
-            size,
-            stream,
-            time_us: now_us(),
-            device_free: Some(device_free),
-        });
+        self.push_entry(
+            TraceEntry {
+                action: "oom",
+                addr: device_free,
+                size,
+                stream,
+                time_us: now_us(),
+                device_free: Some(device_free),
+            },
+            (0, 0),
+        );
     }
 
-    fn push_entry(&mut self, e: TraceEntry) {
+    fn push_entry(&mut self, e: TraceEntry, pool: PoolId) {
+        if let Some(sink) = sink() {
+            let event = VmmallocTraceEntry {
+                device: self.device,
+                action: action_code(e.action),
+                addr: e.addr,
+                size: e.size,
+                stream: e.stream,
+                time_us: e.time_us,
+                pool_hi: pool.0,
+                pool_lo: pool.1,
+            };
+            // SAFETY: the sink's contract (`TraceSink`): it accepts a pointer
+            // valid for the call and does not unwind.
+            unsafe { sink(&event) };
+        }
+        if !self.keep {
+            return;
+        }
         if self.entries.len() >= self.max_entries {
             self.entries.pop_front();
             self.dropped += 1;
         }
         self.entries.push_back(e);
+    }
+
+    /// Takes `allocator`'s current state as what was there before recording
+    /// began: its mapped ranges and segments (no events for them) and its
+    /// live blocks (their frees carry size and stream).
+    fn baseline(&mut self, allocator: &dyn Allocator) {
+        let st = allocator.stats();
+        self.last_reserved = (st.reserved_bytes.all().current, st.segment.all().current);
+        let snap = allocator.snapshot();
+        let (segments, mapped) = ranges(&snap);
+        self.segments = strip(&segments);
+        self.mapped = strip(&mapped);
+        self.live.clear();
+        for seg in &snap.segments {
+            for b in &seg.blocks {
+                if b.state == BlockState::ActiveAllocated {
+                    self.live
+                        .insert(b.address, (b.requested_size, seg.stream.0, seg.pool));
+                }
+            }
+        }
     }
 
     /// Records the segment events the last operation caused, if reserved
@@ -150,16 +355,6 @@ impl Ring {
         self.last_reserved = now;
         let (segments, mapped) = ranges(&allocator.snapshot());
         let time_us = now_us();
-        let mut add = |action: &'static str, (addr, size, stream): (u64, u64, u64)| {
-            self.entries.push_back(TraceEntry {
-                action,
-                addr,
-                size,
-                stream,
-                time_us,
-                device_free: None,
-            })
-        };
         let stream_of = |list: &[(u64, u64, u64)], a: u64| {
             list.iter()
                 .find(|r| r.0 <= a && a < r.0 + r.1)
@@ -169,24 +364,25 @@ impl Ring {
             std::mem::take(&mut self.segments),
             std::mem::take(&mut self.mapped),
         );
-        for (a, s) in difference(&old_seg, &strip(&segments)) {
-            add("segment_free", (a, s, 0));
+        let (new_seg, new_map) = (strip(&segments), strip(&mapped));
+        let mut events = Vec::new();
+        for (a, s) in difference(&old_seg, &new_seg) {
+            events.push(("segment_free", a, s, 0));
         }
-        for (a, s) in difference(&old_map, &strip(&mapped)) {
-            add("segment_unmap", (a, s, 0));
+        for (a, s) in difference(&old_map, &new_map) {
+            events.push(("segment_unmap", a, s, 0));
         }
-        for (a, s) in difference(&strip(&segments), &old_seg) {
-            add("segment_alloc", (a, s, stream_of(&segments, a)));
+        for (a, s) in difference(&new_seg, &old_seg) {
+            events.push(("segment_alloc", a, s, stream_of(&segments, a)));
         }
-        for (a, s) in difference(&strip(&mapped), &old_map) {
-            add("segment_map", (a, s, stream_of(&mapped, a)));
+        for (a, s) in difference(&new_map, &old_map) {
+            events.push(("segment_map", a, s, stream_of(&mapped, a)));
         }
-        while self.entries.len() > self.max_entries {
-            self.entries.pop_front();
-            self.dropped += 1;
+        for (action, addr, size, stream) in events {
+            self.push_at(action, addr, size, stream, (0, 0), time_us);
         }
-        self.segments = strip(&segments);
-        self.mapped = strip(&mapped);
+        self.segments = new_seg;
+        self.mapped = new_map;
     }
 }
 
@@ -205,7 +401,8 @@ fn ranges(snap: &Snapshot) -> (StreamRanges, StreamRanges) {
             continue;
         }
         for b in &seg.blocks {
-            if b.state == BlockState::Unmapped {
+            // Unmapped and paused blocks have no physical memory behind them.
+            if matches!(b.state, BlockState::Unmapped | BlockState::Paused) {
                 continue;
             }
             match mapped.last_mut() {
@@ -270,7 +467,7 @@ mod tests {
 
     #[test]
     fn ring_drops_oldest() {
-        let h = History::new(3);
+        let h = History::new(0, 3, true);
         {
             let mut r = h.lock();
             for i in 0..5 {

@@ -51,10 +51,13 @@
 //! int   vmmalloc_set_pressure_callback(size_t (*fn)(size_t size, int device));
 //! // The torch companion's entry points (torch_abi.rs): pool use counts and
 //! // checkpoints, live-allocation checks, per-pool stats, DeviceStats, segments.
-//! // IPC (ipc/mod.rs): share an allocation with another process, without PyTorch.
+//! // IPC (ipc/mod.rs): share an allocation with another process, vmmalloc or stock PyTorch.
 //! int   vmmalloc_ipc_export(void* ptr, void* buf, size_t cap, size_t* len);
+//! int   vmmalloc_ipc_export_torch(void* ptr, int major, int minor, void* buf, size_t cap,
+//!                                 size_t* len, size_t* offset);
 //! int   vmmalloc_ipc_import(const void* handle, size_t len, void** out);
 //! int   vmmalloc_ipc_import_device(const void* handle, size_t len, int device, void** out);
+//! int   vmmalloc_ipc_close_on(void* ptr, void* stream);
 //! int   vmmalloc_ipc_close(void* ptr);
 //! ```
 //!
@@ -97,9 +100,11 @@ pub mod error;
 mod fork;
 mod growable;
 mod history;
+pub mod history_abi;
 pub mod ipc;
 mod region;
 mod runtime;
+pub mod share;
 pub mod sleep;
 pub mod torch_abi;
 
@@ -113,6 +118,7 @@ pub use growable::{
 };
 pub use region::vmmalloc_region_malloc;
 pub use runtime::MAX_DEVICES;
+pub use share::{vmmalloc_share_info_json, vmmalloc_share_set_cap, vmmalloc_share_set_total};
 
 use config::LogLevel::{Error as LError, Info as LInfo};
 use runtime::Runtime;
@@ -803,9 +809,7 @@ pub extern "C" fn vmmalloc_memory_summary(device: c_int) -> *mut c_char {
                     backend: policy.name(),
                     device_kind: c.device.name(),
                     caps: d.map(|d| d.device.caps()),
-                    dropped_events: d
-                        .and_then(|d| d.history.as_ref())
-                        .map_or(0, |h| h.dropped()),
+                    dropped_events: d.map_or(0, |d| d.history.dropped()),
                 },
             );
             Ok(text + &sleep::summary_rows(d))

@@ -20,13 +20,38 @@ use crate::checkpoints::Checkpoints;
 use crate::config::{Config, ConfigError, DeviceKind, LogLevel};
 use crate::diag;
 use crate::error::Error;
-use crate::history::History;
+use crate::history::{History, Recording};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use vmmalloc_alloc::pools::{PoolId, PrivatePools, Restored};
 use vmmalloc_alloc::{AllocError, Allocation, Allocator, Stream};
 use vmmalloc_device::Device;
+
+/// Joins group `name` for device `ordinal` (docs/share.md): the group of
+/// that name on that device (`gpuN` for a CUDA ordinal, `hostN` / `simN`
+/// for the test backends), created with the device's memory as its total.
+fn join_share(
+    name: &str,
+    config: &Config,
+    dev: &dyn Device,
+    ordinal: u32,
+) -> Result<Arc<vmmalloc_alloc::share::Member>, Error> {
+    let device = match config.device {
+        DeviceKind::Cuda => format!("gpu{ordinal}"),
+        k => format!("{}{ordinal}", k.name()),
+    };
+    let opts = vmmalloc_alloc::share::JoinOptions {
+        total: dev.caps().total_memory,
+        cap: vmmalloc_alloc::share::NO_CAP,
+        poll: vmmalloc_alloc::share::DEFAULT_POLL,
+    };
+    vmmalloc_alloc::share::Member::join(name, &device, opts).map_err(|e| {
+        Error::invalid(format!(
+            "share:{name}: cannot join the shared budget on device {ordinal}: {e}"
+        ))
+    })
+}
 
 /// Device ordinals the plug-in can serve (0 .. MAX_DEVICES-1).
 pub const MAX_DEVICES: usize = 64;
@@ -39,11 +64,15 @@ pub struct DeviceState {
     pub device: Arc<dyn Device>,
     /// The allocator.
     pub allocator: Box<dyn Allocator>,
-    /// The event history (`record_history:True`).
-    pub history: Option<History>,
+    /// The event history (on with `record_history:True` or PyTorch's
+    /// `_record_memory_history`; see [`set_recording`]).
+    pub history: History,
     /// Checkpoints of private pools (`getCheckpointState`): lists of
     /// blocks, holding no memory.
     pub checkpoints: Checkpoints,
+    /// The shared budget this device's allocator is a member of
+    /// (`VMMALLOC_CONF=share:NAME`, docs/share.md).
+    pub share: Option<Arc<vmmalloc_alloc::share::Member>>,
     /// Why the device failed: a panic during a call on it (`crate::entry`).
     /// Set once; from then on every call on the device fails with it.
     failure: OnceLock<String>,
@@ -128,11 +157,10 @@ impl DeviceState {
     /// Allocates, recording the events when history is on.
     #[inline]
     pub fn malloc(&self, size: u64, stream: Stream) -> Result<Allocation, AllocError> {
-        match &self.history {
-            None => self.allocator.malloc(size, stream),
-            Some(h) => {
-                self.malloc_recorded(h, size, stream, || self.allocator.malloc(size, stream))
-            }
+        if self.history.is_on() {
+            self.malloc_recorded(size, stream, (0, 0), || self.allocator.malloc(size, stream))
+        } else {
+            self.allocator.malloc(size, stream)
         }
     }
 
@@ -141,17 +169,17 @@ impl DeviceState {
     #[cold]
     fn malloc_recorded(
         &self,
-        h: &History,
         size: u64,
         stream: Stream,
+        pool: PoolId,
         alloc: impl FnOnce() -> Result<Allocation, AllocError>,
     ) -> Result<Allocation, AllocError> {
-        let mut ring = h.lock();
+        let mut ring = self.history.lock();
         let r = alloc();
         match &r {
             Ok(a) => {
                 ring.segment_events(&*self.allocator);
-                ring.push_alloc(a.ptr, a.requested, stream.0);
+                ring.push_alloc(a.ptr, a.requested, stream.0, pool);
             }
             Err(AllocError::OutOfMemory(rep)) => {
                 ring.push_oom(rep.requested, rep.device_free, stream.0)
@@ -169,9 +197,9 @@ impl DeviceState {
 
     /// Records an `oom` event for a request refused before reaching the allocator.
     pub fn record_oom(&self, size: u64, stream: Stream) {
-        if let Some(h) = &self.history {
+        if self.history.is_on() {
             let free = self.device.mem_info().map_or(0, |m| m.free);
-            h.lock().push_oom(size, free, stream.0);
+            self.history.lock().push_oom(size, free, stream.0);
         }
     }
 
@@ -200,11 +228,10 @@ impl DeviceState {
     /// the events when history is on.
     pub fn pool_malloc(&self, id: PoolId, size: u64, stream: Stream) -> Result<Allocation, Error> {
         let pools = self.pools()?;
-        let r = match &self.history {
-            None => pools.pool_malloc(id, size, stream),
-            Some(h) => {
-                self.malloc_recorded(h, size, stream, || pools.pool_malloc(id, size, stream))
-            }
+        let r = if self.history.is_on() {
+            self.malloc_recorded(size, stream, id, || pools.pool_malloc(id, size, stream))
+        } else {
+            pools.pool_malloc(id, size, stream)
         };
         r.map_err(|e| self.error(e))
     }
@@ -217,13 +244,13 @@ impl DeviceState {
             .pools()?
             .restore_pool(id, &blocks)
             .map_err(|e| self.error(e))?;
-        if let Some(h) = &self.history {
-            let mut ring = h.lock();
+        if self.history.is_on() {
+            let mut ring = self.history.lock();
             for p in &r.freed {
                 ring.push_free(*p);
             }
             for b in &r.allocated {
-                ring.push_alloc(b.ptr, b.requested, b.stream.0);
+                ring.push_alloc(b.ptr, b.requested, b.stream.0, id);
             }
             ring.segment_events(&*self.allocator);
         }
@@ -237,16 +264,17 @@ impl DeviceState {
     pub fn free(&self, ptr: u64) -> Result<(), AllocError> {
         // An IPC export of `ptr` ends before its memory can be reused.
         crate::ipc::on_free(ptr);
-        match &self.history {
-            None => self.allocator.free(ptr),
-            Some(h) => self.free_recorded(h, ptr),
+        if self.history.is_on() {
+            self.free_recorded(ptr)
+        } else {
+            self.allocator.free(ptr)
         }
     }
 
     /// [`DeviceState::free`] with history on.
     #[cold]
-    fn free_recorded(&self, h: &History, ptr: u64) -> Result<(), AllocError> {
-        let mut ring = h.lock();
+    fn free_recorded(&self, ptr: u64) -> Result<(), AllocError> {
+        let mut ring = self.history.lock();
         let r = self.allocator.free(ptr);
         if r.is_ok() {
             ring.push_free(ptr);
@@ -257,13 +285,56 @@ impl DeviceState {
 
     /// Returns cached memory to the device, recording segment events.
     pub fn empty_cache(&self) -> Result<(), AllocError> {
-        let Some(h) = &self.history else {
+        if !self.history.is_on() {
             return self.allocator.empty_cache();
-        };
-        let mut ring = h.lock();
+        }
+        let mut ring = self.history.lock();
         let r = self.allocator.empty_cache();
         ring.segment_events(&*self.allocator);
         r
+    }
+}
+
+/// PyTorch's recording (`torch.cuda.memory._record_memory_history`, through
+/// `vmmalloc_record_history`): None until set, when the configuration's
+/// `record_history` and `max_entries` decide. Process-wide, as PyTorch's is
+/// (it sets every device allocator's), and applied to devices created later.
+static RECORDING: parking_lot::Mutex<Option<Recording>> = parking_lot::Mutex::new(None);
+
+/// The history of a new device `ordinal`'s `allocator`.
+fn new_history(ordinal: u32, config: &Config, allocator: &dyn Allocator) -> History {
+    let recording = *RECORDING.lock();
+    match recording {
+        None => History::new(ordinal, config.max_entries, config.record_history),
+        Some(how) => {
+            let h = History::new(ordinal, how.max_entries, false);
+            h.set(how, allocator);
+            h
+        }
+    }
+}
+
+/// Starts, changes or stops recording on every device, present and future.
+pub fn set_recording(how: Recording) {
+    let mut recording = RECORDING.lock();
+    *recording = Some(how);
+    if let Some(rt) = current_runtime() {
+        // No device is created meanwhile (creation reads RECORDING under this lock).
+        let _g = rt.creating.lock().unwrap_or_else(|e| e.into_inner());
+        for d in rt.active_devices() {
+            d.history.set(how, &*d.allocator);
+        }
+    }
+}
+
+/// Whether any device records events now (PyTorch's `isHistoryEnabled`):
+/// what was last set, else the configuration's `record_history`.
+pub fn recording() -> bool {
+    match *RECORDING.lock() {
+        Some(how) => how.enabled,
+        None => current_runtime()
+            .and_then(|rt| rt.config.as_ref().ok().map(|c| c.record_history))
+            .unwrap_or(false),
     }
 }
 
@@ -454,6 +525,8 @@ pub fn configure(text: &str) -> Result<(), Error> {
 /// before are invalid afterwards, and no other thread may be inside a
 /// `vmmalloc_*` call: the runtime it may be using is freed).
 pub fn reset() {
+    *RECORDING.lock() = None;
+    crate::history::set_sink(None);
     ON_OOM.store(0, Ordering::Relaxed);
     LOG.store(1, Ordering::Relaxed);
     let mut g = write_global();
@@ -604,11 +677,42 @@ impl Runtime {
         let dev = crate::devices::open(config, ordinal)?;
         let policy = config.effective_policy();
         let options = config.policy_options()?;
-        let allocator = vmmalloc_alloc::build(policy, dev.clone(), &options).map_err(|e| {
+        let cannot = |e: AllocError| {
             Error::from(e).context(format!(
                 "cannot create the {policy} allocator on device {ordinal}"
             ))
-        })?;
+        };
+        let (allocator, share): (Box<dyn Allocator>, _) = match &config.share {
+            None => (
+                vmmalloc_alloc::build(policy, dev.clone(), &options).map_err(cannot)?,
+                None,
+            ),
+            Some(name) => {
+                let member = join_share(name, config, &*dev, ordinal)?;
+                let pressure: Arc<vmmalloc_alloc::pressure::PressureFn> =
+                    Arc::new(|bytes: u64, device: i32| {
+                        crate::growable::PRESSURE
+                            .current()
+                            .map_or(0, |cb| cb(bytes, device))
+                    });
+                let a = vmmalloc_alloc::expandable::build_shared(
+                    dev.clone(),
+                    options.expandable.clone(),
+                    &member,
+                    Some(pressure),
+                )
+                .map_err(cannot)?;
+                diag::log(
+                    config.log,
+                    LogLevel::Info,
+                    &format!(
+                        "device {ordinal}: joined shared budget {name} ({})",
+                        member.path().display()
+                    ),
+                );
+                (Box::new(a), Some(member))
+            }
+        };
         let caps = dev.caps();
         diag::log(
             config.log,
@@ -618,14 +722,14 @@ impl Runtime {
                 config.device, caps.name, caps.total_memory, caps.granularity
             ),
         );
+        let history = new_history(ordinal, config, &*allocator);
         let state = Arc::new(DeviceState {
             ordinal,
             device: dev,
             allocator,
-            history: config
-                .record_history
-                .then(|| History::new(config.max_entries)),
+            history,
             checkpoints: Checkpoints::default(),
+            share,
             failure: OnceLock::new(),
         });
         Ok(slot.get_or_init(|| state))

@@ -7,6 +7,8 @@
 //! // checkpoints hold no memory (checkpoints.rs).
 //! int      vmmalloc_pool_create_or_incref(int device, uint64_t hi, uint64_t lo);
 //! int      vmmalloc_pool_use_count(int device, uint64_t hi, uint64_t lo);   // count, or -1
+//! int      vmmalloc_pool_set_use_on_oom(int device, uint64_t hi, uint64_t lo, int on);
+//! int      vmmalloc_pool_set_no_split(int device, uint64_t hi, uint64_t lo);
 //! int      vmmalloc_pool_check_live(int device, uint64_t hi, uint64_t lo,
 //!                                   const uint64_t* ptrs, size_t n);       // 1 equal, 0 not, -1 error
 //! uint64_t vmmalloc_pool_checkpoint(int device, uint64_t hi, uint64_t lo); // handle, or 0
@@ -175,6 +177,42 @@ pub extern "C" fn vmmalloc_pool_use_count(device: c_int, hi: u64, lo: u64) -> c_
         d.pools()?
             .pool_use_count((hi, lo))
             .map(|n| c_int::try_from(n).unwrap_or(c_int::MAX))
+            .map_err(|e| d.error(e))
+    })
+}
+
+/// PyTorch's `setUseOnOOM` (`MemPool(use_on_oom=True)`; `~MemPool` calls
+/// it with 0 from 2.11): with `on` nonzero, a main-pool allocation of
+/// `device` that would run out of memory takes a free block of pool
+/// `(hi, lo)` instead (`vmmalloc_alloc::pools::PrivatePools::set_use_on_oom`).
+/// Returns 0, or -1 (unknown pool).
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_set_use_on_oom(
+    device: c_int,
+    hi: u64,
+    lo: u64,
+    on: c_int,
+) -> c_int {
+    let call = format!("vmmalloc_pool_set_use_on_oom(device={device}, pool=({hi}, {lo}), on={on})");
+    with_device("vmmalloc_pool_set_use_on_oom", call, device, -1, |d| {
+        d.pools()?
+            .set_use_on_oom((hi, lo), on != 0)
+            .map(|()| 0)
+            .map_err(|e| d.error(e))
+    })
+}
+
+/// PyTorch's `setNoSplit` (`MemPool(no_split=True)`, 2.10+): no block of
+/// pool `(hi, lo)` of `device` is split or merged from now on
+/// (`vmmalloc_alloc::pools::PrivatePools::set_no_split`). Returns 0, or -1
+/// (unknown pool).
+#[no_mangle]
+pub extern "C" fn vmmalloc_pool_set_no_split(device: c_int, hi: u64, lo: u64) -> c_int {
+    let call = format!("vmmalloc_pool_set_no_split(device={device}, pool=({hi}, {lo}))");
+    with_device("vmmalloc_pool_set_no_split", call, device, -1, |d| {
+        d.pools()?
+            .set_no_split((hi, lo))
+            .map(|()| 0)
             .map_err(|e| d.error(e))
     })
 }

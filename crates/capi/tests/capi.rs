@@ -46,6 +46,24 @@ struct Api {
     version: unsafe extern "C" fn() -> *const c_char,
     free_string: unsafe extern "C" fn(*mut c_char),
     reset: unsafe extern "C" fn(),
+    record_history: unsafe extern "C" fn(c_int, usize, c_int) -> c_int,
+    history_enabled: unsafe extern "C" fn() -> c_int,
+    set_trace_sink: unsafe extern "C" fn(Option<unsafe extern "C" fn(*const TraceEvent)>),
+    cache_info: unsafe extern "C" fn(c_int, *mut u64) -> c_int,
+}
+
+/// `VmmallocTraceEntry` (crates/capi/src/history.rs), as the trace sink gets it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TraceEvent {
+    device: c_int,
+    action: c_int,
+    addr: u64,
+    size: u64,
+    stream: u64,
+    time_us: i64,
+    pool_hi: u64,
+    pool_lo: u64,
 }
 
 /// The cdylib cargo built for this test run.
@@ -94,6 +112,10 @@ fn api() -> &'static Api {
             version: sym!("vmmalloc_version"),
             free_string: sym!("vmmalloc_free_string"),
             reset: sym!("vmmalloc_reset_for_tests"),
+            record_history: sym!("vmmalloc_record_history"),
+            history_enabled: sym!("vmmalloc_history_enabled"),
+            set_trace_sink: sym!("vmmalloc_set_trace_sink"),
+            cache_info: sym!("vmmalloc_cache_info"),
         }
     })
 }
@@ -797,6 +819,231 @@ fn history_is_a_bounded_ring_and_off_by_default() {
     assert_eq!(list(get(&snap, "segments")).len(), 1);
     free(p, 4096, 0);
     std::fs::remove_file(&path).ok();
+    reset();
+}
+
+/// What the trace sink received (tests hold `serial`).
+static SUNK: Mutex<Vec<TraceEvent>> = Mutex::new(Vec::new());
+
+unsafe extern "C" fn sink(e: *const TraceEvent) {
+    // SAFETY: the library passes a pointer valid for the call.
+    let e = unsafe { *e };
+    SUNK.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+}
+
+fn take_sunk() -> Vec<TraceEvent> {
+    std::mem::take(&mut *SUNK.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
+fn record_history(enabled: bool, max_entries: usize, flags: c_int) -> c_int {
+    // SAFETY: no pointer arguments.
+    unsafe { (api().record_history)(c_int::from(enabled), max_entries, flags) }
+}
+
+fn history_enabled() -> bool {
+    // SAFETY: no arguments.
+    unsafe { (api().history_enabled)() == 1 }
+}
+
+fn set_sink(on: bool) {
+    // SAFETY: `sink` takes a valid pointer, does not unwind and calls no vmmalloc function.
+    unsafe { (api().set_trace_sink)(on.then_some(sink as unsafe extern "C" fn(*const TraceEvent))) }
+}
+
+/// PyTorch's TraceEntry::Action order, as the snapshot reader lists it: the
+/// sink's action codes index it (crates/capi/src/history.rs ACTIONS).
+use vmmalloc_trace::pytorch::ACTIONS;
+
+fn trace_of(snap: &Value) -> Vec<(String, i64, i64)> {
+    list(&list(get(snap, "device_traces"))[0])
+        .iter()
+        .map(|e| {
+            (
+                string(get(e, "action")).to_string(),
+                int(get(e, "addr")),
+                int(get(e, "size")),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn history_turned_on_at_run_time_feeds_the_sink_from_a_baseline() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, "") {
+            continue;
+        }
+        set_sink(true);
+        take_sunk();
+        assert!(!history_enabled(), "{backend}: off by default");
+        // Allocated before recording starts.
+        let before = malloc(3 * MIB, 0);
+        assert!(!before.is_null(), "{backend}: {:?}", last_error());
+        assert!(
+            take_sunk().is_empty(),
+            "{backend}: nothing recorded while off"
+        );
+        assert_eq!(record_history(true, usize::MAX, 0), 0, "{:?}", last_error());
+        assert!(history_enabled());
+        let during = malloc(5 * MIB, 0);
+        free(before, 3 * MIB, 0);
+        free(during, 5 * MIB, 0);
+        let ev = take_sunk();
+        let named: Vec<_> = ev
+            .iter()
+            .map(|e| (ACTIONS[e.action as usize], e.addr, e.size))
+            .collect();
+        let (b, d) = (before as u64, during as u64);
+        let alloc_at = named
+            .iter()
+            .position(|e| *e == ("alloc", d, 5 * MIB as u64));
+        assert!(alloc_at.is_some(), "{backend}: {named:?}");
+        // The free of a block allocated before recording carries its size.
+        for action in ["free_requested", "free_completed"] {
+            assert!(
+                named.contains(&(action, b, 3 * MIB as u64)),
+                "{backend}: {named:?}"
+            );
+            assert!(
+                named.contains(&(action, d, 5 * MIB as u64)),
+                "{backend}: {named:?}"
+            );
+        }
+        // What was mapped before recording is no event: no segment event
+        // covers `before` ahead of its free.
+        let freed_at = named
+            .iter()
+            .position(|e| e.0 == "free_requested" && e.1 == b)
+            .unwrap();
+        for e in &named[..freed_at] {
+            if e.0.starts_with("segment_") {
+                assert!(
+                    !(e.1 <= b && b < e.1 + e.2),
+                    "{backend}: {e:?} covers the old block"
+                );
+            }
+        }
+        // Device 0, time ordered, valid actions.
+        assert!(ev
+            .iter()
+            .all(|e| e.device == 0 && (0..9).contains(&e.action)));
+        assert!(ev.windows(2).all(|w| w[0].time_us <= w[1].time_us));
+        // The ring holds the same events as the sink got.
+        let path = tmp(&format!("runtime-{backend}.pickle"));
+        dump_snapshot(&path).unwrap();
+        let trace = trace_of(&read_pickle(&path));
+        let expected: Vec<_> = named
+            .iter()
+            .map(|(a, addr, size)| (a.to_string(), *addr as i64, *size as i64))
+            .collect();
+        assert_eq!(trace, expected, "{backend}");
+        // Off: recording stops and the ring is dropped (PyTorch's recordHistory(false)).
+        assert_eq!(record_history(false, usize::MAX, 0), 0);
+        assert!(!history_enabled());
+        let p = malloc(MIB, 0);
+        free(p, MIB, 0);
+        assert!(take_sunk().is_empty(), "{backend}");
+        dump_snapshot(&path).unwrap();
+        assert!(trace_of(&read_pickle(&path)).is_empty(), "{backend}");
+        // Sink only: the ring keeps nothing, the sink gets everything; the
+        // bound applies to the ring, not the sink.
+        assert_eq!(record_history(true, 2, 2), 0);
+        let ptrs: Vec<_> = (0..4).map(|i| malloc(MIB + i, 0)).collect();
+        for (i, p) in ptrs.into_iter().enumerate() {
+            free(p, MIB + i, 0);
+        }
+        let ev = take_sunk();
+        assert!(
+            ev.iter().filter(|e| e.action == 0).count() == 4,
+            "{backend}: {ev:?}"
+        );
+        dump_snapshot(&path).unwrap();
+        assert!(trace_of(&read_pickle(&path)).is_empty(), "{backend}");
+        // A bounded ring keeps the newest.
+        assert_eq!(record_history(true, 3, 1), 0);
+        let ptrs: Vec<_> = (0..5).map(|i| malloc(4096 + i, 0)).collect();
+        dump_snapshot(&path).unwrap();
+        let trace = trace_of(&read_pickle(&path));
+        assert_eq!(trace.len(), 3, "{backend}: {trace:?}");
+        assert_eq!(trace.last().unwrap().1, ptrs[4] as i64);
+        for (i, p) in ptrs.into_iter().enumerate() {
+            free(p, 4096 + i, 0);
+        }
+        // Unknown flags are refused and change nothing.
+        assert_eq!(record_history(false, 1, 8), -1);
+        assert!(
+            last_error().unwrap().contains("unknown flags"),
+            "{:?}",
+            last_error()
+        );
+        assert!(history_enabled());
+        validate(0);
+        set_sink(false);
+        std::fs::remove_file(&path).ok();
+        reset();
+        assert!(!history_enabled(), "reset forgets the recording");
+    }
+}
+
+#[test]
+fn history_set_before_the_first_allocation_applies_to_new_devices() {
+    let _g = serial();
+    fresh("device:host,capacity_gb:1,log:off,backend:expandable,device_count:2");
+    set_sink(true);
+    take_sunk();
+    assert_eq!(record_history(true, 100, 0), 0);
+    let p = malloc(MIB, 1);
+    assert!(!p.is_null(), "{:?}", last_error());
+    free(p, MIB, 1);
+    let ev = take_sunk();
+    assert!(ev.iter().any(|e| e.action == 0 && e.device == 1), "{ev:?}");
+    // Segment events come before the allocation they serve.
+    let first_map = ev.iter().position(|e| e.action == 5 || e.action == 3);
+    let alloc = ev.iter().position(|e| e.action == 0);
+    assert!(first_map.is_some() && first_map < alloc, "{ev:?}");
+    set_sink(false);
+    reset();
+}
+
+fn cache_info(device: c_int, mut largest: u64) -> Result<u64, String> {
+    // SAFETY: `largest` is valid for a read and a write.
+    match unsafe { (api().cache_info)(device, &mut largest) } {
+        0 => Ok(largest),
+        _ => Err(last_error().unwrap_or_default()),
+    }
+}
+
+#[test]
+fn cache_info_answers_free_memory_then_what_the_cache_can_serve() {
+    let _g = serial();
+    for backend in BACKENDS {
+        if !setup(backend, "") {
+            continue;
+        }
+        // A zero guess becomes the device's free bytes (PyTorch's initial guess).
+        let guess = cache_info(0, 0).unwrap();
+        assert!(
+            guess > 512 * MIB as u64 && guess <= 1 << 30,
+            "{backend}: {guess}"
+        );
+        // A 64 MiB block freed stays cached by the caching policies: a
+        // request that size is served without creating memory.
+        let p = malloc(64 * MIB, 0);
+        free(p, 64 * MIB, 0);
+        let servable = cache_info(0, 1).unwrap();
+        if backend == "native" {
+            assert_eq!(servable, 1, "native caches nothing");
+        } else {
+            assert!(servable >= 64 * MIB as u64, "{backend}: {servable}");
+        }
+        // A larger guess stays.
+        assert_eq!(cache_info(0, 1 << 40).unwrap(), 1 << 40);
+        // Bad input.
+        assert!(cache_info(99, 0).unwrap_err().contains("99"), "{backend}");
+        // SAFETY: NULL is the documented error case.
+        assert_eq!(unsafe { (api().cache_info)(0, std::ptr::null_mut()) }, -1);
+    }
     reset();
 }
 

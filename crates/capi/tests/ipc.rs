@@ -28,6 +28,20 @@ struct Api {
     free: unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void),
     last_error: unsafe extern "C" fn() -> *const c_char,
     export: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, *mut usize) -> c_int,
+    export_torch: unsafe extern "C" fn(
+        *mut c_void,
+        c_int,
+        c_int,
+        *mut c_void,
+        usize,
+        *mut usize,
+        *mut usize,
+    ) -> c_int,
+    pool_begin: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
+    pool_malloc:
+        unsafe extern "C" fn(usize, c_int, *mut c_void, u64, u64, *mut *mut c_void) -> c_int,
+    pool_end: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
+    pool_release: unsafe extern "C" fn(c_int, u64, u64) -> c_int,
     import: unsafe extern "C" fn(*const c_void, usize, *mut *mut c_void) -> c_int,
     close: unsafe extern "C" fn(*mut c_void) -> c_int,
     pause: unsafe extern "C" fn(*const c_char, c_int) -> i64,
@@ -54,6 +68,11 @@ fn api() -> Api {
         free: sym!("vmmalloc_free"),
         last_error: sym!("vmmalloc_last_error"),
         export: sym!("vmmalloc_ipc_export"),
+        export_torch: sym!("vmmalloc_ipc_export_torch"),
+        pool_begin: sym!("vmmalloc_pool_begin"),
+        pool_malloc: sym!("vmmalloc_pool_try_malloc"),
+        pool_end: sym!("vmmalloc_pool_end"),
+        pool_release: sym!("vmmalloc_pool_release"),
         import: sym!("vmmalloc_ipc_import"),
         close: sym!("vmmalloc_ipc_close"),
         pause: sym!("vmmalloc_pause"),
@@ -106,6 +125,41 @@ impl Api {
         assert_eq!(rc, 0, "{}", self.err());
         assert_eq!(len, buf.len());
         Ok(buf)
+    }
+
+    /// `vmmalloc_ipc_export_torch` for PyTorch `major.minor`: the bytes and offset.
+    fn export_torch(&self, p: *mut u8, major: i32, minor: i32) -> Result<(Vec<u8>, usize), String> {
+        let (mut len, mut off) = (0usize, 0usize);
+        // SAFETY: NULL buffer asks for the length; `len`, `off` are writable.
+        let rc = unsafe {
+            (self.export_torch)(
+                p.cast(),
+                major,
+                minor,
+                std::ptr::null_mut(),
+                0,
+                &mut len,
+                &mut off,
+            )
+        };
+        if rc != 0 {
+            return Err(self.err());
+        }
+        let mut buf = vec![0u8; len];
+        // SAFETY: `buf` is writable for `len` bytes.
+        let rc = unsafe {
+            (self.export_torch)(
+                p.cast(),
+                major,
+                minor,
+                buf.as_mut_ptr().cast(),
+                len,
+                &mut len,
+                &mut off,
+            )
+        };
+        assert_eq!(rc, 0, "{}", self.err());
+        Ok((buf, off))
     }
 
     fn import(&self, h: &[u8]) -> Result<*mut u8, String> {
@@ -221,7 +275,16 @@ fn consumer(a: &Api, backend: &str) {
             let p = unsafe { base.add(offset) };
             holds(p, size, 1).expect("the producer's bytes");
             fill(p, size, 2);
+            if std::env::var("VMMALLOC_IPC_TEST_TWICE").is_ok() {
+                // A second import of the same handle: the same memory.
+                let b2 = a.import(&h).expect("a second import");
+                // SAFETY: as `base`.
+                holds(unsafe { b2.add(offset) }, size, 2).expect("the same bytes");
+                a.close(b2);
+            }
             a.close(base);
+            // SAFETY: a pointer vmmalloc_ipc_import returned, closed above.
+            assert_ne!(unsafe { (a.close)(base.cast()) }, 0, "closed twice");
         }
         Err(e) => {
             assert_ne!(expect, "ok", "import failed: {e}");
@@ -361,14 +424,14 @@ fn producer_bad_handles(a: &Api, test: &str, backend: &str, _extra: &[(&str, Str
     let p = a.malloc(4096);
     fill(p, 4096, 1);
     let h = a.export(p).unwrap();
-    let mut v2 = h.clone();
-    v2[8] = 2;
+    let mut v1 = h.clone();
+    v1[8] = 1;
     spawn_consumer(
         test,
         backend,
-        &v2,
+        &v1,
         4096,
-        "vmmalloc IPC handle v2|vmmalloc IPC handle v1",
+        "vmmalloc IPC handle v1|vmmalloc IPC handle v2",
         &[],
     );
     let mut torch_es = vec![2, b'e'];
@@ -378,7 +441,7 @@ fn producer_bad_handles(a: &Api, test: &str, backend: &str, _extra: &[(&str, Str
         backend,
         &torch_es,
         4096,
-        "expandable-segments|vmmalloc IPC handle v1",
+        "expandable-segments|vmmalloc IPC handle v2",
         &[],
     );
     let mut other = h.clone();
@@ -469,39 +532,91 @@ fn fake_cuda_export_needs_ipc() {
     scenario("fake_cuda_export_needs_ipc", "fake", &[], producer_limits);
 }
 
-/// PyTorch's own expandable-segments handle (`[2]['e'][ShareHeader][fds]`,
-/// as PyTorch 2.11 writes it), built here from the descriptors of a vmmalloc
-/// export (the producer keeps them open): a vmmalloc consumer maps it with
-/// `pidfd_getfd`; another version byte, or a forced socket, fails by name.
+/// PyTorch's `ExpandableSegment::fromShared`, written here independently of
+/// the library (c10/cuda/CUDACachingAllocator.cpp; the 2.15 layout read from
+/// its `libc10_cuda.so`): `[version]['e']`, then a `ShareHeader` of 24 bytes
+/// (version 2: `pid_t pid; size_t segment_size; size_t num_handles`, with
+/// padding after `pid`) or 32 bytes (version 3: the same and an `int
+/// handle_type`, padded), then an `int` descriptor per handle. Returns
+/// (version, pid, segment_size, descriptors).
+fn read_like_pytorch(h: &[u8]) -> (u8, u32, u64, Vec<i32>) {
+    assert_eq!(h[1], b'e', "an expandable-segments handle");
+    let version = h[0];
+    let header = match version {
+        2 => 24,
+        3 => 32,
+        v => panic!("version {v}"),
+    };
+    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().unwrap());
+    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap());
+    let pid = u32_at(2);
+    let segment_size = u64_at(2 + 8);
+    let n = u64_at(2 + 16) as usize;
+    if version == 3 {
+        assert_eq!(u32_at(2 + 24), 1, "handle_type POSIX_FD");
+    }
+    assert_eq!(h.len(), 2 + header + 4 * n, "header + one int per handle");
+    let fds = (0..n).map(|i| u32_at(2 + header + 4 * i) as i32).collect();
+    (version, pid, segment_size, fds)
+}
+
+/// What stock PyTorch of handle version `version` writes for `pid`'s
+/// descriptors, built by hand, with its uninitialized padding as `junk`.
+fn stock_handle(version: u8, pid: u32, segment_size: u64, fds: &[i32], junk: u8) -> Vec<u8> {
+    let mut v = vec![version, b'e'];
+    v.extend_from_slice(&pid.to_le_bytes());
+    v.extend_from_slice(&[junk; 4]);
+    v.extend_from_slice(&segment_size.to_le_bytes());
+    v.extend_from_slice(&(fds.len() as u64).to_le_bytes());
+    if version == 3 {
+        v.extend_from_slice(&1u32.to_le_bytes());
+        v.extend_from_slice(&[junk; 4]);
+    }
+    for fd in fds {
+        v.extend_from_slice(&fd.to_le_bytes());
+    }
+    v
+}
+
+/// Both directions with PyTorch's own expandable-segments format:
+/// - what vmmalloc writes for PyTorch 2.15 (version 3) and 2.11 (version 2)
+///   reads as PyTorch's `fromShared` reads it, and a consumer maps it;
+/// - handles built here the way stock PyTorch 2.11 and 2.15 write them
+///   (padding left as junk) are imported by a vmmalloc consumer;
+/// - an unknown version and a forced socket fail by name;
+/// - a PyTorch whose layout vmmalloc does not know gets vmmalloc's format.
 fn producer_torch_format(a: &Api, test: &str, backend: &str, _extra: &[(&str, String)]) {
     a.configure(conf(backend));
+    let _first = a.malloc(1000);
     let n = 3 * MIB + 100;
     let p = a.malloc(n);
     fill(p, n, 1);
-    let h = a.export(p).unwrap();
-    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().unwrap());
-    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap());
-    let (pid, offset, chunks) = (u32_at(16), u64_at(56), u32_at(68) as usize);
-    let m = u16::from_le_bytes(h[72..74].try_into().unwrap()) as usize;
-    let list: Vec<(u64, u32)> = (0..chunks)
-        .map(|i| (u64_at(74 + m + 16 * i), u32_at(74 + m + 16 * i + 8)))
-        .collect();
-    assert!(
-        list.iter().all(|c| c.0 == list[0].0),
-        "chunks of one size: {list:?}"
-    );
-    let mut torch = vec![2u8, b'e'];
-    torch.extend_from_slice(&pid.to_le_bytes());
-    torch.extend_from_slice(&[0; 4]);
-    torch.extend_from_slice(&list[0].0.to_le_bytes());
-    torch.extend_from_slice(&(chunks as u64).to_le_bytes());
-    for c in &list {
-        torch.extend_from_slice(&c.1.to_le_bytes());
+    let mut stock = Vec::new();
+    for (minor, version) in [(15, 3u8), (11, 2u8)] {
+        let (h, off) = a.export_torch(p, 2, minor).unwrap();
+        let (v, pid, seg, fds) = read_like_pytorch(&h);
+        assert_eq!(v, version);
+        assert_eq!(pid, std::process::id());
+        assert!(off as u64 + n as u64 <= seg * fds.len() as u64);
+        assert_eq!(&h[6..10], &[0; 4], "padding written as zeros");
+        assert_eq!(a.export_torch(p, 2, minor).unwrap(), (h.clone(), off));
+        let at = [(OFFSET, off.to_string())];
+        spawn_consumer(test, backend, &h, n, "ok", &at);
+        holds(p, n, 2).expect("the consumer's write, seen by the producer");
+        fill(p, n, 1);
+        stock.push((version, pid, seg, fds, off));
     }
-    let at = [(OFFSET, offset.to_string())];
-    spawn_consumer(test, backend, &torch, n, "ok", &at);
-    holds(p, n, 2).expect("the consumer's write, seen by the producer");
-    let mut v9 = torch.clone();
+    for (version, pid, seg, fds, off) in &stock {
+        let h = stock_handle(*version, *pid, *seg, fds, 0xAB);
+        let at = [(OFFSET, off.to_string())];
+        spawn_consumer(test, backend, &h, n, "ok", &at);
+        holds(p, n, 2).expect("the consumer's write, seen by the producer");
+        fill(p, n, 1);
+    }
+    let (version, pid, seg, fds, off) = &stock[0];
+    let v3 = stock_handle(*version, *pid, *seg, fds, 0xCD);
+    let at = [(OFFSET, off.to_string())];
+    let mut v9 = v3.clone();
     v9[0] = 9;
     spawn_consumer(
         test,
@@ -513,14 +628,21 @@ fn producer_torch_format(a: &Api, test: &str, backend: &str, _extra: &[(&str, St
     );
     let mut at_socket = socket();
     at_socket.extend(at.iter().cloned());
-    spawn_consumer(test, backend, &torch, n, "offers no socket", &at_socket);
+    spawn_consumer(test, backend, &v3, n, "offers no socket", &at_socket);
+    // PyTorch 2.10: layout not verified, so vmmalloc's own format.
+    let (old, off) = a.export_torch(p, 2, 10).unwrap();
+    assert!(old.starts_with(b"VMMIPC"), "{:?}", &old[..8]);
+    assert_eq!(off, 0);
+    // No import after the free: PyTorch's format has no token, so once the
+    // producer closed the descriptors their numbers may name anything (as
+    // with stock PyTorch, the sender keeps the tensor alive while in flight).
     a.free(p);
 }
 
 #[test]
-fn host_reads_pytorch_expandable_handles() {
+fn host_pytorch_expandable_handles_both_ways() {
     scenario(
-        "host_reads_pytorch_expandable_handles",
+        "host_pytorch_expandable_handles_both_ways",
         "host",
         &[],
         producer_torch_format,
@@ -528,11 +650,307 @@ fn host_reads_pytorch_expandable_handles() {
 }
 
 #[test]
-fn fake_cuda_reads_pytorch_expandable_handles() {
+fn fake_cuda_pytorch_expandable_handles_both_ways() {
     scenario(
-        "fake_cuda_reads_pytorch_expandable_handles",
+        "fake_cuda_pytorch_expandable_handles_both_ways",
         "fake",
         &[],
         producer_torch_format,
     );
+}
+
+/// `VMMALLOC_IPC_FORMAT`: `torch` refuses what PyTorch's format cannot
+/// carry, `vmmalloc` always writes vmmalloc's, a bad value is named.
+fn producer_format_choice(a: &Api, _test: &str, backend: &str, _extra: &[(&str, String)]) {
+    a.configure(conf(backend));
+    let p = a.malloc(4096);
+    match std::env::var("VMMALLOC_IPC_FORMAT").as_deref() {
+        Ok("torch") => {
+            assert_eq!(a.export_torch(p, 2, 15).unwrap().0[..2], [3, b'e']);
+            let e = a.export_torch(p, 2, 9).unwrap_err();
+            assert!(
+                e.contains("VMMALLOC_IPC_FORMAT=torch") && e.contains("2.9"),
+                "{e}"
+            );
+        }
+        Ok("vmmalloc") => {
+            let (h, off) = a.export_torch(p, 2, 15).unwrap();
+            assert!(h.starts_with(b"VMMIPC") && off == 0);
+        }
+        _ => {
+            let e = a.export_torch(p, 2, 15).unwrap_err();
+            assert!(e.contains("auto, torch, vmmalloc"), "{e}");
+        }
+    }
+    a.free(p);
+}
+
+#[test]
+fn host_format_choice() {
+    for value in ["torch", "vmmalloc", "bogus"] {
+        let test = "host_format_choice";
+        if std::env::var(ROLE).is_ok() {
+            return scenario(test, "host", &[], producer_format_choice);
+        }
+        let out = run_self(
+            test,
+            &[
+                (ROLE, "producer".into()),
+                ("VMMALLOC_IPC_FORMAT", value.into()),
+            ],
+        );
+        check_ok(value, &out);
+    }
+}
+
+/// Memory of a CUDA-graph private pool exports like any other.
+fn producer_graph_pool(a: &Api, test: &str, backend: &str, _extra: &[(&str, String)]) {
+    a.configure(conf(backend));
+    let (hi, lo) = (1u64, 9u64);
+    // SAFETY: plain integers.
+    assert_eq!(unsafe { (a.pool_begin)(0, hi, lo) }, 0, "{}", a.err());
+    let n = 3 * MIB + 100;
+    let mut p = std::ptr::null_mut();
+    // SAFETY: `p` is writable.
+    let rc = unsafe { (a.pool_malloc)(n, 0, std::ptr::null_mut(), hi, lo, &mut p) };
+    assert_eq!(rc, 0, "{}", a.err());
+    // SAFETY: plain integers.
+    assert_eq!(unsafe { (a.pool_end)(0, hi, lo) }, 0, "{}", a.err());
+    let p: *mut u8 = p.cast();
+    fill(p, n, 1);
+    let h = a.export(p).unwrap();
+    spawn_consumer(test, backend, &h, n, "ok", &[]);
+    holds(p, n, 2).expect("the consumer's write, seen by the producer");
+    fill(p, n, 1);
+    let (th, off) = a.export_torch(p, 2, 15).unwrap();
+    spawn_consumer(test, backend, &th, n, "ok", &[(OFFSET, off.to_string())]);
+    a.free(p);
+    spawn_consumer(test, backend, &h, n, "freed", &[]);
+    // SAFETY: plain integers.
+    assert_eq!(unsafe { (a.pool_release)(0, hi, lo) }, 0, "{}", a.err());
+}
+
+#[test]
+fn host_graph_pool_memory_is_exportable() {
+    scenario(
+        "host_graph_pool_memory_is_exportable",
+        "host",
+        &[],
+        producer_graph_pool,
+    );
+}
+
+/// Open descriptors of this process.
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Distinct chunk descriptors named by a vmmalloc handle (version 2 layout:
+/// 78 fixed bytes, the socket name, then 16 bytes per chunk).
+fn chunk_fds(h: &[u8]) -> Vec<u32> {
+    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().unwrap());
+    assert_eq!(u32_at(8), 2, "vmmalloc handle v2");
+    let n = u32_at(72) as usize;
+    let m = u16::from_le_bytes(h[76..78].try_into().unwrap()) as usize;
+    (0..n).map(|i| u32_at(78 + m + 16 * i + 8)).collect()
+}
+
+const EXPORTS_N: usize = 10_000;
+const EXPORT_SIZE: usize = 128 << 10;
+
+/// Issue 35: 10,000 live exports of tensors that lie inside at most 64
+/// physical handles, under `RLIMIT_NOFILE=1024` (set in this child): one
+/// descriptor per handle, shared, closed when the exports end.
+fn producer_descriptors(a: &Api, test: &str, backend: &str, _extra: &[(&str, String)]) {
+    let lim = libc::rlimit {
+        rlim_cur: 1024,
+        rlim_max: 1024,
+    };
+    // SAFETY: `lim` is a valid rlimit.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    assert_eq!(backend, "host");
+    // 10,000 × 128 KiB = 1.25 GiB of tensors (pages untouched but every
+    // 997th), on chunks of up to 20 MiB: about 64 handles.
+    a.configure("device:host,capacity_gb:2");
+    let ptrs: Vec<*mut u8> = (0..EXPORTS_N).map(|_| a.malloc(EXPORT_SIZE)).collect();
+    for (i, &p) in ptrs.iter().enumerate().step_by(997) {
+        fill(p, EXPORT_SIZE, 1);
+        let _ = i;
+    }
+    let before = open_fds();
+    let mut handles = Vec::with_capacity(EXPORTS_N);
+    let mut chunks = std::collections::BTreeSet::new();
+    for (i, &p) in ptrs.iter().enumerate() {
+        let h = a
+            .export(p)
+            .unwrap_or_else(|e| panic!("export #{i}: {e} ({} descriptors open)", open_fds()));
+        chunks.extend(chunk_fds(&h));
+        handles.push(h);
+    }
+    let during = open_fds();
+    let used = during - before;
+    println!(
+        "MEASURED: {EXPORTS_N} live exports of {EXPORT_SIZE}-byte tensors inside {} physical \
+         handles hold {used} new descriptors ({} chunk descriptors + the liveness table + the \
+         socket)",
+        chunks.len(),
+        chunks.len()
+    );
+    assert!(
+        (32..=64).contains(&chunks.len()),
+        "{} handles (the test wants about 64)",
+        chunks.len()
+    );
+    assert!(
+        used <= chunks.len() + 2,
+        "{used} descriptors for {} handles",
+        chunks.len()
+    );
+    for i in (0..EXPORTS_N).step_by(997) {
+        spawn_consumer(test, backend, &handles[i], EXPORT_SIZE, "ok", &[]);
+        holds(ptrs[i], EXPORT_SIZE, 2).expect("the consumer's write");
+    }
+    for &p in &ptrs {
+        a.free(p);
+    }
+    let after = open_fds();
+    assert!(
+        after <= before + 2,
+        "{after} open after the frees, {before} before"
+    );
+    println!("MEASURED: after freeing them {after} descriptors open ({before} before exporting)");
+}
+
+#[test]
+fn host_ten_thousand_exports_under_rlimit_nofile_1024() {
+    scenario(
+        "host_ten_thousand_exports_under_rlimit_nofile_1024",
+        "host",
+        &[],
+        producer_descriptors,
+    );
+}
+
+type CuFn0 = unsafe extern "C" fn(u32) -> c_int;
+
+/// PyTorch's default allocator shares `cudaMalloc` memory as `[version]['c']`
+/// followed by a `cudaIpcMemHandle_t` (`cudaIpcGetMemHandle`). The producer
+/// here does exactly that through the fake libcuda (`cuMemAlloc`, then
+/// `cuIpcGetMemHandle`); a vmmalloc consumer on `device:cuda` opens it with
+/// `cuIpcOpenMemHandle` (versions 2 and 3, and a bare 64-byte handle), twice
+/// at one pointer; this process cannot open its own handle; a `host`
+/// consumer is refused by name; after `cuMemFree` imports fail.
+fn producer_legacy(a: &Api, test: &str, backend: &str, _extra: &[(&str, String)]) {
+    a.configure(conf(backend));
+    let path = vmmalloc_test_support::fake_cuda_library();
+    // SAFETY: the fake libcuda (already loaded by vmmalloc: the same state).
+    let lib = unsafe { Library::new(&path) }.expect("load the fake libcuda");
+    macro_rules! sym {
+        ($t:ty, $name:literal) => {
+            // SAFETY: the signature is cuda.h's.
+            *unsafe { lib.get::<$t>(concat!($name, "\0").as_bytes()) }.expect($name)
+        };
+    }
+    let cu_init: CuFn0 = sym!(CuFn0, "cuInit");
+    let device_get: unsafe extern "C" fn(*mut c_int, c_int) -> c_int = sym!(
+        unsafe extern "C" fn(*mut c_int, c_int) -> c_int,
+        "cuDeviceGet"
+    );
+    let retain: unsafe extern "C" fn(*mut usize, c_int) -> c_int = sym!(
+        unsafe extern "C" fn(*mut usize, c_int) -> c_int,
+        "cuDevicePrimaryCtxRetain"
+    );
+    let set_current: unsafe extern "C" fn(usize) -> c_int =
+        sym!(unsafe extern "C" fn(usize) -> c_int, "cuCtxSetCurrent");
+    let mem_alloc: unsafe extern "C" fn(*mut u64, usize) -> c_int = sym!(
+        unsafe extern "C" fn(*mut u64, usize) -> c_int,
+        "cuMemAlloc_v2"
+    );
+    let mem_free: unsafe extern "C" fn(u64) -> c_int =
+        sym!(unsafe extern "C" fn(u64) -> c_int, "cuMemFree_v2");
+    let get_handle: unsafe extern "C" fn(*mut [u8; 64], u64) -> c_int = sym!(
+        unsafe extern "C" fn(*mut [u8; 64], u64) -> c_int,
+        "cuIpcGetMemHandle"
+    );
+    let (mut dev, mut ctx, mut dptr) = (0, 0usize, 0u64);
+    let n = 5 * MIB + 300;
+    let mut raw = [0u8; 64];
+    // SAFETY: cuda.h's contracts: valid out-pointers, a retained context.
+    unsafe {
+        assert_eq!(cu_init(0), 0);
+        assert_eq!(device_get(&mut dev, 0), 0);
+        assert_eq!(retain(&mut ctx, dev), 0);
+        assert_eq!(set_current(ctx), 0);
+        assert_eq!(mem_alloc(&mut dptr, n), 0);
+    }
+    let p = dptr as *mut u8;
+    fill(p, n, 1);
+    // SAFETY: `raw` is a writable 64-byte handle.
+    assert_eq!(unsafe { get_handle(&mut raw, dptr) }, 0);
+    let mut again = [0u8; 64];
+    // SAFETY: as above; an interior pointer is refused (cuda.h: "the base").
+    assert_eq!(unsafe { get_handle(&mut again, dptr + 4096) }, 1);
+    // SAFETY: as above.
+    assert_eq!(unsafe { get_handle(&mut again, dptr) }, 0);
+    assert_eq!(raw, again, "the same allocation, the same handle");
+    fill(p, n, 1);
+    // The driver's own rules for the calls PyTorch's cudaIpc path makes.
+    let open: unsafe extern "C" fn(*mut u64, vmm_sys::CUipcMemHandle, u32) -> c_int = sym!(
+        unsafe extern "C" fn(*mut u64, vmm_sys::CUipcMemHandle, u32) -> c_int,
+        "cuIpcOpenMemHandle_v2"
+    );
+    let close: unsafe extern "C" fn(u64) -> c_int =
+        sym!(unsafe extern "C" fn(u64) -> c_int, "cuIpcCloseMemHandle");
+    let h = vmm_sys::CUipcMemHandle {
+        reserved: raw.map(|b| b as std::ffi::c_char),
+    };
+    let mut q = 0u64;
+    // SAFETY: valid out-pointer, a handle by value.
+    unsafe {
+        assert_eq!(
+            open(&mut q, h, 0),
+            1,
+            "Flags must be LAZY_ENABLE_PEER_ACCESS"
+        );
+        assert_eq!(open(&mut q, h, 1), 201, "not in the exporting process");
+        assert_eq!(close(dptr), 1, "not a pointer cuIpcOpenMemHandle returned");
+    }
+    let c3: Vec<u8> = [3, b'c'].into_iter().chain(raw).collect();
+    let c2: Vec<u8> = [2, b'c'].into_iter().chain(raw).collect();
+    for h in [&c3, &c2, &raw.to_vec()] {
+        spawn_consumer(
+            test,
+            backend,
+            h,
+            n,
+            "ok",
+            &[("VMMALLOC_IPC_TEST_TWICE", "1".into())],
+        );
+        holds(p, n, 2).expect("the consumer's write, seen by the producer");
+        fill(p, n, 1);
+    }
+    let e = a.import(&c3).unwrap_err();
+    assert!(
+        e.contains("cudaMalloc IPC handle") && e.contains("CUDA_ERROR_INVALID_CONTEXT"),
+        "{e}"
+    );
+    let host = backend_env("host");
+    let mut env = host.clone();
+    env.push((ROLE, "consumer-host".into()));
+    env.push((HANDLE, hex(&c3)));
+    env.push((SIZE, n.to_string()));
+    env.push((EXPECT, "needs device:cuda".into()));
+    check_ok("host consumer", &run_self(test, &env));
+    // SAFETY: a live cuMemAlloc allocation, freed once.
+    assert_eq!(unsafe { mem_free(dptr) }, 0);
+    spawn_consumer(test, backend, &c3, n, "CUDA_ERROR_INVALID_HANDLE", &[]);
+}
+
+#[test]
+fn fake_cuda_imports_legacy_cuda_ipc_handles() {
+    let test = "fake_cuda_imports_legacy_cuda_ipc_handles";
+    if std::env::var(ROLE).as_deref() == Ok("consumer-host") {
+        return consumer(&api(), "host");
+    }
+    scenario(test, "fake", &[], producer_legacy);
 }

@@ -80,7 +80,8 @@ fn agree(what: &str, bytes: &[u8]) -> Option<Trace> {
 fn the_real_snapshot_reads_the_same_from_bytes_and_from_the_file() {
     for p in [
         repo("../../tests/fixtures/cs336_lm_step.pickle"),
-        PathBuf::from("/work/shared/traces/cs336_lm_step.pickle"),
+        // The shared copy beside the checkout (../shared/traces).
+        repo("../../../shared/traces/cs336_lm_step.pickle"),
     ] {
         if !p.exists() {
             continue; // the shared copy exists on the project's machines only
@@ -90,7 +91,7 @@ fn the_real_snapshot_reads_the_same_from_bytes_and_from_the_file() {
         let from_file = load_path(&p).unwrap();
         let old = legacy::read_snapshot(&p).unwrap();
         assert!(from_file == old, "{}", p.display());
-        // The reference figure of /work/shared/traces/README.md.
+        // The reference figure of shared/traces/README.md.
         assert_eq!(t.devices[0].peak_live_bytes(), 13_923_997_700);
         assert_eq!(t.num_events(), 5_163);
     }

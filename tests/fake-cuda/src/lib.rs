@@ -43,7 +43,7 @@ use vmmalloc_device::DeviceError;
 
 /// Every CUDA entry point the fake exports, in vmm-sys's order (a unit test
 /// checks that this is exactly `vmm_sys::SYMBOLS`). `FAKE_CUDA_FAIL` names them.
-pub const ENTRY_POINTS: [&str; 49] = [
+pub const ENTRY_POINTS: [&str; 52] = [
     "cuInit",
     "cuDriverGetVersion",
     "cuDeviceGet",
@@ -93,6 +93,9 @@ pub const ENTRY_POINTS: [&str; 49] = [
     "cuGetErrorString",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
 ];
 
 /// Calls made to each entry point since the library was loaded (index as in

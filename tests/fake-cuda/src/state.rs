@@ -481,6 +481,12 @@ impl Fake {
         self.tables.lock().plain.remove(&addr);
     }
 
+    /// The requested size and device of the plain allocation starting
+    /// exactly at `addr`, if there is one.
+    pub fn plain_at(&self, addr: u64) -> Option<(u64, usize)> {
+        self.tables.lock().plain.get(&addr).map(|r| (r.len, r.dev))
+    }
+
     /// The device owning the reservation or plain allocation that contains
     /// `addr`, if any.
     pub fn owner_of(&self, addr: u64) -> Option<(usize, Arc<HostDevice>)> {

@@ -94,20 +94,17 @@ impl Inner {
         }
         let kind = PoolKind::for_size(rounded);
         let owner = self.stream_index(stream, tag, pool);
+        // A no_split pool's blocks are whole pages, each taken whole.
+        let no_split = self.owner_no_split(owner);
+        let need = if no_split {
+            round_up(rounded, self.layout.page)
+        } else {
+            rounded
+        };
         let mut waited_for_events = false;
+        let mut rechecked = false;
         loop {
-            // Best fit among the free blocks inside segments, then a segment's
-            // free tail (the rest of its slice: the block of last resort).
-            let pool = &self.streams[owner as usize].pools[kind as usize];
-            let found = match pool.free.best_fit(rounded) {
-                Some(i) => Some(i),
-                None => pool
-                    .segments
-                    .iter()
-                    .map(|&s| self.seg(s).tail)
-                    .find(|&t| t != NIL && self.slab[t].size >= rounded),
-            };
-            let (idx, new_seg) = match found {
+            let (idx, new_seg) = match self.find_free(owner, kind, need) {
                 Some(i) => (i, None),
                 None => {
                     let (seg, i) = self.new_segment(dev, owner, kind)?;
@@ -115,6 +112,13 @@ impl Inner {
                 }
             };
             let seg = self.slab[idx].seg;
+            // PyTorch's `should_split` is false in a no_split pool: a free
+            // block is taken whole; the unused end gives whole pages.
+            let rounded = if no_split && self.seg(seg).tail != idx {
+                self.slab[idx].size
+            } else {
+                need
+            };
             // The block goes at `addr`: the free block's start, or its first
             // page boundary (split off only once the pages are backed).
             let addr = self.page_aligned_start(idx, rounded, kind);
@@ -181,14 +185,39 @@ impl Inner {
                             // then fails with the out-of-memory report.
                             let _ = self.sync_pending(dev);
                         }
+                        Backing::Short(_) if !rechecked && self.phys.budget_recheck() => {
+                            // A shared budget found dead members' bytes
+                            // (share.rs): plan again with the larger limit.
+                            rechecked = true;
+                        }
                         Backing::Short(lacking) => {
-                            self.phys.trim(&mut self.stats, dev);
+                            if self.streams[owner as usize].pool == 0 {
+                                if let Some(a) =
+                                    self.malloc_from_oom_pools(size, rounded, stream, tag, kind)
+                                {
+                                    return Ok(a);
+                                }
+                            }
+                            self.phys.trim(dev);
                             return Err(self.oom(dev, size, rounded, stream, lacking));
                         }
                     }
                 }
             }
         }
+    }
+
+    /// Where `need` bytes fit in stream entry `owner`'s `kind` pool: the
+    /// best fit among the free blocks inside its segments, else a segment's
+    /// free tail (the rest of its slice: the block of last resort).
+    pub(super) fn find_free(&self, owner: u32, kind: PoolKind, need: u64) -> Option<u32> {
+        let pool = &self.streams[owner as usize].pools[kind as usize];
+        pool.free.best_fit(need).or_else(|| {
+            pool.segments
+                .iter()
+                .map(|&s| self.seg(s).tail)
+                .find(|&t| t != NIL && self.slab[t].size >= need)
+        })
     }
 
     /// The last page to map for a block whose last page is `p1`, carved from
@@ -206,6 +235,13 @@ impl Inner {
     fn grow_to(&self, seg: u32, idx: u32, p1: u64, end: u64) -> u64 {
         let granule = self.layout.grow_pages;
         if granule <= 1 || self.seg(seg).tail != idx {
+            return p1;
+        }
+        // A no_split pool's block has chunks of its own: its free blocks are
+        // never merged, so pages mapped ahead into its chunk could never go
+        // back while the block lives, nor with it.
+        let owner = self.seg(seg).owner;
+        if self.owner_no_split(owner) {
             return p1;
         }
         let held = (self.mapped_pages() + self.phys.pool().pages()) as f64;
@@ -236,7 +272,7 @@ impl Inner {
     /// layout past the first's (on cs336_lm_step at 80 GiB, 36 MiB: the
     /// second pass then made 3 calls instead of none).
     #[inline]
-    fn page_aligned_start(&self, idx: u32, rounded: u64, kind: PoolKind) -> u64 {
+    pub(super) fn page_aligned_start(&self, idx: u32, rounded: u64, kind: PoolKind) -> u64 {
         let b = &self.slab[idx];
         let page = self.layout.page;
         if kind != PoolKind::Large || !rounded.is_multiple_of(page) || self.split_threshold >= 1.0 {
@@ -326,9 +362,7 @@ impl Inner {
         kind: PoolKind,
     ) -> AllocResult<(u32, u32)> {
         let l = self.layout;
-        let base = self
-            .arenas
-            .take_slice(dev, &mut self.stats, l.slice, l.slices_per_arena)?;
+        let base = self.phys.take_slice(dev, l.slice, l.slices_per_arena)?;
         let pages = l.slice.div_ceil(l.page);
         let seg_idx = match self.vacant_segments.pop() {
             Some(i) => i,
@@ -505,9 +539,12 @@ impl Inner {
         b.requested = 0;
         b.freed_at = tick;
         let (prev, next) = (b.prev, b.next);
+        // A no_split pool's blocks stay as they are (PyTorch never split
+        // them, so it has nothing to merge).
+        let merge = !self.owner_no_split(owner);
         let free = &mut self.streams[owner as usize].pools[kind as usize].free;
         let mut merged = 0;
-        if prev != NIL && self.slab[prev].state == BlockState::Free {
+        if merge && prev != NIL && self.slab[prev].state == BlockState::Free {
             let p = &self.slab[prev];
             free.remove(p.size, p.addr, prev);
             let (paddr, psize, pprev, pfreed) = (p.addr, p.size, p.prev, p.freed_at);
@@ -526,7 +563,7 @@ impl Inner {
         }
         let next_is_tail = self.seg(seg).tail == next;
         let free = &mut self.streams[owner as usize].pools[kind as usize].free;
-        if next != NIL && self.slab[next].state == BlockState::Free {
+        if merge && next != NIL && self.slab[next].state == BlockState::Free {
             let n = &self.slab[next];
             if !next_is_tail {
                 free.remove(n.size, n.addr, next);

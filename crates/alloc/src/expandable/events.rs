@@ -9,7 +9,7 @@
 use super::blocks::BlockState;
 use super::Inner;
 use crate::AllocResult;
-use vmmalloc_device::{Call, Device, DeviceResult, Event};
+use vmmalloc_device::{Device, DeviceResult, Event};
 
 /// An event a pending-free block waits for.
 #[derive(Debug, Clone, Copy)]
@@ -35,8 +35,7 @@ impl Inner {
         if let Some(e) = self.events.free.pop() {
             return Ok(e);
         }
-        self.stats.driver_calls.add(Call::EventCreate);
-        dev.create_event()
+        self.phys.create_event(dev)
     }
 
     /// Records an event on every extra stream of block `idx` (being freed).
@@ -53,25 +52,21 @@ impl Inner {
         let mut recorded: Vec<Event> = Vec::with_capacity(streams.len());
         for &s in streams.iter() {
             let ok = match self.get_event(dev) {
-                Ok(ev) => {
-                    self.stats.driver_calls.add(Call::EventRecord);
-                    match dev.record_event(ev, s) {
-                        Ok(()) => {
-                            recorded.push(ev);
-                            true
-                        }
-                        Err(_) => {
-                            self.events.free.push(ev);
-                            false
-                        }
+                Ok(ev) => match self.phys.record_event(dev, ev, s) {
+                    Ok(()) => {
+                        recorded.push(ev);
+                        true
                     }
-                }
+                    Err(_) => {
+                        self.events.free.push(ev);
+                        false
+                    }
+                },
                 Err(_) => false,
             };
             if !ok {
                 // Another route to safety: wait for the stream now.
-                self.stats.driver_calls.add(Call::StreamSync);
-                if let Err(e) = dev.synchronize_stream(s) {
+                if let Err(e) = self.phys.sync_stream(dev, s) {
                     // Roll back: the block stays allocated with its streams.
                     self.events.free.extend(recorded);
                     self.slab[idx].streams = Some(streams);
@@ -104,8 +99,7 @@ impl Inner {
         let mut i = 0;
         while i < self.events.pending.len() {
             let ev = self.events.pending[i].event;
-            self.stats.driver_calls.add(Call::EventQuery);
-            match dev.query_event(ev) {
+            match self.phys.query_event(dev, ev) {
                 Ok(true) => self.event_done(i),
                 _ => i += 1,
             }
@@ -118,8 +112,7 @@ impl Inner {
         let mut i = 0;
         while i < self.events.pending.len() {
             let ev = self.events.pending[i].event;
-            self.stats.driver_calls.add(Call::EventSync);
-            match dev.synchronize_event(ev) {
+            match self.phys.sync_event(dev, ev) {
                 Ok(()) => {
                     self.stats.num_stream_syncs += 1;
                     self.event_done(i);

@@ -5,7 +5,10 @@
 //!
 //! # Shape
 //!
-//! A region owns its own address reservation (`cuMemAddressReserve` of
+//! The region itself — its reservation and its stack of chunks — is a table
+//! of the physical layer (`physical/regions.rs`, which makes its driver
+//! calls); this file is the block layer's side: sizes, where the pages come
+//! from, the stats. A region owns its own address reservation (`cuMemAddressReserve` of
 //! `max_bytes` rounded up to the page) — not an arena slice: a region's
 //! maximum may be far larger than a slice, and a region never holds blocks.
 //! Its chunks form a stack from the base: chunk `i` covers pages
@@ -37,39 +40,10 @@
 
 use super::blocks::PoolKind;
 use super::ladder::Need;
-use super::pages::{Backing, Planned};
+use super::pages::Backing;
 use super::Inner;
 use crate::{AllocError, AllocResult};
-use vmmalloc_device::{round_up, Call, Device, DeviceError, PhysHandle, Stream};
-
-/// One growable region.
-#[derive(Debug)]
-pub(crate) struct Growable {
-    /// First byte (the reservation's base; the address users see).
-    pub base: u64,
-    /// The maximum size the caller asked for.
-    pub max_bytes: u64,
-    /// Bytes reserved (`max_bytes` rounded up to the page).
-    pub reserved: u64,
-    /// The current size in bytes.
-    pub size: u64,
-    /// Mapped chunks, ascending from page 0: `(handle, pages)`.
-    pub chunks: Vec<(PhysHandle, u64)>,
-    /// Sum of the chunks' pages.
-    pub mapped_pages: u64,
-    /// Pages `[0, accessible)` have had `set_access`; pages above were
-    /// mapped by a grow whose rollback failed to unmap them.
-    pub accessible: u64,
-    /// The stream whose work uses the region (waited for before a shrink).
-    pub stream: Stream,
-}
-
-impl Growable {
-    /// First page of chunk `i`.
-    fn first_page(&self, i: usize) -> u64 {
-        self.chunks[..i].iter().map(|c| c.1).sum()
-    }
-}
+use vmmalloc_device::{round_up, Device, Stream};
 
 /// What [`crate::growable::Growable::growable_info`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,15 +61,16 @@ pub struct GrowableInfo {
 }
 
 impl Inner {
-    fn growable_mut(&mut self, ptr: u64) -> AllocResult<&mut Growable> {
-        self.growables
-            .get_mut(&ptr)
+    fn growable_mut(&mut self, ptr: u64) -> AllocResult<&mut super::physical::Region> {
+        self.phys
+            .region_mut(ptr)
             .ok_or(AllocError::InvalidPointer { ptr })
     }
 
-    /// Applies a change of `dpages` mapped pages and `dhandles` chunks of a
-    /// region, and of `dreq` requested bytes, to the stats.
-    fn note_growable(&mut self, dpages: i64, dhandles: i64, dreq: i64) {
+    /// Applies a change of `dpages` mapped pages of a region, and of `dreq`
+    /// requested bytes, to the stats (its pages and handles mapped are the
+    /// physical layer's).
+    fn note_growable(&mut self, dpages: i64, dreq: i64) {
         let bytes = dpages * self.layout.page as i64;
         let k = PoolKind::Large as usize;
         let c = &mut self.counters;
@@ -103,8 +78,6 @@ impl Inner {
         c.active_bytes.add(k, bytes);
         c.reserved_bytes.add(k, bytes);
         c.requested_bytes.add(k, dreq);
-        self.stats.pages_mapped = (self.stats.pages_mapped as i64 + dpages) as u64;
-        self.stats.handles_mapped = (self.stats.handles_mapped as i64 + dhandles) as u64;
     }
 
     /// Reserves a region of `max_bytes` for work on `stream`; maps nothing.
@@ -128,21 +101,7 @@ impl Inner {
                 size: max_bytes,
                 reason: "too large to reserve".into(),
             })?;
-        self.stats.driver_calls.add(Call::Reserve);
-        let base = dev.reserve(reserved, page)?;
-        self.growables.insert(
-            base,
-            Growable {
-                base,
-                max_bytes,
-                reserved,
-                size: 0,
-                chunks: Vec::new(),
-                mapped_pages: 0,
-                accessible: 0,
-                stream,
-            },
-        );
+        let base = self.phys.region_create(dev, max_bytes, reserved, stream)?;
         let k = PoolKind::Large as usize;
         self.counters.allocation.add(k, 1);
         self.counters.active.add(k, 1);
@@ -152,8 +111,8 @@ impl Inner {
     /// The state of region `ptr`.
     pub(super) fn growable_info(&self, ptr: u64) -> AllocResult<GrowableInfo> {
         let g = self
-            .growables
-            .get(&ptr)
+            .phys
+            .region(ptr)
             .ok_or(AllocError::InvalidPointer { ptr })?;
         Ok(GrowableInfo {
             ptr,
@@ -187,9 +146,7 @@ impl Inner {
         let (mapped, accessible, old) = (g.mapped_pages, g.accessible, g.size);
         if need > accessible && accessible < mapped {
             // Pages left mapped by a failed rollback: give access first.
-            self.stats.driver_calls.add(Call::SetAccess);
-            dev.set_access(ptr + accessible * page, (mapped - accessible) * page)?;
-            self.growable_mut(ptr)?.accessible = mapped;
+            self.phys.region_give_access(dev, ptr)?;
         }
         if need > mapped {
             self.growable_grow(dev, ptr, need - mapped, bytes)?;
@@ -198,7 +155,7 @@ impl Inner {
         }
         let g = self.growable_mut(ptr)?;
         g.size = bytes;
-        self.note_growable(0, 0, bytes as i64 - old as i64);
+        self.note_growable(0, bytes as i64 - old as i64);
         Ok(())
     }
 
@@ -212,7 +169,7 @@ impl Inner {
     ) -> AllocResult<()> {
         let page = self.layout.page;
         let (first, stream) = {
-            let g = &self.growables[&ptr];
+            let g = self.phys.region(ptr).expect("region exists");
             (g.mapped_pages, g.stream)
         };
         if pages > self.phys.limit_pages() && !self.phys.spill_enabled() {
@@ -226,98 +183,16 @@ impl Inner {
                 return Err(self.oom(dev, bytes, pages * page, stream, lack));
             }
         };
-        self.growable_map(dev, ptr, &plan, handles)
-            .map_err(AllocError::Device)
-    }
-
-    /// Maps the chunks of `plan` at the end of region `ptr` and gives access
-    /// to them with one call. On failure the chunks mapped are unmapped again
-    /// and every handle is pooled.
-    fn growable_map<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        ptr: u64,
-        plan: &[Planned],
-        handles: Vec<PhysHandle>,
-    ) -> Result<(), DeviceError> {
-        let page = self.layout.page;
-        let first = plan[0].first;
-        let mut done = 0;
-        let mut err = None;
-        for (c, &h) in plan.iter().zip(&handles) {
-            self.stats.driver_calls.add(Call::Map);
-            if let Err(e) = dev.map(ptr + c.first * page, c.pages * page, h) {
-                err = Some(e);
-                break;
+        match self.phys.region_map(dev, ptr, &plan, handles) {
+            Ok(pages) => {
+                self.note_growable(pages as i64, 0);
+                Ok(())
             }
-            done += 1;
-        }
-        let pages: u64 = plan[..done].iter().map(|c| c.pages).sum();
-        if err.is_none() {
-            self.stats.driver_calls.add(Call::SetAccess);
-            match dev.set_access(ptr + first * page, pages * page) {
-                Ok(()) => {
-                    let g = self.growables.get_mut(&ptr).expect("region exists");
-                    for (c, &h) in plan.iter().zip(&handles) {
-                        g.chunks.push((h, c.pages));
-                    }
-                    g.mapped_pages += pages;
-                    g.accessible = g.mapped_pages;
-                    for (c, &h) in plan.iter().zip(&handles) {
-                        self.phys.note_mapping(&mut self.stats, h, c.pages, true);
-                    }
-                    self.note_growable(pages as i64, plan.len() as i64, 0);
-                    return Ok(());
-                }
-                Err(e) => err = Some(e),
+            Err((e, kept)) => {
+                self.note_growable(kept as i64, 0);
+                Err(AllocError::Device(e))
             }
         }
-        // Roll back: unmap what was mapped (one call, else chunk by chunk);
-        // a chunk that cannot be unmapped stays in the region, mapped but
-        // without access, above `accessible`.
-        for (c, &h) in plan[done..].iter().zip(&handles[done..]) {
-            self.phys.give_back(h, c.pages);
-        }
-        let mut kept = Vec::new();
-        if done > 0 {
-            self.stats.driver_calls.add(Call::Unmap);
-            if dev.unmap(ptr + first * page, pages * page).is_ok() {
-                for (c, &h) in plan[..done].iter().zip(&handles[..done]) {
-                    self.phys.give_back(h, c.pages);
-                }
-            } else {
-                // Chunk by chunk from the top, so that what stays mapped is
-                // still a stack from the old end: the first chunk that cannot
-                // be unmapped stays, with every chunk below it.
-                let mut stuck = false;
-                for (c, &h) in plan[..done].iter().zip(&handles[..done]).rev() {
-                    if !stuck {
-                        self.stats.driver_calls.add(Call::Unmap);
-                        stuck = dev.unmap(ptr + c.first * page, c.pages * page).is_err();
-                    }
-                    if stuck {
-                        kept.push((h, c.pages));
-                    } else {
-                        self.phys.give_back(h, c.pages);
-                    }
-                }
-                kept.reverse();
-            }
-        }
-        if !kept.is_empty() {
-            let n: u64 = kept.iter().map(|c| c.1).sum();
-            let nh = kept.len() as i64;
-            for &(h, p) in &kept {
-                self.phys.note_mapping(&mut self.stats, h, p, true);
-            }
-            let g = self.growables.get_mut(&ptr).expect("region exists");
-            g.chunks.extend(kept);
-            g.mapped_pages += n;
-            self.note_growable(n as i64, nh, 0);
-        }
-        self.phys.sync_stats(&mut self.stats);
-        self.phys.trim(&mut self.stats, dev);
-        Err(err.expect("an error caused the rollback"))
     }
 
     /// Unmaps the chunks of region `ptr` lying wholly at or above page
@@ -328,37 +203,14 @@ impl Inner {
         ptr: u64,
         need: u64,
     ) -> AllocResult<()> {
-        let page = self.layout.page;
-        let g = &self.growables[&ptr];
-        // The first chunk to go: the lowest whose first page is ≥ `need`.
-        let mut keep = g.chunks.len();
-        let mut top = g.mapped_pages;
-        while keep > 0 && top - g.chunks[keep - 1].1 >= need {
-            keep -= 1;
-            top -= g.chunks[keep].1;
-        }
-        if keep == g.chunks.len() {
+        let Some(keep) = self.phys.region_cut(ptr, need) else {
             return Ok(());
-        }
-        let first = g.first_page(keep);
-        let count = g.mapped_pages - first;
-        let stream = g.stream;
-        self.stats.driver_calls.add(Call::StreamSync);
-        dev.synchronize_stream(stream)?;
+        };
+        let stream = self.phys.region(ptr).expect("region exists").stream;
+        self.phys.sync_stream(dev, stream)?;
         self.stats.num_stream_syncs += 1;
-        self.stats.driver_calls.add(Call::Unmap);
-        dev.unmap(ptr + first * page, count * page)?;
-        let g = self.growables.get_mut(&ptr).expect("region exists");
-        let gone: Vec<(PhysHandle, u64)> = g.chunks.drain(keep..).collect();
-        g.mapped_pages = first;
-        g.accessible = g.accessible.min(first);
-        let n = gone.len() as i64;
-        for (h, p) in gone {
-            self.phys.give_back_unmapped(&mut self.stats, h, p);
-        }
-        self.phys.sync_stats(&mut self.stats);
-        self.note_growable(-(count as i64), -n, 0);
-        self.phys.trim(&mut self.stats, dev);
+        let (pages, _) = self.phys.region_unmap_from(dev, ptr, keep)?;
+        self.note_growable(-(pages as i64), 0);
         Ok(())
     }
 
@@ -371,124 +223,14 @@ impl Inner {
         ptr: u64,
     ) -> AllocResult<()> {
         self.growable_resize(dev, ptr, 0)?;
-        if self.growables[&ptr].mapped_pages > 0 {
+        if self.phys.region(ptr).expect("region exists").mapped_pages > 0 {
             // Only chunks stuck after a failed rollback are left: unmap them.
             self.growable_shrink(dev, ptr, 0)?;
         }
-        let reserved = self.growables[&ptr].reserved;
-        self.stats.driver_calls.add(Call::AddressFree);
-        dev.free_reservation(ptr, reserved)?;
-        self.growables.remove(&ptr);
+        self.phys.region_destroy(dev, ptr)?;
         let k = PoolKind::Large as usize;
         self.counters.allocation.add(k, -1);
         self.counters.active.add(k, -1);
         Ok(())
     }
-}
-
-impl Inner {
-    /// Drop: waits for each region's stream, unmaps its chunks (their
-    /// handles go to the pool, released with it) and frees its reservation.
-    /// Errors are logged, never raised; each call is tried twice.
-    pub(super) fn teardown_growables<D: Device + ?Sized>(&mut self, dev: &D) {
-        let page = self.layout.page;
-        for (_, g) in std::mem::take(&mut self.growables) {
-            let log = |what: &str, e: &DeviceError| {
-                eprintln!(
-                    "vmmalloc: growable region {:#x}: {what} on drop failed: {e}",
-                    g.base
-                )
-            };
-            if g.mapped_pages > 0 {
-                self.stats.driver_calls.add(Call::StreamSync);
-                if let Err(e) = dev
-                    .synchronize_stream(g.stream)
-                    .or_else(|_| dev.synchronize_stream(g.stream))
-                {
-                    log("stream synchronize", &e);
-                }
-                self.stats.driver_calls.add(Call::Unmap);
-                let bytes = g.mapped_pages * page;
-                if let Err(e) = dev
-                    .unmap(g.base, bytes)
-                    .or_else(|_| dev.unmap(g.base, bytes))
-                {
-                    log("unmap", &e);
-                }
-            }
-            for (h, p) in g.chunks {
-                self.phys.give_back_unmapped(&mut self.stats, h, p);
-            }
-            self.stats.driver_calls.add(Call::AddressFree);
-            if let Err(e) = dev
-                .free_reservation(g.base, g.reserved)
-                .or_else(|_| dev.free_reservation(g.base, g.reserved))
-            {
-                log("address free", &e);
-            }
-        }
-    }
-
-    /// `validate()` for growable regions: adds their pages, handles and
-    /// stat contributions to the recount; checks each region's stack of
-    /// chunks and its accessibility on a model device.
-    pub(super) fn validate_growables<D: Device + ?Sized>(
-        &self,
-        dev: &D,
-        handles: &mut std::collections::HashSet<u64>,
-    ) -> Result<GrowableRecount, String> {
-        let page = self.layout.page;
-        let mut rc = GrowableRecount::default();
-        for (&base, g) in &self.growables {
-            let sum: u64 = g.chunks.iter().map(|c| c.1).sum();
-            if g.base != base || sum != g.mapped_pages || g.chunks.iter().any(|c| c.1 == 0) {
-                return Err(format!(
-                    "growable {base:#x}: chunks sum to {sum} pages, region says {}",
-                    g.mapped_pages
-                ));
-            }
-            if g.size > g.max_bytes
-                || g.reserved < g.max_bytes
-                || g.mapped_pages * page > g.reserved
-                || g.size.div_ceil(page) > g.accessible
-                || g.accessible > g.mapped_pages
-            {
-                return Err(format!(
-                    "growable {base:#x}: size {} max {} reserved {} mapped {} pages, accessible {}",
-                    g.size, g.max_bytes, g.reserved, g.mapped_pages, g.accessible
-                ));
-            }
-            for (h, _) in &g.chunks {
-                if !handles.insert(h.0) {
-                    return Err(format!("handle {:#x} is mapped twice", h.0));
-                }
-            }
-            if let Some(m) = dev.introspect() {
-                if g.accessible > 0 && !m.is_accessible(base, g.accessible * page) {
-                    return Err(format!(
-                        "growable {base:#x}: {} accessible pages are not accessible on the device",
-                        g.accessible
-                    ));
-                }
-            }
-            rc.regions += 1;
-            rc.pages += g.mapped_pages;
-            rc.chunks += g.chunks.len() as u64;
-            rc.requested += g.size;
-        }
-        Ok(rc)
-    }
-}
-
-/// What growable regions add to `validate()`'s recount.
-#[derive(Debug, Default)]
-pub(crate) struct GrowableRecount {
-    /// Regions (each one reservation, one allocation, one active block).
-    pub regions: u64,
-    /// Mapped pages.
-    pub pages: u64,
-    /// Mapped chunks.
-    pub chunks: u64,
-    /// Sum of the current sizes.
-    pub requested: u64,
 }

@@ -49,7 +49,7 @@
 use super::pages::{Backing, Planned};
 use super::reclaim::Exclude;
 use super::Inner;
-use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
+use vmmalloc_device::{Device, DeviceError, PhysHandle};
 
 /// Plans tried for one request before it counts as out of memory (each after
 /// a reclaim, an unpin or a driver out-of-memory).
@@ -150,7 +150,7 @@ impl Inner {
             }
         }
         // Every attempt ended in an out-of-memory from the driver.
-        self.phys.trim(&mut self.stats, dev);
+        self.phys.trim(dev);
         let short = runs.iter().map(|r| r.1).sum::<u64>();
         Err(Backing::Short(
             short.saturating_sub(self.phys.pool().pages()).max(1),
@@ -245,7 +245,7 @@ impl Inner {
                 return Ok(());
             }
         }
-        self.phys.trim(&mut self.stats, dev);
+        self.phys.trim(dev);
         Err(Backing::Short(lack - reclaimable))
     }
 
@@ -276,7 +276,7 @@ impl Inner {
             Err(e) => {
                 // Handles created so far stay pooled: they are valid memory.
                 self.pool_back(plan, handles);
-                self.phys.trim(&mut self.stats, dev);
+                self.phys.trim(dev);
                 Err(Backing::Fail(e.into()))
             }
         }
@@ -295,7 +295,6 @@ impl Inner {
                 }
             })
             .collect();
-        self.phys.sync_stats(&mut self.stats);
         handles
     }
 
@@ -309,7 +308,7 @@ impl Inner {
     ) -> Result<u64, DeviceError> {
         let mut freed = 0;
         while freed < want {
-            match self.phys.release_largest(&mut self.stats, dev)? {
+            match self.phys.release_largest(dev)? {
                 0 => break,
                 p => freed += p,
             }
@@ -331,12 +330,8 @@ impl Inner {
             if h.is_some() {
                 continue;
             }
-            self.stats.driver_calls.add(Call::Create);
-            match dev.create(c.pages * self.layout.page) {
-                Ok(new) => {
-                    self.stats.num_device_alloc += 1;
-                    *h = Some(new);
-                }
+            match self.phys.create(dev, c.pages) {
+                Ok(new) => *h = Some(new),
                 Err(e) if e.is_out_of_memory() => return Ok(Created::DriverFull),
                 Err(e) => return Err(e),
             }
@@ -351,6 +346,5 @@ impl Inner {
                 self.phys.give_back(h, c.pages);
             }
         }
-        self.phys.sync_stats(&mut self.stats);
     }
 }

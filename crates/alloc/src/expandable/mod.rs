@@ -4,7 +4,7 @@
 //!
 //! # Shape
 //!
-//! - One virtual **arena** per allocator (`arena.rs`): a single reservation of
+//! - One virtual **arena** per allocator (`physical/arena.rs`): a single reservation of
 //!   `arena_size` bytes (default 4 × device memory) cut into slices of the
 //!   device memory size. Another arena is reserved when slices run out, so
 //!   the allocator never fails for lack of address space while pages are free.
@@ -24,16 +24,20 @@
 //! - A **chunk pool** (`pool.rs`): chunks unmapped from free space keep their
 //!   handle and are mapped again without `release`/`create`; handles go back
 //!   to the driver above `release_threshold` or on `empty_cache`.
-//! - The **physical layer** (`physical.rs`, `Physical`): every handle and
-//!   where it is — the segments' chunk tables, the pool, the limit (memory
-//!   fraction), unready chunks, spill's host handles and the chunks IPC
-//!   export pins — behind a narrow interface: map this handle at this page
-//!   of this segment, unmap these whole chunks, room under the limit, where
-//!   an unmapped handle goes, may a chunk move, export the handles under
-//!   this range. It makes the driver calls that move handles, including
-//!   unpinning's and spill's moves of one chunk (`moves.rs`); the block
-//!   layer (everything else here) decides what to map and keeps its own
-//!   counters ([`Inner::with_seg_pages`]).
+//! - The **physical layer** (`physical/`, `Physical`): every handle and
+//!   where it is — the segments' chunk tables, the growable regions, the
+//!   arenas, the pool, the budget (memory fraction), unready chunks, spill's
+//!   host handles and the chunks IPC export pins — behind a narrow
+//!   interface: a new handle, map this handle at this page of this segment,
+//!   unmap these whole chunks, room in the budget, where an unmapped handle
+//!   goes, may a chunk move, export the handles under this range. It alone
+//!   makes the driver's memory calls (`physical/calls.rs`), including
+//!   unpinning's and spill's moves of one chunk (`physical/moves.rs`) and
+//!   the drain at drop; every call is an event to its observers, the
+//!   driver-call counter first (`physical/observe.rs`). The block layer
+//!   (everything else here) decides what to map, keeps its own counters
+//!   ([`Inner::with_seg_pages`]) and reaches streams, events and copies
+//!   through the layer's narrow view.
 //! - **Targeted reclaim** (`reclaim.rs`): when `create` fails with out-of-memory
 //!   (or the memory-fraction limit is reached) only as many whole free chunks
 //!   as the request lacks are unmapped, least recently freed first, after
@@ -41,7 +45,7 @@
 //! - **Unpinning** (`unpin.rs`): a free chunk a new block covers only in
 //!   part is reused as it is (pinned); when an allocation still lacks pages
 //!   after reclaim, the live pages of such chunks move to chunks of their
-//!   own at the same addresses (`moves.rs`) and the free pages come back.
+//!   own at the same addresses (`physical/moves.rs`) and the free pages come back.
 //! - **Mapping ahead** (`alloc.rs`, `grow_to`): a block that extends its
 //!   segment's tail maps on to the next `grow_granule` (20 MiB) boundary
 //!   while mapped + pooled memory is under 4/5 of the limit.
@@ -73,7 +77,6 @@
 //! the stats are updated once per run.
 
 mod alloc;
-mod arena;
 mod blocks;
 mod chunks;
 mod config;
@@ -84,7 +87,6 @@ mod growable;
 mod ipc;
 mod ladder;
 mod lock;
-mod moves;
 mod pages;
 mod physical;
 mod pool;
@@ -92,6 +94,7 @@ mod private_pools;
 mod reclaim;
 mod report;
 mod segment;
+mod share;
 mod sleep;
 mod snapshot;
 mod spill;
@@ -107,11 +110,11 @@ pub use config::{
     DEFAULT_SPLIT_THRESHOLD,
 };
 pub use growable::GrowableInfo;
+pub use share::{build_shared, join_and_serve, AllocatorGiveBack};
 pub use sleep::{tag_summary, TagStats};
 
 use crate::pools::{PoolBlock, PoolId, PoolStats, PrivatePools, Restored};
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
-use arena::Arenas;
 use blocks::{LiveMap, Slab};
 use config::Layout;
 use counters::Counters;
@@ -149,10 +152,9 @@ pub(crate) struct Inner {
     segments: Vec<Option<Segment>>,
     /// Retired segment slots to reuse.
     vacant_segments: Vec<u32>,
-    /// Address-space reservations.
-    arenas: Arenas,
-    /// The physical layer: chunk tables, chunk pool, limit, unready
-    /// chunks, spill, export marks (`physical.rs`).
+    /// The physical layer: chunk tables (segments and growable regions),
+    /// arenas, chunk pool, budget, observers, unready chunks, spill, export
+    /// marks (`physical/`). The only owner of device memory.
     phys: physical::Physical,
     /// Event pool and blocks waiting for events.
     events: Events,
@@ -164,8 +166,6 @@ pub(crate) struct Inner {
     counters: Counters,
     /// Paused tags and their backups ([`sleep`]).
     sleep: sleep::SleepState,
-    /// Growable regions by address ([`growable`]).
-    growables: std::collections::BTreeMap<u64, growable::Growable>,
     /// Private pools (CUDA graphs, MemPools) and the frees deferred by
     /// captures ([`private_pools`]).
     pools: private_pools::PoolTable,
@@ -223,13 +223,14 @@ impl Inner {
     fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
         self.counters.fill(&mut s);
+        self.phys.fill_stats(&mut s);
         s
     }
 
     /// Device pages mapped in all segments and regions (host-located,
     /// spilled pages do not count: they are not device memory).
     fn mapped_pages(&self) -> u64 {
-        self.phys.device_pages(&self.stats)
+        self.phys.device_pages()
     }
 }
 
@@ -266,7 +267,6 @@ impl<D: Device> ExpandableAllocator<D> {
                 streams: Vec::new(),
                 segments: Vec::new(),
                 vacant_segments: Vec::new(),
-                arenas: Arenas::default(),
                 phys: physical::Physical::new(
                     &layout,
                     config.memory_fraction,
@@ -278,7 +278,6 @@ impl<D: Device> ExpandableAllocator<D> {
                 stats,
                 counters: Counters::default(),
                 sleep: sleep::SleepState::default(),
-                growables: Default::default(),
                 pools: Default::default(),
             }),
         })
@@ -500,6 +499,14 @@ impl<D: Device> PrivatePools for ExpandableAllocator<D> {
 
     fn end_allocate_to_pool(&self, id: PoolId) -> AllocResult<()> {
         self.call("end_allocate_to_pool", |i, _| i.end_allocate_to_pool(id))
+    }
+
+    fn set_use_on_oom(&self, id: PoolId, on: bool) -> AllocResult<()> {
+        self.call("set_use_on_oom", |i, _| i.set_use_on_oom(id, on))
+    }
+
+    fn set_no_split(&self, id: PoolId) -> AllocResult<()> {
+        self.call("set_no_split", |i, _| i.set_no_split(id))
     }
 
     fn release_pool(&self, id: PoolId) -> AllocResult<()> {

@@ -64,7 +64,6 @@ use super::physical::Physical;
 use super::reclaim::Exclude;
 use super::Inner;
 use crate::AllocError;
-use crate::Stats;
 use vmmalloc_device::{Device, DeviceError, PhysHandle};
 
 /// Why pages could not be provided.
@@ -105,13 +104,9 @@ impl Inner {
     /// Runs `op` of the physical layer, which may map or unmap pages of
     /// `seg` only, and updates the block layer's counters by the change in
     /// its mapped pages (one update for the whole operation).
-    pub(super) fn with_seg_pages<T>(
-        &mut self,
-        seg: u32,
-        op: impl FnOnce(&mut Physical, &mut Stats) -> T,
-    ) -> T {
+    pub(super) fn with_seg_pages<T>(&mut self, seg: u32, op: impl FnOnce(&mut Physical) -> T) -> T {
         let before = (self.inactive_split(seg), self.table(seg).mapped_pages());
-        let r = op(&mut self.phys, &mut self.stats);
+        let r = op(&mut self.phys);
         let after = self.table(seg).mapped_pages();
         if after != before.1 {
             self.note_pages(seg, after as i64 - before.1 as i64, before.0);
@@ -129,9 +124,7 @@ impl Inner {
         first: u64,
         count: u64,
     ) -> Result<(), DeviceError> {
-        self.with_seg_pages(seg, |phys, stats| {
-            phys.unmap_run(stats, dev, seg, first, count)
-        })
+        self.with_seg_pages(seg, |phys| phys.unmap_run(dev, seg, first, count))
     }
 
     /// Unmaps the whole chunks in pages `[first, first + count)` of `seg`, in
@@ -145,8 +138,8 @@ impl Inner {
         count: u64,
         mark_unready: bool,
     ) -> Result<(), DeviceError> {
-        self.with_seg_pages(seg, |phys, stats| {
-            phys.unmap_chunks(stats, dev, seg, first, count, mark_unready)
+        self.with_seg_pages(seg, |phys| {
+            phys.unmap_chunks(dev, seg, first, count, mark_unready)
         })
     }
 
@@ -179,7 +172,7 @@ impl Inner {
     ) -> Result<(), Backing> {
         let (p0, p1) = span;
         self.phys
-            .fix_unready(&mut self.stats, dev, seg, p0, p1)
+            .fix_unready(dev, seg, p0, p1)
             .map_err(|e| Backing::Fail(e.into()))?;
         self.split_free_chunks(dev, seg, p0, p1, room, freed_at)
             .map_err(|e| Backing::Fail(e.into()))?;
@@ -306,29 +299,23 @@ impl Inner {
             let mut run_pages = 0;
             for k in i..=j {
                 let c = plan[k];
-                let mapped =
-                    self.phys
-                        .map_chunk(&mut self.stats, dev, seg, c.first, handles[k], c.pages);
+                let mapped = self.phys.map_chunk(dev, seg, c.first, handles[k], c.pages);
                 if let Err(e) = mapped {
                     self.note_pages(seg, run_pages as i64, before);
                     for (c, &h) in plan[k..].iter().zip(&handles[k..]) {
                         self.phys.give_back(h, c.pages);
                     }
-                    self.phys.sync_stats(&mut self.stats);
                     return Err(self.undo_mapping(dev, seg, &plan[..done], e));
                 }
                 run_pages += c.pages;
                 done += 1;
             }
             self.note_pages(seg, run_pages as i64, before);
-            let access = self
-                .phys
-                .set_access(&mut self.stats, dev, seg, plan[i].first, run_pages);
+            let access = self.phys.set_access(dev, seg, plan[i].first, run_pages);
             if let Err(e) = access {
                 for (c, &h) in plan[j + 1..].iter().zip(&handles[j + 1..]) {
                     self.phys.give_back(h, c.pages);
                 }
-                self.phys.sync_stats(&mut self.stats);
                 return Err(self.undo_mapping(dev, seg, &plan[..done], e));
             }
             i = j + 1;
@@ -358,7 +345,7 @@ impl Inner {
             let _ = self.unmap_chunks(dev, seg, first, count, true);
             i = j + 1;
         }
-        self.phys.trim(&mut self.stats, dev);
+        self.phys.trim(dev);
         err
     }
 }

@@ -61,7 +61,7 @@ use crate::pools::{pool_name, PoolBlock, PoolId, PoolStats, Restored};
 use crate::stats::StatType;
 use crate::{AllocError, AllocResult, Allocation, Stats};
 use rustc_hash::{FxHashMap, FxHashSet};
-use vmmalloc_device::{Call, Device, DeviceResult, HostBuffer, Stream};
+use vmmalloc_device::{Device, DeviceResult, HostBuffer, Stream};
 
 /// What a paused pool keeps to be resumed.
 #[derive(Debug, Default)]
@@ -87,6 +87,12 @@ pub(crate) struct PrivatePool {
     pinned: bool,
     /// Set while paused.
     paused: Option<PausedPool>,
+    /// Main-pool allocations about to run out of memory may take its free
+    /// blocks (`MemPool(use_on_oom=True)`, PyTorch's `use_on_oom_pools`).
+    use_on_oom: bool,
+    /// Its blocks are never split nor merged (`MemPool(no_split=True)`,
+    /// PyTorch's `no_split_pools`).
+    no_split: bool,
 }
 
 /// The private pools of one allocator and the frees deferred by captures.
@@ -103,6 +109,8 @@ pub(crate) struct PoolTable {
     /// Blocks freed during a capture that wait for it to end (PyTorch's
     /// `needs_events_deferred_until_no_capture`).
     pub deferred: Vec<u32>,
+    /// Numbers of the pools with `use_on_oom`, in the order it was set.
+    oom_pools: Vec<u32>,
 }
 
 impl PoolTable {
@@ -227,6 +235,8 @@ impl Inner {
             recording: false,
             pinned: true,
             paused: None,
+            use_on_oom: false,
+            no_split: false,
         }));
         self.pools.by_id.insert(id, slot);
         self.pools.gone.remove(&id);
@@ -345,6 +355,85 @@ impl Inner {
             )));
         }
         self.malloc_owned(dev, size, stream, 0, p)
+    }
+
+    /// `setUseOnOOM`: whether main-pool allocations about to fail for lack
+    /// of memory may take free blocks of pool `id`
+    /// ([`Inner::malloc_from_oom_pools`]).
+    pub(super) fn set_use_on_oom(&mut self, id: PoolId, on: bool) -> AllocResult<()> {
+        let p = self.pool_number(id)?;
+        self.pool_mut(p).use_on_oom = on;
+        self.pools.oom_pools.retain(|&q| q != p);
+        if on {
+            self.pools.oom_pools.push(p);
+        }
+        Ok(())
+    }
+
+    /// The last resort of a main-pool allocation that found no memory
+    /// (PyTorch's `malloc`: "we are about to oom, try to use existing
+    /// mempools as a last resort", `use_on_oom_pools`, `get_free_block`):
+    /// a free block of a `use_on_oom` pool, on the same stream, whose pages
+    /// are mapped already, in the order the pools were set; no memory is
+    /// created for it. The block is the pool's (its bytes count there and
+    /// go back to it when freed), as PyTorch's `mempool_params` make it.
+    /// Paused pools and pools without users are skipped; `tag` other than 0
+    /// (a sleep tag's allocation, which must stay in the tag's memory) and
+    /// allocations into a pool take nothing.
+    pub(super) fn malloc_from_oom_pools(
+        &mut self,
+        size: u64,
+        rounded: u64,
+        stream: Stream,
+        tag: u32,
+        kind: super::blocks::PoolKind,
+    ) -> Option<Allocation> {
+        if self.pools.oom_pools.is_empty() || tag != 0 {
+            return None;
+        }
+        for p in self.pools.oom_pools.clone() {
+            match self.pools.get(p) {
+                Some(x) if x.paused.is_none() && x.use_count > 0 => {}
+                _ => continue,
+            }
+            let Some(owner) = self
+                .streams
+                .iter()
+                .position(|e| e.stream == stream && e.tag == 0 && e.pool == p)
+            else {
+                continue;
+            };
+            let Some(idx) = self.find_free(owner as u32, kind, rounded) else {
+                continue;
+            };
+            let seg = self.slab[idx].seg;
+            let addr = self.page_aligned_start(idx, rounded, kind);
+            let (p0, p1) = self.seg(seg).page_span(&self.layout, addr, rounded);
+            if !self.table(seg).all_mapped(p0, p1) {
+                continue;
+            }
+            let idx = self.carve_at(idx, addr);
+            return Some(self.take_block(idx, size, rounded, stream));
+        }
+        None
+    }
+
+    /// `setNoSplit` (`MemPool(no_split=True)`, PyTorch's `no_split_pools`
+    /// and `should_split`): from now on a block of pool `id` is never split
+    /// nor merged. A request takes whole pages of the segment's unused end
+    /// (PyTorch makes a segment of its own for it), or a free block of the
+    /// pool whole; a freed block stays as it is, to be taken whole again.
+    pub(super) fn set_no_split(&mut self, id: PoolId) -> AllocResult<()> {
+        let p = self.pool_number(id)?;
+        self.pool_mut(p).no_split = true;
+        Ok(())
+    }
+
+    /// Whether stream entry `owner` belongs to a `no_split` pool.
+    #[inline]
+    pub(super) fn owner_no_split(&self, owner: u32) -> bool {
+        let p = self.streams[owner as usize].pool;
+        p != 0 && self.pools.get(p).is_some_and(|x| x.no_split)
     }
 
     /// The pool owning block `ptr` (live or pending free), if a private one.
@@ -491,8 +580,7 @@ impl Inner {
 
     /// `cuCtxSynchronize`, counted; every stream counts as waited for.
     fn synchronize_device<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<()> {
-        self.stats.driver_calls.add(Call::DeviceSync);
-        dev.synchronize()?;
+        self.phys.sync_device(dev)?;
         self.stats.num_sync_all_streams += 1;
         let tick = self.tick;
         for e in &mut self.streams {
@@ -526,6 +614,7 @@ impl Inner {
                 }
                 if left == 0 {
                     let id = self.pool_ref(p).id;
+                    self.pools.oom_pools.retain(|&q| q != p);
                     self.pools.slots[p as usize - 1] = None;
                     self.pools.by_id.remove(&id);
                     self.pools.gone.insert(id);
@@ -560,6 +649,13 @@ impl Inner {
         if self.pool_ref(p).paused.is_some() {
             return Err(err(format!(
                 "setCheckpointPoolState of pool {name}: it is paused; resume it first (nothing changed)"
+            )));
+        }
+        if self.pool_ref(p).no_split {
+            // Its free blocks are not merged: a checkpointed block may span
+            // several of them.
+            return Err(err(format!(
+                "setCheckpointPoolState of pool {name}: it is a no_split pool (nothing changed)"
             )));
         }
         // 1. The checkpoint fits the pool: each block inside one of its
@@ -613,8 +709,7 @@ impl Inner {
                 i += 1;
                 continue;
             }
-            self.stats.driver_calls.add(Call::EventSync);
-            dev.synchronize_event(pend.event)?;
+            self.phys.sync_event(dev, pend.event)?;
             self.stats.num_stream_syncs += 1;
             self.event_done(i);
         }
@@ -629,8 +724,7 @@ impl Inner {
         wait.sort_unstable();
         wait.dedup();
         for s in wait {
-            self.stats.driver_calls.add(Call::StreamSync);
-            dev.synchronize_stream(s)?;
+            self.phys.sync_stream(dev, s)?;
             self.stats.num_stream_syncs += 1;
         }
         // 3. Free every block of the pool (bookkeeping only from here on).
@@ -716,8 +810,7 @@ impl Inner {
                              {addr:#x} (nothing changed)"
                         )));
                     };
-                    self.stats.driver_calls.add(Call::CopyDtoH);
-                    if let Err(e) = dev.copy_from_device(addr, &mut buf[..]) {
+                    if let Err(e) = self.phys.copy_from_device(dev, addr, &mut buf[..]) {
                         return Err(e.into());
                     }
                     saved.backup_bytes += size;
@@ -749,7 +842,7 @@ impl Inner {
             }
         }
         let before = self.phys.pool().pages();
-        if let Err(e) = self.phys.release_pool(&mut self.stats, dev) {
+        if let Err(e) = self.phys.release_pool(dev) {
             first_err.get_or_insert(e);
         }
         let released = (before - self.phys.pool().pages()) * self.layout.page;
@@ -819,22 +912,18 @@ impl Inner {
             }
         }
         if fail.is_none() {
-            let backups: Vec<(u64, &HostBuffer)> = self
-                .pool_ref(p)
-                .paused
-                .as_ref()
-                .map(|x| x.backups.iter().map(|(&a, b)| (a, b)).collect())
-                .unwrap_or_default();
-            let mut copies = 0;
+            // The pool's fields and the physical layer's, borrowed apart.
+            let backups: Vec<(u64, &HostBuffer)> = match self.pools.get(p) {
+                Some(x) => x.paused.as_ref(),
+                None => unreachable!("pool {p} is gone but still referenced"),
+            }
+            .map(|x| x.backups.iter().map(|(&a, b)| (a, b)).collect())
+            .unwrap_or_default();
             for (addr, buf) in backups {
-                copies += 1;
-                if let Err(e) = dev.copy_to_device(addr, &buf[..]) {
+                if let Err(e) = self.phys.copy_to_device(dev, addr, &buf[..]) {
                     fail = Some(e.into());
                     break;
                 }
-            }
-            for _ in 0..copies {
-                self.stats.driver_calls.add(Call::CopyHtoD);
             }
         }
         if let Some(e) = fail {
@@ -843,7 +932,7 @@ impl Inner {
                     let _ = self.unmap_chunks(dev, *s, f, n, false);
                 }
             }
-            let _ = self.phys.release_pool(&mut self.stats, dev);
+            let _ = self.phys.release_pool(dev);
             for (s, _) in &runs {
                 self.phys.set_pinned(*s, false);
             }
@@ -863,6 +952,28 @@ impl Inner {
     /// pool's segments are pinned as the pool is (paused pools excepted)
     /// and no main-pool segment is pinned.
     pub(super) fn validate_pools(&self) -> Result<(), String> {
+        for (slot, x) in self.pools.slots.iter().enumerate() {
+            let Some(x) = x else { continue };
+            let listed = self.pools.oom_pools.contains(&(slot as u32 + 1));
+            if listed != x.use_on_oom {
+                return Err(format!(
+                    "pool {}: use_on_oom is {} but the list of such pools {} it",
+                    pool_name(x.id),
+                    x.use_on_oom,
+                    if listed { "holds" } else { "lacks" }
+                ));
+            }
+        }
+        if let Some(&p) = self
+            .pools
+            .oom_pools
+            .iter()
+            .find(|&&p| self.pools.get(p).is_none())
+        {
+            return Err(format!(
+                "the use_on_oom list names pool number {p}, which is gone"
+            ));
+        }
         for (&id, &s) in &self.pools.by_id {
             match self.pools.get(s + 1) {
                 Some(x) if x.id == id => {}

@@ -11,7 +11,7 @@
 
 use super::blocks::NIL;
 use super::Inner;
-use vmmalloc_device::{Call, Device, DeviceError};
+use vmmalloc_device::{Device, DeviceError};
 
 /// Pages a reclaim must leave alone: `(segment, first page, last page)`, the
 /// pages of the request being served; no chunk overlapping them is unmapped.
@@ -123,8 +123,7 @@ impl Inner {
         owner: u32,
     ) -> Result<(), DeviceError> {
         let stream = self.streams[owner as usize].stream;
-        self.stats.driver_calls.add(Call::StreamSync);
-        dev.synchronize_stream(stream)?;
+        self.phys.sync_stream(dev, stream)?;
         self.stats.num_stream_syncs += 1;
         self.streams[owner as usize].synced_at = self.tick;
         Ok(())

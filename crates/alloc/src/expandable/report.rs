@@ -5,7 +5,7 @@ use super::blocks::BlockState;
 use super::Inner;
 use crate::error::format_bytes;
 use crate::{AllocError, OomReport, StreamUsage};
-use vmmalloc_device::{Call, Device, Stream};
+use vmmalloc_device::{Device, Stream};
 
 impl Inner {
     /// Longest run of contiguous mapped bytes inside a free block.
@@ -34,8 +34,7 @@ impl Inner {
         lacking_pages: u64,
     ) -> AllocError {
         self.stats.num_ooms += 1;
-        self.stats.driver_calls.add(Call::MemInfo);
-        let device_free = dev.mem_info().map(|m| m.free).unwrap_or(0);
+        let device_free = self.phys.mem_info(dev).map(|m| m.free).unwrap_or(0);
         let page = self.layout.page;
         let capacity = self.phys.limit_pages() * page;
         let mut per_stream = Vec::with_capacity(self.streams.len());
@@ -117,6 +116,10 @@ impl Inner {
                 " {} live in host memory (spill) already.",
                 format_bytes(self.phys.spilled_pages() * page)
             ));
+        }
+        if let Some(group) = self.phys.budget_explain() {
+            hint.push(' ');
+            hint.push_str(&group);
         }
         if self.phys.fraction() < 1.0 {
             hint.push_str(&format!(

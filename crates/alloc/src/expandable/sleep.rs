@@ -43,7 +43,7 @@ use super::tags;
 use super::Inner;
 use crate::{AllocError, AllocResult};
 use rustc_hash::FxHashMap;
-use vmmalloc_device::{Call, Device, HostBuffer, Stream};
+use vmmalloc_device::{Device, HostBuffer, Stream};
 
 /// What a paused tag keeps.
 #[derive(Debug, Default)]
@@ -282,8 +282,7 @@ impl Inner {
             self.wait_stream(dev, o)?;
         }
         for s in extra {
-            self.stats.driver_calls.add(Call::StreamSync);
-            dev.synchronize_stream(s)?;
+            self.phys.sync_stream(dev, s)?;
             self.stats.num_stream_syncs += 1;
         }
         // Backups (nothing changed yet if one fails).
@@ -303,8 +302,7 @@ impl Inner {
                             "pause: no host memory for a {size}-byte backup of block {addr:#x} (nothing changed)"
                         )));
                     };
-                    self.stats.driver_calls.add(Call::CopyDtoH);
-                    if let Err(e) = dev.copy_from_device(addr, &mut buf[..]) {
+                    if let Err(e) = self.phys.copy_from_device(dev, addr, &mut buf[..]) {
                         self.sleep.spare.entry(size).or_default().push(buf);
                         return Err(e.into());
                     }
@@ -332,7 +330,7 @@ impl Inner {
             }
         }
         let before = self.phys.pool().pages();
-        if let Err(e) = self.phys.release_pool(&mut self.stats, dev) {
+        if let Err(e) = self.phys.release_pool(dev) {
             first_err.get_or_insert(e);
         }
         let mut released = (before - self.phys.pool().pages()) * self.layout.page;
@@ -340,7 +338,7 @@ impl Inner {
         let mut host_kept = false;
         if host_pages > 0 {
             // A chunk whose release fails stays listed for the next trim.
-            self.phys.release_host_free(&mut self.stats, dev);
+            self.phys.release_host_free(dev);
             host_kept = self.phys.has_host_free();
             if !host_kept {
                 released += host_pages * self.layout.page;
@@ -390,7 +388,7 @@ impl Inner {
             let mut fail = None;
             for &(p0, p1) in &spans {
                 // Chunks left mapped by a failed pause or rollback may lack access.
-                if let Err(e) = self.phys.fix_unready(&mut self.stats, dev, seg, p0, p1) {
+                if let Err(e) = self.phys.fix_unready(dev, seg, p0, p1) {
                     fail = Some(AllocError::from(e));
                     break;
                 }
@@ -430,16 +428,11 @@ impl Inner {
                 continue;
             };
             let mut err = None;
-            let mut copies = 0;
             for (&addr, buf) in &p.backups {
-                copies += 1;
-                if let Err(e) = dev.copy_to_device(addr, &buf[..]) {
+                if let Err(e) = self.phys.copy_to_device(dev, addr, &buf[..]) {
                     err = Some(e);
                     break;
                 }
-            }
-            for _ in 0..copies {
-                self.stats.driver_calls.add(Call::CopyHtoD);
             }
             if let Some(e) = err {
                 self.undo_resume(dev, &done);
@@ -470,7 +463,7 @@ impl Inner {
             }
         }
         // A chunk whose release fails stays pooled (accounted, not leaked).
-        let _ = self.phys.release_pool(&mut self.stats, dev);
+        let _ = self.phys.release_pool(dev);
     }
 
     /// Per-tag figures, sorted by tag name.

@@ -94,7 +94,7 @@ impl Inner {
         // Growable regions: one segment each, an active block over the mapped
         // pages (the region's current size requested) and the unmapped rest.
         let page = self.layout.page;
-        for g in self.growables.values() {
+        for g in self.phys.regions() {
             let mapped = g.mapped_pages * page;
             let mut blocks = Vec::new();
             if mapped > 0 {

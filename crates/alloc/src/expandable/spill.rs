@@ -18,9 +18,10 @@
 //!   chunk, map the device chunk at the same address, give access, copy the
 //!   bytes back. A failure puts the host chunk back where it was.
 //!
-//! The spill state lives in the physical layer (`physical.rs`), which does
-//! its accounting (`note_mapping`, `give_back`, `release_host_free`); this
-//! file holds the decisions.
+//! The spill state lives in the physical layer (`physical/`), which makes
+//! the host creates and does the accounting (`create_on_host`,
+//! `note_mapping`, `give_back`, `release_host_free`); this file holds the
+//! decisions.
 //!
 //! Invariants (checked by `validate`): `spilled_pages` is the sum of the
 //! mapped chunks whose handle is in `host`; every handle in `host` is mapped
@@ -31,7 +32,7 @@ use super::ladder::Need;
 use super::pages::{Backing, Planned};
 use super::Inner;
 use std::collections::HashSet;
-use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
+use vmmalloc_device::{Device, DeviceError, PhysHandle};
 
 /// Spill state of one allocator.
 #[derive(Debug, Default)]
@@ -44,6 +45,8 @@ pub(crate) struct SpillState {
     pub host_free: Vec<PhysHandle>,
     /// Pages of mapped host chunks (segments and growable regions).
     pub spilled_pages: u64,
+    /// The most bytes of host chunks mapped at once (`spilled_bytes_peak`).
+    pub spilled_peak_bytes: u64,
 }
 
 impl Inner {
@@ -91,7 +94,6 @@ impl Inner {
                 for (c, h) in plan.iter().zip(handles) {
                     self.phys.give_back(h, c.pages);
                 }
-                self.phys.sync_stats(&mut self.stats);
                 Err(e)
             }
         }
@@ -124,17 +126,13 @@ impl Inner {
         }
         let mut handles = Vec::with_capacity(plan.len());
         for c in &plan {
-            self.stats.driver_calls.add(Call::Create);
-            match dev.create_on_host(c.pages * self.layout.page) {
-                Ok(h) => {
-                    self.phys.add_host(h);
-                    handles.push(h);
-                }
+            match self.phys.create_on_host(dev, c.pages) {
+                Ok(h) => handles.push(h),
                 Err(e) => {
                     for h in handles {
                         self.phys.drop_host(h);
                     }
-                    self.phys.release_host_free(&mut self.stats, dev);
+                    self.phys.release_host_free(dev);
                     return Err(if e.is_out_of_memory() || e.cuda_code() == 801 {
                         Backing::Short(lacking)
                     } else {
@@ -176,7 +174,7 @@ impl Inner {
                 }
             }
         }
-        self.phys.release_host_free(&mut self.stats, dev);
+        self.phys.release_host_free(dev);
         first_err.map_or(Ok(()), Err)
     }
 
@@ -209,7 +207,6 @@ impl Inner {
         f: u64,
         c: Chunk,
     ) -> Result<(), DeviceError> {
-        let page = self.layout.page;
         let (active, shared) = self.chunk_users(seg, f, c.pages);
         if shared {
             return Ok(());
@@ -230,31 +227,23 @@ impl Inner {
             self.reclaim(dev, lack, Some((seg, f, f + c.pages - 1)));
             pooled = self.phys.take_pooled(c.pages);
             while pooled.is_none() && over(self) {
-                if self.phys.release_largest(&mut self.stats, dev)? == 0 {
+                if self.phys.release_largest(dev)? == 0 {
                     break;
                 }
             }
         }
-        self.phys.sync_stats(&mut self.stats);
         if pooled.is_none() && over(self) {
             return Ok(());
         }
         let new = match pooled {
             Some(h) => h,
-            None => {
-                self.stats.driver_calls.add(Call::Create);
-                match dev.create(c.pages * page) {
-                    Ok(h) => {
-                        self.stats.num_device_alloc += 1;
-                        h
-                    }
-                    Err(e) if e.is_out_of_memory() => return Ok(()),
-                    Err(e) => return Err(e),
-                }
-            }
+            None => match self.phys.create(dev, c.pages) {
+                Ok(h) => h,
+                Err(e) if e.is_out_of_memory() => return Ok(()),
+                Err(e) => return Err(e),
+            },
         };
-        self.phys
-            .rehome_chunk(&mut self.stats, dev, seg, f, c, new)?;
+        self.phys.rehome_chunk(dev, seg, f, c, new)?;
         self.stats.spill_migrations += 1;
         Ok(())
     }
@@ -272,7 +261,7 @@ impl Inner {
                 }
             }
         }
-        for g in self.growables.values() {
+        for g in self.phys.regions() {
             for &(h, p) in &g.chunks {
                 if self.phys.is_host(h) {
                     pages += p;

@@ -1,11 +1,13 @@
 //! Giving memory back: `empty_cache`, the memory fraction, retiring
-//! segments, and the final teardown on drop.
+//! segments, and the final teardown on drop (the block layer's part: it
+//! waits for streams and events, and the physical layer drains,
+//! `physical/drain.rs`).
 
 use super::blocks::BlockState;
 use super::config::check_fraction;
 use super::Inner;
 use crate::{AllocError, AllocResult};
-use vmmalloc_device::{Call, Device, DeviceError, DeviceResult};
+use vmmalloc_device::{Device, DeviceError, DeviceResult};
 
 /// Runs a device call, retrying it once (teardown only: a transient failure
 /// must not leak a handle or a reservation).
@@ -25,16 +27,30 @@ impl Inner {
         if self.streams[s.owner as usize].pool != 0 && self.owner_paused(s.owner) {
             return false;
         }
-        let (owner, kind, first, base) = (s.owner, s.kind, s.first, s.base);
-        // The only block is the free tail, which is not in the free index.
-        debug_assert!(self.slab[first].state == BlockState::Free && s.tail == first);
+        let (owner, kind, mut first, base) = (s.owner, s.kind, s.first, s.base);
+        if first != s.tail {
+            // A no_split pool's free blocks were not merged: they go with
+            // the segment (the tail is last; the others are in the index).
+            let tail = s.tail;
+            let free = &mut self.streams[owner as usize].pools[kind as usize].free;
+            while first != tail {
+                let b = &self.slab[first];
+                debug_assert!(b.state == BlockState::Free);
+                let next = b.next;
+                free.remove(b.size, b.addr, first);
+                self.slab.remove(first);
+                first = next;
+            }
+        }
+        // The only block left is the free tail, which is not in the free index.
+        debug_assert!(self.slab[first].state == BlockState::Free);
         let pool = &mut self.streams[owner as usize].pools[kind as usize];
         pool.segments.retain(|&x| x != seg);
         self.slab.remove(first);
         self.segments[seg as usize] = None;
         self.phys.close_table(seg);
         self.vacant_segments.push(seg);
-        self.arenas.give_back(base, self.layout.slice);
+        self.phys.give_back_slice(base, self.layout.slice);
         self.counters.segment.add(kind as usize, -1);
         true
     }
@@ -65,7 +81,7 @@ impl Inner {
         if let Err(e) = self.unmap_all_free(dev) {
             first_err.get_or_insert(e);
         }
-        if let Err(e) = self.phys.release_pool(&mut self.stats, dev) {
+        if let Err(e) = self.phys.release_pool(dev) {
             first_err.get_or_insert(e);
         }
         let segs: Vec<u32> = (0..self.segments.len() as u32)
@@ -75,7 +91,7 @@ impl Inner {
             self.retire_segment_if_empty(s);
         }
         self.drop_dead_pools();
-        if let Err(e) = self.arenas.free_empty(dev, &mut self.stats) {
+        if let Err(e) = self.phys.free_empty_arenas(dev) {
             first_err.get_or_insert(e);
         }
         first_err.map_or(Ok(()), |e| Err(AllocError::Device(e)))
@@ -94,7 +110,7 @@ impl Inner {
             .set_fraction(fraction, self.layout.limit_pages(fraction));
         self.split_above = self.layout.split_above(fraction, self.split_threshold);
         while self.phys.over_limit(self.mapped_pages(), 0) {
-            if self.phys.release_largest(&mut self.stats, dev)? == 0 {
+            if self.phys.release_largest(dev)? == 0 {
                 break;
             }
         }
@@ -114,61 +130,22 @@ impl Inner {
                 .any(|p| p.segments.iter().any(|&s| !self.table(s).is_empty()));
             if has_pages {
                 let stream = self.streams[i].stream;
-                self.stats.driver_calls.add(Call::StreamSync);
-                if let Err(e) = twice(|| dev.synchronize_stream(stream)) {
+                if let Err(e) = twice(|| self.phys.sync_stream(dev, stream)) {
                     log("stream synchronize", &e);
                 }
             }
         }
-        self.teardown_growables(dev);
+        self.phys.drain_regions(dev);
         for p in std::mem::take(&mut self.events.pending) {
-            self.stats.driver_calls.add(Call::EventSync);
-            if let Err(e) = twice(|| dev.synchronize_event(p.event)) {
+            if let Err(e) = twice(|| self.phys.sync_event(dev, p.event)) {
                 log("event synchronize", &e);
             }
             self.events.free.push(p.event);
         }
-        let page = self.layout.page;
-        for seg in 0..self.segments.len() as u32 {
-            if self.segments[seg as usize].is_none() {
-                continue;
-            }
-            let runs = self.table(seg).mapped_runs(0, self.table(seg).len());
-            for (first, count) in runs {
-                self.stats.driver_calls.add(Call::Unmap);
-                let addr = self.phys.page_addr(seg, first);
-                match twice(|| dev.unmap(addr, count * page)) {
-                    Ok(()) => {}
-                    Err(e) => log("unmap", &e),
-                }
-            }
-            for (_, c) in self.phys.take_all_chunks(seg) {
-                // Host-located chunks too: the pool is released below.
-                self.phys.put_pooled(c.handle, c.pages);
-            }
-        }
-        for h in self.phys.drain_host_free() {
-            self.stats.driver_calls.add(Call::Release);
-            if let Err(e) = twice(|| dev.release(h)) {
-                log("release", &e);
-            }
-        }
-        for (h, _) in self.phys.drain_pool() {
-            self.stats.driver_calls.add(Call::Release);
-            if let Err(e) = twice(|| dev.release(h)) {
-                log("release", &e);
-            }
-        }
+        self.phys.drain(dev);
         for ev in std::mem::take(&mut self.events.free) {
-            self.stats.driver_calls.add(Call::EventDestroy);
-            if let Err(e) = twice(|| dev.destroy_event(ev)) {
+            if let Err(e) = twice(|| self.phys.destroy_event(dev, ev)) {
                 log("event destroy", &e);
-            }
-        }
-        for a in std::mem::take(&mut self.arenas.list) {
-            self.stats.driver_calls.add(Call::AddressFree);
-            if let Err(e) = twice(|| dev.free_reservation(a.base, a.size)) {
-                log("address free", &e);
             }
         }
     }

@@ -14,7 +14,7 @@
 //!
 //! How one chunk moves (beside it on the device when the limit has room,
 //! else through host memory in its place) is the physical layer's
-//! (`moves.rs`); this file decides when, and which chunks.
+//! (`physical/moves.rs`); this file decides when, and which chunks.
 //!
 //! Safety of the swap: nothing may touch those bytes while they move.
 //! Blocks with another stream noted (`record_stream`) or a pending free are
@@ -30,11 +30,11 @@
 //! See docs/expandable.md, "Unpinning" and "Unpinning and threads".
 
 use super::blocks::BlockState;
-use super::moves::Move;
+use super::physical::Move;
 use super::reclaim::Exclude;
 use super::threads::Refusal;
 use super::{Inner, UnpinMode};
-use vmmalloc_device::{Call, Device, DeviceError, Stream};
+use vmmalloc_device::{Device, DeviceError, Stream};
 
 /// Groups the page spans `(first, last)` of blocks (ascending by first
 /// page, overlapping at most on shared pages) that meet pages `[f, end)`
@@ -175,9 +175,8 @@ impl Inner {
         if streams.iter().any(|&s| dev.is_capturing(s).unwrap_or(true)) {
             return 0;
         }
-        self.stats.driver_calls.add(Call::DeviceSync);
         self.stats.unpin_device_syncs += 1;
-        if dev.synchronize().is_err() {
+        if self.phys.sync_device(dev).is_err() {
             return 0;
         }
         for e in &mut self.streams {
@@ -233,7 +232,7 @@ impl Inner {
     /// layer's counters. On an error the chunk is as it was (or, when even
     /// restoring it failed, its pages are recorded lost).
     fn unpin_chunk<D: Device + ?Sized>(&mut self, dev: &D, p: &Move) -> Result<(), DeviceError> {
-        self.with_seg_pages(p.seg, |phys, stats| phys.unpin_chunk(stats, dev, p))
+        self.with_seg_pages(p.seg, |phys| phys.unpin_chunk(dev, p))
     }
 }
 

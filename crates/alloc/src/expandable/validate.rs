@@ -18,19 +18,22 @@
 //! - **streams and events** ([`Inner::validate_events`]): a pending event
 //!   names a pending-free block;
 //! - **unready** ([`Inner::validate_unready`]): every unready chunk is mapped;
-//! - **growable regions** (`growable.rs`), **spill** (`spill.rs`), **IPC**
-//!   (`ipc.rs`): checked where they live;
+//! - **growable regions** (`physical/regions.rs`), **spill** (`spill.rs`),
+//!   **IPC** (`ipc.rs`): checked where they live;
 //! - **pool** ([`Inner::validate_pool`]): its counts equal a recount; no
 //!   handle is pooled twice, pooled and mapped, or also waiting for release;
 //! - **stats** ([`Inner::validate_stats`]): equal a recount; no device-wide
 //!   synchronize but those before unpinning;
+//! - **observers** ([`super::physical::Physical::check_observed`]): the call
+//!   counter's handles and device bytes alive, and the budget's charge,
+//!   equal the tables and the pool;
 //! - arenas' slices match the segments;
 //! - **model** ([`Inner::validate_model`]): on a model device, its own
 //!   invariants hold and its live reservations, handles and mappings equal
 //!   ours (the allocator must be the device's only virtual-memory user).
 
 use super::blocks::{BlockState, NIL};
-use super::growable::GrowableRecount;
+use super::physical::RegionRecount;
 use super::Inner;
 use crate::stats::StatArray;
 use std::collections::HashSet;
@@ -92,7 +95,7 @@ impl Inner {
         self.validate_events()?;
         self.validate_pools()?;
         self.validate_unready()?;
-        let g = self.validate_growables(dev, &mut handles)?;
+        let g = self.phys.validate_regions(dev, &mut handles)?;
         mapped.pages += g.pages;
         mapped.chunks += g.chunks;
         let large = super::blocks::PoolKind::Large as usize;
@@ -107,7 +110,8 @@ impl Inner {
         self.validate_ipc()?;
         self.validate_pool(&mut handles)?;
         self.validate_stats(&rc, &mapped)?;
-        self.arenas.check(&mapped.bases, self.layout.slice)?;
+        self.phys.check_observed(mapped.chunks)?;
+        self.phys.arenas().check(&mapped.bases, self.layout.slice)?;
         self.validate_model(model, &g, &mapped)
     }
 
@@ -205,7 +209,7 @@ impl Inner {
                 }
                 match b.state {
                     BlockState::Free => {
-                        if prev_free {
+                        if prev_free && !self.owner_no_split(s.owner) {
                             return Err(format!(
                                 "free block {:#x} was not merged with its free neighbour",
                                 b.addr
@@ -509,7 +513,7 @@ impl Inner {
     fn validate_model(
         &self,
         model: Option<&dyn Introspect>,
-        g: &GrowableRecount,
+        g: &RegionRecount,
         mapped: &Mapped,
     ) -> Result<(), String> {
         let Some(m) = model else {
@@ -519,7 +523,7 @@ impl Inner {
         let live = m.live();
         let chunks_total = mapped.chunks;
         let ours = (
-            self.arenas.list.len() + g.regions as usize,
+            self.phys.arenas().list.len() + g.regions as usize,
             (chunks_total + self.phys.pool().count()) as usize + self.phys.host_free().len(),
             chunks_total as usize,
         );

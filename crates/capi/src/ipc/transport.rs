@@ -1,5 +1,5 @@
-//! Moving descriptors from the producer to the consumer, and the token file
-//! that tells a consumer whether an export is still alive.
+//! Moving descriptors from the producer to the consumer, and the liveness
+//! table that tells a consumer whether an export is still alive.
 //!
 //! Two ways, tried in this order (`VMMALLOC_IPC_TRANSPORT` forces one):
 //!
@@ -14,9 +14,10 @@
 //!    data (`unix(7)`). Only a peer with the producer's user id is served
 //!    (`SO_PEERCRED`).
 //!
-//! Either way the consumer first takes the export's **token file** (a
-//! 32-byte memfd: magic, the handle's token, a live flag), checks it matches
-//! the handle, takes the chunk descriptors, then checks the live flag again.
+//! Either way the consumer first takes the producer's **liveness table**
+//! ([`LiveTable`]: one memfd, a 32-byte slot per export holding a magic, the
+//! export's token and a live flag), checks that the handle's slot holds its
+//! token, takes the chunk descriptors, then checks the live flag again.
 //! The producer clears the flag *before* it closes the chunk descriptors when
 //! the allocation is freed, so a consumer that still sees the flag set after
 //! taking the chunks took the right ones; a descriptor number reused for
@@ -80,44 +81,102 @@ impl TakeError {
 }
 
 // ---------------------------------------------------------------------------
-// Token files
+// The liveness table
 // ---------------------------------------------------------------------------
 
 const TOKEN_MAGIC: [u8; 8] = *b"VMMTOKEN";
-const TOKEN_LEN: usize = 32;
+/// Bytes per slot: magic (8), token (16), live flag (8).
+const SLOT_LEN: usize = 32;
 
-/// A new token file holding `token`, live.
-pub fn token_file(token: &[u8; 16]) -> io::Result<OwnedFd> {
-    // SAFETY: the name is NUL-terminated; memfd_create only reads it.
-    let raw = unsafe { libc::memfd_create(c"vmmalloc-ipc-token".as_ptr(), libc::MFD_CLOEXEC) };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
+/// The producer's liveness table: **one** memfd for all of its exports
+/// (issue 35: a descriptor per export ran out at `RLIMIT_NOFILE`), a 32-byte
+/// slot per live export (magic, the export's token, a live flag). An export
+/// takes a free slot; ending it clears the flag (before the chunk
+/// descriptors close) and frees the slot for a later export, which writes
+/// another token there, so a stale handle fails the token check.
+#[derive(Debug)]
+pub struct LiveTable {
+    fd: OwnedFd,
+    free: Vec<u32>,
+    next: u32,
+}
+
+impl LiveTable {
+    /// A new, empty table.
+    pub fn new() -> io::Result<LiveTable> {
+        // SAFETY: the name is NUL-terminated; memfd_create only reads it.
+        let raw = unsafe { libc::memfd_create(c"vmmalloc-ipc-live".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a new descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        Ok(LiveTable {
+            fd,
+            free: Vec::new(),
+            next: 0,
+        })
     }
-    // SAFETY: `raw` is a new descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    let mut b = [0u8; TOKEN_LEN];
-    b[..8].copy_from_slice(&TOKEN_MAGIC);
-    b[8..24].copy_from_slice(token);
-    b[24..32].copy_from_slice(&1u64.to_le_bytes());
-    pwrite_all(fd.as_raw_fd(), &b, 0)?;
-    Ok(fd)
+
+    /// The table's descriptor (named in every handle).
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Takes a slot for an export with `token`, live; returns its index.
+    pub fn open(&mut self, token: &[u8; 16]) -> io::Result<u32> {
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                let s = self.next;
+                self.next = s
+                    .checked_add(1)
+                    .ok_or_else(|| io::Error::other("table full"))?;
+                s
+            }
+        };
+        let mut b = [0u8; SLOT_LEN];
+        b[..8].copy_from_slice(&TOKEN_MAGIC);
+        b[8..24].copy_from_slice(token);
+        b[24..32].copy_from_slice(&1u64.to_le_bytes());
+        // Writing past the end grows the memfd (pwrite(2)).
+        if let Err(e) = pwrite_all(self.fd(), &b, slot as i64 * SLOT_LEN as i64) {
+            self.free.push(slot);
+            return Err(e);
+        }
+        Ok(slot)
+    }
+
+    /// Marks `slot` revoked (its export's memory is being freed) and frees it.
+    pub fn revoke(&mut self, slot: u32) -> io::Result<()> {
+        let r = pwrite_all(
+            self.fd(),
+            &0u64.to_le_bytes(),
+            slot as i64 * SLOT_LEN as i64 + 24,
+        );
+        self.free.push(slot);
+        r
+    }
 }
 
-/// Marks a token file revoked (the export's memory is being freed).
-pub fn revoke(fd: RawFd) -> io::Result<()> {
-    pwrite_all(fd, &0u64.to_le_bytes(), 24)
-}
-
-/// Checks that `fd` is a token file for `token` and still live.
-pub fn check_token(fd: RawFd, token: &[u8; 16], pid: u32) -> Result<(), String> {
-    let mut b = [0u8; TOKEN_LEN];
+/// Checks that slot `slot` of the liveness table `fd` holds `token` and is
+/// still live.
+pub fn check_token(fd: RawFd, slot: u32, token: &[u8; 16], pid: u32) -> Result<(), String> {
+    let mut b = [0u8; SLOT_LEN];
     // SAFETY: `b` is writable for its length; a bad fd only makes pread fail.
-    let n = unsafe { libc::pread(fd, b.as_mut_ptr().cast::<c_void>(), TOKEN_LEN, 0) };
-    if n != TOKEN_LEN as isize || b[..8] != TOKEN_MAGIC || b[8..24] != token[..] {
+    let n = unsafe {
+        libc::pread(
+            fd,
+            b.as_mut_ptr().cast::<c_void>(),
+            SLOT_LEN,
+            slot as i64 * SLOT_LEN as i64,
+        )
+    };
+    if n != SLOT_LEN as isize || b[..8] != TOKEN_MAGIC || b[8..24] != token[..] {
         return Err(format!(
-            "the handle's export is not (or no longer) in producer process {pid}: its token \
-             does not match (the producer freed the memory and exited or reused the descriptor, \
-             or the pid now names another process)"
+            "the handle's export is not (or no longer) live in producer process {pid}: its \
+             token does not match (the producer freed the memory, or exited and the pid or \
+             the descriptor now names something else)"
         ));
     }
     if b[24..32] != 1u64.to_le_bytes() {
@@ -219,11 +278,11 @@ pub fn take_by_pidfd(pid: u32, fds: &[i32]) -> Result<Vec<OwnedFd>, TakeError> {
 
 const REQ_MAGIC: [u8; 8] = *b"VMMIPCRQ";
 const REQ_LEN: usize = 8 + 8 + 16;
-/// Most descriptors one reply carries (the token file + chunks).
+/// Most descriptors one reply carries (the liveness table + chunks).
 pub const MAX_FDS: usize = 250;
 
-/// What the server asks the export registry: the descriptors (token file
-/// first, then the chunks, as fresh duplicates) of export `id` with
+/// What the server asks the export registry: the descriptors (the liveness
+/// table first, then the chunks, as fresh duplicates) of export `id` with
 /// `token`, or why not.
 pub type Lookup = fn(id: u64, token: &[u8; 16]) -> Result<Vec<OwnedFd>, String>;
 
@@ -314,8 +373,8 @@ fn peer_uid(fd: RawFd) -> Option<u32> {
     (r == 0).then_some(cred.uid)
 }
 
-/// Takes the descriptors of export `id` from the server `name`: the token
-/// file first, then `n` chunks.
+/// Takes the descriptors of export `id` from the server `name`: the
+/// liveness table first, then `n` chunks.
 pub fn take_by_socket(
     name: &str,
     pid: u32,
@@ -444,4 +503,37 @@ fn recv_with_fds(sock: RawFd, max_fds: usize) -> io::Result<(Vec<u8>, Vec<OwnedF
         return Err(io::Error::other("descriptors were truncated (MSG_CTRUNC)"));
     }
     Ok((data, fds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn live_table_slots_are_checked_revoked_and_reused() {
+        let mut t = LiveTable::new().unwrap();
+        let (a, b) = ([1u8; 16], [2u8; 16]);
+        let sa = t.open(&a).unwrap();
+        let sb = t.open(&b).unwrap();
+        assert_ne!(sa, sb);
+        check_token(t.fd(), sa, &a, 1).unwrap();
+        check_token(t.fd(), sb, &b, 1).unwrap();
+        assert!(check_token(t.fd(), sa, &b, 1)
+            .unwrap_err()
+            .contains("does not match"));
+        t.revoke(sa).unwrap();
+        assert!(check_token(t.fd(), sa, &a, 7)
+            .unwrap_err()
+            .contains("process 7 has freed"));
+        // The freed slot goes to the next export, with its own token: the
+        // old handle fails the token check, never reads as live.
+        let c = [3u8; 16];
+        assert_eq!(t.open(&c).unwrap(), sa);
+        assert!(check_token(t.fd(), sa, &a, 7)
+            .unwrap_err()
+            .contains("does not match"));
+        check_token(t.fd(), sa, &c, 7).unwrap();
+        // A slot past the end of the table is not live.
+        assert!(check_token(t.fd(), 1000, &c, 7).is_err());
+    }
 }

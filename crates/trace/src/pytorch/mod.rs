@@ -62,7 +62,9 @@ use decode::{type_name, Kind, Sink, Val, Vm, NO_ROLE};
 /// Device indices a snapshot may use (a larger one is treated as corrupt input).
 pub const MAX_DEVICES: u32 = 1024;
 
-/// The `action` values this reader knows.
+/// The `action` values this reader knows, in the order of PyTorch's
+/// `TraceEntry::Action` enum (c10/core/CachingDeviceAllocator.h: ALLOC …
+/// OOM, USER_DEFINED).
 pub const ACTIONS: [&str; 10] = [
     "alloc",
     "free_requested",

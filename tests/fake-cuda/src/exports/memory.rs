@@ -75,6 +75,7 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
         let (_, host) = f.judge(dptr);
         host.free(dptr)?;
         f.remove_plain(dptr);
+        super::ipc::forget(dptr);
         Ok(())
     })
 }

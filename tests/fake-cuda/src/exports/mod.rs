@@ -2,7 +2,7 @@
 //!
 //! This module: initialization, devices, contexts and error strings. The
 //! virtual-memory calls are in [`vmm`], plain allocations and copies in
-//! [`memory`], streams and events in [`streams`].
+//! [`memory`], streams and events in [`streams`], legacy IPC in [`ipc`].
 //!
 //! Every function is `unsafe extern "C"`: the caller promises what `cuda.h`
 //! asks of it (out-pointers null or writable, in-pointers null or readable).
@@ -11,6 +11,7 @@
 //! fails with `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`.
 #![allow(non_snake_case)]
 
+pub mod ipc;
 pub mod memory;
 pub mod streams;
 pub mod vmm;

@@ -1,11 +1,15 @@
 //! Address-space arenas: one large reservation cut into per-segment slices.
+//! The physical layer reserves and frees them ([`Physical::take_slice`],
+//! [`Physical::free_empty_arenas`]); the block layer asks for a slice per
+//! segment and gives it back when the segment retires.
 //!
 //! Invariants: arenas do not overlap (the device chose them); `in_use` equals
 //! the number of `true` entries in `used`; a slice is used by exactly one live
 //! segment.
 
-use crate::Stats;
-use vmmalloc_device::{Call, Device, DeviceError};
+use super::observe::Owner;
+use super::Physical;
+use vmmalloc_device::{Device, DeviceError};
 
 /// One `cuMemAddressReserve` of `slices_per_arena` slices.
 #[derive(Debug)]
@@ -27,17 +31,16 @@ pub(crate) struct Arenas {
     pub list: Vec<Arena>,
 }
 
-impl Arenas {
+impl Physical {
     /// A free slice of `slice` bytes: from an existing arena, else from a new
     /// reservation of `slices × slice` bytes. A failed reserve changes nothing.
     pub fn take_slice<D: Device + ?Sized>(
         &mut self,
         dev: &D,
-        stats: &mut Stats,
         slice: u64,
         slices: u64,
     ) -> Result<u64, DeviceError> {
-        for a in &mut self.list {
+        for a in &mut self.arenas.list {
             if let Some(i) = a.used.iter().position(|u| !u) {
                 a.used[i] = true;
                 a.in_use += 1;
@@ -45,11 +48,10 @@ impl Arenas {
             }
         }
         let size = slice * slices;
-        stats.driver_calls.add(Call::Reserve);
-        let base = dev.reserve(size, 0)?;
+        let base = self.raw_reserve(dev, Owner::Arena, size, 0)?;
         let mut used = vec![false; slices as usize];
         used[0] = true;
-        self.list.push(Arena {
+        self.arenas.list.push(Arena {
             base,
             size,
             used,
@@ -59,7 +61,39 @@ impl Arenas {
     }
 
     /// Marks the slice at `addr` free again.
-    pub fn give_back(&mut self, addr: u64, slice: u64) {
+    pub fn give_back_slice(&mut self, addr: u64, slice: u64) {
+        self.arenas.give_back(addr, slice);
+    }
+
+    /// The arenas (to validate).
+    pub fn arenas(&self) -> &Arenas {
+        &self.arenas
+    }
+
+    /// Frees every arena without a used slice (`cuMemAddressFree`). An arena
+    /// whose free fails stays listed; the first error is returned.
+    pub fn free_empty_arenas<D: Device + ?Sized>(&mut self, dev: &D) -> Result<(), DeviceError> {
+        let mut first_err = None;
+        let mut kept = Vec::with_capacity(self.arenas.list.len());
+        for a in std::mem::take(&mut self.arenas.list) {
+            if a.in_use == 0 {
+                match self.raw_free_reservation(dev, Owner::Arena, a.base, a.size) {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            kept.push(a);
+        }
+        self.arenas.list = kept;
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Arenas {
+    /// Marks the slice at `addr` free again.
+    fn give_back(&mut self, addr: u64, slice: u64) {
         for a in &mut self.list {
             if addr >= a.base && addr < a.base + a.size {
                 let i = ((addr - a.base) / slice) as usize;
@@ -70,30 +104,6 @@ impl Arenas {
                 return;
             }
         }
-    }
-
-    /// Frees every arena without a used slice (`cuMemAddressFree`). An arena
-    /// whose free fails stays listed; the first error is returned.
-    pub fn free_empty<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        stats: &mut Stats,
-    ) -> Result<(), DeviceError> {
-        let mut first_err = None;
-        self.list.retain(|a| {
-            if a.in_use > 0 {
-                return true;
-            }
-            stats.driver_calls.add(Call::AddressFree);
-            match dev.free_reservation(a.base, a.size) {
-                Ok(()) => false,
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                    true
-                }
-            }
-        });
-        first_err.map_or(Ok(()), Err)
     }
 
     /// Recounts the invariants; `segments` are the bases of live segments.

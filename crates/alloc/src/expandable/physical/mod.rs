@@ -1,30 +1,64 @@
-//! The physical layer: the handles the allocator holds and where they are —
-//! the segments' chunk tables (which handle is mapped at which page,
-//! `chunks.rs`), the chunk pool, the limit (memory fraction), chunks left
-//! unready, spill's host-located handles and the chunks pinned by IPC
-//! export. (Growable regions keep their own stack of chunks, `growable.rs`:
-//! a region is not a segment and maps only at its end; they take from and
-//! give back to this pool, count under this limit and spill's accounting.)
+//! The physical layer: the one owner of device memory in the expandable
+//! allocator — every handle the allocator holds and where it is, and every
+//! driver call that makes, maps, unmaps or releases memory
+//! (DESIGN.md, "Owners and observers"; issue 33).
 //!
-//! It makes the driver calls that move handles (`cuMemMap`,
-//! `cuMemSetAccess`, `cuMemUnmap`, `cuMemRelease`) and records them; the
-//! block layer (the rest of `expandable`) decides what to map and keeps its
-//! own counters. The rest of the allocator asks [`Physical`] questions
-//! instead of reading its fields: which pages of a segment are mapped
-//! ([`Physical::table`]), how much room the limit has ([`Physical::room`],
-//! [`Physical::over_limit`]), where an unmapped handle goes
-//! ([`Physical::give_back`]), whether a chunk may move
+//! # What it holds
+//!
+//! - the chunk **tables**: each segment's (which handle is mapped at which
+//!   page, `chunks.rs`), and each growable region's stack of chunks
+//!   (`regions.rs`): a region is one more kind of table;
+//! - the address-space **arenas** segments are carved from (`arena.rs`);
+//! - the chunk **pool** (`pool.rs`), the **budget** it charges before every
+//!   create and credits on every release (`budget.rs`: the memory fraction
+//!   today, a budget shared between processes next), chunks left unready,
+//!   spill's host-located handles and the chunks IPC export pins.
+//!
+//! # What it does
+//!
+//! Only this module and its files call the driver for memory
+//! (`calls.rs`: reserve, address free, create, map, set access, unmap,
+//! release; one function per kind). Each call is one event
+//! (`observe.rs`: owner, address, bytes, handles) to the observers: the
+//! built-in counter is the allocator's only count of driver calls, and later
+//! features (the history ring, an NCCL registrar, a shared budget) attach
+//! more. Unpinning's and spill's moves of one chunk (`moves.rs`), the
+//! regions' growth and shrink (`regions.rs`) and teardown (`drain.rs`, the
+//! layer's drain) are its operations.
+//!
+//! The block layer (the rest of `expandable`) decides what to map and keeps
+//! its own counters ([`super::Inner::with_seg_pages`]). It asks [`Physical`]
+//! questions instead of reading its fields: which pages of a segment are
+//! mapped ([`Physical::table`]), how much room the budget has
+//! ([`Physical::room`], [`Physical::over_limit`]), where an unmapped handle
+//! goes ([`Physical::give_back`]), whether a chunk may move
 //! ([`Physical::may_move`]: not host memory, not unready, not exported),
-//! whether its handle may be exported ([`Physical::exportable`]). Calls that
-//! reach the driver take the allocator's [`Stats`], where every driver call
-//! and handle is counted in PyTorch's shape.
+//! whether its handle may be exported ([`Physical::exportable`]). For its
+//! streams, events and copies it gets a narrow view (`calls.rs`,
+//! [`Physical::sync_stream`] and the rest) that touches no handle.
 //!
-//! Invariants (checked by `validate`, see `validate.rs`): every chunk table
-//! is sound ([`ChunkTable::validate`]) and a retired segment's is empty; no
-//! handle is mapped twice; `stats.pages_mapped` and `stats.handles_mapped`
-//! equal a recount of the tables (and the regions'); the pool's counts equal
-//! a recount; `stats.pages_pooled` and `stats.handles_pooled` equal the
-//! pool's; no host handle is pooled; every unready chunk is mapped.
+//! Invariants (checked by `validate`, see `validate.rs` and
+//! [`Physical::check_observed`]): every chunk table is sound
+//! ([`ChunkTable::validate`]) and a retired segment's is empty; no handle is
+//! mapped twice; `mapped_pages` and `mapped_handles` equal a recount of the
+//! tables (segments and regions); the pool's counts equal a recount; no host
+//! handle is pooled; every unready chunk is mapped; the counter's handles
+//! and device bytes alive equal the tables' and the pool's, and so does the
+//! budget's charge.
+
+mod arena;
+pub(crate) mod budget;
+mod calls;
+mod drain;
+mod moves;
+pub(crate) mod observe;
+mod regions;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use arena::Arenas;
+pub(crate) use moves::Move;
+pub(crate) use regions::{Region, RegionRecount};
 
 use super::chunks::{Chunk, ChunkTable};
 use super::config::Layout;
@@ -33,17 +67,21 @@ use super::pool::ChunkPool;
 use super::spill::SpillState;
 use crate::ipc::ExportedChunk;
 use crate::Stats;
-use vmmalloc_device::{Call, Device, DeviceError, PhysHandle};
+use budget::{Budget, LocalBudget};
+use observe::{Observer, Observers, Owner};
+use std::collections::BTreeMap;
+use vmmalloc_device::{Device, DeviceError, PhysHandle};
 
 /// Physical state of one allocator (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Physical {
     /// Bytes of one page.
     page: u64,
-    /// The memory fraction in force.
-    fraction: f64,
-    /// Most device pages that may be mapped + pooled (from the memory fraction).
-    limit_pages: u64,
+    /// How much device memory may be held: charged before every create,
+    /// credited on every release (`budget.rs`).
+    budget: Box<dyn Budget>,
+    /// Who sees the driver calls (`observe.rs`); the counter first.
+    observers: Observers,
     /// Pooled bytes kept before releasing handles.
     release_threshold: u64,
     /// Unmapped chunks whose handle is kept (the chunk pool).
@@ -57,16 +95,24 @@ pub(crate) struct Physical {
     exported: ExportState,
     /// The chunk table of each segment slot (empty for a retired slot).
     tables: Vec<ChunkTable>,
+    /// Growable regions by base address (`regions.rs`).
+    regions: BTreeMap<u64, Region>,
+    /// Address-space reservations segments are carved from (`arena.rs`).
+    arenas: Arenas,
+    /// Pages mapped in all tables (segments and regions, host chunks too).
+    mapped_pages: u64,
+    /// Chunks (handles) mapped in all tables.
+    mapped_handles: u64,
 }
 
 impl Physical {
-    /// The physical layer of a new allocator: empty pool, the limit of
-    /// `fraction` of the device.
+    /// The physical layer of a new allocator: empty pool, the local budget
+    /// of `fraction` of the device, only the counter observing.
     pub fn new(layout: &Layout, fraction: f64, release_threshold: u64, spill: bool) -> Physical {
         Physical {
             page: layout.page,
-            fraction,
-            limit_pages: layout.limit_pages(fraction),
+            budget: Box::new(LocalBudget::new(fraction, layout.limit_pages(fraction))),
+            observers: Observers::default(),
             release_threshold,
             pool: ChunkPool::default(),
             unready: Vec::new(),
@@ -76,7 +122,95 @@ impl Physical {
             },
             exported: ExportState::default(),
             tables: Vec::new(),
+            regions: BTreeMap::new(),
+            arenas: Arenas::default(),
+            mapped_pages: 0,
+            mapped_handles: 0,
         }
+    }
+
+    /// Attaches `o`: it sees every driver call from now on, after the
+    /// counter (`observe.rs`).
+    #[cfg_attr(not(test), allow(dead_code))] // for later features (issue 33)
+    pub fn attach(&mut self, o: Box<dyn Observer>) {
+        self.observers.attached.push(o);
+    }
+
+    /// Replaces the budget (a shared one, issue 33 part 2): `b` must have
+    /// charged what this layer holds now (see [`Physical::held_pages`]).
+    pub fn set_budget(&mut self, b: Box<dyn Budget>) {
+        self.budget = b;
+    }
+
+    /// Device pages held between operations: mapped (not host-located) and
+    /// pooled — what the budget has charged then. (Inside an operation the
+    /// budget has also charged the handles created and not yet mapped.)
+    pub fn held_pages(&self) -> u64 {
+        self.device_pages() + self.pool.pages()
+    }
+
+    /// Copies the layer's figures into `s` (a `stats()` read): the driver
+    /// calls and device allocs/frees the counter saw, pages and handles
+    /// mapped and pooled, spilled bytes.
+    pub fn fill_stats(&self, s: &mut Stats) {
+        let c = &self.observers.counter;
+        s.driver_calls = c.calls;
+        s.num_device_alloc = c.device_allocs;
+        s.num_device_free = c.device_frees;
+        s.pages_mapped = self.mapped_pages;
+        s.handles_mapped = self.mapped_handles;
+        s.pages_pooled = self.pool.pages();
+        s.handles_pooled = self.pool.count();
+        s.spilled_bytes = self.spill.spilled_pages * self.page;
+        s.spilled_bytes_peak = self.spill.spilled_peak_bytes;
+    }
+
+    /// `validate()`: the observers' totals equal the tables. The counter's
+    /// table maps less unmaps are the pages and chunks the tables map
+    /// (`mapped_chunks`, the recount of segments and regions); its handles
+    /// alive are those chunks, the pooled ones and the host handles waiting
+    /// for release; its device bytes alive are the device pages mapped and
+    /// pooled; the budget has charged exactly those pages.
+    pub fn check_observed(&self, mapped_chunks: u64) -> Result<(), String> {
+        let c = &self.observers.counter;
+        let mapped = (self.mapped_pages * self.page, self.mapped_handles);
+        if (c.table_bytes_mapped, c.table_handles_mapped) != mapped
+            || self.mapped_handles != mapped_chunks
+        {
+            return Err(format!(
+                "the call counter saw {} bytes in {} handles mapped in tables; the tables map {} bytes \
+                 in {} handles (recount: {mapped_chunks} handles)",
+                c.table_bytes_mapped, c.table_handles_mapped, mapped.0, mapped.1
+            ));
+        }
+        let handles = mapped_chunks + self.pool.count() + self.spill.host_free.len() as u64;
+        if c.handles_alive != handles {
+            return Err(format!(
+                "the call counter saw {} handles created and not released; the tables hold {handles} \
+                 ({mapped_chunks} mapped, {} pooled, {} host handles to release)",
+                c.handles_alive,
+                self.pool.count(),
+                self.spill.host_free.len()
+            ));
+        }
+        let held = self.held_pages();
+        if c.device_bytes_alive != held * self.page {
+            return Err(format!(
+                "the call counter saw {} device bytes created and not released; the tables hold {} \
+                 ({} pages mapped on the device, {} pooled)",
+                c.device_bytes_alive,
+                held * self.page,
+                self.device_pages(),
+                self.pool.pages()
+            ));
+        }
+        if self.budget.charged() != held {
+            return Err(format!(
+                "the budget has {} pages charged; the tables hold {held} device pages",
+                self.budget.charged()
+            ));
+        }
+        Ok(())
     }
 
     /// Bytes of one page.
@@ -131,11 +265,10 @@ impl Physical {
     }
 
     /// `cuMemMap`s handle `h` of `pages` pages at page `first` of `seg` and
-    /// records it (counted in `stats`; access is [`Physical::set_access`]'s).
-    /// On failure nothing is recorded and the handle is still the caller's.
+    /// records it (access is [`Physical::set_access`]'s). On failure
+    /// nothing is recorded and the handle is still the caller's.
     pub fn map_chunk<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         seg: u32,
         first: u64,
@@ -143,30 +276,25 @@ impl Physical {
         pages: u64,
     ) -> Result<(), DeviceError> {
         let addr = self.page_addr(seg, first);
-        stats.driver_calls.add(Call::Map);
-        dev.map(addr, pages * self.page, h)?;
-        self.record_mapped(stats, seg, first, Chunk { handle: h, pages });
+        self.raw_map(dev, Owner::Segment(seg), addr, pages * self.page, h)?;
+        self.record_mapped(seg, first, Chunk { handle: h, pages });
         Ok(())
     }
 
     /// Records that `chunk` was mapped at page `first` of `seg` by the
-    /// caller (unpinning maps its own): the table, `pages_mapped`,
-    /// `handles_mapped` and the spill accounting.
-    pub fn record_mapped(&mut self, stats: &mut Stats, seg: u32, first: u64, chunk: Chunk) {
+    /// caller (unpinning maps its own): the table, the pages and handles
+    /// mapped and the spill accounting.
+    pub fn record_mapped(&mut self, seg: u32, first: u64, chunk: Chunk) {
         self.tables[seg as usize].add(first, chunk);
-        self.note_mapping(stats, chunk.handle, chunk.pages, true);
-        stats.pages_mapped += chunk.pages;
-        stats.handles_mapped += 1;
+        self.note_mapping(chunk.handle, chunk.pages, true);
     }
 
     /// Records that the chunk at page `first` of `seg` is no longer mapped
     /// (the caller unmapped it, or its pages are lost); returns it. The
     /// handle is the caller's.
-    pub fn record_unmapped(&mut self, stats: &mut Stats, seg: u32, first: u64) -> Option<Chunk> {
+    pub fn record_unmapped(&mut self, seg: u32, first: u64) -> Option<Chunk> {
         let c = self.tables[seg as usize].remove(first)?;
-        self.note_mapping(stats, c.handle, c.pages, false);
-        stats.pages_mapped -= c.pages;
-        stats.handles_mapped -= 1;
+        self.note_mapping(c.handle, c.pages, false);
         self.forget_unready(seg, &[first]);
         Some(c)
     }
@@ -174,30 +302,23 @@ impl Physical {
     /// Records that the chunk at page `first` of `seg` is now backed by
     /// handle `h` (same pages; the caller remapped it); returns the old
     /// chunk, whose handle is the caller's.
-    pub fn record_swap(
-        &mut self,
-        stats: &mut Stats,
-        seg: u32,
-        first: u64,
-        h: PhysHandle,
-    ) -> Option<Chunk> {
+    pub fn record_swap(&mut self, seg: u32, first: u64, h: PhysHandle) -> Option<Chunk> {
         let old = self.tables[seg as usize].replace(first, h)?;
-        self.note_mapping(stats, old.handle, old.pages, false);
-        self.note_mapping(stats, h, old.pages, true);
+        self.note_mapping(old.handle, old.pages, false);
+        self.note_mapping(h, old.pages, true);
         Some(old)
     }
 
-    /// `cuMemSetAccess` on pages `[first, first + pages)` of `seg` (counted).
+    /// `cuMemSetAccess` on pages `[first, first + pages)` of `seg`.
     pub fn set_access<D: Device + ?Sized>(
-        &self,
-        stats: &mut Stats,
+        &mut self,
         dev: &D,
         seg: u32,
         first: u64,
         pages: u64,
     ) -> Result<(), DeviceError> {
-        stats.driver_calls.add(Call::SetAccess);
-        dev.set_access(self.page_addr(seg, first), pages * self.page)
+        let addr = self.page_addr(seg, first);
+        self.raw_set_access(dev, Owner::Segment(seg), addr, pages * self.page)
     }
 
     /// `cuMemUnmap`s pages `[first, first + count)` of `seg`, which are
@@ -205,26 +326,25 @@ impl Physical {
     /// ([`Physical::give_back`]). On failure nothing changes.
     pub fn unmap_run<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         seg: u32,
         first: u64,
         count: u64,
     ) -> Result<(), DeviceError> {
-        stats.driver_calls.add(Call::Unmap);
-        dev.unmap(self.page_addr(seg, first), count * self.page)?;
         let firsts: Vec<u64> = self.tables[seg as usize]
             .chunks_within(first, first + count)
             .map(|(f, _)| f)
             .collect();
+        let addr = self.page_addr(seg, first);
+        let n = firsts.len() as u32;
+        self.raw_unmap(dev, Owner::Segment(seg), addr, count * self.page, n)?;
         let mut pages = 0;
         for f in firsts {
-            if let Some(c) = self.record_unmapped(stats, seg, f) {
+            if let Some(c) = self.record_unmapped(seg, f) {
                 pages += c.pages;
                 self.give_back(c.handle, c.pages);
             }
         }
-        self.sync_stats(stats);
         debug_assert_eq!(pages, count, "unmapped runs are whole chunks");
         Ok(())
     }
@@ -236,14 +356,13 @@ impl Physical {
     /// maybe inaccessible).
     pub fn unmap_chunks<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         seg: u32,
         first: u64,
         count: u64,
         mark_unready: bool,
     ) -> Result<(), DeviceError> {
-        let Err(e) = self.unmap_run(stats, dev, seg, first, count) else {
+        let Err(e) = self.unmap_run(dev, seg, first, count) else {
             return Ok(());
         };
         let chunks: Vec<(u64, u64)> = self.tables[seg as usize]
@@ -251,7 +370,7 @@ impl Physical {
             .map(|(f, c)| (f, c.pages))
             .collect();
         for (f, n) in chunks {
-            if self.unmap_run(stats, dev, seg, f, n).is_err() && mark_unready {
+            if self.unmap_run(dev, seg, f, n).is_err() && mark_unready {
                 self.mark_unready(seg, f);
             }
         }
@@ -261,7 +380,6 @@ impl Physical {
     /// Gives access to the unready chunks overlapping pages `[p0, p1]` of `seg`.
     pub fn fix_unready<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         seg: u32,
         p0: u64,
@@ -274,58 +392,62 @@ impl Physical {
             if !self.is_unready(seg, f) {
                 continue;
             }
-            self.set_access(stats, dev, seg, f, c.pages)?;
+            self.set_access(dev, seg, f, c.pages)?;
             self.mark_ready(seg, f);
         }
         Ok(())
     }
 
-    /// Removes every chunk of segment `seg`'s table without a driver call
-    /// (teardown unmaps the runs itself first); returns them ascending.
-    pub fn take_all_chunks(&mut self, seg: u32) -> Vec<(u64, Chunk)> {
-        self.tables[seg as usize].take_all()
-    }
-
-    // --- The limit -------------------------------------------------------
+    // --- The budget ------------------------------------------------------
 
     /// The memory fraction in force.
     #[inline]
     pub fn fraction(&self) -> f64 {
-        self.fraction
+        self.budget.fraction()
     }
 
     /// Most device pages that may be mapped + pooled.
     #[inline]
     pub fn limit_pages(&self) -> u64 {
-        self.limit_pages
+        self.budget.limit_pages()
+    }
+
+    /// Whether the budget's limit may have grown since it was planned with
+    /// (`Budget::recheck`: a shared budget reaps dead members).
+    pub fn budget_recheck(&mut self) -> bool {
+        self.budget.recheck()
+    }
+
+    /// What the budget adds to an out-of-memory report (`Budget::explain`).
+    pub fn budget_explain(&self) -> Option<String> {
+        self.budget.explain()
     }
 
     /// Sets the memory fraction and the limit it gives (pages already
     /// held above it are the caller's to release).
     pub fn set_fraction(&mut self, fraction: f64, limit_pages: u64) {
-        self.fraction = fraction;
-        self.limit_pages = limit_pages;
+        self.budget.set_fraction(fraction, limit_pages);
     }
 
     /// Device pages mapped (segments and regions; host-located, spilled
-    /// pages are not device memory), from the allocator's `stats`.
+    /// pages are not device memory).
     #[inline]
-    pub fn device_pages(&self, stats: &Stats) -> u64 {
-        stats.pages_mapped - self.spill.spilled_pages
+    pub fn device_pages(&self) -> u64 {
+        self.mapped_pages - self.spill.spilled_pages
     }
 
-    /// Pages the limit still has room for, with `mapped` device pages mapped
-    /// (pooled pages count as held).
+    /// Pages the budget still has room for, with `mapped` device pages
+    /// mapped (pooled pages count as held).
     #[inline]
     pub fn room(&self, mapped: u64) -> u64 {
-        self.limit_pages.saturating_sub(mapped + self.pool.pages())
+        self.budget.room(mapped + self.pool.pages())
     }
 
     /// Whether `mapped` device pages, the pool and `extra` more pages exceed
-    /// the limit.
+    /// the budget.
     #[inline]
     pub fn over_limit(&self, mapped: u64, extra: u64) -> bool {
-        mapped + self.pool.pages() + extra > self.limit_pages
+        !self.budget.fits(mapped + self.pool.pages() + extra)
     }
 
     // --- The pool ----------------------------------------------------------
@@ -336,18 +458,10 @@ impl Physical {
         &self.pool
     }
 
-    /// Takes a pooled chunk of exactly `pages` pages (the stats are the
-    /// caller's to sync, [`Physical::sync_stats`]).
+    /// Takes a pooled chunk of exactly `pages` pages.
     #[inline]
     pub fn take_pooled(&mut self, pages: u64) -> Option<PhysHandle> {
         self.pool.take(pages)
-    }
-
-    /// Puts a device handle of `pages` pages in the pool as it is (no
-    /// host check: teardown, which releases the whole pool next).
-    #[inline]
-    pub fn put_pooled(&mut self, h: PhysHandle, pages: u64) {
-        self.pool.put(h, pages);
     }
 
     /// Where an unmapped handle goes: host chunks to the host release list
@@ -362,92 +476,81 @@ impl Physical {
 
     /// A chunk that was mapped and is now unmapped: updates the spill
     /// accounting and gives the handle back ([`Physical::give_back`]).
-    pub fn give_back_unmapped(&mut self, stats: &mut Stats, h: PhysHandle, pages: u64) {
-        self.note_mapping(stats, h, pages, false);
+    pub fn give_back_unmapped(&mut self, h: PhysHandle, pages: u64) {
+        self.note_mapping(h, pages, false);
         self.give_back(h, pages);
     }
 
-    /// Puts a chunk of `pages` pages in the pool ([`Physical::give_back`])
-    /// and syncs the stats.
+    /// Takes `h` of `pages` pages, mapped somewhere else than a table
+    /// (unpinning's scratch) or not at all, out of the caller's hands:
+    /// [`Physical::give_back`].
     #[inline]
-    pub fn pool_put(&mut self, stats: &mut Stats, h: PhysHandle, pages: u64) {
+    pub fn pool_put(&mut self, h: PhysHandle, pages: u64) {
         self.give_back(h, pages);
-        self.sync_stats(stats);
-    }
-
-    /// Copies the pool's size into the stats.
-    #[inline]
-    pub fn sync_stats(&self, stats: &mut Stats) {
-        stats.pages_pooled = self.pool.pages();
-        stats.handles_pooled = self.pool.count();
-    }
-
-    /// `cuMemRelease`, counted.
-    pub fn release_handle<D: Device + ?Sized>(
-        &mut self,
-        stats: &mut Stats,
-        dev: &D,
-        h: PhysHandle,
-    ) -> Result<(), DeviceError> {
-        stats.driver_calls.add(Call::Release);
-        dev.release(h)?;
-        stats.num_device_free += 1;
-        Ok(())
     }
 
     /// Releases the largest pooled chunk; returns its pages (0 when the pool
     /// is empty). A chunk whose release fails stays pooled.
-    pub fn release_largest<D: Device + ?Sized>(
-        &mut self,
-        stats: &mut Stats,
-        dev: &D,
-    ) -> Result<u64, DeviceError> {
+    pub fn release_largest<D: Device + ?Sized>(&mut self, dev: &D) -> Result<u64, DeviceError> {
         let Some((h, pages)) = self.pool.take_largest() else {
             return Ok(0);
         };
-        let r = self.release_handle(stats, dev, h);
+        let r = self.raw_release(dev, h, pages);
         if r.is_err() {
             self.pool.put(h, pages);
         }
-        self.sync_stats(stats);
         r.map(|()| pages)
     }
 
     /// Releases every pooled chunk; failed ones stay pooled, the first error
     /// is returned.
-    pub fn release_pool<D: Device + ?Sized>(
-        &mut self,
-        stats: &mut Stats,
-        dev: &D,
-    ) -> Result<(), DeviceError> {
+    pub fn release_pool<D: Device + ?Sized>(&mut self, dev: &D) -> Result<(), DeviceError> {
         let mut first_err = None;
         for (h, pages) in self.pool.drain() {
-            if let Err(e) = self.release_handle(stats, dev, h) {
+            if let Err(e) = self.raw_release(dev, h, pages) {
                 self.pool.put(h, pages);
                 first_err.get_or_insert(e);
             }
         }
-        self.sync_stats(stats);
         first_err.map_or(Ok(()), Err)
     }
 
     /// Releases the unmapped host chunks, then pooled chunks (largest first)
     /// while the pool holds more than the release threshold. Stops at the
     /// first failed release (the chunk stays pooled).
-    pub fn trim<D: Device + ?Sized>(&mut self, stats: &mut Stats, dev: &D) {
+    pub fn trim<D: Device + ?Sized>(&mut self, dev: &D) {
         if !self.spill.host_free.is_empty() {
-            self.release_host_free(stats, dev);
+            self.release_host_free(dev);
         }
         while self.pool.pages().saturating_mul(self.page) > self.release_threshold {
-            if self.release_largest(stats, dev).is_err() {
+            if self.release_largest(dev).is_err() {
                 break;
             }
         }
     }
 
-    /// Removes every pooled chunk (teardown releases them).
-    pub fn drain_pool(&mut self) -> Vec<(PhysHandle, u64)> {
-        self.pool.drain()
+    // --- Handles for the block layer ---------------------------------------
+
+    /// A new handle of `pages` pages of device memory for a plan (the
+    /// ladder's rung 2, spill's migration): charged to the budget first
+    /// (refused as out of memory when it has no room), `cuMemCreate`d,
+    /// credited back if the create fails. Not in a table until mapped.
+    pub fn create<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        pages: u64,
+    ) -> Result<PhysHandle, DeviceError> {
+        self.raw_create(dev, pages, budget::Charge::Grow)
+    }
+
+    /// A new handle of `pages` pages located in host memory (spill): never
+    /// charged, never pooled, released when unmapped.
+    pub fn create_on_host<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        pages: u64,
+    ) -> Result<PhysHandle, DeviceError> {
+        self.raw_create_on_host(dev, pages)
     }
 
     // --- Unready chunks ------------------------------------------------------
@@ -533,20 +636,22 @@ impl Physical {
         &self.spill.host_free
     }
 
-    /// Notes a new host-located handle (`cuMemCreate` with a host
-    /// location): it never enters the pool, and is released when unmapped.
-    pub fn add_host(&mut self, h: PhysHandle) {
-        self.spill.host.insert(h.0);
-    }
-
     /// Host handle `h` is no longer mapped: released at the next trim.
     pub fn drop_host(&mut self, h: PhysHandle) {
         self.spill.host_free.push(h);
     }
 
     /// Notes that chunk `h` of `pages` pages was mapped (or, with `mapped`
-    /// false, unmapped): keeps `spilled_pages` and the spill stats.
-    pub fn note_mapping(&mut self, stats: &mut Stats, h: PhysHandle, pages: u64, mapped: bool) {
+    /// false, unmapped) in a table: keeps the pages and handles mapped,
+    /// `spilled_pages` and the spill peak.
+    pub fn note_mapping(&mut self, h: PhysHandle, pages: u64, mapped: bool) {
+        if mapped {
+            self.mapped_pages += pages;
+            self.mapped_handles += 1;
+        } else {
+            self.mapped_pages -= pages;
+            self.mapped_handles -= 1;
+        }
         if !self.spill.host.contains(&h.0) {
             return;
         }
@@ -556,24 +661,18 @@ impl Physical {
             self.spill.spilled_pages -= pages;
         }
         let bytes = self.spill.spilled_pages * self.page;
-        stats.spilled_bytes = bytes;
-        stats.spilled_bytes_peak = stats.spilled_bytes_peak.max(bytes);
+        self.spill.spilled_peak_bytes = self.spill.spilled_peak_bytes.max(bytes);
     }
 
     /// Releases the unmapped host chunks; a failed release stays listed.
-    pub fn release_host_free<D: Device + ?Sized>(&mut self, stats: &mut Stats, dev: &D) {
+    pub fn release_host_free<D: Device + ?Sized>(&mut self, dev: &D) {
         for h in std::mem::take(&mut self.spill.host_free) {
-            if self.release_handle(stats, dev, h).is_ok() {
+            if self.raw_release(dev, h, 0).is_ok() {
                 self.spill.host.remove(&h.0);
             } else {
                 self.spill.host_free.push(h);
             }
         }
-    }
-
-    /// Removes the unmapped host handles (teardown releases them).
-    pub fn drain_host_free(&mut self) -> Vec<PhysHandle> {
-        std::mem::take(&mut self.spill.host_free)
     }
 
     // --- Moves and export --------------------------------------------------------

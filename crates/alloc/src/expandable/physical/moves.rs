@@ -23,9 +23,10 @@
 //! `cuMemMap`'s `offset` "must be zero" (cuda.h), so part of a chunk can
 //! neither be unmapped nor remapped; hence new handles for the live runs.
 
-use super::chunks::Chunk;
-use super::physical::Physical;
-use crate::Stats;
+use super::budget::Charge;
+use super::observe::Owner;
+use super::Physical;
+use crate::expandable::chunks::Chunk;
 use vmmalloc_device::{Call, Device, DeviceError, HostBuffer, PhysHandle};
 
 /// One chunk to unpin: a chunk partly under live blocks.
@@ -57,15 +58,14 @@ impl Physical {
     /// chunk is as it was (see the module docs).
     pub fn unpin_chunk<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         p: &Move,
     ) -> Result<(), DeviceError> {
-        match self.room_handles(stats, dev, p)? {
-            Some(handles) => self.swap_beside(stats, dev, p, handles),
+        match self.room_handles(dev, p)? {
+            Some(handles) => self.swap_beside(dev, p, handles),
             None => {
-                let saved = self.save_live(stats, dev, p)?;
-                self.swap_in_place(stats, dev, p, &saved)
+                let saved = self.save_live(dev, p)?;
+                self.swap_in_place(dev, p, &saved)
             }
         }
     }
@@ -75,7 +75,6 @@ impl Physical {
     /// call (so that its cost model charges them) and refuses it.
     fn save_live<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         p: &Move,
     ) -> Result<HostBuffer, DeviceError> {
@@ -92,8 +91,7 @@ impl Physical {
         let mut at = 0usize;
         for &(f, n) in &p.live {
             let len = (n * page) as usize;
-            stats.driver_calls.add(Call::CopyDtoH);
-            match dev.copy_from_device(base + f * page, &mut buf[at..at + len]) {
+            match self.copy_from_device(dev, base + f * page, &mut buf[at..at + len]) {
                 Ok(()) | Err(DeviceError::Unsupported { .. }) => {}
                 Err(e) => return Err(e),
             }
@@ -108,11 +106,9 @@ impl Physical {
     /// obtained is pooled again then.
     fn room_handles<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         p: &Move,
     ) -> Result<Option<Vec<PhysHandle>>, DeviceError> {
-        let page = self.page();
         let mut handles: Vec<PhysHandle> = Vec::with_capacity(p.live.len());
         let mut held = 0;
         let mut fail = None;
@@ -122,9 +118,9 @@ impl Physical {
                 held += n;
                 continue;
             }
-            let over = |me: &Self, stats: &Stats| me.over_limit(me.device_pages(stats), held + n);
-            while over(self, stats) {
-                match self.release_largest(stats, dev) {
+            let over = |me: &Self| me.over_limit(me.device_pages(), held + n);
+            while over(self) {
+                match self.release_largest(dev) {
                     Ok(0) => break,
                     Ok(_) => {}
                     Err(e) => {
@@ -133,13 +129,11 @@ impl Physical {
                     }
                 }
             }
-            if fail.is_some() || over(self, stats) {
+            if fail.is_some() || over(self) {
                 break;
             }
-            stats.driver_calls.add(Call::Create);
-            match dev.create(n * page) {
+            match self.raw_create(dev, n, Charge::Grow) {
                 Ok(h) => {
-                    stats.num_device_alloc += 1;
                     handles.push(h);
                     held += n;
                 }
@@ -151,13 +145,11 @@ impl Physical {
             }
         }
         if handles.len() == p.live.len() {
-            self.sync_stats(stats);
             return Ok(Some(handles));
         }
         for (h, &(_, n)) in handles.into_iter().zip(&p.live) {
             self.give_back(h, n);
         }
-        self.sync_stats(stats);
         match fail {
             Some(e) => Err(e),
             None => Ok(None),
@@ -170,34 +162,31 @@ impl Physical {
     /// (it still holds every byte) and pools the new handles.
     fn swap_beside<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         p: &Move,
         handles: Vec<PhysHandle>,
     ) -> Result<(), DeviceError> {
         let (addr, len) = self.chunk_range(p);
-        let pool_new = |me: &mut Self, stats: &mut Stats, hs: &[PhysHandle]| {
+        let pool_new = |me: &mut Self, hs: &[PhysHandle]| {
             for (&h, &(_, n)) in hs.iter().zip(&p.live) {
                 me.give_back(h, n);
             }
-            me.sync_stats(stats);
         };
-        if let Err(e) = self.copy_beside(stats, dev, p, &handles) {
-            pool_new(self, stats, &handles);
+        if let Err(e) = self.copy_beside(dev, p, &handles) {
+            pool_new(self, &handles);
             return Err(e);
         }
-        stats.driver_calls.add(Call::Unmap);
-        if let Err(e) = dev.unmap(addr, len) {
-            pool_new(self, stats, &handles);
+        if let Err(e) = self.raw_unmap(dev, Owner::Segment(p.seg), addr, len, 1) {
+            pool_new(self, &handles);
             return Err(e);
         }
-        if let Err(e) = self.map_live(stats, dev, p, &handles, None) {
-            pool_new(self, stats, &handles);
-            self.map_back(stats, dev, p, p.chunk.handle);
+        if let Err(e) = self.map_live(dev, p, &handles, None) {
+            pool_new(self, &handles);
+            self.map_back(dev, p, p.chunk.handle);
             return Err(e);
         }
-        self.commit_unpin(stats, p, &handles);
-        self.pool_put(stats, p.chunk.handle, p.chunk.pages);
+        self.commit_unpin(p, &handles);
+        self.pool_put(p.chunk.handle, p.chunk.pages);
         Ok(())
     }
 
@@ -211,7 +200,6 @@ impl Physical {
     /// are the caller's, unchanged.
     fn copy_beside<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         p: &Move,
         handles: &[PhysHandle],
@@ -219,27 +207,24 @@ impl Physical {
         let page = self.page();
         let base = self.table(p.seg).base();
         let len = p.live_pages * page;
-        stats.driver_calls.add(Call::Reserve);
-        let scratch = dev.reserve(len, 0)?;
-        let mut mapped = 0;
+        let scratch = self.raw_reserve(dev, Owner::Scratch, len, 0)?;
+        let (mut mapped, mut mapped_handles) = (0, 0);
         let mut result = Ok(());
         for (&(_, n), &h) in p.live.iter().zip(handles) {
-            stats.driver_calls.add(Call::Map);
-            if let Err(e) = dev.map(scratch + mapped, n * page, h) {
+            if let Err(e) = self.raw_map(dev, Owner::Scratch, scratch + mapped, n * page, h) {
                 result = Err(e);
                 break;
             }
             mapped += n * page;
+            mapped_handles += 1;
         }
         if result.is_ok() {
-            stats.driver_calls.add(Call::SetAccess);
-            result = dev.set_access(scratch, len);
+            result = self.raw_set_access(dev, Owner::Scratch, scratch, len);
         }
         if result.is_ok() {
             let mut at = 0;
             for &(f, n) in &p.live {
-                stats.driver_calls.add(Call::CopyDtoD);
-                match dev.copy_device(scratch + at, base + f * page, n * page) {
+                match self.copy_device(dev, scratch + at, base + f * page, n * page) {
                     Ok(()) | Err(DeviceError::Unsupported { .. }) => {}
                     Err(e) => {
                         result = Err(e);
@@ -251,15 +236,15 @@ impl Physical {
         }
         // Take the scratch mappings down: in one call, else run by run.
         if mapped > 0 {
-            stats.driver_calls.add(Call::Unmap);
-            if dev.unmap(scratch, mapped).is_err() {
+            let all = self.raw_unmap(dev, Owner::Scratch, scratch, mapped, mapped_handles);
+            if all.is_err() {
                 let mut at = 0;
                 for &(_, n) in &p.live {
                     if at >= mapped {
                         break;
                     }
-                    stats.driver_calls.add(Call::Unmap);
-                    if let Err(e) = dev.unmap(scratch + at, n * page) {
+                    let one = self.raw_unmap(dev, Owner::Scratch, scratch + at, n * page, 1);
+                    if let Err(e) = one {
                         eprintln!(
                             "vmmalloc: unpinning: unmapping scratch {:#x}: {e}",
                             scratch + at
@@ -270,8 +255,7 @@ impl Physical {
             }
         }
         for attempt in 0..2 {
-            stats.driver_calls.add(Call::AddressFree);
-            match dev.free_reservation(scratch, len) {
+            match self.raw_free_reservation(dev, Owner::Scratch, scratch, len) {
                 Ok(()) => break,
                 Err(e) if attempt == 1 => {
                     eprintln!("vmmalloc: unpinning: freeing scratch {scratch:#x}: {e}")
@@ -288,28 +272,22 @@ impl Physical {
     /// copies the bytes into it.
     fn swap_in_place<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         p: &Move,
         saved: &HostBuffer,
     ) -> Result<(), DeviceError> {
-        let page = self.page();
         let (addr, len) = self.chunk_range(p);
-        stats.driver_calls.add(Call::Unmap);
-        dev.unmap(addr, len)?;
-        if let Err(e) = self.release_handle(stats, dev, p.chunk.handle) {
-            self.map_back(stats, dev, p, p.chunk.handle);
+        self.raw_unmap(dev, Owner::Segment(p.seg), addr, len, 1)?;
+        if let Err(e) = self.raw_release(dev, p.chunk.handle, p.chunk.pages) {
+            self.map_back(dev, p, p.chunk.handle);
             return Err(e);
         }
         let mut handles = Vec::with_capacity(p.live.len());
         let mut fail = None;
         for &(_, n) in &p.live {
-            stats.driver_calls.add(Call::Create);
-            match dev.create(n * page) {
-                Ok(h) => {
-                    stats.num_device_alloc += 1;
-                    handles.push(h);
-                }
+            // In the memory the old chunk's release freed: a replacement.
+            match self.raw_create(dev, n, Charge::Replace) {
+                Ok(h) => handles.push(h),
                 Err(e) => {
                     fail = Some(e);
                     break;
@@ -317,19 +295,18 @@ impl Physical {
             }
         }
         if fail.is_none() {
-            match self.map_live(stats, dev, p, &handles, Some(saved)) {
+            match self.map_live(dev, p, &handles, Some(saved)) {
                 Ok(()) => {
-                    self.commit_unpin(stats, p, &handles);
-                    self.sync_stats(stats);
+                    self.commit_unpin(p, &handles);
                     return Ok(());
                 }
                 Err(e) => fail = Some(e),
             }
         }
-        for h in handles {
-            let _ = self.release_handle(stats, dev, h);
+        for (h, &(_, n)) in handles.into_iter().zip(&p.live) {
+            let _ = self.raw_release(dev, h, n);
         }
-        self.restore_released(stats, dev, p, saved);
+        self.restore_released(dev, p, saved);
         Err(fail.expect("set on every failing path"))
     }
 
@@ -344,7 +321,6 @@ impl Physical {
     /// unmaps what it mapped (the handles stay the caller's).
     fn map_live<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         p: &Move,
         handles: &[PhysHandle],
@@ -352,17 +328,16 @@ impl Physical {
     ) -> Result<(), DeviceError> {
         let page = self.page();
         let base = self.table(p.seg).base();
+        let owner = Owner::Segment(p.seg);
         let mut mapped = 0;
         let mut result = Ok(());
         for (&(f, n), &h) in p.live.iter().zip(handles) {
-            stats.driver_calls.add(Call::Map);
-            if let Err(e) = dev.map(base + f * page, n * page, h) {
+            if let Err(e) = self.raw_map(dev, owner, base + f * page, n * page, h) {
                 result = Err(e);
                 break;
             }
             mapped += 1;
-            stats.driver_calls.add(Call::SetAccess);
-            if let Err(e) = dev.set_access(base + f * page, n * page) {
+            if let Err(e) = self.raw_set_access(dev, owner, base + f * page, n * page) {
                 result = Err(e);
                 break;
             }
@@ -371,8 +346,7 @@ impl Physical {
             let mut at = 0usize;
             for &(f, n) in &p.live {
                 let len = (n * page) as usize;
-                stats.driver_calls.add(Call::CopyHtoD);
-                match dev.copy_to_device(base + f * page, &saved[at..at + len]) {
+                match self.copy_to_device(dev, base + f * page, &saved[at..at + len]) {
                     Ok(()) | Err(DeviceError::Unsupported { .. }) => {}
                     Err(e) => {
                         result = Err(e);
@@ -384,8 +358,7 @@ impl Physical {
         }
         if result.is_err() {
             for &(f, n) in &p.live[..mapped] {
-                stats.driver_calls.add(Call::Unmap);
-                let _ = dev.unmap(base + f * page, n * page);
+                let _ = self.raw_unmap(dev, owner, base + f * page, n * page, 1);
             }
         }
         result
@@ -394,19 +367,12 @@ impl Physical {
     /// Maps `handle` (holding the chunk's bytes) at `p`'s chunk again. If
     /// even that fails the chunk stays in the table, listed as unready
     /// (mapped, maybe inaccessible), so that a later access retries it.
-    fn map_back<D: Device + ?Sized>(
-        &mut self,
-        stats: &mut Stats,
-        dev: &D,
-        p: &Move,
-        handle: PhysHandle,
-    ) {
+    fn map_back<D: Device + ?Sized>(&mut self, dev: &D, p: &Move, handle: PhysHandle) {
         let (addr, len) = self.chunk_range(p);
-        stats.driver_calls.add(Call::Map);
-        let back = dev.map(addr, len, handle).and_then(|()| {
-            stats.driver_calls.add(Call::SetAccess);
-            dev.set_access(addr, len)
-        });
+        let owner = Owner::Segment(p.seg);
+        let back = self
+            .raw_map(dev, owner, addr, len, handle)
+            .and_then(|()| self.raw_set_access(dev, owner, addr, len));
         if back.is_err() {
             self.mark_unready(p.seg, p.first);
         }
@@ -418,24 +384,13 @@ impl Physical {
     /// back. Only a device that refuses both (memory taken by another
     /// process in between, and no host memory) loses the bytes; that is
     /// logged.
-    fn restore_released<D: Device + ?Sized>(
-        &mut self,
-        stats: &mut Stats,
-        dev: &D,
-        p: &Move,
-        saved: &HostBuffer,
-    ) {
+    fn restore_released<D: Device + ?Sized>(&mut self, dev: &D, p: &Move, saved: &HostBuffer) {
         let (addr, len) = self.chunk_range(p);
-        stats.driver_calls.add(Call::Create);
-        let handle = match dev.create(len) {
-            Ok(h) => {
-                stats.num_device_alloc += 1;
-                Some(h)
-            }
-            Err(_) => {
-                stats.driver_calls.add(Call::Create);
-                dev.create_on_host(len).ok().inspect(|h| self.add_host(*h))
-            }
+        // The old chunk's release and the new handles' made the room: a
+        // replacement.
+        let handle = match self.raw_create(dev, p.chunk.pages, Charge::Replace) {
+            Ok(h) => Some(h),
+            Err(_) => self.raw_create_on_host(dev, p.chunk.pages).ok(),
         };
         let Some(handle) = handle else {
             eprintln!(
@@ -443,31 +398,31 @@ impl Physical {
                 len >> 20
             );
             // The pages are gone from the device: record them unmapped.
-            self.record_unmapped(stats, p.seg, p.first);
+            self.record_unmapped(p.seg, p.first);
             return;
         };
-        self.record_swap(stats, p.seg, p.first, handle);
-        self.map_back(stats, dev, p, handle);
+        self.record_swap(p.seg, p.first, handle);
+        self.map_back(dev, p, handle);
         let page = self.page();
+        let base = self.table(p.seg).base();
         let mut at = 0usize;
         for &(f, n) in &p.live {
             let n = (n * page) as usize;
-            stats.driver_calls.add(Call::CopyHtoD);
-            let _ = dev.copy_to_device(self.table(p.seg).base() + f * page, &saved[at..at + n]);
+            let _ = self.copy_to_device(dev, base + f * page, &saved[at..at + n]);
             at += n;
         }
     }
 
     /// Records a finished unpin in the chunk table: the old chunk out, the
     /// new ones in (the old handle is the caller's).
-    fn commit_unpin(&mut self, stats: &mut Stats, p: &Move, handles: &[PhysHandle]) {
-        self.record_unmapped(stats, p.seg, p.first);
+    fn commit_unpin(&mut self, p: &Move, handles: &[PhysHandle]) {
+        self.record_unmapped(p.seg, p.first);
         for (&(f, n), &h) in p.live.iter().zip(handles) {
             let chunk = Chunk {
                 handle: h,
                 pages: n,
             };
-            self.record_mapped(stats, p.seg, f, chunk);
+            self.record_mapped(p.seg, f, chunk);
         }
     }
 
@@ -481,7 +436,6 @@ impl Physical {
     /// release list), even if copying the bytes back then fails.
     pub fn rehome_chunk<D: Device + ?Sized>(
         &mut self,
-        stats: &mut Stats,
         dev: &D,
         seg: u32,
         f: u64,
@@ -490,40 +444,34 @@ impl Physical {
     ) -> Result<(), DeviceError> {
         let addr = self.page_addr(seg, f);
         let len = c.pages * self.page();
+        let owner = Owner::Segment(seg);
         // The bytes (`sim` holds none: its copies are unsupported).
         let mut bytes = vec![0u8; len as usize];
-        stats.driver_calls.add(Call::CopyDtoH);
-        let carry = match dev.copy_from_device(addr, &mut bytes) {
+        let carry = match self.copy_from_device(dev, addr, &mut bytes) {
             Ok(()) => true,
             Err(DeviceError::Unsupported { .. }) => false,
             Err(e) => {
-                self.pool_put(stats, new, c.pages);
+                self.pool_put(new, c.pages);
                 return Err(e);
             }
         };
-        stats.driver_calls.add(Call::Unmap);
-        if let Err(e) = dev.unmap(addr, len) {
-            self.pool_put(stats, new, c.pages);
+        if let Err(e) = self.raw_unmap(dev, owner, addr, len, 1) {
+            self.pool_put(new, c.pages);
             return Err(e);
         }
-        let mapped = (|| {
-            stats.driver_calls.add(Call::Map);
-            dev.map(addr, len, new)?;
-            stats.driver_calls.add(Call::SetAccess);
-            if let Err(e) = dev.set_access(addr, len) {
-                let _ = dev.unmap(addr, len);
-                return Err(e);
+        let mapped = self.raw_map(dev, owner, addr, len, new).and_then(|()| {
+            let access = self.raw_set_access(dev, owner, addr, len);
+            if access.is_err() {
+                let _ = self.raw_unmap(dev, owner, addr, len, 1);
             }
-            Ok(())
-        })();
+            access
+        });
         if let Err(e) = mapped {
             // Put the host chunk back where it was.
-            self.pool_put(stats, new, c.pages);
-            stats.driver_calls.add(Call::Map);
-            let back = dev.map(addr, len, c.handle).and_then(|()| {
-                stats.driver_calls.add(Call::SetAccess);
-                dev.set_access(addr, len)
-            });
+            self.pool_put(new, c.pages);
+            let back = self
+                .raw_map(dev, owner, addr, len, c.handle)
+                .and_then(|()| self.raw_set_access(dev, owner, addr, len));
             if back.is_err() {
                 self.mark_unready(seg, f);
             }
@@ -531,11 +479,10 @@ impl Physical {
         }
         // Recorded before the bytes go back: `new` is mapped there now,
         // whatever the copy does.
-        self.record_swap(stats, seg, f, new);
+        self.record_swap(seg, f, new);
         self.give_back(c.handle, c.pages);
         if carry {
-            stats.driver_calls.add(Call::CopyHtoD);
-            dev.copy_to_device(addr, &bytes)?;
+            self.copy_to_device(dev, addr, &bytes)?;
         }
         Ok(())
     }
