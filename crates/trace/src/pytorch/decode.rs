@@ -575,6 +575,12 @@ impl Vm {
     /// Whether `v` may be a dict key or set member (Python's hashable types,
     /// as serde-pickle checks them).
     fn hashable(&self, v: Val) -> bool {
+        // Nearly every key is a string: answer scalars without the work list.
+        match v {
+            Val::Obj(_) => {}
+            Val::Frame(_) | Val::Stack(_) | Val::Dropped => return false,
+            _ => return true,
+        }
         let mut work = vec![v];
         let mut seen = 0usize;
         while let Some(v) = work.pop() {
@@ -1314,7 +1320,9 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                 }
                 let mut items = std::mem::take(&mut vm.scratch);
                 items.clear();
-                items.extend(vm.stack.drain(vm.stack.len() - n..));
+                let from = vm.stack.len() - n;
+                items.extend_from_slice(&vm.stack[from..]);
+                vm.stack.truncate(from);
                 let target = vm.top()?;
                 if code == APPEND && matches!(target, Val::Obj(t) if vm.obj(t).kind == Kind::Set) {
                     vm.scratch = items;
@@ -1328,7 +1336,8 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                 let m = vm.pop_mark()?;
                 let mut items = std::mem::take(&mut vm.scratch);
                 items.clear();
-                items.extend(vm.stack.drain(m..));
+                items.extend_from_slice(&vm.stack[m..]);
+                vm.stack.truncate(m);
                 let target = vm.top()?;
                 if code == ADDITEMS && !matches!(target, Val::Obj(t) if vm.obj(t).kind == Kind::Set)
                 {
