@@ -61,6 +61,21 @@ pub struct Allocation {
     pub stream: Stream,
 }
 
+/// Device memory mapped or unmapped under a policy's addresses: what
+/// PyTorch's memory history records as `segment_map` / `segment_unmap` for
+/// expandable segments (see [`Allocator::take_mappings`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MappingChange {
+    /// Mapped (true) or unmapped (false).
+    pub mapped: bool,
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// The stream of the segment (or growable region) the range lies in.
+    pub stream: Stream,
+}
+
 /// What every allocation policy provides. Thread-safe: every method takes `&self`.
 pub trait Allocator: Send + Sync {
     /// The policy's name (`expandable`, `caching`, `torch-es`, `native`).
@@ -151,6 +166,24 @@ pub trait Allocator: Send + Sync {
         )))
     }
 
+    /// Starts (`true`) or stops keeping the [`MappingChange`]s of this
+    /// allocator's physical layer, for [`Allocator::take_mappings`]. Returns
+    /// whether the policy reports them (only `expandable`, whose physical
+    /// layer sees every map and unmap; the others return false and a
+    /// caller compares snapshots instead).
+    fn log_mappings(&self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
+
+    /// Appends to `out` the mappings made and undone since the last call,
+    /// oldest first, while [`Allocator::log_mappings`] is on. A chunk that
+    /// moved (unpinning, spill) appears as an unmap and a map of the same
+    /// range.
+    fn take_mappings(&self, out: &mut Vec<MappingChange>) {
+        let _ = out;
+    }
+
     /// The private pools of CUDA graphs and `torch.cuda.MemPool`s
     /// ([`pools`]), if the policy has them (only `expandable` does);
     /// `None` by default.
@@ -216,5 +249,11 @@ impl<A: Allocator + ?Sized> Allocator for std::sync::Arc<A> {
     }
     fn pools(&self) -> Option<&dyn pools::PrivatePools> {
         (**self).pools()
+    }
+    fn log_mappings(&self, on: bool) -> bool {
+        (**self).log_mappings(on)
+    }
+    fn take_mappings(&self, out: &mut Vec<MappingChange>) {
+        (**self).take_mappings(out)
     }
 }

@@ -5,13 +5,22 @@
 //!
 //! One [`History`] per device: a ring buffer of at most `max_entries` events in
 //! PyTorch's `TraceEntry` shape (`action`, `addr`, `size`, `stream`, `time_us`),
-//! oldest dropped first, kept in time order. Segment events are derived by
-//! comparing the allocator's snapshot before and after an operation, only when
-//! its reserved bytes or segment count changed:
-//! - a whole non-expandable segment that appears or disappears is a
-//!   `segment_alloc` / `segment_free`;
-//! - mapped ranges of an expandable segment (its blocks that are not
-//!   `unmapped`) that appear or disappear are `segment_map` / `segment_unmap`.
+//! oldest dropped first, kept in time order. Segment events come from where
+//! memory is made:
+//! - under `expandable`, from its physical layer: an observer there logs
+//!   every map and unmap of a table as it happens
+//!   ([`Allocator::log_mappings`], `expandable/physical/mappings.rs`), and the
+//!   ring turns what an operation changed in the end ([`net_mappings`]: a
+//!   chunk that unpinning or spill moved is unmapped and mapped again at the
+//!   same addresses, which changes nothing) into `segment_unmap` /
+//!   `segment_map` events, as PyTorch's expandable segments record them;
+//! - under the other policies (replicas of PyTorch's allocators over the
+//!   `Device` layer, with no physical layer to observe), by comparing the
+//!   allocator's snapshot before and after an operation, only when its
+//!   reserved bytes or segment count changed: a whole non-expandable segment
+//!   that appears or disappears is a `segment_alloc` / `segment_free`, mapped
+//!   ranges of an expandable one that appear or disappear are
+//!   `segment_map` / `segment_unmap`.
 //!
 //! The history lock is held across the allocator call and its recording, so
 //! the recorded order is the order in which the allocator acted (a free on one
@@ -31,7 +40,7 @@ use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 use vmmalloc_alloc::pools::PoolId;
-use vmmalloc_alloc::{Allocator, BlockState, Snapshot};
+use vmmalloc_alloc::{Allocator, BlockState, MappingChange, Snapshot};
 
 pub use vmmalloc_alloc::pickle_snapshot::TraceEntry;
 
@@ -120,6 +129,12 @@ pub struct Ring {
     /// Whether events are kept here (off when only the sink wants them).
     keep: bool,
     entries: VecDeque<TraceEntry>,
+    /// Whether the allocator reports its mappings as they happen
+    /// ([`Allocator::log_mappings`]: `expandable`, its physical layer's
+    /// observer); otherwise segment events come from comparing snapshots.
+    observed: bool,
+    /// The mappings taken from the allocator, reused between looks.
+    changes: Vec<MappingChange>,
     /// Whole non-expandable segments at the last look.
     segments: Ranges,
     /// Mapped ranges of expandable segments at the last look.
@@ -172,6 +187,8 @@ impl History {
                 max_entries: max_entries.max(1),
                 keep: true,
                 entries: VecDeque::new(),
+                observed: false,
+                changes: Vec::new(),
                 segments: Vec::new(),
                 mapped: Vec::new(),
                 last_reserved: (0, 0),
@@ -208,7 +225,17 @@ impl History {
             ring.dropped += 1;
         }
         if how.enabled && !was_on {
+            // The log first, then the baseline: what is mapped meanwhile is
+            // in the baseline, and the log's copy of it is dropped.
+            ring.observed = allocator.log_mappings(true);
             ring.baseline(allocator);
+            let mut changes = std::mem::take(&mut ring.changes);
+            allocator.take_mappings(&mut changes);
+            changes.clear();
+            ring.changes = changes;
+        } else if !how.enabled && was_on && ring.observed {
+            allocator.log_mappings(false);
+            ring.observed = false;
         }
     }
 
@@ -344,9 +371,41 @@ impl Ring {
         }
     }
 
-    /// Records the segment events the last operation caused, if reserved
-    /// memory or the segment count changed since the last look.
+    /// Records the segment events the last operation caused: the mappings
+    /// the allocator's physical layer reported, netted out
+    /// ([`net_mappings`]), or, for a policy without one, the difference
+    /// between its segments now and at the last look.
     pub fn segment_events(&mut self, allocator: &dyn Allocator) {
+        if self.observed {
+            self.mapping_events(allocator);
+        } else {
+            self.diffed_segment_events(allocator);
+        }
+    }
+
+    /// `segment_map` / `segment_unmap` events of the mappings `allocator`
+    /// reported since the last look.
+    fn mapping_events(&mut self, allocator: &dyn Allocator) {
+        let mut changes = std::mem::take(&mut self.changes);
+        changes.clear();
+        allocator.take_mappings(&mut changes);
+        if !changes.is_empty() {
+            let time_us = now_us();
+            for c in net_mappings(&changes) {
+                let action = if c.mapped {
+                    "segment_map"
+                } else {
+                    "segment_unmap"
+                };
+                self.push_at(action, c.addr, c.bytes, c.stream.0, (0, 0), time_us);
+            }
+        }
+        self.changes = changes;
+    }
+
+    /// Segment events from comparing `allocator`'s segments with the last
+    /// look, if reserved memory or the segment count changed since.
+    fn diffed_segment_events(&mut self, allocator: &dyn Allocator) {
         let st = allocator.stats();
         let now = (st.reserved_bytes.all().current, st.segment.all().current);
         if now == self.last_reserved {
@@ -384,6 +443,61 @@ impl Ring {
         self.segments = new_seg;
         self.mapped = new_map;
     }
+}
+
+/// What `changes` (in the order they happened) changed in the end: each
+/// range whose state after the last change differs from its state before
+/// the first (a chunk unmapped and mapped again at the same addresses by
+/// unpinning or spill changed nothing), adjacent ranges of one kind and
+/// stream merged; unmaps first, then maps, each by address (PyTorch's
+/// order within one call: memory is released before it is mapped again).
+pub fn net_mappings(changes: &[MappingChange]) -> Vec<MappingChange> {
+    let mut cuts: Vec<u64> = changes
+        .iter()
+        .filter(|c| c.bytes > 0)
+        .flat_map(|c| [c.addr, c.addr.saturating_add(c.bytes)])
+        .collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    let pieces = cuts.len().saturating_sub(1);
+    // The first and last change covering each piece between two cuts.
+    let mut first: Vec<Option<usize>> = vec![None; pieces];
+    let mut last: Vec<Option<usize>> = vec![None; pieces];
+    for (k, c) in changes.iter().enumerate().filter(|(_, c)| c.bytes > 0) {
+        let end = c.addr.saturating_add(c.bytes);
+        let mut i = cuts.partition_point(|&x| x < c.addr);
+        while i < pieces && cuts[i] < end {
+            first[i].get_or_insert(k);
+            last[i] = Some(k);
+            i += 1;
+        }
+    }
+    let mut out: Vec<MappingChange> = Vec::new();
+    for i in 0..pieces {
+        let (Some(f), Some(l)) = (first[i], last[i]) else {
+            continue;
+        };
+        let (was_mapped, is_mapped) = (!changes[f].mapped, changes[l].mapped);
+        if was_mapped == is_mapped {
+            continue;
+        }
+        let c = MappingChange {
+            mapped: is_mapped,
+            addr: cuts[i],
+            bytes: cuts[i + 1] - cuts[i],
+            stream: changes[l].stream,
+        };
+        match out.last_mut() {
+            Some(p)
+                if p.mapped == c.mapped && p.stream == c.stream && p.addr + p.bytes == c.addr =>
+            {
+                p.bytes += c.bytes
+            }
+            _ => out.push(c),
+        }
+    }
+    out.sort_by_key(|c| (c.mapped, c.addr));
+    out
 }
 
 fn strip(r: &[(u64, u64, u64)]) -> Ranges {
@@ -449,6 +563,7 @@ fn difference(a: &[(u64, u64)], b: &[(u64, u64)]) -> Ranges {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vmmalloc_alloc::Stream;
 
     #[test]
     fn difference_of_ranges() {
@@ -463,6 +578,143 @@ mod tests {
             difference(&[(10, 10)], &[(0, 5), (12, 2), (18, 10)]),
             vec![(10, 2), (14, 4)]
         );
+    }
+
+    #[test]
+    fn net_mappings_nets_out_moves_and_merges_neighbours() {
+        let ch = |mapped: bool, addr: u64, bytes: u64, stream: u64| MappingChange {
+            mapped,
+            addr,
+            bytes,
+            stream: Stream(stream),
+        };
+        // Two chunks mapped side by side: one range.
+        assert_eq!(
+            net_mappings(&[ch(true, 0, 2, 7), ch(true, 2, 4, 7)]),
+            vec![ch(true, 0, 6, 7)]
+        );
+        // A move: a run unmapped, then each chunk mapped again; only the
+        // part not mapped again is a change.
+        assert_eq!(
+            net_mappings(&[ch(false, 0, 8, 7), ch(true, 0, 2, 7), ch(true, 6, 2, 7)]),
+            vec![ch(false, 2, 4, 7)]
+        );
+        // Mapped and unmapped again within one call: nothing.
+        assert_eq!(
+            net_mappings(&[ch(true, 10, 4, 1), ch(false, 10, 4, 1)]),
+            vec![]
+        );
+        // Unmaps come first, then maps, each by address; streams kept apart.
+        assert_eq!(
+            net_mappings(&[
+                ch(true, 20, 2, 1),
+                ch(true, 22, 2, 2),
+                ch(false, 4, 2, 1),
+                ch(false, 0, 2, 1),
+            ]),
+            vec![
+                ch(false, 0, 2, 1),
+                ch(false, 4, 2, 1),
+                ch(true, 20, 2, 1),
+                ch(true, 22, 2, 2),
+            ]
+        );
+        assert_eq!(net_mappings(&[ch(true, 3, 0, 1)]), vec![]);
+    }
+
+    /// Pages `entries`' segment events leave mapped, applied to `pages`.
+    fn apply(pages: &mut std::collections::BTreeSet<u64>, entries: &[TraceEntry], page: u64) {
+        for e in entries {
+            let range = (e.addr..e.addr + e.size).step_by(page as usize);
+            match e.action {
+                "segment_map" => range.for_each(|p| assert!(pages.insert(p), "{e:?}")),
+                "segment_unmap" => range.for_each(|p| assert!(pages.remove(&p), "{e:?}")),
+                _ => {}
+            }
+        }
+    }
+
+    /// Under `expandable` the ring takes its segment events from the
+    /// physical layer's mapping log; through an unpinning move, a sleep and
+    /// an emptied cache they leave exactly the memory the snapshot shows
+    /// mapped.
+    #[test]
+    fn segment_events_from_the_mapping_log_match_the_snapshot() {
+        use std::sync::Arc;
+        use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
+        use vmmalloc_device::{sim::SimDevice, Device, MIB};
+        let page = 2 * MIB;
+        let dev = Arc::new(SimDevice::with_capacity(1024 * MIB));
+        let cfg = ExpandableConfig {
+            grow_granule: 0,
+            ..ExpandableConfig::default()
+        };
+        let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
+        let before = a.malloc(8 * MIB, Stream(0)).unwrap();
+        let h = History::new(0, 100_000, false);
+        let how = Recording {
+            enabled: true,
+            max_entries: 100_000,
+            clear: true,
+            keep: true,
+        };
+        h.set(how, &a);
+        assert!(h.lock().observed);
+        let mapped = |a: &dyn Allocator| {
+            let (_, m) = ranges(&a.snapshot());
+            let mut pages = std::collections::BTreeSet::new();
+            for (addr, size, _) in m {
+                pages.extend((addr..addr + size).step_by(page as usize));
+            }
+            pages
+        };
+        let mut pages = mapped(&a);
+        let mut seen = 0;
+        let mut look = |what: &str, pages: &mut std::collections::BTreeSet<u64>| {
+            h.lock().segment_events(&a);
+            let entries = h.entries();
+            apply(pages, &entries[seen..], page);
+            seen = entries.len();
+            assert_eq!(*pages, mapped(&a), "{what}");
+        };
+        let s = dev.create_stream().unwrap();
+        let live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
+        let big = a.malloc(128 * MIB, s).unwrap();
+        look("grown", &mut pages);
+        a.free(big.ptr).unwrap();
+        let small = a.malloc(16 * MIB, s).unwrap();
+        look("pinned", &mut pages);
+        let y = a.malloc(200 * MIB, dev.create_stream().unwrap()).unwrap();
+        assert_eq!(a.stats().chunk_unpins, 1);
+        look("unpinned", &mut pages);
+        vmmalloc_alloc::set_thread_tag("kv").unwrap();
+        let kv = a.malloc(30 * MIB, s).unwrap();
+        vmmalloc_alloc::set_thread_tag("default").unwrap();
+        look("tagged", &mut pages);
+        a.pause(&["kv".to_string()], false).unwrap();
+        look("paused", &mut pages);
+        a.resume(&["kv".to_string()]).unwrap();
+        look("resumed", &mut pages);
+        for b in live.iter().chain([&small, &y, &kv, &before]) {
+            a.free(b.ptr).unwrap();
+        }
+        a.empty_cache().unwrap();
+        look("emptied", &mut pages);
+        assert!(pages.is_empty());
+        let entries = h.entries();
+        let count = |action: &str| entries.iter().filter(|e| e.action == action).count();
+        assert!(
+            count("segment_map") > 0 && count("segment_unmap") > 0,
+            "{entries:?}"
+        );
+        h.set(
+            Recording {
+                enabled: false,
+                ..how
+            },
+            &a,
+        );
+        assert!(!h.lock().observed);
     }
 
     #[test]

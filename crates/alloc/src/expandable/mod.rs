@@ -242,6 +242,9 @@ impl Inner {
 pub struct ExpandableAllocator<D: Device> {
     device: D,
     inner: Lock<Inner>,
+    /// The mapping log ([`Allocator::log_mappings`]), attached to the
+    /// physical layer the first time it is turned on.
+    mappings: std::sync::OnceLock<std::sync::Arc<physical::mappings::MappingLog>>,
 }
 
 impl<D: Device> ExpandableAllocator<D> {
@@ -256,6 +259,7 @@ impl<D: Device> ExpandableAllocator<D> {
         };
         Ok(ExpandableAllocator {
             device,
+            mappings: std::sync::OnceLock::new(),
             inner: Lock::new(Inner {
                 layout,
                 split_above: layout.split_above(config.memory_fraction, config.split_threshold),
@@ -483,6 +487,54 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
 
     fn pools(&self) -> Option<&dyn PrivatePools> {
         Some(self)
+    }
+
+    fn log_mappings(&self, on: bool) -> bool {
+        use physical::mappings::{MappingLog, MappingObserver};
+        let log = self.mappings.get_or_init(|| {
+            let log = std::sync::Arc::new(MappingLog::default());
+            let observer = MappingObserver(std::sync::Arc::clone(&log));
+            // A failed allocator (a panic under its lock) makes no more
+            // calls: nothing to observe, nothing lost.
+            let _ = self
+                .inner
+                .run("log_mappings", |i| i.phys.attach(Box::new(observer)));
+            log
+        });
+        log.set_on(on);
+        true
+    }
+
+    fn take_mappings(&self, out: &mut Vec<crate::MappingChange>) {
+        let Some(log) = self.mappings.get() else {
+            return;
+        };
+        if log.is_empty() {
+            return;
+        }
+        // Under the allocator's lock: nothing is mapped meanwhile, and the
+        // tables the records name still say whose stream they are.
+        let _ = self.inner.run("take_mappings", |i| {
+            for r in log.take() {
+                let stream = match r.owner {
+                    physical::observe::Owner::Segment(slot) => i
+                        .segments
+                        .get(slot as usize)
+                        .and_then(Option::as_ref)
+                        .map_or(Stream(0), |s| i.streams[s.owner as usize].stream),
+                    physical::observe::Owner::Region(base) => {
+                        i.phys.region(base).map_or(Stream(0), |g| g.stream)
+                    }
+                    _ => Stream(0),
+                };
+                out.push(crate::MappingChange {
+                    mapped: r.mapped,
+                    addr: r.addr,
+                    bytes: r.bytes,
+                    stream,
+                });
+            }
+        });
     }
 }
 

@@ -20,9 +20,10 @@
 //! (`calls.rs`: reserve, address free, create, map, set access, unmap,
 //! release; one function per kind). Each call is one event
 //! (`observe.rs`: owner, address, bytes, handles) to the observers: the
-//! built-in counter is the allocator's only count of driver calls, and later
-//! features (the history ring, an NCCL registrar, a shared budget) attach
-//! more. Unpinning's and spill's moves of one chunk (`moves.rs`), the
+//! built-in counter is the allocator's only count of driver calls, and the
+//! mapping log (`mappings.rs`), which the C ABI's history ring drains for
+//! PyTorch's `segment_map` / `segment_unmap` trace entries, attaches when
+//! asked; an NCCL registrar would attach the same way. Unpinning's and spill's moves of one chunk (`moves.rs`), the
 //! regions' growth and shrink (`regions.rs`) and teardown (`drain.rs`, the
 //! layer's drain) are its operations.
 //!
@@ -50,6 +51,7 @@ mod arena;
 pub(crate) mod budget;
 mod calls;
 mod drain;
+pub(crate) mod mappings;
 mod moves;
 pub(crate) mod observe;
 mod regions;
@@ -131,7 +133,6 @@ impl Physical {
 
     /// Attaches `o`: it sees every driver call from now on, after the
     /// counter (`observe.rs`).
-    #[cfg_attr(not(test), allow(dead_code))] // for later features (issue 33)
     pub fn attach(&mut self, o: Box<dyn Observer>) {
         self.observers.attached.push(o);
     }
