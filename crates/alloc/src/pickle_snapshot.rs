@@ -30,6 +30,24 @@
 //! plug-in's `vmmalloc_dump_snapshot` and the `vmmalloc snapshot` command both
 //! use it.
 
+/// The `action` strings of PyTorch's trace entries, in the order of its
+/// `TraceEntry::Action` enum (c10/core/CachingDeviceAllocator.h: ALLOC,
+/// FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
+/// SEGMENT_UNMAP, SNAPSHOT, OOM, USER_DEFINED): an action's index is its
+/// enum value. The one list the trace reader and the C ABI's history share.
+pub const TRACE_ACTIONS: [&str; 10] = [
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "snapshot",
+    "oom",
+    "user_defined",
+];
+
 use crate::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 use serde_pickle::{HashableValue, SerOptions, Value};
 use std::collections::BTreeMap;

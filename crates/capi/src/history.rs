@@ -50,21 +50,10 @@ type Ranges = Vec<(u64, u64)>;
 /// Ranges with the stream that owns them, as `(address, size, stream)`.
 type StreamRanges = Vec<(u64, u64, u64)>;
 
-/// The actions of PyTorch's `TraceEntry::Action`, in its enum's order
-/// (c10/core/CachingDeviceAllocator.h: ALLOC, FREE_REQUESTED, FREE_COMPLETED,
-/// SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, SNAPSHOT, OOM):
-/// an action's index is its code in [`VmmallocTraceEntry::action`].
-pub const ACTIONS: [&str; 9] = [
-    "alloc",
-    "free_requested",
-    "free_completed",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "snapshot",
-    "oom",
-];
+/// The actions of PyTorch's `TraceEntry::Action`, in its enum's order: an
+/// action's index is its code in [`VmmallocTraceEntry::action`] (the
+/// allocator crate's list, which the trace reader reads them by too).
+pub use vmmalloc_alloc::pickle_snapshot::TRACE_ACTIONS as ACTIONS;
 
 /// The code of `action` in [`ACTIONS`] (-1 if unknown).
 pub fn action_code(action: &str) -> c_int {

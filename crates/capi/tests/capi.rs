@@ -851,7 +851,7 @@ fn set_sink(on: bool) {
 }
 
 /// PyTorch's TraceEntry::Action order, as the snapshot reader lists it: the
-/// sink's action codes index it (crates/capi/src/history.rs ACTIONS).
+/// sink's action codes index it (the same list as crates/capi/src/history.rs ACTIONS).
 use vmmalloc_trace::pytorch::ACTIONS;
 
 fn trace_of(snap: &Value) -> Vec<(String, i64, i64)> {

@@ -88,7 +88,7 @@ struct Block {
 };
 using SegmentFn = void (*)(void*, const Segment*, const Block*, size_t);
 // One allocator event (crates/capi/src/history.rs, VmmallocTraceEntry):
-// action is the index of PyTorch's TraceEntry::Action (ALLOC .. OOM).
+// action is the index of PyTorch's TraceEntry::Action (ALLOC .. OOM; USER_DEFINED is never sent).
 struct TraceEvent {
   int device, action;
   uint64_t addr, size, stream;
@@ -230,7 +230,7 @@ void companion_free(void* p, size_t n, int device, cudaStream_t s) {
 }
 
 // PyTorch's TraceEntry::Action of a sink event's action code (its index in
-// crates/capi/src/history.rs ACTIONS, which follows the enum's order).
+// vmmalloc_alloc::pickle_snapshot::TRACE_ACTIONS, which follows the enum's order).
 std::optional<CCA::TraceEntry::Action> action_of(int code) {
   using A = CCA::TraceEntry;
   switch (code) {

@@ -63,20 +63,8 @@ use decode::{type_name, Kind, Sink, Val, Vm, NO_ROLE};
 pub const MAX_DEVICES: u32 = 1024;
 
 /// The `action` values this reader knows, in the order of PyTorch's
-/// `TraceEntry::Action` enum (c10/core/CachingDeviceAllocator.h: ALLOC …
-/// OOM, USER_DEFINED).
-pub const ACTIONS: [&str; 10] = [
-    "alloc",
-    "free_requested",
-    "free_completed",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "snapshot",
-    "oom",
-    "user_defined",
-];
+/// `TraceEntry::Action` enum (the allocator crate's list).
+pub use vmmalloc_alloc::pickle_snapshot::TRACE_ACTIONS as ACTIONS;
 
 /// The [`EventKind`] of each of [`ACTIONS`].
 const ACTION_KINDS: [EventKind; 10] = [
