@@ -24,8 +24,15 @@
 #                  peak reserved and step time. Verdict: every run completes.
 #   hot-path       scripts/torch_hot_path.py: torch.empty + free from Python,
 #                  µs per pair (reported; a run must complete).
-# Checks of the plug-in under vmmalloc expandable (exit 3 from a script is a
-# skip with its reason):
+# SHORT=1 (gpu-check.sh's default check; the full forms were measured on
+# 2026-12-04): fragmentation and train run under vmmalloc expandable only
+# (train STEPS=5), hot-path under vmmalloc with and without the companion.
+#
+# Checks of the plug-in under vmmalloc expandable. A check script's verdict:
+# FAIL when it exits non-zero (not 3) or prints any `CHECK name: FAIL` line;
+# SKIP, with its reason, when it exits 3 or prints any `CHECK name: SKIP` line
+# (what was skipped was not checked: a part is never "ok" for it); else ok.
+# Its `RESULT {json}` lines go to $RESULTS_JSONL like the workloads'.
 #   peer-copy, graph-replay, oom-exception, memory-allocated, growable
 #                  scripts/torch_plugin_checks.py CHECK (issues 11, 13)
 #   sleep          scripts/torch_sleep_checks.py (issue 12)
@@ -36,11 +43,13 @@
 #                  under vmmalloc (issue 28)
 #   ipc            scripts/torch_ipc_checks.py: CUDA IPC both ways (issue 28)
 #   graph-pools    scripts/torch_graph_pool_checks.py: torch.compile
-#                  reduce-overhead peak reserved <= 1.05x PyTorch's, and a
-#                  graph's pool paused, resumed, replayed bitwise (issue 32)
+#                  reduce-overhead (CUDA graphs recorded) peak reserved <=
+#                  1.05x PyTorch's, and a graph's pool paused, its contents
+#                  restored bitwise on resume, replayed (issue 32)
 #   history        scripts/torch_history_checks.py: _record_memory_history
-#                  under vmmalloc, OOM observer dump read by memory_viz and
-#                  replayed at the run's peak, cudnn.benchmark, cost (issue 34)
+#                  under vmmalloc, OOM observer dump parsed by memory_viz and
+#                  replayed at the run's peak by the CLI, cudnn.benchmark,
+#                  cost (report-only) (issue 34)
 #   share          scripts/torch_share_checks.py: two processes on one GPU
 #                  under one shared budget, one shrinks (its cap lowered from
 #                  outside) while the other grows; bytes intact, the group
@@ -53,23 +62,27 @@
 # otherwise builds target/release/libvmmalloc.so with cargo.
 #
 # Needs python3 with a CUDA build of PyTorch. Exit status: 0 when every
-# verdict passed, 1 otherwise (each run still happens), 3 with one clear line
-# (the last) when it cannot run: no python, no PyTorch, no CUDA device, a
-# PyTorch without the pluggable-allocator hooks, a part whose script is
-# missing.
+# verdict passed, 1 when one failed (each run still happens), 3 with one clear
+# line (the last) when it cannot run or a part was skipped: no python, no
+# PyTorch, no CUDA device, a PyTorch without the pluggable-allocator hooks, a
+# part whose script is missing, a check script that skipped.
 #
 # Environment: LIMIT_GB (fragmentation cap, default 8), STEPS (training
 # steps, default 22), PYTHON (default python3), CARGO_FLAGS (e.g.
 # "--offline"), VMMALLOC_LIBRARY (a built libvmmalloc.so: no cargo build),
 # RESULTS_JSONL (append every RESULT line there), TORCH_CHECKED=1 (the
-# caller already checked PyTorch: skip the ~3 s probe).
+# caller already checked PyTorch: skip the ~3 s probe), SHORT=1 (above),
+# STEP_DEADLINE (epoch seconds: no child is given a timeout beyond it),
+# VMMALLOC_CLI (the vmmalloc CLI; default the bundle's bin/vmmalloc or
+# target/release/vmmalloc, where there is one).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here/.."
 
 PY="${PYTHON:-python3}"
 LIMIT_GB="${LIMIT_GB:-8}"
-STEPS="${STEPS:-22}"
+SHORT="${SHORT:-0}"
+if [[ $SHORT == 1 ]]; then STEPS="${STEPS:-5}"; else STEPS="${STEPS:-22}"; fi
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
 plugin_checks=(peer-copy graph-replay oom-exception memory-allocated growable)
@@ -104,18 +117,41 @@ if [[ ${TORCH_CHECKED:-0} != 1 ]]; then
 fi
 
 failures=()
-# verdict NAME CMD...: runs CMD, records a failure.
+skips=()
+# verdict NAME CMD...: runs CMD, records a failure (or a skip: exit 3, the
+# reason in $skip_why).
+skip_why="" fail_why=""
 verdict() {
-    local name=$1
+    local name=$1 rc=0
     shift
     echo "--- $name"
     local t0=$SECONDS
-    if "$@"; then
+    skip_why="" fail_why=""
+    "$@" || rc=$?
+    if ((rc == 0)); then
         echo "--- $name: ok ($((SECONDS - t0)) s)"
+    elif ((rc == 3)); then
+        echo "--- $name: SKIPPED ($((SECONDS - t0)) s): ${skip_why:-skipped}"
+        skips+=("$name: ${skip_why:-skipped}")
     else
-        echo "--- $name: FAILED ($((SECONDS - t0)) s)"
-        failures+=("$name")
+        echo "--- $name: FAILED ($((SECONDS - t0)) s)${fail_why:+: $fail_why}"
+        failures+=("$name${fail_why:+ ($fail_why)}")
     fi
+}
+
+# child_limit SECONDS: SECONDS, or less so that a child ends (5 s, or a tenth
+# of what is left when that is under 50 s) before the caller's STEP_DEADLINE
+# (gpu-check.sh kills the whole step then), with a reason of its own.
+child_limit() {
+    local limit=$1
+    if [[ -n ${STEP_DEADLINE:-} ]]; then
+        local left=$((STEP_DEADLINE - $(date +%s))) margin=5
+        ((left < 50)) && margin=$((left / 10 > 1 ? left / 10 : 1))
+        left=$((left - margin))
+        ((left < 1)) && left=1
+        ((left < limit)) && limit=$left
+    fi
+    echo "$limit"
 }
 
 if [[ -n ${VMMALLOC_LIBRARY:-} ]]; then
@@ -127,6 +163,14 @@ else
     export VMMALLOC_LIBRARY="$PWD/target/release/libvmmalloc.so"
     export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# The CLI the check scripts use (history's replay, share's outside cap
+# change and sampler): gpu-check.sh exports the bundle's.
+if [[ -z ${VMMALLOC_CLI:-} ]]; then
+    for cli in "$here/../bin/vmmalloc" "$PWD/target/release/vmmalloc"; do
+        [[ -x $cli ]] && { export VMMALLOC_CLI="$cli"; break; }
+    done
+fi
+echo "vmmalloc CLI: ${VMMALLOC_CLI:-none}"
 results="${RESULTS_JSONL:-}"
 if [[ -z $results ]]; then
     results="$(mktemp)"
@@ -147,11 +191,11 @@ run_py() {
     local out rc=0 label
     case $alloc in
         pytorch) label=pytorch
-            out="$(env -u PYTORCH_CUDA_ALLOC_CONF timeout -k 5 150 "$PY" "$here/$script" "$@" 2>&1)" || rc=$? ;;
+            out="$(env -u PYTORCH_CUDA_ALLOC_CONF timeout -k 5 "$(child_limit 150)" "$PY" "$here/$script" "$@" 2>&1)" || rc=$? ;;
         pytorch-es) label=pytorch-es
-            out="$(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 5 150 "$PY" "$here/$script" "$@" 2>&1)" || rc=$? ;;
+            out="$(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 5 "$(child_limit 150)" "$PY" "$here/$script" "$@" 2>&1)" || rc=$? ;;
         *) label="vmmalloc ${alloc}"
-            out="$(env -u PYTORCH_CUDA_ALLOC_CONF VMMALLOC_CONF="$alloc" timeout -k 5 150 "$PY" -m vmmalloc "$here/$script" "$@" 2>&1)" || rc=$? ;;
+            out="$(env -u PYTORCH_CUDA_ALLOC_CONF VMMALLOC_CONF="$alloc" timeout -k 5 "$(child_limit 150)" "$PY" -m vmmalloc "$here/$script" "$@" 2>&1)" || rc=$? ;;
     esac
     printf '%s\n' "$out" | grep -v '^RESULT ' | tail -n 4 | sed "s/^/    [$label] /"
     local line
@@ -183,10 +227,14 @@ table() {
 if wants fragmentation; then
     echo "=== fragmentation under a ${LIMIT_GB} GiB cap"
     frag=(torch_fragmentation.py --limit-gb "$LIMIT_GB")
-    run_py pytorch "${frag[@]}" || true
-    run_py pytorch-es "${frag[@]}" || true
+    if [[ $SHORT != 1 ]]; then
+        run_py pytorch "${frag[@]}" || true
+        run_py pytorch-es "${frag[@]}" || true
+    fi
     verdict "fragmentation: vmmalloc expandable completes, bytes intact" \
         run_py backend:expandable "${frag[@]}" --expect ok
+fi
+if wants fragmentation && [[ $SHORT != 1 ]]; then
     run_py backend:torch-es "${frag[@]}" || true
     run_py backend:caching "${frag[@]}" || true
     # Replica fidelity: vmmalloc's replicas end as the real allocators do.
@@ -201,8 +249,8 @@ if wants fragmentation; then
         same_outcome pytorch-es vmmalloc:torch-es
     verdict "fragmentation: vmmalloc caching ends as PyTorch's default" \
         same_outcome pytorch vmmalloc:caching
-    table torch_fragmentation
 fi
+wants fragmentation && table torch_fragmentation
 
 if wants serving; then
     echo "=== serving loop under a 7 GiB cap"
@@ -215,7 +263,9 @@ fi
 
 if wants train; then
     echo "=== training with variable sequence lengths ($STEPS steps)"
-    for alloc in pytorch pytorch-es backend:expandable,on_oom:abort; do
+    allocs=(pytorch pytorch-es backend:expandable,on_oom:abort)
+    [[ $SHORT == 1 ]] && allocs=(backend:expandable,on_oom:abort)
+    for alloc in "${allocs[@]}"; do
         verdict "train_varlen: $alloc" run_py "$alloc" torch_train_varlen.py --steps "$STEPS"
     done
     table torch_train_varlen
@@ -223,7 +273,9 @@ fi
 
 if wants hot-path; then
     echo "=== torch.empty + free from Python"
-    for alloc in pytorch pytorch-es backend:expandable; do
+    allocs=(pytorch pytorch-es backend:expandable)
+    [[ $SHORT == 1 ]] && allocs=(backend:expandable)
+    for alloc in "${allocs[@]}"; do
         verdict "hot-path: $alloc" run_py "$alloc" torch_hot_path.py
     done
     # The same through PyTorch's pluggable allocator (no companion): the
@@ -234,26 +286,51 @@ fi
 
 # check_script NAME MODE SCRIPT ARGS...: a check script; MODE vmmalloc runs it
 # under `python -m vmmalloc` with backend:expandable, plain as it is. Its
-# CHECK lines are printed as they come; exit 3 is a skip.
+# lines are printed as they come. Returns 1 when it exits non-zero (not 3) or
+# prints a `CHECK ...: FAIL` line; 3 (the reason in skip_why) when it exits 3
+# or prints a `CHECK ...: SKIP` line; else 0. Its RESULT lines are collected.
 check_script() {
     local name=$1 mode=$2 script=$3
     shift 3
     if [[ ! -f $here/$script ]]; then
-        echo "    [$name] SKIP: $script is not in this bundle"
-        return 0
+        skip_why="$script is not in this bundle"
+        echo "    [$name] SKIP: $skip_why"
+        return 3
     fi
-    local rc=0
+    local rc=0 out limit
+    out="$(mktemp)"
+    limit="$(child_limit 300)"
     if [[ $mode == vmmalloc ]]; then
-        VMMALLOC_CONF="${CHECK_CONF:-backend:expandable}" PYTHONUNBUFFERED=1 timeout -k 5 300 \
-            "$PY" -m vmmalloc "$here/$script" "$@" 2>&1 | sed -u "s/^/    [$name] /" || rc=${PIPESTATUS[0]}
+        VMMALLOC_CONF="${CHECK_CONF:-backend:expandable}" PYTHONUNBUFFERED=1 timeout -k 5 "$limit" \
+            "$PY" -m vmmalloc "$here/$script" "$@" 2>&1 | tee "$out" | sed -u "s/^/    [$name] /" || rc=${PIPESTATUS[0]}
     else
-        PYTHONUNBUFFERED=1 timeout -k 5 300 "$PY" "$here/$script" "$@" 2>&1 | sed -u "s/^/    [$name] /" || rc=${PIPESTATUS[0]}
+        PYTHONUNBUFFERED=1 timeout -k 5 "$limit" "$PY" "$here/$script" "$@" 2>&1 | tee "$out" |
+            sed -u "s/^/    [$name] /" || rc=${PIPESTATUS[0]}
+    fi
+    local line
+    while IFS= read -r line; do
+        printf '%s\n' "${line#RESULT }" >>"$results"
+    done < <(grep '^RESULT {' "$out" || true)
+    local fails skipped last
+    fails="$(grep -c '^CHECK [^:]*: FAIL' "$out" || true)"
+    fail_why="$(grep -m 1 '^CHECK [^:]*: FAIL' "$out" | sed 's/^CHECK //' | cut -c1-120 || true)"
+    skipped="$(grep '^CHECK [^:]*: SKIP' "$out" | sed 's/^CHECK \([^:]*\): SKIP */\1: /' | tr '\n' ';' | sed 's/;$//' || true)"
+    last="$(grep -v '^[[:space:]]*$' "$out" | tail -n 1 | cut -c1-200)"
+    rm -f "$out"
+    ((rc == 124 || rc == 137)) && echo "    [$name] timed out after $limit s"
+    if ((rc != 0 && rc != 3)) || ((fails > 0)); then
+        ((rc == 0)) && echo "    [$name] exit 0, but $fails check(s) printed FAIL"
+        return 1
     fi
     if ((rc == 3)); then
-        echo "    [$name] skipped"
-        return 0
+        skip_why="${last:-exit 3}"
+        return 3
     fi
-    return "$rc"
+    if [[ -n $skipped ]]; then
+        skip_why="$(cut -c1-200 <<<"$skipped")"
+        return 3
+    fi
+    return 0
 }
 
 for check in "${plugin_checks[@]}"; do
@@ -270,7 +347,12 @@ wants history && verdict "history" check_script history plain torch_history_chec
 wants share && verdict "share" check_script share plain torch_share_checks.py
 
 if ((${#failures[@]} > 0)); then
-    echo "gpu-check-pytorch: FAILED: ${failures[*]}"
+    echo "gpu-check-pytorch: FAILED: ${failures[*]}${skips[*]:+; skipped: ${skips[*]}}"
     exit 1
+fi
+if ((${#skips[@]} > 0)); then
+    # The last line: gpu-check.sh quotes it as the step's SKIP reason.
+    echo "gpu-check-pytorch: skipped (not checked): $(printf '%s; ' "${skips[@]}" | sed 's/; $//')"
+    exit 3
 fi
 echo "gpu-check-pytorch: all passed (${parts[*]})"

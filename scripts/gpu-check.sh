@@ -11,8 +11,9 @@
 # that is a bundle's scripts/. Without a bundle, where cargo exists, it builds
 # one first (scripts/gpu-bundle.sh); with neither, it says so and stops.
 #
-# Steps (each with its own timeout, all within the time budget BUDGET_S; a
-# failing step never stops the others):
+# Steps, in this order (each with its own timeout, all within the time budget
+# BUDGET_S; a failing step never stops the others). The steps that never ran
+# on a GPU come first, the ones measured before (2026-12-04, H200) last:
 #   bundle       the manifest: format, the scripts' hash (a bundle built for
 #                other scripts), every file present with its sha256
 #   driver       nvidia-smi, `vmmalloc info` (driver version, devices,
@@ -20,18 +21,26 @@
 #   vmm          step 0: `vmmalloc vmm-check`, reserve → create → map → set
 #                access → write/read → unmap → release on the GPU: does this
 #                environment (driver, container, gVisor) support the VMM API?
+#   python       the Python package loads libvmmalloc.so, and the torch
+#                companion is built (10-30 s, once, before any step needs it)
+#   graph-pools, history, share, ipc, activation, complete, unpin-threads,
+#   hot-path     PyTorch features under the plug-in (never run on a GPU yet)
+#   fragmentation, serving, train
+#                PyTorch workloads under PyTorch's default allocator, real
+#                PyTorch expandable segments and vmmalloc (short forms unless
+#                FULL=1: vmmalloc only for fragmentation and train)
+#   graphs, plugin-checks, sleep
+#                plug-in checks that passed on 2026-12-04: FULL=1 or ONLY
+#                (all PyTorch steps: scripts/gpu-check-pytorch.sh, one part a step)
 #   conformance  the device conformance suite through the cuda backend
 #   suite:NAME   every other bundled #[ignore] suite (-- --ignored)
 #   calibrate    `vmmalloc calibrate`: the cost model's size sweep, as JSON
-#   python       the Python package loads libvmmalloc.so (no GPU needed)
-#   fragmentation, serving, train, hot-path
-#                PyTorch workloads under PyTorch's default allocator, real
-#                PyTorch expandable segments and vmmalloc, side by side
-#   graphs, plugin-checks, sleep, unpin-threads, complete, ipc, activation
-#                PyTorch features under the plug-in
-#                (all of them: scripts/gpu-check-pytorch.sh, one part a step)
 #   two-gpus     vmm-check on device 1 and the peer-copy check, where there
 #                are two GPUs
+#
+# Every step sees VMMALLOC_CLI (the bundle's bin/vmmalloc), VMMALLOC_LIBRARY,
+# PYTHONPATH (the bundle's python/) and STEP_DEADLINE (epoch seconds at which
+# the step is killed: the scripts' own child timeouts stay inside it).
 #
 # Writes into --out DIR, else $OUT (a folder), else ./gpu-check-out/:
 #   gpu-check.log            everything printed
@@ -51,14 +60,19 @@
 # Environment:
 #   OUT                    output folder (see above)
 #   BUDGET_S               time budget of the whole check in seconds (default 420)
-#   ITERATIONS             calibrate: timed calls per point (default 200, min 100)
+#   FULL=1                 the workloads' full forms (every allocator, STEPS
+#                          training steps) and the steps measured before
+#   ITERATIONS             calibrate: timed calls per point (default 100, min 100)
 #   VMMALLOC_TEST_DEVICE   GPU ordinal to test and calibrate (default 0)
 #   VMMALLOC_CUDA_LIBRARY  driver library to load instead of libcuda.so.1
 #   SKIP_PYTORCH=1         skip the PyTorch steps
 #   ONLY="NAME ..."        run only these steps (the others SKIP, "not selected")
 #   PYTHON                 python with PyTorch (default python3)
 #
-# Exit status: 0 when no step failed (skips allowed), 1 otherwise.
+# Exit status: 0 when no step failed and every selected step ran (a step may
+# SKIP for a reason it names: no GPU, no PyTorch, not selected); 1 when a step
+# failed, when a selected step was not run because the time budget was spent
+# (the summary says so and names them), or when ONLY names an unknown step.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -93,14 +107,19 @@ tee_pid=$!
 started=$SECONDS
 budget="${BUDGET_S:-420}"
 device="${VMMALLOC_TEST_DEVICE:-0}"
-iterations="${ITERATIONS:-200}"
+iterations="${ITERATIONS:-100}"
 PY="${PYTHON:-python3}"
 export VMMALLOC_TEST_DEVICE="$device"
+full="${FULL:-0}"
 failed=0
+# Selected steps not run for lack of time, and the step names seen (for ONLY).
+budget_cut=()
+seen_steps=" "
 
 section() { printf '\n=== %s\n' "$*"; }
 # verdict NAME PASS|FAIL|SKIP [WHY]: one line of the summary.
 verdict() {
+    seen_steps+="$1 "
     local line="$1: $2${3:+ ($3)}"
     echo ">>> $line"
     echo "$line" >>"$summary"
@@ -148,13 +167,17 @@ step() {
     local remaining
     remaining=$(left)
     if ((remaining < 5)); then
-        verdict "$name" SKIP "time budget of ${budget} s spent"
+        # A selected step that did not run is no pass: the run exits 1.
+        verdict "$name" SKIP "time budget of ${budget} s spent: NOT RUN"
+        budget_cut+=("$name")
         return 0
     fi
     ((limit > remaining)) && limit=$remaining
     section "$name (timeout ${limit} s): $*"
     local t0=$SECONDS rc=0 tmp
     tmp="$(mktemp)"
+    # The step's scripts keep their own child timeouts inside this.
+    export STEP_DEADLINE=$(($(date +%s) + limit))
     # Functions run through an exported-function bash (`timeout` runs programs).
     if [[ $(type -t "$1") == function ]]; then
         in_session "$limit" bash -c '"$@"' bash "$@" 2>&1 | tee "$tmp"
@@ -328,6 +351,89 @@ gpu_step() {
 }
 
 # ---------------------------------------------------------------------------
+# Python, the torch companion, and PyTorch under the plug-in (first: the
+# steps that never ran on a GPU)
+# ---------------------------------------------------------------------------
+export VMMALLOC_LIBRARY="$lib"
+export VMMALLOC_CLI="$bin"
+export PYTHONPATH="$bundle/python${PYTHONPATH:+:$PYTHONPATH}"
+python_check() {
+    command -v "$PY" >/dev/null 2>&1 || { echo "$PY is not installed"; return 3; }
+    "$PY" -c 'import vmmalloc, sys; p = vmmalloc.library_path(); print("vmmalloc package", vmmalloc.__file__, "library", p); sys.exit(0 if p else 1)' || return 1
+    if ((dry_run)); then
+        echo "dry run: the torch companion is built on the GPU box"
+        return 0
+    fi
+    # The companion (77 KB of C++, 10-30 s) is built here, once, not by the
+    # first vmmalloc process of a timed step. No PyTorch: nothing to build.
+    "$PY" -c '
+import sys, time
+try:
+    import torch
+except ImportError as e:
+    print("no PyTorch for this python: no torch companion to build (%s)" % e)
+    sys.exit(0)
+from vmmalloc import _companion
+t = time.time()
+lib = _companion.load(torch)
+print("torch companion for PyTorch %s built or found in %.1f s: %s; methods left out: %s"
+      % (torch.__version__, time.time() - t, lib.path, ", ".join(_companion.lost_methods(lib.path)) or "none"))
+'
+}
+export -f python_check
+if need "$lib" python && need "$bundle/python/vmmalloc/__init__.py" python; then
+    step python 90 python_check
+fi
+
+# One step per part of scripts/gpu-check-pytorch.sh, each with its own
+# timeout, PART:TIMEOUT[:PART2...], in the order they run. The estimates (s,
+# on an H200, from the 2026-12-04 run's ~5 s per PyTorch process) are in
+# docs/driver.md; the default check's total is about 360 s of 420.
+pytorch_steps=(
+    graph-pools:150 history:120 share:60 ipc:90 activation:120 complete:120 unpin-threads:50 hot-path:60
+    fragmentation:60 serving:60 train:110
+    graphs:30:graph-replay plugin-checks:45:oom-exception:memory-allocated:growable sleep:30
+)
+# Passed on 2026-12-04 (H200) and not in the default check: FULL=1 or ONLY.
+full_only=" graphs plugin-checks sleep "
+pt=$here/gpu-check-pytorch.sh
+export RESULTS_JSONL="$out_dir/results.jsonl"
+: >"$RESULTS_JSONL"
+# The workloads' short forms (gpu-check-pytorch.sh, SHORT=1) unless FULL=1.
+((full)) || export SHORT=1
+torch_version=""
+if [[ ${SKIP_PYTORCH:-0} == 1 ]]; then
+    pytorch_skip="SKIP_PYTORCH=1"
+elif ((dry_run)); then
+    pytorch_skip="dry run: needs PyTorch on a GPU"
+else
+    # One probe for every PyTorch step (each would spend ~3 s on its own).
+    pytorch_skip=""
+    probe="$(in_session 60 "$PY" -c 'import torch, torch.cuda.memory as m; m.CUDAPluggableAllocator; m.change_current_allocator; print("torch", torch.__version__, torch.version.cuda, torch.cuda.is_available())' 2>&1)" ||
+        pytorch_skip="no usable PyTorch for $PY: $(tail -n 1 <<<"$probe" | cut -c1-200)"
+    if [[ -z $pytorch_skip ]]; then
+        probe="$(grep '^torch ' <<<"$probe" | tail -n 1)"
+        [[ $probe == *True ]] || pytorch_skip="PyTorch sees no CUDA device ($probe)"
+        torch_version="$(cut -d' ' -f2,3 <<<"$probe")"
+        echo "PyTorch: $probe"
+    fi
+    export TORCH_CHECKED=1
+fi
+for entry in "${pytorch_steps[@]}"; do
+    IFS=: read -r -a f <<<"$entry"
+    name=${f[0]} limit=${f[1]}
+    parts=("${f[@]:2}")
+    ((${#parts[@]})) || parts=("$name")
+    if [[ -z ${ONLY:-} ]] && ((!full)) && [[ $full_only == *" $name "* ]]; then
+        verdict "$name" SKIP "not in the default check: passed on 2026-12-04 (H200); FULL=1 or ONLY=$name runs it"
+    elif [[ -n $pytorch_skip ]]; then
+        verdict "$name" SKIP "$pytorch_skip"
+    else
+        step "$name" "$limit" "$pt" "${parts[@]}"
+    fi
+done
+
+# ---------------------------------------------------------------------------
 # The #[ignore]d GPU test suites, single-threaded so that memory figures are
 # not disturbed by concurrent tests. The device suite's conformance test is
 # its own step.
@@ -358,61 +464,6 @@ export -f calibrate
 need "$bin" calibrate && gpu_step calibrate 150 calibrate
 
 # ---------------------------------------------------------------------------
-# Python and PyTorch under the plug-in
-# ---------------------------------------------------------------------------
-export VMMALLOC_LIBRARY="$lib"
-export PYTHONPATH="$bundle/python${PYTHONPATH:+:$PYTHONPATH}"
-python_check() {
-    command -v "$PY" >/dev/null 2>&1 || { echo "$PY is not installed"; return 3; }
-    "$PY" -c 'import vmmalloc, sys; p = vmmalloc.library_path(); print("vmmalloc package", vmmalloc.__file__, "library", p); sys.exit(0 if p else 1)'
-}
-export -f python_check
-if need "$lib" python && need "$bundle/python/vmmalloc/__init__.py" python; then
-    step python 30 python_check
-fi
-
-# One step per part of scripts/gpu-check-pytorch.sh, each with its own
-# timeout (seconds; the 2026-12-04 H200 run took 16-36 s for the parts that
-# existed then): PART:TIMEOUT[:PART2...].
-pytorch_steps=(
-    fragmentation:75 serving:60 train:110 hot-path:60
-    graphs:30:graph-replay plugin-checks:45:oom-exception:memory-allocated:growable sleep:30
-    unpin-threads:50 complete:75 ipc:90 activation:75 graph-pools:150 history:120 share:60
-)
-pt=$here/gpu-check-pytorch.sh
-export RESULTS_JSONL="$out_dir/results.jsonl"
-: >"$RESULTS_JSONL"
-torch_version=""
-if [[ ${SKIP_PYTORCH:-0} == 1 ]]; then
-    pytorch_skip="SKIP_PYTORCH=1"
-elif ((dry_run)); then
-    pytorch_skip="dry run: needs PyTorch on a GPU"
-else
-    # One probe for every PyTorch step (each would spend ~3 s on its own).
-    pytorch_skip=""
-    probe="$(in_session 60 "$PY" -c 'import torch, torch.cuda.memory as m; m.CUDAPluggableAllocator; m.change_current_allocator; print("torch", torch.__version__, torch.version.cuda, torch.cuda.is_available())' 2>&1)" ||
-        pytorch_skip="no usable PyTorch for $PY: $(tail -n 1 <<<"$probe" | cut -c1-200)"
-    if [[ -z $pytorch_skip ]]; then
-        probe="$(grep '^torch ' <<<"$probe" | tail -n 1)"
-        [[ $probe == *True ]] || pytorch_skip="PyTorch sees no CUDA device ($probe)"
-        torch_version="$(cut -d' ' -f2,3 <<<"$probe")"
-        echo "PyTorch: $probe"
-    fi
-    export TORCH_CHECKED=1
-fi
-for entry in "${pytorch_steps[@]}"; do
-    IFS=: read -r -a f <<<"$entry"
-    name=${f[0]} limit=${f[1]}
-    parts=("${f[@]:2}")
-    ((${#parts[@]})) || parts=("$name")
-    if [[ -n $pytorch_skip ]]; then
-        verdict "$name" SKIP "$pytorch_skip"
-    else
-        step "$name" "$limit" "$pt" "${parts[@]}"
-    fi
-done
-
-# ---------------------------------------------------------------------------
 # Two GPUs
 # ---------------------------------------------------------------------------
 two_gpus() {
@@ -429,6 +480,18 @@ if ((gpu_count < 2)); then
     verdict two-gpus SKIP "$gpu_count CUDA device(s)"
 elif need "$bin" two-gpus; then
     step two-gpus 90 two_gpus
+fi
+
+# ONLY names a step that does not exist: nothing ran under that name.
+for name in ${ONLY:-}; do
+    [[ $seen_steps == *" $name "* ]] || verdict "$name" FAIL "ONLY names no step of this check"
+done
+# Selected steps the time budget left out: the run is not a pass.
+if ((${#budget_cut[@]} > 0)); then
+    failed=1
+    line="gpu-check: ${#budget_cut[@]} selected step(s) NOT RUN, time budget of ${budget} s spent: rerun them with ONLY=\"${budget_cut[*]}\""
+    echo "$line"
+    echo "$line" >>"$summary"
 fi
 
 # results-gpu.md: the GPU, driver, PyTorch and commit, the verdicts, and the

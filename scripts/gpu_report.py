@@ -6,8 +6,10 @@
     gpu_report.py markdown OUT.md --results RESULTS.jsonl --summary SUMMARY.txt
                   --log LOG [--manifest MANIFEST] [--env KEY=VALUE ...]
         writes results-gpu.md: the GPU, driver, PyTorch and commit, the
-        step verdicts, then one table per workload and the CHECK lines of
-        the feature checks
+        step verdicts, then one table per workload, the CHECK lines of
+        the feature checks (a check whose detail starts "report-only" has
+        the verdict "report-only": it measures, it does not judge), and
+        every other RESULT line (the check scripts' figures)
 
 RESULTS.jsonl holds the ``RESULT {json}`` lines of scripts/torch_*.py (one
 JSON object a line, with a "script" and an "allocator" key). Needs no
@@ -179,11 +181,20 @@ def markdown(args):
             lines += [md_table(script, rs), ""]
     checks = checks_from_log(log_text)
     if checks:
-        lines += ["## Feature checks", "", "| step | check | verdict | detail |", "|---|---|---|---|"]
+        lines += ["## Feature checks", "",
+                  "A `report-only` check measures and prints; it passes whatever the figure.", "",
+                  "| step | check | verdict | detail |", "|---|---|---|---|"]
         for step, name, verdict, detail in checks:
+            if verdict == "ok" and re.match(r"(\([^)]*\) )?report-only", detail):
+                verdict = "report-only"
             detail = detail.replace("|", "\\|")
             lines.append(f"| {step} | {name} | {verdict} | {detail} |")
         lines.append("")
+    others = [r for r in rows if r.get("script") not in COLUMNS]
+    if others:
+        lines += ["## Figures of the feature checks (RESULT lines)", "", "```"]
+        lines += [json.dumps(r, sort_keys=True) for r in others]
+        lines += ["```", ""]
     with open(out_path, "w") as f:
         f.write("\n".join(lines))
     print(f"gpu_report: wrote {out_path} ({len(rows)} results, {len(checks)} checks)")

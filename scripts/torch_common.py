@@ -17,10 +17,13 @@
 - ``run_child()``: runs a script again as a child (``script args...``) and
   returns the JSON object its last stdout line holds (the check scripts run
   each allocator in a process of its own).
+- ``child_timeout()``: a child's timeout, cut so that it ends before the GPU
+  check's step does ($STEP_DEADLINE, epoch seconds, set by gpu-check.sh).
 - ``why_no_gpu()``: why a GPU check cannot run here (no PyTorch, no GPU
   visible), or None.
 - ``find_cli()``: the vmmalloc CLI ($VMMALLOC_CLI, the bundle's bin/, a
-  cargo build, or PATH), or None.
+  cargo build, or PATH), or None; a $VMMALLOC_CLI that is not an executable
+  raises (the GPU check sets it: a wrong one is a broken check, not a skip).
 - ``verify()``: checks that a uint8 tensor holds one value everywhere without
   a temporary the size of the tensor (``torch.sum(t, dtype=torch.int64)``
   materialises an int64 copy eight times as large: issue 25, defect 1).
@@ -31,6 +34,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -132,7 +136,12 @@ def find_cli():
     """The vmmalloc CLI: $VMMALLOC_CLI, the bundle's bin/, a cargo build, or
     PATH; None when there is none."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for p in (os.environ.get("VMMALLOC_CLI"), os.path.join(here, "..", "bin", "vmmalloc"),
+    named = os.environ.get("VMMALLOC_CLI")
+    if named:
+        if os.path.isfile(named) and os.access(named, os.X_OK):
+            return named
+        raise RuntimeError(f"VMMALLOC_CLI={named} is not an executable")
+    for p in (os.path.join(here, "..", "bin", "vmmalloc"),
               os.path.join(here, "..", "target", "release", "vmmalloc"),
               os.path.join(here, "..", "target", "debug", "vmmalloc"), shutil.which("vmmalloc")):
         if p and os.path.isfile(p) and os.access(p, os.X_OK):
@@ -140,11 +149,31 @@ def find_cli():
     return None
 
 
-def run_child(script, *args, timeout=240):
+def child_timeout(seconds):
+    """``seconds``, or less: what is left before $STEP_DEADLINE minus 5 s
+    (a tenth of it when under 50 s; at least 1 s), so that a child times out
+    with a reason before the GPU check kills the whole step."""
+    deadline = os.environ.get("STEP_DEADLINE")
+    if deadline:
+        try:
+            left = float(deadline) - time.time()
+        except ValueError:
+            return seconds
+        left -= 5 if left >= 50 else max(1.0, left / 10)
+        return max(1.0, min(seconds, left))
+    return seconds
+
+
+def run_child(script, *args, timeout=120):
     """Runs ``python script args...``; returns the JSON of its last stdout
-    line. Raises RuntimeError with the end of its output if it fails."""
-    r = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True, text=True,
-                       timeout=timeout)
+    line. Raises RuntimeError with the end of its output if it fails or
+    times out (``timeout``, cut by child_timeout())."""
+    limit = child_timeout(timeout)
+    try:
+        r = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True, text=True,
+                           timeout=limit)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"child {args} timed out after {limit:.0f} s") from None
     if r.returncode != 0:
         raise RuntimeError(f"child {args} failed ({r.returncode}): {(r.stdout + r.stderr)[-1500:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
