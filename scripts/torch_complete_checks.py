@@ -8,7 +8,8 @@ picks the backend), or plainly (it calls vmmalloc.enable() itself before CUDA
 is used). Each check prints one line ``CHECK name: ok`` or ``CHECK name: FAIL
 reason`` as soon as it is done; the exit status is 1 if any failed, 3 (with
 one line saying why) when it cannot run here (no CUDA device). NCCL checks run
-in child processes, each with its own timeout. About a minute on an H200,
+in child processes, each with its own timeout (inside the GPU check's step:
+$STEP_DEADLINE). About a minute on an H200,
 most of it torch.compile.
 """
 
@@ -19,6 +20,9 @@ import sys
 import tempfile
 import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_common  # noqa: E402
 
 failures = []
 
@@ -208,9 +212,10 @@ def check_ipc(torch, vmmalloc):
         f.write(IPC_CHILD)
     try:
         out = subprocess.run([sys.executable, "-m", "vmmalloc", f.name], input=pickle.dumps(args),
-                             capture_output=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                             capture_output=True, timeout=torch_common.child_timeout(120),
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     except subprocess.TimeoutExpired:
-        raise AssertionError("timed out after 120 s")
+        raise AssertionError("the child timed out")
     finally:
         os.unlink(f.name)
     text = (out.stdout + out.stderr).decode(errors="replace")
@@ -238,9 +243,9 @@ def check_nccl(torch, vmmalloc, hook):
         env["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
     try:
         out = subprocess.run([sys.executable, "-m", "vmmalloc", f.name], env=env, capture_output=True, text=True,
-                             timeout=120)
+                             timeout=torch_common.child_timeout(120))
     except subprocess.TimeoutExpired:
-        raise AssertionError("timed out after 120 s")
+        raise AssertionError("the child timed out")
     finally:
         os.unlink(f.name)
     text = out.stdout + out.stderr

@@ -14,10 +14,15 @@ from outside to 3.5 units (``vmmalloc share NAME --cap PID=SIZE``; from
 inside A when no CLI is found), A gives back (one poll, 100 ms, plus the give-back), and B's
 4 units succeed: one shrinks while the other grows. A cannot grow above its
 cap; every byte of both is intact; the group never holds more than its total
-(sampled every few ms throughout).
+(sampled every few ms throughout with ``vmmalloc share NAME --json``: at least
+20 samples and no failed sample, else FAIL; SKIP without a CLI).
+
+The CLI: $VMMALLOC_CLI (the GPU check sets it to the bundle's), else the
+bundle's bin/, a cargo build or PATH.
 
 Prints ``CHECK <name>: ok|FAIL|SKIP ...`` lines and one ``RESULT {json}``
-(give-back and grow times); exit 1 if a check failed, 0 otherwise.
+(give-back and grow times, report-only); exit 1 if a check failed, 3 when it
+cannot run here (no GPU), 0 otherwise.
 """
 
 import json
@@ -171,7 +176,7 @@ class Member:
         self.lines = queue.Queue()
         self.tail = []
         threading.Thread(target=self._read, daemon=True).start()
-        self.pid = self.answer(timeout=120)["ready"]
+        self.pid = self.answer(timeout=torch_common.child_timeout(60))["ready"]
 
     def _read(self):
         for line in self.proc.stdout:
@@ -208,39 +213,60 @@ class Member:
 
 
 class Sampler(threading.Thread):
-    """Reads the group (``read()``: its JSON, or None) every few ms until
-    stopped; counts the samples and keeps any above the total."""
+    """Reads the group (``read()``: its JSON; raises when it cannot) every
+    few ms until stopped; counts the samples and the failed reads (the first
+    one's reason kept) and keeps any sample above the total."""
 
     def __init__(self, read):
         super().__init__(daemon=True)
         self.read = read
         self.stopped = threading.Event()
         self.samples = 0
+        self.errors = 0
+        self.first_error = None
         self.over = []
 
     def run(self):
         while not self.stopped.is_set():
-            info = self.read()
-            if info:
-                self.samples += 1
-                if info["used"] > info["total"]:
-                    self.over.append((info["used"], info["total"]))
+            try:
+                info = self.read()
+                used, total = info["used"], info["total"]
+            except Exception as e:  # counted and reported: a silent stop would pass with 0 samples
+                self.errors += 1
+                if self.first_error is None:
+                    self.first_error = f"{type(e).__name__}: {e}"[:200]
+                time.sleep(0.05)
+                continue
+            self.samples += 1
+            if used > total:
+                self.over.append((used, total))
             time.sleep(0.005)
+
+    def verdict(self):
+        """(status, detail) of never_above_total."""
+        detail = f"{self.samples} samples, {self.errors} failed"
+        if self.over:
+            return "FAIL", f"{detail}; over the total: {self.over[:3]}"
+        if self.errors:
+            return "FAIL", f"{detail}; first failure: {self.first_error}"
+        if self.samples < 20:
+            return "FAIL", f"{detail}: too few samples to say"
+        return "ok", detail
 
 
 def group_info(cli, name, env):
     r = subprocess.run([cli, "share", name, "--device", DEVICE, "--json"], capture_output=True, text=True,
                        timeout=30, env=env)
     if r.returncode != 0:
-        return None
+        raise RuntimeError(f"vmmalloc share exit {r.returncode}: {(r.stdout + r.stderr).strip()[-150:]}")
     return json.loads(r.stdout)
 
 
 def main():
     why = None if HOST else torch_common.why_no_gpu()
     if why:
-        report("all", "SKIP", why)
-        return 0
+        print(f"torch_share_checks: cannot run: {why}", flush=True)
+        return 3
     name = f"gpucheck-{os.getpid()}"
     share_dir = tempfile.mkdtemp(prefix="vmmalloc-share-")
     conf = f"backend:expandable,share:{name},log:error"
@@ -313,12 +339,14 @@ def main():
         if sampler:
             sampler.stopped.set()
             sampler.join(30)
-            report("never_above_total", "FAIL" if sampler.over else "ok",
-                   f"{sampler.samples} samples" + (f", over: {sampler.over[:3]}" if sampler.over else ""))
+            report("never_above_total", *sampler.verdict())
+            figures["samples"] = sampler.samples
         else:
             info = b.ask("info")["ok"]
-            report("never_above_total", "ok" if info["used"] <= info["total"] else "FAIL",
-                   "at the end only (no CLI to sample with)")
+            if info["used"] > info["total"]:
+                report("never_above_total", "FAIL", f"at the end: used {info['used']} > total {info['total']}")
+            else:
+                report("never_above_total", "SKIP", "no vmmalloc CLI to sample with (at the end: within the total)")
     except Exception as e:
         report("driver", "FAIL", f"{type(e).__name__}: {e}")
     finally:
@@ -328,7 +356,7 @@ def main():
             if m:
                 m.stop()
         shutil.rmtree(share_dir, ignore_errors=True)
-    torch_common.result({"allocator": "vmmalloc:expandable share", **figures})
+    torch_common.result({"script": "torch_share_checks", "allocator": "vmmalloc:expandable share", **figures})
     return 1 if FAILED else 0
 
 
@@ -338,6 +366,7 @@ if __name__ == "__main__":
         sys.exit(0)
     t = time.monotonic()
     rc = main()
-    print(f"torch_share_checks: {'FAILED ' + ', '.join(FAILED) if FAILED else 'no failure'} in "
-          f"{time.monotonic() - t:.1f}s", flush=True)
+    if rc != 3:  # else the last line printed is why it cannot run
+        print(f"torch_share_checks: {'FAILED ' + ', '.join(FAILED) if FAILED else 'no failure'} in "
+              f"{time.monotonic() - t:.1f}s", flush=True)
     sys.exit(rc)

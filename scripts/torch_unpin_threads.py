@@ -33,8 +33,9 @@ as it is done:
 `turns` runs first: after `writer`, the writer thread's stream counts against
 unpinning for the next 4096 allocator calls, by design.
 
-Exits 0 when every check passed, 1 when one failed, 2 when it cannot run (no
-CUDA, not under `python -m vmmalloc`, or unpin not auto). Takes a few seconds.
+Exits 0 when every check passed, 1 when one failed, 3 when it cannot run here
+(no CUDA), 2 when it is run wrongly (not under `python -m vmmalloc`, or unpin
+not auto). Takes a few seconds.
 """
 
 import argparse
@@ -262,8 +263,8 @@ def main():
     import torch
 
     if not torch.cuda.is_available():
-        print("torch_unpin_threads: CUDA is not available", file=sys.stderr)
-        return 2
+        print("torch_unpin_threads: cannot run: CUDA is not available", flush=True)
+        return 3
     try:
         import vmmalloc
     except ImportError:
