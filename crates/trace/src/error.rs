@@ -43,6 +43,21 @@ pub enum ErrorKind {
     /// The pickle stream is malformed (truncated, corrupt).
     #[error("corrupt or truncated pickle: {0}")]
     Pickle(String),
+    /// The pickle asks the snapshot reader for more than its own budget allows
+    /// (memory or work per input byte, or the size of a value kept whole; see
+    /// docs/trace-format.md, "Limits"). Only a crafted or corrupt file does.
+    #[error(
+        "snapshot reader's {limit} limit hit at byte {at}: {bound} \
+         (docs/trace-format.md, \"Limits\")"
+    )]
+    Limit {
+        /// Which limit: `memory`, `work`, `whole-value size` or `whole-value depth`.
+        limit: &'static str,
+        /// The bound as it stood, in words.
+        bound: String,
+        /// Input bytes read when it was hit.
+        at: u64,
+    },
     /// The pickle library panicked on this input (reported, not propagated).
     #[error("corrupt pickle (the pickle reader panicked: {0})")]
     ReaderPanic(String),
@@ -93,6 +108,20 @@ pub enum ErrorKind {
         field: &'static str,
         /// The value found.
         value: u128,
+    },
+    /// A resize of a growable region past the size it reserved, or of an
+    /// allocation that is no region.
+    #[error("resize of {addr:#x} to {size} bytes: {}", match max {
+        Some(m) => format!("more than the {m} bytes its `reserve` set aside"),
+        None => "it is no region (`reserve` makes one; `alloc` does not)".to_string(),
+    })]
+    BadResize {
+        /// The address (or id) resized.
+        addr: u64,
+        /// The size asked for.
+        size: u64,
+        /// The region's reserved size, `None` if it is no region.
+        max: Option<u64>,
     },
     /// An allocation of zero bytes (frameworks never record one).
     #[error("allocation of size 0")]

@@ -47,8 +47,9 @@ use std::rc::Rc;
 
 use num_bigint::{BigInt, Sign};
 use rustc_hash::FxHashMap;
-use serde_pickle::{HashableValue, Value};
+use serde_pickle::Value;
 
+use super::limits::{Budget, ReadLimits};
 use crate::error::{ErrorKind, Result, TraceError};
 
 /// Pickle opcodes (names as in Python's `pickletools`).
@@ -173,6 +174,8 @@ pub(crate) enum Kind {
 }
 
 const NO_MEMO: u32 = u32::MAX;
+/// Bytes of one value in a vector.
+const VAL_BYTES: u64 = std::mem::size_of::<Val>() as u64;
 
 /// A container. Dict items are flat: key, value, key, value.
 #[derive(Debug)]
@@ -184,6 +187,9 @@ pub(crate) struct Obj {
     pub role: u32,
     /// Items (pairs, for a dict) that landed in it, kept or handed to the sink.
     pub landed: u32,
+    /// Whether it may be a dict key or set member: a tuple or frozenset of
+    /// hashable values, decided once when it is made (its items never change).
+    hashable: bool,
     pub items: Vec<Val>,
 }
 
@@ -249,11 +255,31 @@ const T_FRAME: u32 = 3;
 const T_STACK: u32 = 4;
 const T_BOXED: u32 = 5;
 const T_DROPPED: u32 = 6;
-/// How far past the dense memo's end an explicit id may go before it is kept sparse.
-const DENSE_SLACK: usize = 1 << 16;
+/// The memo's message when its 29-bit index runs out.
+const TOO_MANY: &str = "more shared objects than this reader indexes (2^29)";
+/// The dense memo grows to an explicit id only while it stays at least half
+/// full: `id < 2 × entries + DENSE_SLACK`. Python numbers its memo 0, 1, 2, …;
+/// ids far apart (crafted) go to the sparse map, which costs per entry.
+const DENSE_SLACK: usize = 64;
+/// What a memo error says when the budget refused the memory.
+const OVER_BUDGET: &str = "over budget";
+
+/// Bytes of a hash table of `cap` entries of `entry` bytes (hashbrown: a
+/// power of two of buckets at most 7/8 full, one control byte each).
+fn table_bytes(cap: usize, entry: u64) -> u64 {
+    if cap == 0 {
+        return 0;
+    }
+    let buckets = if cap < 8 {
+        8
+    } else {
+        (cap.saturating_mul(8) / 7).next_power_of_two()
+    };
+    buckets as u64 * (entry + 1)
+}
 
 impl Memo {
-    fn pack(&mut self, v: Val) -> Option<u32> {
+    fn pack(&mut self, v: Val, budget: &Budget) -> std::result::Result<u32, &'static str> {
         let (tag, i) = match v {
             Val::Obj(i) => (T_OBJ, i),
             Val::Str(i) => (T_STR, i),
@@ -261,12 +287,22 @@ impl Memo {
             Val::Stack(i) => (T_STACK, i),
             Val::Dropped => (T_DROPPED, 0),
             other => {
-                let i = u32::try_from(self.boxed.len()).ok()?;
+                let i = u32::try_from(self.boxed.len()).map_err(|_| TOO_MANY)?;
+                if self.boxed.len() == self.boxed.capacity() {
+                    let add = self.boxed.capacity().max(16);
+                    if !budget.charge((add * std::mem::size_of::<Val>()) as u64) {
+                        return Err(OVER_BUDGET);
+                    }
+                    self.boxed.reserve_exact(add);
+                }
                 self.boxed.push(other);
                 (T_BOXED, i)
             }
         };
-        (i <= PAYLOAD).then_some(tag << TAG_SHIFT | i)
+        if i > PAYLOAD {
+            return Err(TOO_MANY);
+        }
+        Ok(tag << TAG_SHIFT | i)
     }
 
     fn unpack(&self, s: u32) -> Option<Val> {
@@ -290,19 +326,43 @@ impl Memo {
         self.unpack(s)
     }
 
-    /// Stores `v` under `id`; returns the value it replaces.
-    fn set(&mut self, id: u32, v: Val) -> std::result::Result<Option<Val>, String> {
-        let s = self
-            .pack(v)
-            .ok_or_else(|| "more shared objects than this reader indexes (2^29)".to_string())?;
+    /// Stores `v` under `id`, charging `budget` for what the memo grows by;
+    /// returns the value it replaces. Errors: [`OVER_BUDGET`] (nothing
+    /// stored) or a message.
+    fn set(
+        &mut self,
+        id: u32,
+        v: Val,
+        budget: &Budget,
+    ) -> std::result::Result<Option<Val>, &'static str> {
+        let s = self.pack(v, budget)?;
         let i = id as usize;
         let old = if i < self.dense.len() {
             std::mem::replace(&mut self.dense[i], s)
-        } else if i < self.dense.len() + DENSE_SLACK && self.sparse.is_empty() {
+        } else if self.sparse.is_empty() && i < self.count.saturating_mul(2) + DENSE_SLACK {
+            let cap = self.dense.capacity();
+            if i >= cap {
+                let new_cap = (cap * 2).max(i + 1).max(256);
+                if !budget.charge(((new_cap - cap) * 4) as u64) {
+                    return Err(OVER_BUDGET);
+                }
+                self.dense.reserve_exact(new_cap - self.dense.len());
+            }
             self.dense.resize(i, T_EMPTY);
             self.dense.push(s);
             T_EMPTY
         } else {
+            if self.sparse.len() == self.sparse.capacity() && !self.sparse.contains_key(&id) {
+                // Growing: the new table (over-estimated) exists beside the old.
+                let before = table_bytes(self.sparse.capacity(), 8);
+                let transient = table_bytes((self.sparse.capacity() + 1) * 2, 8);
+                if !budget.charge(transient) {
+                    return Err(OVER_BUDGET);
+                }
+                self.sparse.reserve(1);
+                let after = table_bytes(self.sparse.capacity(), 8);
+                budget.uncharge((transient + before).saturating_sub(after));
+            }
             self.sparse.insert(id, s).unwrap_or(T_EMPTY)
         };
         let old = self.unpack(old);
@@ -320,11 +380,13 @@ struct Strings {
     index: FxHashMap<Rc<str>, u32>,
 }
 
+/// What interning a new string costs beyond its text: the `Rc` header, its
+/// slot in the list and its entry in the index, both of which double as they
+/// grow (charged generously).
+const STRING_OVERHEAD: u64 = 128;
+
 impl Strings {
-    fn intern(&mut self, s: &str) -> u32 {
-        if let Some(&i) = self.index.get(s) {
-            return i;
-        }
+    fn insert(&mut self, s: &str) -> u32 {
         let rc: Rc<str> = Rc::from(s);
         let i = self.list.len() as u32;
         self.list.push(rc.clone());
@@ -344,13 +406,28 @@ pub(crate) struct Vm {
     bigs: Vec<BigInt>,
     bytes: Vec<Box<[u8]>>,
     scratch: Vec<Val>,
+    /// The containers [`Vm::release`] is freeing (each at most once, so it
+    /// never outgrows `objs`).
+    freeing: Vec<u32>,
     /// Byte offset of the opcode being run (for errors).
     at: u64,
+    /// What the reader holds and does, against its limits.
+    pub budget: Budget,
 }
 
+/// Bytes the machine holds whatever the input (buffers made up front).
+const FIXED_BYTES: u64 = (BUF + 256 * 16 + 16 * 8) as u64;
+
+/// Bytes per container slot: the slot, and its share of the free list and of
+/// the freeing list (both kept as large as the arena).
+const OBJ_SLOT_BYTES: u64 = std::mem::size_of::<Obj>() as u64 + 8;
+
 impl Vm {
-    fn new() -> Vm {
-        Vm {
+    /// A machine with `names` pre-interned (their ids are 0, 1, 2, …).
+    pub fn new(limits: ReadLimits, names: &[&str]) -> Result<Vm> {
+        let budget = Budget::new(limits);
+        budget.charge(FIXED_BYTES);
+        let mut vm = Vm {
             stack: Vec::with_capacity(256),
             marks: Vec::with_capacity(16),
             memo: Memo::default(),
@@ -360,13 +437,57 @@ impl Vm {
             bigs: Vec::new(),
             bytes: Vec::new(),
             scratch: Vec::new(),
+            freeing: Vec::new(),
             at: 0,
+            budget,
+        };
+        for n in names {
+            vm.intern(n)?;
+        }
+        Ok(vm)
+    }
+
+    /// Charges `n` bytes, or fails with the limit's error (nothing charged).
+    pub fn charge(&self, n: u64) -> Result<()> {
+        if self.budget.charge(n) {
+            Ok(())
+        } else {
+            Err(self.limit_err())
         }
     }
 
-    /// Interns `s`; its id is stable for the whole decode.
-    pub fn intern(&mut self, s: &str) -> u32 {
-        self.strings.intern(s)
+    /// Takes `n` steps, or fails with the limit's error.
+    pub fn spend(&self, n: u64) -> Result<()> {
+        if self.budget.spend(n) {
+            Ok(())
+        } else {
+            Err(self.limit_err())
+        }
+    }
+
+    /// The error of the limit hit.
+    pub fn limit_err(&self) -> TraceError {
+        self.budget
+            .error()
+            .unwrap_or_else(|| self.pickle_err("over the reader's budget"))
+    }
+
+    /// Interns `s` (charged if new); its id is stable for the whole decode.
+    pub fn intern(&mut self, s: &str) -> Result<u32> {
+        if let Some(&i) = self.strings.index.get(s) {
+            return Ok(i);
+        }
+        self.charge(s.len() as u64 + STRING_OVERHEAD)?;
+        Ok(self.strings.insert(s))
+    }
+
+    /// Keeps a byte string (charged).
+    fn keep_bytes(&mut self, b: Vec<u8>) -> Result<Val> {
+        self.charge(b.len() as u64 + 48)?;
+        let i = u32::try_from(self.bytes.len())
+            .map_err(|_| self.pickle_err("more than 2^32 byte strings"))?;
+        self.bytes.push(b.into_boxed_slice());
+        Ok(Val::Bytes(i))
     }
 
     /// The string `id`.
@@ -404,18 +525,31 @@ impl Vm {
         ErrorKind::Pickle(format!("{msg} (at byte {})", self.at)).into()
     }
 
-    fn new_obj(&mut self, kind: Kind, role: u32, items: Vec<Val>) -> u32 {
+    /// Moves the stack's items from `m` up into a new vector (charged).
+    fn take_items(&mut self, m: usize) -> Result<Vec<Val>> {
+        let n = self.stack.len().saturating_sub(m);
+        self.charge(n as u64 * VAL_BYTES)?;
+        Ok(self.stack.split_off(m))
+    }
+
+    /// A new container holding `items`, which the caller has charged.
+    fn new_obj(&mut self, kind: Kind, role: u32, items: Vec<Val>) -> Result<u32> {
         let landed = if kind == Kind::Dict {
             items.len() / 2
         } else {
             items.len()
         } as u32;
+        let hashable = match kind {
+            Kind::Tuple | Kind::FrozenSet => items.iter().all(|&v| self.hashable(v)),
+            _ => false,
+        };
         let o = Obj {
             kind,
             rc: 1,
             memo: NO_MEMO,
             role,
             landed,
+            hashable,
             items,
         };
         match self.free.pop() {
@@ -425,12 +559,29 @@ impl Vm {
                 if slot.items.is_empty() && old.items.capacity() > 0 {
                     old.items.clear();
                     slot.items = old.items;
+                } else {
+                    self.budget
+                        .uncharge(old.items.capacity() as u64 * VAL_BYTES);
                 }
-                i
+                Ok(i)
             }
             None => {
+                let i = u32::try_from(self.objs.len())
+                    .map_err(|_| self.pickle_err("more than 2^32 containers"))?;
+                if self.objs.len() == self.objs.capacity() {
+                    let add = self.objs.capacity().max(64);
+                    if !self.budget.charge(add as u64 * OBJ_SLOT_BYTES) {
+                        // Nothing is kept of `o` but its items, charged.
+                        self.budget.uncharge(o.items.capacity() as u64 * VAL_BYTES);
+                        return Err(self.limit_err());
+                    }
+                    self.objs.reserve_exact(add);
+                    let cap = self.objs.capacity();
+                    self.free.reserve_exact(cap - self.free.len());
+                    self.freeing.reserve_exact(cap - self.freeing.len());
+                }
                 self.objs.push(o);
-                (self.objs.len() - 1) as u32
+                Ok(i)
             }
         }
     }
@@ -443,31 +594,43 @@ impl Vm {
     }
 
     /// Drops one reference to `v`; a container nothing holds any more is freed
-    /// (iteratively: nesting depth cannot overflow the call stack).
+    /// (iteratively: nesting depth cannot overflow the call stack; each
+    /// container joins the work list once, when its count reaches 0).
     pub fn release(&mut self, v: Val) {
         let Val::Obj(i) = v else { return };
-        let mut work = vec![i];
+        if !self.unref(i) {
+            return;
+        }
+        let mut work = std::mem::take(&mut self.freeing);
+        work.push(i);
         while let Some(i) = work.pop() {
-            let o = &mut self.objs[i as usize];
-            if o.rc == 0 {
-                continue;
-            }
-            o.rc -= 1;
-            if o.rc > 0 {
-                continue;
-            }
-            let mut items = std::mem::take(&mut o.items);
+            let mut items = std::mem::take(&mut self.objs[i as usize].items);
             for it in items.drain(..) {
                 if let Val::Obj(c) = it {
-                    work.push(c);
+                    if self.unref(c) {
+                        work.push(c);
+                    }
                 }
             }
             // Keep small buffers for reuse; give big ones back.
             if items.capacity() <= 64 {
                 self.objs[i as usize].items = items;
+            } else {
+                self.budget.uncharge(items.capacity() as u64 * VAL_BYTES);
             }
             self.free.push(i);
         }
+        self.freeing = work;
+    }
+
+    /// Drops one count of container `i`; true when that was its last.
+    fn unref(&mut self, i: u32) -> bool {
+        let o = &mut self.objs[i as usize];
+        if o.rc == 0 {
+            return false;
+        }
+        o.rc -= 1;
+        o.rc == 0
     }
 
     /// The sink has converted the container `v`: its memo slot (if it has
@@ -480,13 +643,33 @@ impl Vm {
             return;
         }
         self.objs[i as usize].memo = NO_MEMO;
-        if let Ok(Some(old)) = self.memo.set(m, typed) {
+        if let Ok(Some(old)) = self.memo.set(m, typed, &self.budget) {
             self.release(old);
         }
     }
 
     fn push(&mut self, v: Val) {
         self.stack.push(v);
+    }
+
+    /// Pops and releases the stack's items from `m` up.
+    fn release_from(&mut self, m: usize) {
+        while self.stack.len() > m {
+            if let Some(v) = self.stack.pop() {
+                self.release(v);
+            }
+        }
+    }
+
+    /// Makes room for `n` values in `scratch` (charged).
+    fn room_in_scratch(&self, scratch: &mut Vec<Val>, n: usize) -> Result<()> {
+        let cap = scratch.capacity();
+        if n > cap {
+            let new_cap = n.max(cap * 2);
+            self.charge((new_cap - cap) as u64 * VAL_BYTES)?;
+            scratch.reserve_exact(new_cap);
+        }
+        Ok(())
     }
 
     fn floor(&self) -> usize {
@@ -574,33 +757,28 @@ impl Vm {
 
     /// Whether `v` may be a dict key or set member (Python's hashable types,
     /// as serde-pickle checks them).
+    ///
+    /// Constant time: a container's answer is kept from when it was made, so
+    /// one huge tuple used as a key many times is never walked again.
     fn hashable(&self, v: Val) -> bool {
-        // Nearly every key is a string: answer scalars without the work list.
         match v {
-            Val::Obj(_) => {}
-            Val::Frame(_) | Val::Stack(_) | Val::Dropped => return false,
-            _ => return true,
+            Val::Obj(i) => self.objs[i as usize].hashable,
+            Val::Frame(_) | Val::Stack(_) | Val::Dropped => false,
+            _ => true,
         }
-        let mut work = vec![v];
-        let mut seen = 0usize;
-        while let Some(v) = work.pop() {
-            seen += 1;
-            if seen > 1_000_000 {
-                return false;
-            }
-            match v {
-                Val::Obj(i) => {
-                    let o = &self.objs[i as usize];
-                    match o.kind {
-                        Kind::Tuple | Kind::FrozenSet => work.extend_from_slice(&o.items),
-                        _ => return false,
-                    }
-                }
-                Val::Frame(_) | Val::Stack(_) | Val::Dropped => return false,
-                _ => {}
-            }
+    }
+
+    /// Makes room for `n` more items in container `t` (charged), growing as a
+    /// vector does (doubling).
+    fn grow_items(&mut self, t: u32, n: usize) -> Result<()> {
+        let items = &self.objs[t as usize].items;
+        let (len, cap) = (items.len(), items.capacity());
+        if len + n > cap {
+            let new_cap = (cap * 2).max(len + n).max(4);
+            self.charge((new_cap - cap) as u64 * VAL_BYTES)?;
+            self.objs[t as usize].items.reserve_exact(new_cap - len);
         }
-        true
+        Ok(())
     }
 
     /// Items land in the container `target`: kept, or handed to the sink.
@@ -662,6 +840,7 @@ impl Vm {
                         .into());
                     }
                 }
+                self.grow_items(t, chunk.len())?;
                 self.objs[t as usize].items.extend_from_slice(chunk);
             } else {
                 sink.land(self, t, key, index, item)?;
@@ -884,19 +1063,19 @@ fn name_of(opcode: u8) -> String {
 }
 
 /// Two's-complement little-endian bytes (LONG1/LONG4) as an integer value.
-fn long_val(vm: &mut Vm, bytes: &[u8]) -> Val {
+fn long_val(vm: &mut Vm, bytes: &[u8]) -> Result<Val> {
     if bytes.len() <= 8 {
         if bytes.is_empty() {
-            return Val::Int(0);
+            return Ok(Val::Int(0));
         }
         let mut b = [0u8; 8];
         b[..bytes.len()].copy_from_slice(bytes);
         let shift = 64 - 8 * bytes.len() as u32;
-        return Val::Int(
+        return Ok(Val::Int(
             i64::from_le_bytes(b)
                 .wrapping_shl(shift)
                 .wrapping_shr(shift),
-        );
+        ));
     }
     let negative = bytes[bytes.len() - 1] & 0x80 != 0;
     let mut v = BigInt::from_bytes_le(Sign::Plus, bytes);
@@ -906,12 +1085,15 @@ fn long_val(vm: &mut Vm, bytes: &[u8]) -> Val {
     big_val(vm, v)
 }
 
-fn big_val(vm: &mut Vm, v: BigInt) -> Val {
+fn big_val(vm: &mut Vm, v: BigInt) -> Result<Val> {
     match i64::try_from(&v) {
-        Ok(i) => Val::Int(i),
+        Ok(i) => Ok(Val::Int(i)),
         Err(_) => {
+            vm.charge(v.bits() / 8 + 64)?;
+            let i = u32::try_from(vm.bigs.len())
+                .map_err(|_| vm.pickle_err("more than 2^32 big integers"))?;
             vm.bigs.push(v);
-            Val::Big((vm.bigs.len() - 1) as u32)
+            Ok(Val::Big(i))
         }
     }
 }
@@ -988,35 +1170,44 @@ fn unescape_unicode(vm: &Vm, s: &[u8]) -> Result<String> {
 /// returns the machine and the pickle's value. Bytes after `STOP` are an error.
 #[cfg(test)]
 pub(crate) fn decode<R: Read, S: Sink>(r: R, sink: &mut S) -> Result<(Vm, Val)> {
-    let mut vm = Vm::new();
-    let v = run(&mut vm, Src::new(r), sink)?;
+    let mut vm = Vm::new(ReadLimits::default(), &[])?;
+    let v = run(&mut vm, r, sink)?;
     Ok((vm, v))
 }
 
-/// Pre-interns `names` (their ids are then 0, 1, 2, …) and decodes.
-pub(crate) fn decode_with_names<R: Read, S: Sink>(
-    r: R,
-    names: &[&str],
-    sink: &mut S,
-) -> Result<(Vm, Val)> {
-    let mut vm = Vm::new();
-    for n in names {
-        vm.intern(n);
+/// Decodes one pickle from `r` on `vm`, handing containers with roles to
+/// `sink`; returns the pickle's value. Bytes after `STOP` are an error, and
+/// so is a limit hit (whatever the sink made of it).
+pub(crate) fn run<R: Read, S: Sink>(vm: &mut Vm, r: R, sink: &mut S) -> Result<Val> {
+    let r = run_src(vm, Src::new(r), sink);
+    match r {
+        Err(_) | Ok(_) if vm.budget.exhausted() => Err(vm.limit_err()),
+        r => r,
     }
-    let v = run(&mut vm, Src::new(r), sink)?;
-    Ok((vm, v))
 }
 
-fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<Val> {
+fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<Val> {
     use op::*;
     loop {
         vm.at = src.offset();
+        vm.budget.set_read(vm.at);
+        if vm.budget.exhausted() {
+            return Err(vm.limit_err());
+        }
+        // Every opcode pushes at most one value: room for it is charged here.
+        if vm.stack.len() == vm.stack.capacity() {
+            let add = vm.stack.capacity().max(256);
+            vm.charge(add as u64 * VAL_BYTES)?;
+            vm.stack.reserve_exact(add);
+        }
         let Some(code) = src.byte()? else {
             return Err(vm.pickle_err("truncated: the input ends before the STOP opcode"));
         };
         macro_rules! take {
             ($n:expr) => {
                 match src.take($n)? {
+                    // (The bytes read are brought up to date at the next
+                    // opcode: at most one buffer's worth behind.)
                     Some(b) => b,
                     None => {
                         return Err(vm.pickle_err(format!(
@@ -1030,7 +1221,10 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
         macro_rules! take_vec {
             ($n:expr) => {
                 match src.take_vec($n)? {
-                    Some(b) => b,
+                    Some(b) => {
+                        vm.budget.set_read(src.offset());
+                        b
+                    }
                     None => {
                         return Err(vm.pickle_err(format!(
                             "truncated: the input ends inside {}",
@@ -1043,7 +1237,10 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
         macro_rules! line {
             () => {
                 match src.line()? {
-                    Some(l) => l,
+                    Some(l) => {
+                        vm.budget.set_read(src.offset());
+                        l
+                    }
                     None => {
                         return Err(vm.pickle_err(format!(
                             "truncated: the input ends inside {}",
@@ -1056,7 +1253,7 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
         macro_rules! utf8 {
             ($b:expr) => {
                 match std::str::from_utf8($b) {
-                    Ok(s) => Val::Str(vm.intern(s)),
+                    Ok(s) => Val::Str(vm.intern(s)?),
                     Err(_) => {
                         return Err(vm.pickle_err(format!("{} is not valid UTF-8", name_of(code))))
                     }
@@ -1076,9 +1273,17 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                     vm.at = src.offset() - 1;
                     return Err(vm.pickle_err("trailing bytes after the STOP opcode"));
                 }
+                vm.budget.set_read(src.offset());
                 return Ok(v);
             }
-            MARK => vm.marks.push(vm.stack.len()),
+            MARK => {
+                if vm.marks.len() == vm.marks.capacity() {
+                    let add = vm.marks.capacity().max(16);
+                    vm.charge(add as u64 * 8)?;
+                    vm.marks.reserve_exact(add);
+                }
+                vm.marks.push(vm.stack.len())
+            }
             POP => {
                 if vm.marks.last() == Some(&vm.stack.len()) {
                     vm.marks.pop();
@@ -1089,10 +1294,7 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
             }
             POP_MARK => {
                 let m = vm.pop_mark()?;
-                let items: Vec<Val> = vm.stack.drain(m..).collect();
-                for v in items {
-                    vm.release(v);
-                }
+                vm.release_from(m);
             }
             DUP => {
                 let v = vm.top()?;
@@ -1121,9 +1323,10 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                         o.memo = id;
                     }
                 }
-                match vm.memo.set(id, v) {
+                match vm.memo.set(id, v, &vm.budget) {
                     Ok(Some(old)) => vm.release(old),
                     Ok(None) => {}
+                    Err(_) if vm.budget.exhausted() => return Err(vm.limit_err()),
                     Err(m) => return Err(vm.pickle_err(m)),
                 }
             }
@@ -1170,7 +1373,7 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                 }
                 let b = BigInt::parse_bytes(&l, 10)
                     .ok_or_else(|| vm.pickle_err("invalid LONG literal"))?;
-                let v = big_val(vm, b);
+                let v = big_val(vm, b)?;
                 vm.push(v);
             }
             FLOAT => {
@@ -1200,14 +1403,14 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
             LONG1 => {
                 let n = take!(1)[0] as usize;
                 let b = take!(n).to_vec();
-                let v = long_val(vm, &b);
+                let v = long_val(vm, &b)?;
                 vm.push(v);
             }
             LONG4 => {
                 let n = i32::from_le_bytes(take!(4).try_into().expect("4 bytes"));
                 let n = u64::try_from(n).map_err(|_| vm.pickle_err("LONG4 of negative length"))?;
                 let b = take_vec!(n);
-                let v = long_val(vm, &b);
+                let v = long_val(vm, &b)?;
                 vm.push(v);
             }
             SHORT_BINUNICODE | SHORT_BINSTRING => {
@@ -1240,8 +1443,7 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                     _ => u64::from_le_bytes(take!(8).try_into().expect("8 bytes")),
                 };
                 let b = take_vec!(n);
-                vm.bytes.push(b.into_boxed_slice());
-                let v = Val::Bytes((vm.bytes.len() - 1) as u32);
+                let v = vm.keep_bytes(b)?;
                 vm.push(v);
             }
             STRING => {
@@ -1253,11 +1455,11 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
             UNICODE => {
                 let l = line!();
                 let s = unescape_unicode(vm, &l)?;
-                let v = Val::Str(vm.intern(&s));
+                let v = Val::Str(vm.intern(&s)?);
                 vm.push(v);
             }
             EMPTY_TUPLE => {
-                let o = vm.new_obj(Kind::Tuple, NO_ROLE, Vec::new());
+                let o = vm.new_obj(Kind::Tuple, NO_ROLE, Vec::new())?;
                 vm.push(Val::Obj(o));
             }
             TUPLE1 | TUPLE2 | TUPLE3 => {
@@ -1265,13 +1467,13 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                 if vm.stack.len() < vm.floor() + n {
                     return Err(vm.pickle_err("stack underflow"));
                 }
-                let items = vm.stack.split_off(vm.stack.len() - n);
-                let o = vm.new_obj(Kind::Tuple, NO_ROLE, items);
+                let items = vm.take_items(vm.stack.len() - n)?;
+                let o = vm.new_obj(Kind::Tuple, NO_ROLE, items)?;
                 vm.push(Val::Obj(o));
             }
             TUPLE | LIST | FROZENSET => {
                 let m = vm.pop_mark()?;
-                let items = vm.stack.split_off(m);
+                let items = vm.take_items(m)?;
                 let kind = match code {
                     TUPLE => Kind::Tuple,
                     LIST => Kind::List,
@@ -1284,19 +1486,19 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                         );
                     }
                 }
-                let o = vm.new_obj(kind, NO_ROLE, items);
+                let o = vm.new_obj(kind, NO_ROLE, items)?;
                 vm.push(Val::Obj(o));
             }
             DICT => {
                 let m = vm.pop_mark()?;
-                let items = vm.stack.split_off(m);
+                let items = vm.take_items(m)?;
                 if items.len() % 2 == 1 {
                     return Err(vm.pickle_err("DICT with a key and no value"));
                 }
                 if let Some(&bad) = items.iter().step_by(2).find(|&&k| !vm.hashable(k)) {
                     return Err(vm.pickle_err(format!("unhashable dict key ({})", vm.type_of(bad))));
                 }
-                let o = vm.new_obj(Kind::Dict, NO_ROLE, items);
+                let o = vm.new_obj(Kind::Dict, NO_ROLE, items)?;
                 vm.push(Val::Obj(o));
             }
             EMPTY_LIST | EMPTY_DICT | EMPTY_SET => {
@@ -1310,7 +1512,7 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                 } else {
                     vm.creation_role(sink, kind)
                 };
-                let o = vm.new_obj(kind, role, Vec::new());
+                let o = vm.new_obj(kind, role, Vec::new())?;
                 vm.push(Val::Obj(o));
             }
             APPEND | SETITEM => {
@@ -1320,6 +1522,10 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                 }
                 let mut items = std::mem::take(&mut vm.scratch);
                 items.clear();
+                if let Err(e) = vm.room_in_scratch(&mut items, n) {
+                    vm.scratch = items;
+                    return Err(e);
+                }
                 let from = vm.stack.len() - n;
                 items.extend_from_slice(&vm.stack[from..]);
                 vm.stack.truncate(from);
@@ -1336,6 +1542,10 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                 let m = vm.pop_mark()?;
                 let mut items = std::mem::take(&mut vm.scratch);
                 items.clear();
+                if let Err(e) = vm.room_in_scratch(&mut items, vm.stack.len() - m) {
+                    vm.scratch = items;
+                    return Err(e);
+                }
                 items.extend_from_slice(&vm.stack[m..]);
                 vm.stack.truncate(m);
                 let target = vm.top()?;
@@ -1383,7 +1593,7 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                 let class = vm.pop()?;
                 vm.release(args);
                 vm.release(class);
-                let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new());
+                let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?;
                 vm.push(Val::Obj(o));
             }
             NEWOBJ_EX => {
@@ -1391,7 +1601,7 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                     let v = vm.pop()?;
                     vm.release(v);
                 }
-                let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new());
+                let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?;
                 vm.push(Val::Obj(o));
             }
             INST | OBJ => {
@@ -1400,15 +1610,12 @@ fn run<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<V
                     line!();
                 }
                 let m = vm.pop_mark()?;
-                let items: Vec<Val> = vm.stack.drain(m..).collect();
-                for v in items {
-                    vm.release(v);
-                }
+                vm.release_from(m);
                 if code == OBJ {
                     let class = vm.pop()?;
                     vm.release(class);
                 }
-                let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new());
+                let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?;
                 vm.push(Val::Obj(o));
             }
             other => {
@@ -1435,126 +1642,253 @@ fn global(module: &[u8], name: &[u8]) -> Global {
 }
 
 /// `REDUCE` of the globals serde-pickle knows (`set([...])`, `_codecs.encode`
-/// for protocol 2 bytes, …); anything else is an opaque object (`None`).
+/// for protocol 2 bytes, …); anything else is an opaque object (`None`):
+/// nothing named in a pickle is ever called.
 fn reduce(vm: &mut Vm, callable: Val, args: Val) -> Result<Val> {
-    let Some(items) = vm.items(args, &[Kind::Tuple]).map(<[Val]>::to_vec) else {
-        return Err(vm.pickle_err(format!(
-            "REDUCE with {} for arguments, expected a tuple",
-            vm.type_of(args)
-        )));
+    // The arguments used: the first, the second-to-last and the last.
+    let (first, second_last, last) = match vm.items(args, &[Kind::Tuple]) {
+        Some(items) => (
+            items.first().copied(),
+            items.len().checked_sub(2).map(|i| items[i]),
+            items.last().copied(),
+        ),
+        None => {
+            return Err(vm.pickle_err(format!(
+                "REDUCE with {} for arguments, expected a tuple",
+                vm.type_of(args)
+            )))
+        }
     };
     let Val::Global(g) = callable else {
         return Err(vm.pickle_err(format!("REDUCE of {}", vm.type_of(callable))));
     };
-    let last = items.last().copied();
     let bad = |vm: &Vm, what: &str| vm.pickle_err(format!("invalid {what}() argument"));
-    let copy_list = |vm: &mut Vm, kind: Kind| -> Option<Val> {
-        let l = vm.items(last?, &[Kind::List])?.to_vec();
+    // A copy of the list `last` as a new container of `kind` (charged: a
+    // list shared through the memo can be copied at every reference).
+    let copy_list = |vm: &mut Vm, kind: Kind| -> Result<Option<Val>> {
+        let Some(n) = last
+            .and_then(|l| vm.items(l, &[Kind::List]))
+            .map(<[Val]>::len)
+        else {
+            return Ok(None);
+        };
+        vm.spend(n as u64)?;
+        vm.charge(n as u64 * VAL_BYTES)?;
+        let l = vm
+            .items(last.unwrap_or(Val::None), &[Kind::List])
+            .unwrap_or(&[])
+            .to_vec();
         for &v in &l {
             vm.retain(v);
         }
-        Some(Val::Obj(vm.new_obj(kind, NO_ROLE, l)))
+        Ok(Some(Val::Obj(vm.new_obj(kind, NO_ROLE, l)?)))
+    };
+    // Text as bytes, one byte per character (charged and counted).
+    let text_bytes = |vm: &mut Vm, s: u32, what: &str| -> Result<Val> {
+        let n = vm.str(s).len() as u64;
+        vm.spend(n)?;
+        vm.charge(n)?;
+        let b: Vec<u8> = vm.str(s).chars().map(|c| c as u32 as u8).collect();
+        vm.budget.uncharge(n);
+        vm.keep_bytes(b).map_err(|e| {
+            if vm.budget.exhausted() {
+                e
+            } else {
+                bad(vm, what)
+            }
+        })
     };
     Ok(match g {
-        Global::Set => copy_list(vm, Kind::Set).ok_or_else(|| bad(vm, "set"))?,
-        Global::Frozenset => copy_list(vm, Kind::FrozenSet).ok_or_else(|| bad(vm, "frozenset"))?,
-        Global::List => copy_list(vm, Kind::List).ok_or_else(|| bad(vm, "list"))?,
+        Global::Set => copy_list(vm, Kind::Set)?.ok_or_else(|| bad(vm, "set"))?,
+        Global::Frozenset => copy_list(vm, Kind::FrozenSet)?.ok_or_else(|| bad(vm, "frozenset"))?,
+        Global::List => copy_list(vm, Kind::List)?.ok_or_else(|| bad(vm, "list"))?,
         Global::Int => match last {
             Some(v @ Val::Big(_)) | Some(v @ Val::Int(_)) => v,
             _ => return Err(bad(vm, "int")),
         },
-        Global::Bytearray => match items.first().copied() {
+        Global::Bytearray => match first {
             Some(v @ Val::Bytes(_)) => v,
-            Some(Val::Str(s)) => {
-                let b: Vec<u8> = vm.str(s).chars().map(|c| c as u32 as u8).collect();
-                vm.bytes.push(b.into_boxed_slice());
-                Val::Bytes((vm.bytes.len() - 1) as u32)
-            }
+            Some(Val::Str(s)) => text_bytes(vm, s, "bytearray")?,
             _ => return Err(bad(vm, "bytearray")),
         },
-        Global::Encode => match (items.len().checked_sub(2).map(|i| items[i]), last) {
-            (Some(Val::Str(s)), Some(Val::Str(_))) => {
-                let b: Vec<u8> = vm.str(s).chars().map(|c| c as u8).collect();
-                vm.bytes.push(b.into_boxed_slice());
-                Val::Bytes((vm.bytes.len() - 1) as u32)
-            }
+        Global::Encode => match (second_last, last) {
+            (Some(Val::Str(s)), Some(Val::Str(_))) => text_bytes(vm, s, "encode")?,
             _ => return Err(bad(vm, "encode")),
         },
-        Global::Reconst => Val::Obj(vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())),
+        Global::Reconst => Val::Obj(vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?),
         Global::Other => Val::Global(Global::Other),
     })
+}
+
+/// A value kept whole, or why not.
+pub(crate) enum Whole {
+    /// The value, and the bytes charged for it (the caller gives them back,
+    /// [`Budget::uncharge`], when it drops the value).
+    Value(Value, u64),
+    /// It expands past the size allowed.
+    TooBig,
+    /// It nests past the depth allowed.
+    TooDeep,
 }
 
 /// `v` as a serde-pickle value (what the reader used to see), for the few
 /// small parts of a snapshot kept as generic values (`allocator_settings`,
 /// the keys of a foreign dict). A container inside itself reads as `None`,
 /// as serde-pickle's `replace_recursive_structures` has it.
-pub(crate) fn to_value(vm: &Vm, v: Val, frames: &dyn Fn(Val) -> Value) -> Result<Value> {
-    fn go(vm: &Vm, v: Val, frames: &dyn Fn(Val) -> Value, open: &mut Vec<u32>) -> Result<Value> {
-        if open.len() > 10_000 {
-            return Err(ErrorKind::Pickle("values nested more than 10000 deep".into()).into());
-        }
-        Ok(match v {
-            Val::None | Val::Global(_) => Value::None,
-            Val::Bool(b) => Value::Bool(b),
-            Val::Int(i) => Value::I64(i),
-            Val::Big(i) => Value::Int(vm.big(i).clone()),
-            Val::Float(f) => Value::F64(f),
-            Val::Str(s) => Value::String(vm.str(s).to_string()),
-            Val::Bytes(b) => Value::Bytes(vm.bytes(b).to_vec()),
-            Val::Frame(_) | Val::Stack(_) | Val::Dropped => frames(v),
-            Val::Obj(i) => {
-                if open.contains(&i) {
-                    return Ok(Value::None);
-                }
-                open.push(i);
-                let o = vm.obj(i);
-                let mut items = Vec::with_capacity(o.items.len());
-                for &x in &o.items {
-                    items.push(go(vm, x, frames, open)?);
-                }
-                open.pop();
-                let hash = |x: Value| {
-                    x.into_hashable()
-                        .map_err(|e| TraceError::from(ErrorKind::Pickle(e.to_string())))
-                };
-                match o.kind {
-                    Kind::List => Value::List(items),
-                    Kind::Tuple => Value::Tuple(items),
-                    Kind::Set => Value::Set(items.into_iter().map(hash).collect::<Result<_>>()?),
-                    Kind::FrozenSet => {
-                        Value::FrozenSet(items.into_iter().map(hash).collect::<Result<_>>()?)
-                    }
-                    Kind::Dict => {
-                        let mut map = std::collections::BTreeMap::new();
-                        let mut it = items.into_iter();
-                        while let (Some(k), Some(x)) = (it.next(), it.next()) {
-                            map.insert(hash(k)?, x);
-                        }
-                        Value::Dict(map)
-                    }
-                }
-            }
-        })
+///
+/// Bounded: memoized containers can be referenced at every level, so a few
+/// hundred bytes can expand to gigabytes. The expansion is estimated as it
+/// goes (a value's size, plus its text), charged to the budget, and stops
+/// at `cap` bytes or [`ReadLimits::whole_value_depth`] levels. Errors: a
+/// budget limit hit.
+pub(crate) fn to_value(vm: &Vm, v: Val, frames: &dyn Fn(Val) -> Value, cap: u64) -> Result<Whole> {
+    /// Estimated bytes of one value beside its text (the value, and its
+    /// slot in a vector or map).
+    const NODE: u64 = 2 * std::mem::size_of::<Value>() as u64;
+    struct Walk<'a> {
+        vm: &'a Vm,
+        frames: &'a dyn Fn(Val) -> Value,
+        open: Vec<u32>,
+        level: usize,
+        bytes: u64,
+        cap: u64,
+        depth: usize,
+        stop: Option<Whole>,
+        unhashable: Option<String>,
     }
-    go(vm, v, frames, &mut Vec::new())
-}
-
-/// `v` as a hashable serde-pickle value (a dict key).
-pub(crate) fn to_hashable(vm: &Vm, v: Val) -> Result<HashableValue> {
-    to_value(vm, v, &|_| Value::None)?
-        .into_hashable()
-        .map_err(|e| ErrorKind::Pickle(e.to_string()).into())
+    impl Walk<'_> {
+        /// `None` once the walk is stopped (`stop` says why) or a limit hit.
+        fn go(&mut self, v: Val) -> Option<Value> {
+            let vm = self.vm;
+            let text = match v {
+                Val::Str(s) => vm.str(s).len(),
+                Val::Bytes(b) => vm.bytes(b).len(),
+                Val::Big(i) => (vm.big(i).bits() / 8) as usize,
+                _ => 0,
+            } as u64;
+            let cost = NODE + text;
+            if self.bytes + cost > self.cap {
+                self.stop = Some(Whole::TooBig);
+                return None;
+            }
+            if !vm.budget.spend(1 + self.open.len() as u64 + text / 64) || !vm.budget.charge(cost) {
+                return None;
+            }
+            self.bytes += cost;
+            Some(match v {
+                Val::None | Val::Global(_) => Value::None,
+                Val::Bool(b) => Value::Bool(b),
+                Val::Int(i) => Value::I64(i),
+                Val::Big(i) => Value::Int(vm.big(i).clone()),
+                Val::Float(f) => Value::F64(f),
+                Val::Str(s) => Value::String(vm.str(s).to_string()),
+                Val::Bytes(b) => Value::Bytes(vm.bytes(b).to_vec()),
+                Val::Frame(_) | Val::Stack(_) | Val::Dropped => (self.frames)(v),
+                Val::Obj(i) => {
+                    let o = vm.obj(i);
+                    // Only a mutable container can be inside itself (the
+                    // others are made from what exists): only those are open.
+                    let mutable = !matches!(o.kind, Kind::Tuple | Kind::FrozenSet);
+                    if mutable && self.open.contains(&i) {
+                        return Some(Value::None);
+                    }
+                    if self.level >= self.depth {
+                        self.stop = Some(Whole::TooDeep);
+                        return None;
+                    }
+                    if mutable {
+                        self.open.push(i);
+                    }
+                    self.level += 1;
+                    let mut items = Vec::with_capacity(o.items.len().min(1024));
+                    for &x in &o.items {
+                        items.push(self.go(x)?);
+                    }
+                    self.level -= 1;
+                    if mutable {
+                        self.open.pop();
+                    }
+                    let mut bad = None;
+                    let mut hash = |x: Value| match x.into_hashable() {
+                        Ok(h) => Some(h),
+                        Err(e) => {
+                            bad.get_or_insert(e.to_string());
+                            None
+                        }
+                    };
+                    match o.kind {
+                        Kind::List => Value::List(items),
+                        Kind::Tuple => Value::Tuple(items),
+                        Kind::Set | Kind::FrozenSet => {
+                            // Members were checked hashable when they landed.
+                            let set = items.into_iter().filter_map(hash).collect();
+                            if let Some(e) = bad {
+                                self.unhashable = Some(e);
+                                return None;
+                            }
+                            if o.kind == Kind::Set {
+                                Value::Set(set)
+                            } else {
+                                Value::FrozenSet(set)
+                            }
+                        }
+                        Kind::Dict => {
+                            let mut map = std::collections::BTreeMap::new();
+                            let mut it = items.into_iter();
+                            while let (Some(k), Some(x)) = (it.next(), it.next()) {
+                                if let Some(k) = hash(k) {
+                                    map.insert(k, x);
+                                }
+                            }
+                            if let Some(e) = bad {
+                                self.unhashable = Some(e);
+                                return None;
+                            }
+                            Value::Dict(map)
+                        }
+                    }
+                }
+            })
+        }
+    }
+    let mut w = Walk {
+        vm,
+        frames,
+        open: Vec::new(),
+        level: 0,
+        bytes: 0,
+        cap,
+        depth: vm.budget.limits().whole_value_depth,
+        stop: None,
+        unhashable: None,
+    };
+    let r = w.go(v);
+    match (r, w.stop) {
+        (Some(v), _) => Ok(Whole::Value(v, w.bytes)),
+        (None, stop) => {
+            vm.budget.uncharge(w.bytes);
+            if vm.budget.exhausted() {
+                return Err(vm.limit_err());
+            }
+            if let Some(e) = w.unhashable {
+                return Err(ErrorKind::Pickle(e).into());
+            }
+            Ok(stop.unwrap_or(Whole::TooBig))
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_pickle::{DeOptions, SerOptions};
+    use serde_pickle::{DeOptions, HashableValue, SerOptions};
 
     fn plain(bytes: &[u8]) -> Result<Value> {
         let (vm, v) = decode(bytes, &mut Plain)?;
-        to_value(&vm, v, &|_| Value::None)
+        match to_value(&vm, v, &|_| Value::None, u64::MAX)? {
+            Whole::Value(v, _) => Ok(v),
+            _ => panic!("too big"),
+        }
     }
 
     fn serde(bytes: &[u8]) -> Value {

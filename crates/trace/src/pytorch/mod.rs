@@ -42,11 +42,19 @@
 //! events (48 bytes each), the final segments, the stacks of allocations, and
 //! 4 bytes per memo entry. The file itself is never held in memory.
 //! docs/trace-format.md gives the measured speed and memory.
+//!
+//! **Limits.** Whatever the pickle, the reader holds at most 48 MiB + 1.5 ×
+//! the bytes read and takes steps linear in them ([`ReadLimits`]); a pickle
+//! that asks for more is one [`ErrorKind::Limit`] naming the limit. Nothing
+//! named in a pickle is ever called: a global reads as `None`.
 
 mod decode;
 pub mod legacy;
+mod limits;
 
-use std::collections::{BTreeMap, BTreeSet};
+pub use limits::{ReadLimits, ReadStats};
+
+use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
@@ -57,7 +65,12 @@ use serde_pickle::{HashableValue, Value};
 use crate::error::{ErrorKind, Result, TraceError};
 use crate::model::{Block, BlockState, Event, EventKind, Frame, Segment, Stack, Trace, MAX_SIZE};
 use crate::reconstruct::{build_device, RawDevice};
-use decode::{type_name, Kind, Sink, Val, Vm, NO_ROLE};
+use decode::{type_name, Kind, Sink, Val, Vm, Whole, NO_ROLE};
+use limits::Hit;
+
+/// The most bytes one key of a foreign top-level dict expands to for the
+/// message that lists them.
+const KEY_BYTES: u64 = 4 << 10;
 
 /// Device indices a snapshot may use (a larger one is treated as corrupt input).
 pub const MAX_DEVICES: u32 = 1024;
@@ -96,7 +109,31 @@ pub fn parse_snapshot(bytes: &[u8], name: &str) -> Result<Trace> {
 
 /// Reads a snapshot from any reader (a file, a pipe, a byte slice) into a
 /// trace named `name`, streaming it: memory holds the trace, not the input.
-pub fn read_snapshot_from<R: Read>(mut r: R, name: &str) -> Result<Trace> {
+/// The default [`ReadLimits`] apply.
+pub fn read_snapshot_from<R: Read>(r: R, name: &str) -> Result<Trace> {
+    read_snapshot_limited(r, name, &ReadLimits::default()).0
+}
+
+/// [`read_snapshot_from`] under `limits`, with what the read cost by the
+/// reader's own counters (also when it fails: a limit hit says how far it got).
+pub fn read_snapshot_limited<R: Read>(
+    r: R,
+    name: &str,
+    limits: &ReadLimits,
+) -> (Result<Trace>, ReadStats) {
+    let mut vm = match decode::Vm::new(limits.clone(), NAMES) {
+        Ok(vm) => vm,
+        Err(e) => return (Err(e), ReadStats::default()),
+    };
+    let r = read_on(&mut vm, r, name);
+    let r = match r {
+        Err(_) | Ok(_) if vm.budget.exhausted() => Err(vm.limit_err()),
+        r => r,
+    };
+    (r, vm.budget.stats())
+}
+
+fn read_on<R: Read>(vm: &mut Vm, mut r: R, name: &str) -> Result<Trace> {
     let mut head = [0u8; 2];
     let mut n = 0;
     while n < 2 {
@@ -124,8 +161,8 @@ pub fn read_snapshot_from<R: Read>(mut r: R, name: &str) -> Result<Trace> {
         }
     }
     let mut b = Builder::new();
-    let (mut vm, top) = decode::decode_with_names(head[..n].chain(r), NAMES, &mut b)?;
-    b.finish(&mut vm, top, name)
+    let top = decode::run(vm, head[..n].chain(r), &mut b)?;
+    b.finish(vm, top, name)
 }
 
 pub mod synth;
@@ -214,8 +251,14 @@ const ROLE_TRACE: u32 = 4;
 /// repeated key wins, as in Python).
 type Fields = [Option<Val>; N_KEYS];
 
-fn fields(items: &[Val]) -> Fields {
+///
+/// Counted as work (one dict can be looked up many times); past the work
+/// limit every field reads as absent and the read ends with the limit's error.
+fn fields(vm: &Vm, items: &[Val]) -> Fields {
     let mut f: Fields = [None; N_KEYS];
+    if !vm.budget.spend(items.len() as u64 / 2 + 1) {
+        return f;
+    }
     for p in items.chunks_exact(2) {
         if let Val::Str(k) = p[0] {
             if (k as usize) < N_KEYS {
@@ -252,6 +295,9 @@ struct FrameTable {
 /// The id of the empty stack.
 const EMPTY_STACK: u32 = 0;
 
+/// Bytes of a frame beside its text: the struct and its two string buffers.
+const FRAME_BYTES: u64 = std::mem::size_of::<Frame>() as u64 + 32;
+
 impl FrameTable {
     fn new() -> FrameTable {
         let mut stack_ids = FxHashMap::default();
@@ -264,22 +310,39 @@ impl FrameTable {
         }
     }
 
-    fn frame(&mut self, vm: &Vm, filename: u32, line: i64, name: u32) -> u32 {
-        let next = self.frames.len() as u32;
-        let id = *self.frame_ids.entry((filename, line, name)).or_insert(next);
-        if id == next {
-            self.frames.push(Frame {
-                filename: vm.str(filename).to_string(),
-                line,
-                name: vm.str(name).to_string(),
-            });
+    /// The id of a frame; `None` if the budget refuses a new one (its text
+    /// is copied: a frame of long strings costs their length).
+    fn frame(&mut self, vm: &Vm, filename: u32, line: i64, name: u32) -> Option<u32> {
+        if let Some(&id) = self.frame_ids.get(&(filename, line, name)) {
+            return Some(id);
         }
-        id
+        let text = (vm.str(filename).len() + vm.str(name).len()) as u64;
+        if !vm.budget.spend(text / 64 + 1) || !vm.budget.charge(FRAME_BYTES + 64 + text) {
+            return None;
+        }
+        let id = self.frames.len() as u32;
+        self.frame_ids.insert((filename, line, name), id);
+        self.frames.push(Frame {
+            filename: vm.str(filename).to_string(),
+            line,
+            name: vm.str(name).to_string(),
+        });
+        Some(id)
     }
 
-    fn stack(&mut self, ids: &[u32]) -> u32 {
+    /// The id of a stack of frames; `None` if the budget refuses a new one
+    /// (a [`Stack`] owns copies of its frames: charged in full).
+    fn stack(&mut self, vm: &Vm, ids: &[u32]) -> Option<u32> {
         if let Some(&s) = self.stack_ids.get(ids) {
-            return s;
+            return Some(s);
+        }
+        let mut bytes = 96 + ids.len() as u64 * 4;
+        for &f in ids {
+            let fr = &self.frames[f as usize];
+            bytes += FRAME_BYTES + (fr.filename.len() + fr.name.len()) as u64;
+        }
+        if !vm.budget.spend(bytes / 64 + 1) || !vm.budget.charge(bytes) {
+            return None;
         }
         let s = self.stacks.len() as u32;
         let st: Stack = ids
@@ -288,7 +351,7 @@ impl FrameTable {
             .collect();
         self.stacks.push(st);
         self.stack_ids.insert(Box::from(ids), s);
-        s
+        Some(s)
     }
 
     /// The stack `id` (`None` for the empty one).
@@ -307,7 +370,8 @@ struct Builder {
     /// smallest others (for the message about a foreign dict).
     has_segments: bool,
     has_traces: bool,
-    other_keys: BTreeSet<HashableValue>,
+    /// (With the bytes charged for each.)
+    other_keys: BTreeMap<HashableValue, u64>,
     settings: BTreeMap<String, String>,
     segments: Vec<Segment>,
     segments_error: Option<TraceError>,
@@ -335,7 +399,7 @@ impl Builder {
             traces_role: false,
             has_segments: false,
             has_traces: false,
-            other_keys: BTreeSet::new(),
+            other_keys: BTreeMap::new(),
             settings: BTreeMap::new(),
             segments: Vec::new(),
             segments_error: None,
@@ -350,12 +414,15 @@ impl Builder {
 
     /// A frame dict as a frame id, `None` if it is not `{filename, line, name}`.
     fn frame_of(&mut self, vm: &mut Vm, d: u32) -> Option<u32> {
-        let f = fields(&vm.obj(d).items);
+        let f = fields(vm, &vm.obj(d).items);
         let mut text = |v: Option<Val>| match v {
             Some(Val::Str(s)) => Some(s),
             Some(Val::Bytes(b)) => {
+                if !vm.budget.spend(vm.bytes(b).len() as u64 / 64 + 1) {
+                    return None;
+                }
                 let s = String::from_utf8_lossy(vm.bytes(b)).into_owned();
-                Some(vm.intern(&s))
+                vm.intern(&s).ok()
             }
             _ => None,
         };
@@ -365,7 +432,7 @@ impl Builder {
             Ok(Some(n)) => i64::try_from(n).ok()?,
             _ => return None,
         };
-        Some(self.table.frame(vm, filename, line, name))
+        self.table.frame(vm, filename, line, name)
     }
 
     /// The `frames` of an event or block: `Ok(None)` where absent or empty,
@@ -381,6 +448,15 @@ impl Builder {
         let Some(items) = vm.items(v, &[Kind::List, Kind::Tuple]) else {
             return Err(());
         };
+        // A tuple of frames is not settled: it may be looked at again.
+        if !vm.budget.spend(items.len() as u64 + 1) {
+            return Err(());
+        }
+        // The scratch lists grow to the longest list of frames (charged).
+        let grow = items.len().saturating_sub(self.scratch.capacity());
+        if grow > 0 && !vm.budget.charge(grow as u64 * 20) {
+            return Err(());
+        }
         let is_list = matches!(v, Val::Obj(i) if vm.obj(i).kind == Kind::List);
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
@@ -407,23 +483,27 @@ impl Builder {
                 }
             }
         }
-        let out = if ok {
-            let s = self.table.stack(&fids);
-            if is_list {
-                vm.settle(v, Val::Stack(s));
+        let out = match ok.then(|| self.table.stack(vm, &fids)).flatten() {
+            Some(s) => {
+                if is_list {
+                    vm.settle(v, Val::Stack(s));
+                }
+                Ok(self.table.get(s))
             }
-            Ok(self.table.get(s))
-        } else {
-            Err(())
+            None => Err(()),
         };
         self.scratch = scratch;
         self.fids = fids;
         out
     }
 
-    fn device(&mut self, d: u32) -> &mut DeviceEvents {
+    /// Device `d`'s events (`d` below [`MAX_DEVICES`], so at most a few
+    /// dozen KiB of them; a refused charge ends the read all the same).
+    fn device(&mut self, vm: &Vm, d: u32) -> &mut DeviceEvents {
         let d = d as usize;
         if self.devices.len() <= d {
+            let add = (d + 1 - self.devices.len()) * std::mem::size_of::<DeviceEvents>();
+            vm.budget.charge(add as u64);
             self.devices.resize_with(d + 1, DeviceEvents::default);
         }
         &mut self.devices[d]
@@ -431,6 +511,11 @@ impl Builder {
 
     /// Event `i` of device `d`.
     fn event(&mut self, vm: &mut Vm, d: u32, i: u32, v: Val) {
+        if self.traces_error.is_some() || vm.budget.exhausted() {
+            // The read fails; nothing more of the events is needed.
+            vm.settle(v, Val::Dropped);
+            return;
+        }
         let parsed = parse_event(vm, v);
         let frames = match &parsed {
             Ok((_, f)) => *f,
@@ -443,10 +528,24 @@ impl Builder {
         }
         match parsed {
             Ok((e, _)) => {
-                let dev = self.device(d);
+                let dev = self.device(vm, d);
+                if dev.events.len() == dev.events.capacity() {
+                    let add = dev.events.capacity().max(64);
+                    if !vm
+                        .budget
+                        .charge((add * std::mem::size_of::<Event>()) as u64)
+                    {
+                        return;
+                    }
+                    dev.events.reserve_exact(add);
+                }
                 if e.kind == EventKind::Alloc {
                     match stack {
                         Ok(Some(st)) => {
+                            // A B-tree entry: key, value and its share of a node.
+                            if !vm.budget.charge(48) {
+                                return;
+                            }
                             dev.frames.insert(dev.events.len(), st);
                         }
                         Ok(None) => {}
@@ -482,13 +581,21 @@ impl Builder {
             return Ok(());
         }
         self.trace_lists = self.trace_lists.max(d as usize + 1);
-        self.device(d);
+        self.device(vm, d);
         match vm.items(v, &[Kind::List, Kind::Tuple]) {
             Some(items) => {
+                // A copy (the events are converted with the machine mutable).
+                vm.spend(items.len() as u64)?;
+                vm.charge(items.len() as u64 * 16)?;
                 let items = items.to_vec();
+                let n = items.len() as u64;
                 for (i, ev) in items.into_iter().enumerate() {
+                    if vm.budget.exhausted() {
+                        break;
+                    }
                     self.event(vm, d, i as u32, ev);
                 }
+                vm.budget.uncharge(n * 16);
             }
             None => {
                 self.traces_error = Some(
@@ -505,23 +612,36 @@ impl Builder {
 
     /// Segment `si`.
     fn segment(&mut self, vm: &mut Vm, si: u32, v: Val) {
+        if self.segments_error.is_some() || vm.budget.exhausted() {
+            // The read fails; nothing more of the segments is needed.
+            vm.settle(v, Val::Dropped);
+            return;
+        }
         let parsed = parse_segment(vm, v);
         // Settle what the segment holds: stacks may be shared with events
         // written later; the rest is consumed.
         if let Some(items) = vm.items(v, &[Kind::Dict]) {
-            let f = fields(items);
+            let f = fields(vm, items);
             let _ = self.frames_of(vm, f[K_FRAMES as usize]);
             if let Some(bl) = f[K_BLOCKS as usize] {
                 if let Some(blocks) = vm.items(bl, &[Kind::List, Kind::Tuple]) {
                     // Owned: `frames_of` needs the machine mutably.
+                    let n = blocks.len() as u64;
+                    if !vm.budget.spend(n) || !vm.budget.charge(n * 16) {
+                        return;
+                    }
                     let blocks: Vec<Val> = blocks.to_vec();
                     for b in blocks {
+                        if vm.budget.exhausted() {
+                            break;
+                        }
                         if let Some(bi) = vm.items(b, &[Kind::Dict]) {
-                            let bf = fields(bi)[K_FRAMES as usize];
+                            let bf = fields(vm, bi)[K_FRAMES as usize];
                             let _ = self.frames_of(vm, bf);
                         }
                         vm.settle(b, Val::Dropped);
                     }
+                    vm.budget.uncharge(n * 16);
                 }
                 vm.settle(bl, Val::Dropped);
             }
@@ -557,10 +677,17 @@ impl Builder {
                 }
                 match vm.items(v, &[Kind::List, Kind::Tuple]) {
                     Some(items) => {
+                        let n = items.len() as u64;
+                        vm.spend(n)?;
+                        vm.charge(n * 16)?;
                         let items: Vec<Val> = items.to_vec();
                         for (si, s) in items.into_iter().enumerate() {
+                            if vm.budget.exhausted() {
+                                break;
+                            }
                             self.segment(vm, si as u32, s);
                         }
+                        vm.budget.uncharge(n * 16);
                     }
                     None => {
                         self.segments_error = Some(
@@ -583,10 +710,17 @@ impl Builder {
                 }
                 match vm.items(v, &[Kind::List, Kind::Tuple]) {
                     Some(items) => {
+                        let n = items.len() as u64;
+                        vm.spend(n)?;
+                        vm.charge(n * 16)?;
                         let items: Vec<Val> = items.to_vec();
                         for (d, dv) in items.into_iter().enumerate() {
+                            if vm.budget.exhausted() {
+                                break;
+                            }
                             self.device_trace(vm, u32::try_from(d).unwrap_or(u32::MAX), dv)?;
                         }
+                        vm.budget.uncharge(n * 16);
                     }
                     None => {
                         self.traces_error = Some(
@@ -606,19 +740,56 @@ impl Builder {
                     ));
                 }
                 if key == Val::Str(K_SETTINGS) {
-                    self.settings = match decode::to_value(vm, v, &|_| Value::None)? {
-                        Value::Dict(d) => {
-                            d.iter().map(|(k, v)| (render_key(k), render(v))).collect()
-                        }
-                        _ => BTreeMap::new(),
-                    };
+                    self.set_settings(vm, v)?;
                 }
-                self.other_keys.insert(decode::to_hashable(vm, key)?);
+                // Kept for a message only: a key too large is shown as such.
+                let (k, bytes) = match decode::to_value(vm, key, &|_| Value::None, KEY_BYTES)? {
+                    Whole::Value(k, bytes) => (
+                        k.into_hashable()
+                            .map_err(|e| TraceError::from(ErrorKind::Pickle(e.to_string())))?,
+                        bytes,
+                    ),
+                    Whole::TooBig | Whole::TooDeep => {
+                        (HashableValue::String("<a key too large to show>".into()), 0)
+                    }
+                };
+                if let Some(old) = self.other_keys.insert(k, bytes) {
+                    vm.budget.uncharge(old);
+                }
                 if self.other_keys.len() > 8 {
-                    self.other_keys.pop_last();
+                    if let Some((_, b)) = self.other_keys.pop_last() {
+                        vm.budget.uncharge(b);
+                    }
                 }
             }
         }
+        Ok(())
+    }
+
+    /// `allocator_settings`, rendered as text (bounded: [`Whole`]; what is
+    /// kept is charged, and charged again per device in [`Builder::finish`]).
+    fn set_settings(&mut self, vm: &mut Vm, v: Val) -> Result<()> {
+        let cap = vm.budget.limits().whole_value_bytes;
+        let (value, bytes) = match decode::to_value(vm, v, &|_| Value::None, cap)? {
+            Whole::Value(value, bytes) => (value, bytes),
+            Whole::TooBig => {
+                vm.budget.hit_limit(Hit::WholeBytes);
+                return Err(vm.limit_err());
+            }
+            Whole::TooDeep => {
+                vm.budget.hit_limit(Hit::WholeDepth);
+                return Err(vm.limit_err());
+            }
+        };
+        let settings: BTreeMap<String, String> = match value {
+            Value::Dict(d) => d.iter().map(|(k, v)| (render_key(k), render(v))).collect(),
+            _ => BTreeMap::new(),
+        };
+        vm.budget.uncharge(bytes);
+        let kept = settings_bytes(&settings);
+        vm.charge(kept)?;
+        vm.budget.uncharge(settings_bytes(&self.settings));
+        self.settings = settings;
         Ok(())
     }
 
@@ -632,6 +803,9 @@ impl Builder {
                     {
                         return Err(layout("the top-level dict is not the first value"));
                     }
+                    let n = vm.obj(o).items.len() as u64;
+                    vm.spend(n)?;
+                    vm.charge(n * 16)?;
                     Some(vm.obj(o).items.clone())
                 } else {
                     None
@@ -647,13 +821,17 @@ impl Builder {
         };
         if let Some(items) = generic {
             for p in items.chunks_exact(2) {
+                if vm.budget.exhausted() {
+                    break;
+                }
                 self.root_item(vm, p[0], p[1])?;
             }
+            vm.budget.uncharge(items.len() as u64 * 16);
         }
         if !self.has_segments && !self.has_traces {
             let keys: Vec<String> = self
                 .other_keys
-                .iter()
+                .keys()
                 .map(|k| render(&k.clone().into_value()))
                 .collect();
             return Err(ErrorKind::Foreign(format!(
@@ -698,6 +876,11 @@ impl Builder {
         for s in segments {
             raw[s.device as usize].segments.push(s);
         }
+        // Each device gets its own copy of the settings.
+        let copies = raw
+            .iter()
+            .filter(|r| !r.events.is_empty() || !r.segments.is_empty());
+        vm.charge(settings_bytes(&self.settings).saturating_mul(copies.count() as u64))?;
         let mut devices = Vec::new();
         for r in raw {
             if r.events.is_empty() && r.segments.is_empty() {
@@ -862,13 +1045,13 @@ fn parse_event(vm: &Vm, v: Val) -> std::result::Result<(Event, Option<Val>), Err
     let items = vm
         .items(v, &[Kind::Dict])
         .ok_or_else(|| ErrorKind::Schema(format!("event {}", not_a_dict(vm, v))))?;
-    let d = fields(items);
+    let d = fields(vm, items);
     let kind = match d[K_ACTION as usize] {
         Some(Val::Str(s)) => match s.checked_sub(K_ACTIONS) {
             Some(i) if (i as usize) < ACTIONS.len() => ACTION_KINDS[i as usize],
             _ => {
                 return Err(ErrorKind::UnknownAction {
-                    action: vm.str(s).to_string(),
+                    action: shorten(vm.str(s)),
                     known: ACTIONS.join(", "),
                 })
             }
@@ -950,7 +1133,7 @@ fn parse_segment(vm: &Vm, v: Val) -> std::result::Result<Segment, String> {
     let items = vm
         .items(v, &[Kind::Dict])
         .ok_or_else(|| not_a_dict(vm, v))?;
-    let d = fields(items);
+    let d = fields(vm, items);
     let e = |k: ErrorKind| k.to_string();
     let device = match int(vm, d[K_DEVICE as usize], K_DEVICE).map_err(e)? {
         Some(x) if (0..MAX_DEVICES as i128).contains(&x) => x as u32,
@@ -978,9 +1161,23 @@ fn parse_segment(vm: &Vm, v: Val) -> std::result::Result<Segment, String> {
         .map_err(e)?
         .unwrap_or(0);
     let segment_type = match d[K_SEGTYPE as usize] {
-        Some(Val::Str(s)) => vm.str(s).to_string(),
-        _ => String::new(),
+        Some(Val::Str(s)) => vm.str(s),
+        _ => "",
     };
+    // What the segment keeps (its type is copied: a long one costs its length).
+    let n_blocks = match d[K_BLOCKS as usize] {
+        Some(bv) => vm
+            .items(bv, &[Kind::List, Kind::Tuple])
+            .map_or(0, <[Val]>::len),
+        None => 0,
+    };
+    let kept = std::mem::size_of::<Segment>() * 2
+        + segment_type.len()
+        + n_blocks * std::mem::size_of::<Block>();
+    if !vm.budget.spend(n_blocks as u64 + 1) || !vm.budget.charge(kept as u64) {
+        return Err("over the reader's budget".into());
+    }
+    let segment_type = segment_type.to_string();
     let is_expandable = match d[K_EXPANDABLE as usize] {
         Some(Val::Bool(b)) => Some(b),
         _ => None,
@@ -993,6 +1190,9 @@ fn parse_segment(vm: &Vm, v: Val) -> std::result::Result<Segment, String> {
             .ok_or_else(|| format!("`blocks` is {}", type_name(vm, bv)))?;
         blocks.reserve(list.len());
         for (bi, &b) in list.iter().enumerate() {
+            if vm.budget.exhausted() {
+                return Err("over the reader's budget".into());
+            }
             let block = parse_block(vm, b, next_addr).map_err(|m| format!("block {bi}: {m}"))?;
             next_addr = block.address.saturating_add(block.size);
             blocks.push(block);
@@ -1013,7 +1213,7 @@ fn parse_block(vm: &Vm, v: Val, default_addr: u64) -> std::result::Result<Block,
     let items = vm
         .items(v, &[Kind::Dict])
         .ok_or_else(|| not_a_dict(vm, v))?;
-    let d = fields(items);
+    let d = fields(vm, items);
     let e = |k: ErrorKind| k.to_string();
     let size = to_size(
         int(vm, d[K_SIZE as usize], K_SIZE)
@@ -1029,7 +1229,7 @@ fn parse_block(vm: &Vm, v: Val, default_addr: u64) -> std::result::Result<Block,
     let state = match d[K_STATE as usize] {
         Some(Val::Str(s)) => match s.checked_sub(K_STATES) {
             Some(i) if (i as usize) < STATES.len() => STATES[i as usize].1,
-            _ => return Err(format!("unknown state `{}`", vm.str(s))),
+            _ => return Err(format!("unknown state `{}`", shorten(vm.str(s)))),
         },
         Some(other) => return Err(format!("`state` is {}", type_name(vm, other))),
         None => return Err("no `state`".into()),
@@ -1044,10 +1244,13 @@ fn parse_block(vm: &Vm, v: Val, default_addr: u64) -> std::result::Result<Block,
     if requested.is_none() {
         if let Some(h) = d[K_HISTORY as usize].and_then(|h| vm.items(h, &[Kind::List])) {
             for &entry in h.iter().rev() {
+                if vm.budget.exhausted() {
+                    break;
+                }
                 let Some(hi) = vm.items(entry, &[Kind::Dict]) else {
                     continue;
                 };
-                let hd = fields(hi);
+                let hd = fields(vm, hi);
                 let at = int(vm, hd[K_ADDR as usize], K_ADDR).map_err(e)?;
                 if at.is_some() && at != Some(address as i128) {
                     continue;
@@ -1069,6 +1272,19 @@ fn parse_block(vm: &Vm, v: Val, default_addr: u64) -> std::result::Result<Block,
         requested_size,
         state,
     })
+}
+
+/// Bytes of rendered settings: their text and a map entry each.
+fn settings_bytes(s: &BTreeMap<String, String>) -> u64 {
+    s.iter().map(|(k, v)| (k.len() + v.len() + 96) as u64).sum()
+}
+
+/// `s` cut to 100 characters for a message (a crafted one can be megabytes).
+fn shorten(s: &str) -> String {
+    match s.char_indices().nth(100) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
 }
 
 fn render_key(k: &HashableValue) -> String {
