@@ -2,10 +2,12 @@
 //! (docs/share.md), read and changed from outside its members: lists the
 //! members (pid, used, cap, state, cached, want), sets a member's cap
 //! (`--cap PID=SIZE`) or the group's total (`--total SIZE`), refusing
-//! stale changes with `--revision N`.
+//! stale changes with `--revision N`; all changes of one command apply
+//! together or not at all. `--recover` removes a corrupt file once no
+//! member holds it.
 
 use anyhow::{anyhow, bail, Context, Result};
-use vmmalloc_alloc::share::{Group, NO_CAP};
+use vmmalloc_alloc::share::{check_device, check_name, Change, Group, NO_CAP};
 
 /// Arguments of `vmmalloc share`.
 #[derive(clap::Args, Debug)]
@@ -16,12 +18,14 @@ pub struct ShareArgs {
     /// see it), or `hostN` / `simN` for the test backends.
     #[arg(long, default_value = "gpu0")]
     pub device: String,
-    /// Sets the cap of member PID to SIZE (`4GiB`, `512MiB`, bytes, or
-    /// `none`); a member above its new cap gives back its cached memory
-    /// and reads "deferred" until it is under. May be repeated.
+    /// Sets the cap of member PID to SIZE (`4GiB`, `512MiB`, bytes, `0` for
+    /// nothing, or `none`); a member above its new cap gives back its cached
+    /// memory and reads "deferred" until it is under. May be repeated: all
+    /// apply, or none.
     #[arg(long, value_name = "PID=SIZE")]
     pub cap: Vec<String>,
-    /// Sets the group's total (refused below what the members hold).
+    /// Sets the group's total (0 for nothing, else at least 2 MiB; refused
+    /// below what the members hold and above the device's memory).
     #[arg(long, value_name = "SIZE")]
     pub total: Option<String>,
     /// Refuses the change unless the group is still at revision N (as the
@@ -31,6 +35,11 @@ pub struct ShareArgs {
     /// Prints the group as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Removes the group's file when it is corrupt, of another version or
+    /// not vmmalloc's, so that the next member makes it again; refused
+    /// while a live member holds it.
+    #[arg(long, conflicts_with_all = ["cap", "total", "revision", "json"])]
+    pub recover: bool,
 }
 
 /// A size, or `none` (no cap) where `none_ok`.
@@ -38,11 +47,27 @@ fn size(s: &str, none_ok: bool) -> Result<u64> {
     if none_ok && s.trim().eq_ignore_ascii_case("none") {
         return Ok(NO_CAP);
     }
-    vmmalloc_alloc::parse_size(s).map_err(|e| anyhow!(e))
+    // 0 is a size here (a cap or total that holds nothing), as in Python's
+    // `share_set_cap(0)` and the C ABI; parse_size refuses it elsewhere.
+    let digits = s.trim().trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    if !digits.is_empty() && digits.parse::<f64>() == Ok(0.0) {
+        return Ok(0);
+    }
+    let b = vmmalloc_alloc::parse_size(s).map_err(|e| anyhow!(e))?;
+    if b == NO_CAP {
+        bail!("`{s}` is 2^64 - 1 bytes, the value that means no cap: write `none` for that");
+    }
+    Ok(b)
 }
 
 /// Runs `vmmalloc share`.
 pub fn run(args: ShareArgs) -> Result<()> {
+    check_name(&args.name)?;
+    check_device(&args.device)?;
+    if args.recover {
+        println!("{}", Group::recover(&args.name, &args.device)?);
+        return Ok(());
+    }
     let caps = args
         .cap
         .iter()
@@ -55,7 +80,7 @@ pub fn run(args: ShareArgs) -> Result<()> {
                 .parse()
                 .map_err(|_| anyhow!("--cap {c}: `{pid}` is not a process id"))?;
             let bytes = size(sz, true).with_context(|| format!("--cap {c}"))?;
-            Ok((pid, bytes))
+            Ok(Change::Cap { pid, cap: bytes })
         })
         .collect::<Result<Vec<_>>>()?;
     let total = args
@@ -67,15 +92,10 @@ pub fn run(args: ShareArgs) -> Result<()> {
         bail!("--revision applies to a change: give --cap PID=SIZE or --total SIZE with it");
     }
     let g = Group::open(&args.name, &args.device)?;
-    // Each change names the revision the one before left (the first the
-    // one asked for), so a change by someone else in between is refused.
-    let mut expect = args.revision;
-    for (pid, bytes) in caps {
-        let rev = g.set_cap(pid, bytes, expect)?;
-        expect = expect.map(|_| rev);
-    }
-    if let Some(t) = total {
-        g.set_total(t, expect)?;
+    let mut changes = caps;
+    changes.extend(total.map(Change::Total));
+    if !changes.is_empty() {
+        g.apply(&changes, args.revision)?;
     }
     let info = g.info()?;
     if args.json {

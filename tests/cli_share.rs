@@ -121,14 +121,79 @@ fn share_lists_members_and_changes_caps_by_revision() {
         (vec![name, "--cap", "1=1GiB"], "no live member with pid 1"),
         (vec![name, "--revision", "3"], "applies to a change"),
         (vec!["a/b"], "bad share group name"),
+        (vec![name, "--device", "foo"], "bad share device \"foo\""),
+        (
+            vec![name, "--total", "10TiB"],
+            "above the 4.00 GiB of the group's device",
+        ),
+        (vec![name, "--total", "1"], "below one page"),
+        (
+            vec![name, "--cap", &format!("{pid}=18446744073709551615")],
+            "write `none`",
+        ),
     ] {
         let e = user_error(&dir, &args);
         assert!(e.contains(want), "{args:?}: {e}");
     }
+    // Several changes apply together or not at all.
+    let before = revision(&dir, name);
+    let e = user_error(
+        &dir,
+        &[name, "--cap", &format!("{pid}=1GiB"), "--cap", "1=1GiB"],
+    );
+    assert!(e.contains("no live member with pid 1"), "{e}");
+    assert_eq!(revision(&dir, name), before, "nothing applied");
+    let j: serde_json::Value = serde_json::from_str(&ok(&dir, &[name, "--json"])).unwrap();
+    assert!(j["members"][0]["cap"].is_null(), "{j}");
+    // A cap of 0 holds nothing: the member reads deferred above it.
+    let out = ok(&dir, &[name, "--cap", &format!("{pid}=0")]);
+    assert!(row(&out, &pid).contains("deferred"), "{out}");
+    assert_eq!(m.limit(), 0);
+    // --recover leaves a good file alone and refuses while members live.
+    let out = ok(&dir, &[name, "--recover"]);
+    assert!(out.starts_with("nothing to recover"), "{out}");
     drop(m);
     let out = ok(&dir, &[name]);
     assert!(
         !out.lines().any(|l| l.trim_start().starts_with(&pid)),
         "a member that left is gone: {out}"
     );
+}
+
+/// A cut group file: its member keeps what it holds, the listing and new
+/// members are refused with what to do, `--recover` waits for the member
+/// to leave and then removes the file.
+#[test]
+fn share_recover_removes_a_cut_file_once_no_member_holds_it() {
+    let dir = tmpdir("share-recover");
+    let name = "cut";
+    let path = dir.join(format!(
+        "vmmalloc-share-{}-{name}-gpu0",
+        // SAFETY: getuid has no preconditions.
+        unsafe { libc::getuid() }
+    ));
+    let opts = JoinOptions {
+        total: 4 * GIB,
+        cap: NO_CAP,
+        poll: DEFAULT_POLL,
+    };
+    let m = Member::join_path(name, &path, opts.clone()).unwrap();
+    m.charge(GIB, true).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let e = user_error(&dir, &[name]);
+    assert!(e.contains("corrupt") && e.contains("--recover"), "{e}");
+    let e = user_error(&dir, &[name, "--recover"]);
+    assert!(e.contains("live members still hold it"), "{e}");
+    assert!(m.charge(GIB, true).is_err());
+    assert!(m.lost().unwrap().contains("keeps the 1.00 GiB"));
+    drop(m);
+    let out = ok(&dir, &[name, "--recover"]);
+    assert!(out.starts_with("removed"), "{out}");
+    drop(Member::join_path(name, &path, opts).unwrap());
+    assert!(ok(&dir, &[name]).contains("total 4.00 GiB"));
 }

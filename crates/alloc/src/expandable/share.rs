@@ -79,13 +79,8 @@ impl Budget for SharedBudget {
     }
 
     fn recheck(&mut self) -> bool {
-        match self.member.reap_dead() {
-            Ok(n) => n > 0,
-            Err(e) => {
-                eprintln!("vmmalloc: share {}: {e}", self.member.name());
-                false
-            }
-        }
+        // An error is the member's to log (once per change, `share/member.rs`).
+        self.member.reap_dead().is_ok_and(|n| n > 0)
     }
 }
 

@@ -1,285 +1,106 @@
-//! The shared file of a budget group: its format, its lock, its path.
+//! The place of a group's file, and the open file: its checks, its lock.
 //!
-//! # Format (version 1, little-endian, [`FILE_LEN`] bytes)
+//! Where it lives, and who may touch it (DESIGN.md, "Hostile input and
+//! neighbours"):
 //!
-//! | offset | bytes | field |
-//! |---|---|---|
-//! | 0 | 8 | magic `VMMSHARE` |
-//! | 8 | 4 | format version ([`VERSION`]) |
-//! | 12 | 4 | slots ([`SLOTS`]) |
-//! | 16 | 8 | total: bytes the group may hold together |
-//! | 24 | 8 | revision: +1 on every change of a cap or of the total |
-//! | 32 | 8 | checksum of the rest of the file ([`checksum`]) |
-//! | 40 | 24 | zero (reserved) |
-//! | 64 + 64·i | 64 | slot `i` ([`Slot`]) |
+//! A group of one user (any name but `@NAME`) lives in a directory that
+//! belongs to the user and that no one else can write: `$VMMALLOC_SHARE_DIR`,
+//! else `$XDG_RUNTIME_DIR/vmmalloc`, else `/dev/shm/vmmalloc-UID`; a
+//! directory made here is made mode 0700 whatever the umask. The directory
+//! is opened without following a link and checked (a directory, owner, not
+//! writable by group or others); the file is opened without following a
+//! link, relative to that open directory, and checked (a regular file,
+//! owner, mode 0600). It is made whole in a temporary file and linked to
+//! its name, which fails if the name exists: the file at the name is never
+//! half-written, and a file nobody made here is never taken over.
 //!
-//! A slot: `pid` u32, `state` u32 (0 free, 1 active, 2 deferred), `start`
-//! u64 (the process's start time, `/proc/PID/stat` field 22, in clock
-//! ticks since boot), `used` u64 (bytes charged), `cap` u64 (bytes,
-//! `u64::MAX` for none), `cap_rev` u64 (the revision that set the cap),
-//! `want` u64 (bytes of the last refused charge, 0 once one succeeds),
-//! `cached` u64 (bytes the member holds for no live tensor, as it last
-//! published them), `pidns` u64 (inode of its pid namespace).
-//!
-//! Every read and write of the table is made under `flock(LOCK_EX)` of the
-//! whole file (kvcached's `shm` file takes the same lock, `kvcached/cli/utils.py`).
-//! An empty file is one a creator made and had not yet written: the next
-//! opener writes the header under the lock. Anything else that is not a
-//! whole version-1 file with a good checksum is refused as corrupt, never
-//! read.
+//! A group shared by several users (`@NAME`, asked for by its name) lives
+//! only in `$VMMALLOC_SHARE_DIR`, a directory owned by root or the user
+//! and not writable by others; its file is mode 0660 and belongs to the
+//! directory's group: everyone in that group can read and change the group.
 
+use super::format::{Table, FILE_LEN};
 use super::ShareError;
-use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-/// The file's first bytes.
-pub const MAGIC: [u8; 8] = *b"VMMSHARE";
-/// The format version this code reads and writes.
-pub const VERSION: u32 = 1;
-/// Member slots per group.
-pub const SLOTS: usize = 32;
-/// Bytes of the header.
-const HEADER: usize = 64;
-/// Bytes of one slot.
-const SLOT: usize = 64;
-/// Bytes of the whole file.
-pub const FILE_LEN: usize = HEADER + SLOTS * SLOT;
-/// `cap` of a member without one.
-pub const NO_CAP: u64 = u64::MAX;
-/// First byte of the liveness locks: slot `i`'s member holds an
-/// open-file-description lock on byte `LIVE_BASE + i` while it lives
-/// (`live.rs`). Beyond the end of the file, where locks need no data.
-pub const LIVE_BASE: i64 = 1 << 20;
+/// The longest wait for the file's lock. A member holds it for a few
+/// microseconds (a read and a write of 2 KiB); one that holds it longer is
+/// stopped (Ctrl-Z, a debugger, a frozen cgroup) or stuck, and a waiter
+/// gives up with [`ShareError::Stalled`] naming it.
+pub const LOCK_WAIT: Duration = Duration::from_secs(1);
+/// The wait for the lock after a wait gave up, until the lock is had again:
+/// a stalled holder costs each later caller this, not [`LOCK_WAIT`].
+const STALLED_WAIT: Duration = Duration::from_millis(10);
+/// The smallest total that holds anything (one 2 MiB page); 0 is allowed
+/// and holds nothing.
+pub const MIN_TOTAL: u64 = 2 << 20;
 
-/// A slot's state as stored.
+/// Who may read and change a group (module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SlotState {
-    /// No member.
-    Free,
-    /// A member within its cap.
-    Active,
-    /// A member above its cap, giving back.
-    Deferred,
+pub enum Scope {
+    /// The user who runs it, and no one else (every name but `@NAME`).
+    User,
+    /// Everyone in the group of `$VMMALLOC_SHARE_DIR` (a name `@NAME`).
+    AllUsers,
 }
 
-/// One member's slot (module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Slot {
-    /// Process id.
-    pub pid: u32,
-    /// Free, active or deferred.
-    pub state: SlotState,
-    /// Start time of the process (clock ticks since boot).
-    pub start: u64,
-    /// Bytes charged.
-    pub used: u64,
-    /// Most bytes it may hold ([`NO_CAP`]: none).
-    pub cap: u64,
-    /// The revision that set `cap`.
-    pub cap_rev: u64,
-    /// Bytes of its last refused charge (0 after a charge succeeds).
-    pub want: u64,
-    /// Bytes it holds for no live tensor (published by its poller).
-    pub cached: u64,
-    /// Inode of its pid namespace.
-    pub pidns: u64,
-}
-
-impl Slot {
-    /// A free slot.
-    pub const FREE: Slot = Slot {
-        pid: 0,
-        state: SlotState::Free,
-        start: 0,
-        used: 0,
-        cap: NO_CAP,
-        cap_rev: 0,
-        want: 0,
-        cached: 0,
-        pidns: 0,
-    };
-
-    /// Whether a member holds the slot.
-    pub fn taken(&self) -> bool {
-        self.state != SlotState::Free
-    }
-
-    /// The state its figures give: deferred above its cap, else active.
-    pub fn settle(&mut self) {
-        if self.taken() {
-            self.state = if self.used > self.cap {
-                SlotState::Deferred
-            } else {
-                SlotState::Active
-            };
-        }
-    }
-}
-
-/// The whole table, decoded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Table {
-    /// Bytes the group may hold together.
-    pub total: u64,
-    /// +1 on every change of a cap or of the total.
-    pub revision: u64,
-    /// The member slots.
-    pub slots: [Slot; SLOTS],
-}
-
-impl Table {
-    /// An empty group of `total` bytes.
-    pub fn new(total: u64) -> Table {
-        Table {
-            total,
-            revision: 0,
-            slots: [Slot::FREE; SLOTS],
-        }
-    }
-
-    /// Bytes charged by all members.
-    pub fn used(&self) -> u64 {
-        self.slots
-            .iter()
-            .filter(|s| s.taken())
-            .map(|s| s.used)
-            .sum()
-    }
-
-    /// Bytes charged by members other than slot `me`.
-    pub fn used_by_others(&self, me: usize) -> u64 {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter(|(i, s)| *i != me && s.taken())
-            .map(|(_, s)| s.used)
-            .sum()
-    }
-
-    /// The encoded file.
-    pub fn encode(&self) -> [u8; FILE_LEN] {
-        let mut b = [0u8; FILE_LEN];
-        b[0..8].copy_from_slice(&MAGIC);
-        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
-        b[12..16].copy_from_slice(&(SLOTS as u32).to_le_bytes());
-        b[16..24].copy_from_slice(&self.total.to_le_bytes());
-        b[24..32].copy_from_slice(&self.revision.to_le_bytes());
-        for (i, s) in self.slots.iter().enumerate() {
-            let o = HEADER + i * SLOT;
-            let state: u32 = match s.state {
-                SlotState::Free => 0,
-                SlotState::Active => 1,
-                SlotState::Deferred => 2,
-            };
-            b[o..o + 4].copy_from_slice(&s.pid.to_le_bytes());
-            b[o + 4..o + 8].copy_from_slice(&state.to_le_bytes());
-            for (k, v) in [s.start, s.used, s.cap, s.cap_rev, s.want, s.cached, s.pidns]
-                .into_iter()
-                .enumerate()
-            {
-                b[o + 8 + 8 * k..o + 16 + 8 * k].copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        let sum = checksum(&b);
-        b[32..40].copy_from_slice(&sum.to_le_bytes());
-        b
-    }
-
-    /// Decodes a file; `path` names it in errors.
-    pub fn decode(b: &[u8], path: &Path) -> Result<Table, ShareError> {
-        let corrupt = |why: String| ShareError::Corrupt {
-            path: path.to_path_buf(),
-            why,
-        };
-        if b.len() < 16 || b[0..8] != MAGIC {
-            return Err(corrupt(format!(
-                "{} bytes that do not start with the magic VMMSHARE",
-                b.len()
-            )));
-        }
-        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
-        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
-        let version = u32_at(8);
-        if version != VERSION {
-            return Err(ShareError::Version {
-                path: path.to_path_buf(),
-                found: version,
-                supported: VERSION,
-            });
-        }
-        if b.len() != FILE_LEN || u32_at(12) as usize != SLOTS {
-            return Err(corrupt(format!(
-                "{} bytes and {} slots, where version {VERSION} has {FILE_LEN} bytes and {SLOTS} slots",
-                b.len(),
-                u32_at(12)
-            )));
-        }
-        if u64_at(32) != checksum(b) {
-            return Err(corrupt("the checksum does not match the contents".into()));
-        }
-        let mut t = Table::new(u64_at(16));
-        t.revision = u64_at(24);
-        for (i, s) in t.slots.iter_mut().enumerate() {
-            let o = HEADER + i * SLOT;
-            let state = match u32_at(o + 4) {
-                0 => SlotState::Free,
-                1 => SlotState::Active,
-                2 => SlotState::Deferred,
-                x => return Err(corrupt(format!("slot {i} has state {x}"))),
-            };
-            *s = Slot {
-                pid: u32_at(o),
-                state,
-                start: u64_at(o + 8),
-                used: u64_at(o + 16),
-                cap: u64_at(o + 24),
-                cap_rev: u64_at(o + 32),
-                want: u64_at(o + 40),
-                cached: u64_at(o + 48),
-                pidns: u64_at(o + 56),
-            };
-        }
-        Ok(t)
-    }
-}
-
-/// FNV-1a over the file's 8-byte words, the checksum field read as zero.
-pub fn checksum(b: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for (i, w) in b.chunks(8).enumerate() {
-        let v = if i == 4 {
-            0
+impl Scope {
+    /// The scope group `name` asks for.
+    pub fn of(name: &str) -> Scope {
+        if name.starts_with('@') {
+            Scope::AllUsers
         } else {
-            let mut a = [0u8; 8];
-            a[..w.len()].copy_from_slice(w);
-            u64::from_le_bytes(a)
-        };
-        h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3);
+            Scope::User
+        }
     }
-    h
+
+    /// The file's mode.
+    fn mode(self) -> u32 {
+        match self {
+            Scope::User => 0o600,
+            Scope::AllUsers => 0o660,
+        }
+    }
 }
 
-/// Where the group files live: `$VMMALLOC_SHARE_DIR`, else
-/// `$XDG_RUNTIME_DIR/vmmalloc` (per user, tmpfs, removed at logout), else
-/// `/dev/shm`.
-pub fn dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("VMMALLOC_SHARE_DIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("vmmalloc");
-    }
-    PathBuf::from("/dev/shm")
+/// This process's effective user id.
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
 }
 
-/// Checks a group name: 1 to 64 of `[A-Za-z0-9_.-]`, not starting with a dot.
+/// Where the groups of `scope` live (module docs): for one user
+/// `$VMMALLOC_SHARE_DIR`, else `$XDG_RUNTIME_DIR/vmmalloc`, else
+/// `/dev/shm/vmmalloc-UID`; for several users `$VMMALLOC_SHARE_DIR` only.
+pub fn dir(scope: Scope) -> Result<PathBuf, ShareError> {
+    let var = |k: &str| std::env::var_os(k).filter(|d| !d.is_empty());
+    if let Some(d) = var("VMMALLOC_SHARE_DIR") {
+        return Ok(PathBuf::from(d));
+    }
+    if scope == Scope::AllUsers {
+        return Err(ShareError::NoSharedDir);
+    }
+    if let Some(d) = var("XDG_RUNTIME_DIR") {
+        return Ok(PathBuf::from(d).join("vmmalloc"));
+    }
+    Ok(PathBuf::from(format!("/dev/shm/vmmalloc-{}", euid())))
+}
+
+/// Checks a group name: 1 to 64 of `[A-Za-z0-9_.-]`, not starting with a
+/// dot, after an optional `@` (a group of several users).
 pub fn check_name(name: &str) -> Result<(), ShareError> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && !name.starts_with('.')
-        && name
+    let base = name.strip_prefix('@').unwrap_or(name);
+    let ok = !base.is_empty()
+        && base.len() <= 64
+        && !base.starts_with('.')
+        && base
             .bytes()
             .all(|c| c.is_ascii_alphanumeric() || b"_.-".contains(&c));
     if ok {
@@ -289,29 +110,215 @@ pub fn check_name(name: &str) -> Result<(), ShareError> {
     }
 }
 
-/// The file of group `name` on device `device` (a GPU's UUID, or
-/// `gpuN` when no UUID is known): `DIR/vmmalloc-share-UID-NAME-DEVICE`.
-pub fn path(name: &str, device: &str) -> Result<PathBuf, ShareError> {
-    check_name(name)?;
-    check_name(device)?;
-    // SAFETY: getuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::getuid() };
-    Ok(dir().join(format!("vmmalloc-share-{uid}-{name}-{device}")))
+/// Checks a device name: `gpuN` (CUDA ordinal N), `hostN` or `simN` (the
+/// test backends), N below 4096.
+pub fn check_device(device: &str) -> Result<(), ShareError> {
+    let n = ["gpu", "host", "sim"]
+        .iter()
+        .find_map(|k| device.strip_prefix(k));
+    let ok = n.is_some_and(|n| {
+        !n.is_empty()
+            && n.len() <= 4
+            && n.bytes().all(|c| c.is_ascii_digit())
+            && n.parse::<u32>().is_ok_and(|v| v < 4096)
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(ShareError::BadDevice(device.to_string()))
+    }
 }
 
-/// An open group file.
+/// The file of group `name` on device `device` (`gpuN`, `hostN`, `simN`):
+/// `DIR/vmmalloc-share-UID-NAME-DEVICE`, or
+/// `DIR/vmmalloc-share-all-NAME-DEVICE` for a group `@NAME`.
+pub fn path(name: &str, device: &str) -> Result<PathBuf, ShareError> {
+    check_name(name)?;
+    check_device(device)?;
+    let scope = Scope::of(name);
+    let file = match name.strip_prefix('@') {
+        Some(base) => format!("vmmalloc-share-all-{base}-{device}"),
+        None => format!("vmmalloc-share-{}-{name}-{device}", euid()),
+    };
+    Ok(dir(scope)?.join(file))
+}
+
+/// `fstat` of an open file.
+fn stat_fd(fd: &impl AsRawFd) -> std::io::Result<libc::stat> {
+    // SAFETY: all-zero is a valid `stat`, which fstat fills in.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on a descriptor we own, with a valid `stat` pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+/// `openat(dir, name, flags, mode)` as a `File`.
+fn open_at(dir: &File, name: &CString, flags: i32, mode: u32) -> std::io::Result<File> {
+    loop {
+        // SAFETY: openat with a directory we own and a NUL-terminated name.
+        let fd = unsafe {
+            libc::openat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                flags | libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NOCTTY,
+                mode as libc::c_uint,
+            )
+        };
+        if fd >= 0 {
+            // SAFETY: a descriptor openat just returned, owned by nobody else.
+            return Ok(unsafe { File::from_raw_fd(fd) });
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// What kind of file a mode says.
+fn kind(mode: u32) -> &'static str {
+    match mode & libc::S_IFMT {
+        libc::S_IFREG => "a regular file",
+        libc::S_IFDIR => "a directory",
+        libc::S_IFLNK => "a symbolic link",
+        libc::S_IFIFO => "a named pipe",
+        libc::S_IFSOCK => "a socket",
+        _ => "a device",
+    }
+}
+
+/// Opens (making it, for one user's groups, when `create`) and checks the
+/// directory `d` (module docs).
+pub fn open_dir(d: &Path, scope: Scope, create: bool) -> Result<File, ShareError> {
+    let unsafe_dir = |why: String| ShareError::UnsafeDir {
+        path: d.to_path_buf(),
+        why,
+    };
+    let io = |what: &'static str, e: std::io::Error| ShareError::Io {
+        what,
+        path: d.to_path_buf(),
+        source: e,
+    };
+    let c = CString::new(d.as_os_str().as_bytes())
+        .map_err(|_| unsafe_dir("its name holds a NUL byte".into()))?;
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    let mut made = false;
+    let fd = loop {
+        // SAFETY: open with a NUL-terminated path.
+        let fd = unsafe { libc::open(c.as_ptr(), flags) };
+        if fd >= 0 {
+            break fd;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::ENOENT) if create && scope == Scope::User && !made => {
+                // SAFETY: mkdir with a NUL-terminated path.
+                if unsafe { libc::mkdir(c.as_ptr(), 0o700) } != 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.raw_os_error() != Some(libc::EEXIST) {
+                        return Err(io("create the directory", e));
+                    }
+                } else {
+                    made = true;
+                }
+            }
+            Some(libc::ENOENT) => return Err(io("open the directory", e)),
+            Some(libc::ELOOP) | Some(libc::ENOTDIR) => {
+                return Err(unsafe_dir(
+                    "it is a symbolic link or not a directory".into(),
+                ))
+            }
+            _ => return Err(io("open the directory", e)),
+        }
+    };
+    // SAFETY: a descriptor open just returned, owned by nobody else.
+    let dir = unsafe { File::from_raw_fd(fd) };
+    if made {
+        // mkdir's mode went through the umask: set it whatever the umask.
+        // SAFETY: fchmod on a descriptor we own.
+        if unsafe { libc::fchmod(dir.as_raw_fd(), 0o700) } != 0 {
+            return Err(io("set the mode of", std::io::Error::last_os_error()));
+        }
+    }
+    let st = stat_fd(&dir).map_err(|e| io("stat", e))?;
+    let me = euid();
+    let owner_ok = st.st_uid == me || (scope == Scope::AllUsers && st.st_uid == 0);
+    if !owner_ok {
+        return Err(unsafe_dir(format!(
+            "it belongs to uid {}, not to you (uid {me})",
+            st.st_uid
+        )));
+    }
+    let mode = st.st_mode & 0o7777;
+    let writable_by = match scope {
+        Scope::User => mode & 0o022,
+        Scope::AllUsers => mode & 0o002,
+    };
+    if writable_by != 0 {
+        return Err(unsafe_dir(format!(
+            "its mode {mode:04o} lets {} write to it",
+            if scope == Scope::User {
+                "other users"
+            } else {
+                "every user"
+            }
+        )));
+    }
+    Ok(dir)
+}
+
+/// Why the file at a group's path is no longer the file a process holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gone {
+    /// Nothing is at the path.
+    Removed,
+    /// Another file is at the path.
+    Replaced,
+    /// The file was cut to this many bytes.
+    Truncated(u64),
+}
+
+impl std::fmt::Display for Gone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Gone::Removed => f.write_str("was removed"),
+            Gone::Replaced => f.write_str("was replaced by another file"),
+            Gone::Truncated(n) => write!(f, "was cut to {n} bytes"),
+        }
+    }
+}
+
+/// An open group file (module docs).
 #[derive(Debug)]
 pub struct GroupFile {
     /// Its path.
     pub path: PathBuf,
-    /// The open file (close-on-exec, as std opens every file).
+    /// The open file.
     pub file: File,
+    /// Its directory, open (the identity check, the presence locks).
+    pub dir: File,
+    /// Its name in the directory.
+    name: CString,
+    /// Device and inode of the file opened.
+    pub dev: u64,
+    /// Inode of the file opened.
+    pub ino: u64,
+    /// Whether it was whole when opened (a cut is then news).
+    whole: bool,
     /// Excludes this process's threads from each other: `flock` locks
     /// belong to the open file, so a second `LOCK_EX` through the same
     /// descriptor from another thread succeeds at once, and one thread's
     /// unlock would end the other's hold (a lost update between a
     /// member's poller and its allocating thread otherwise).
     threads: parking_lot::Mutex<()>,
+    /// Until when waits for the lock are short ([`STALLED_WAIT`]): set when
+    /// a wait gave up, cleared when the lock is had.
+    stalled: parking_lot::Mutex<Option<Instant>>,
+    /// The wake word, mapped (`None` where the file cannot be mapped).
+    pub wake: Option<Arc<super::wake::WakeWord>>,
 }
 
 /// The file's lock, held until dropped.
@@ -329,78 +336,239 @@ impl Drop for Locked<'_> {
 }
 
 impl GroupFile {
-    /// Opens the file at `path`; creates it (mode 0600, its directory
-    /// 0700) when `create` is `Some(total)` and writes an empty group of
-    /// `total` bytes into a file that is empty.
-    pub fn open(path: &Path, create: Option<u64>) -> Result<GroupFile, ShareError> {
+    /// Opens the group file at `path` for a group of `scope`; when it is
+    /// missing and `create` is `Some(total)`, makes it (an empty group of
+    /// `total` bytes, module docs) and its directory. Every check of the
+    /// module docs is made before the file is used.
+    pub fn open(path: &Path, create: Option<u64>, scope: Scope) -> Result<GroupFile, ShareError> {
         let io = |what: &'static str, e: std::io::Error| ShareError::Io {
             what,
             path: path.to_path_buf(),
             source: e,
         };
-        let file = match create {
-            Some(_) => {
-                if let Some(d) = path.parent() {
-                    std::fs::create_dir_all(d).map_err(|e| io("create the directory of", e))?;
-                }
-                OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(false)
-                    .mode(0o600)
-                    .open(path)
-                    .map_err(|e| io("open or create", e))?
-            }
-            None => match OpenOptions::new().read(true).write(true).open(path) {
-                Ok(f) => f,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    return Err(ShareError::Missing(path.to_path_buf()))
-                }
-                Err(e) => return Err(io("open", e)),
-            },
+        let (Some(parent), Some(file_name)) = (path.parent(), path.file_name()) else {
+            return Err(ShareError::UnsafeFile {
+                path: path.to_path_buf(),
+                why: "it names no file in a directory".into(),
+            });
         };
-        let g = GroupFile {
+        let parent = if parent.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            parent
+        };
+        let dir = open_dir(parent, scope, create.is_some())?;
+        let name = CString::new(file_name.as_bytes())
+            .map_err(|_| ShareError::BadName(file_name.to_string_lossy().into_owned()))?;
+        let mut tries = 0;
+        let file = loop {
+            tries += 1;
+            match open_at(&dir, &name, libc::O_RDWR | libc::O_NONBLOCK, 0) {
+                Ok(f) => break f,
+                Err(e) => match e.raw_os_error() {
+                    Some(libc::ENOENT) => {
+                        let Some(total) = create else {
+                            return Err(ShareError::Missing(path.to_path_buf()));
+                        };
+                        if let Some(f) = make(&dir, &name, total, scope, path)? {
+                            break f;
+                        }
+                        if tries > 3 {
+                            return Err(io("open", e));
+                        }
+                    }
+                    Some(libc::ELOOP) => {
+                        return Err(ShareError::UnsafeFile {
+                            path: path.to_path_buf(),
+                            why: "it is a symbolic link".into(),
+                        })
+                    }
+                    Some(libc::EISDIR) => {
+                        return Err(ShareError::UnsafeFile {
+                            path: path.to_path_buf(),
+                            why: "it is a directory".into(),
+                        })
+                    }
+                    _ => return Err(io("open", e)),
+                },
+            }
+        };
+        let st = stat_fd(&file).map_err(|e| io("stat", e))?;
+        let dir_st = stat_fd(&dir).map_err(|e| io("stat the directory of", e))?;
+        let unsafe_file = |why: String| ShareError::UnsafeFile {
+            path: path.to_path_buf(),
+            why,
+        };
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(unsafe_file(format!("it is {}", kind(st.st_mode))));
+        }
+        let mode = st.st_mode & 0o7777;
+        match scope {
+            Scope::User if st.st_uid != euid() => {
+                return Err(unsafe_file(format!(
+                    "it belongs to uid {}, not to you (uid {})",
+                    st.st_uid,
+                    euid()
+                )))
+            }
+            Scope::AllUsers if st.st_gid != dir_st.st_gid => {
+                return Err(unsafe_file(format!(
+                    "it belongs to group {}, not to its directory's group {}",
+                    st.st_gid, dir_st.st_gid
+                )))
+            }
+            _ => {}
+        }
+        if mode != scope.mode() {
+            return Err(unsafe_file(format!(
+                "its mode is {mode:04o}, not {:04o}",
+                scope.mode()
+            )));
+        }
+        // Back to blocking I/O (O_NONBLOCK only kept a planted pipe from
+        // stalling the open).
+        // SAFETY: fcntl on a descriptor we own.
+        unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, 0) };
+        let wake = super::wake::WakeWord::map(&file).map(Arc::new);
+        Ok(GroupFile {
             path: path.to_path_buf(),
             file,
+            dir,
+            name,
+            dev: st.st_dev,
+            ino: st.st_ino,
+            whole: st.st_size as u64 == FILE_LEN as u64,
             threads: parking_lot::Mutex::new(()),
+            stalled: parking_lot::Mutex::new(None),
+            wake,
+        })
+    }
+
+    /// Whether the file at the path is still the file open here, whole
+    /// (module docs): `Some(why)` when it is not.
+    pub fn gone(&self) -> Result<Option<Gone>, ShareError> {
+        let io = |e| ShareError::Io {
+            what: "stat",
+            path: self.path.clone(),
+            source: e,
         };
-        if let Some(total) = create {
-            let _l = g.lock()?;
-            let len = g.file.metadata().map_err(|e| io("stat", e))?.len();
-            if len == 0 {
-                g.write(&Table::new(total))?;
-            }
+        let st = stat_fd(&self.file).map_err(io)?;
+        if self.whole && st.st_size as u64 != FILE_LEN as u64 {
+            return Ok(Some(Gone::Truncated(st.st_size.max(0) as u64)));
         }
-        Ok(g)
+        // SAFETY: all-zero is a valid `stat`, which fstatat fills in.
+        let mut at: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstatat with a directory we own, a NUL-terminated name
+        // and a valid `stat` pointer.
+        let r = unsafe {
+            libc::fstatat(
+                self.dir.as_raw_fd(),
+                self.name.as_ptr(),
+                &mut at,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ENOENT) => Ok(Some(Gone::Removed)),
+                _ => Err(io(e)),
+            };
+        }
+        if at.st_dev != self.dev || at.st_ino != self.ino {
+            return Ok(Some(Gone::Replaced));
+        }
+        Ok(None)
     }
 
     /// Takes the table's lock (this process's threads' mutex, then
-    /// `flock(LOCK_EX)`), waiting for it. Not reentrant.
+    /// `flock(LOCK_EX)`), waiting at most [`LOCK_WAIT`] (after a wait gave
+    /// up, [`STALLED_WAIT`] until the lock is had again); then
+    /// [`ShareError::Stalled`] naming the holder. Not reentrant.
     pub fn lock(&self) -> Result<Locked<'_>, ShareError> {
-        let threads = self.threads.lock();
+        let t0 = Instant::now();
+        let bound = match *self.stalled.lock() {
+            Some(until) if t0 < until => STALLED_WAIT,
+            _ => LOCK_WAIT,
+        };
+        let deadline = t0 + bound;
+        let stalled = |holder: Option<u32>| {
+            *self.stalled.lock() = Some(Instant::now() + LOCK_WAIT);
+            ShareError::Stalled {
+                path: self.path.clone(),
+                holder,
+                bound,
+            }
+        };
+        let Some(threads) = self.threads.try_lock_until(deadline) else {
+            return Err(stalled(Some(std::process::id())));
+        };
+        let mut tries = 0u32;
         loop {
             // SAFETY: flock on a file descriptor we own.
-            let r = unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_EX) };
+            let r = unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
             if r == 0 {
+                *self.stalled.lock() = None;
                 return Ok(Locked {
                     f: self,
                     _threads: threads,
                 });
             }
             let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(ShareError::Io {
-                    what: "lock",
-                    path: self.path.clone(),
-                    source: e,
-                });
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EWOULDBLOCK) => {}
+                _ => {
+                    return Err(ShareError::Io {
+                        what: "lock",
+                        path: self.path.clone(),
+                        source: e,
+                    })
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                drop(threads);
+                return Err(stalled(self.holder()));
+            }
+            tries += 1;
+            if tries < 20 {
+                std::thread::yield_now();
+            } else {
+                let nap = Duration::from_micros(20u64 << (tries - 20).min(6));
+                std::thread::sleep(nap.min(deadline - now));
             }
         }
     }
 
-    /// Reads the table (the caller holds the lock).
+    /// The pid holding the file's `flock`, from `/proc/locks` (proc(5)).
+    pub fn holder(&self) -> Option<u32> {
+        let locks = std::fs::read_to_string("/proc/locks").ok()?;
+        let id = format!(
+            "{:02x}:{:02x}:{}",
+            libc::major(self.dev),
+            libc::minor(self.dev),
+            self.ino
+        );
+        locks.lines().find_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            // `N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END`; a
+            // waiter's line has `->` after the number.
+            (w.len() >= 6 && w[1] == "FLOCK" && w[5] == id)
+                .then(|| w[4].parse().ok())
+                .flatten()
+        })
+    }
+
+    /// Reads the table (the caller holds the lock), after checking that
+    /// the file is still the one at the path, whole.
     pub fn read(&self) -> Result<Table, ShareError> {
+        if let Some(why) = self.gone()? {
+            return Err(ShareError::Lost {
+                path: self.path.clone(),
+                why,
+            });
+        }
         let mut b = [0u8; FILE_LEN + 1];
         let mut n = 0;
         loop {
@@ -435,6 +603,106 @@ impl GroupFile {
                 source: e,
             })
     }
+
+    /// Wakes every member waiting on the wake word (after a write that
+    /// raised it).
+    pub fn wake_all(&self) {
+        if let Some(w) = &self.wake {
+            w.wake();
+        }
+    }
+
+    /// Removes the file's name (`vmmalloc share NAME --recover`).
+    pub fn unlink(&self) -> Result<(), ShareError> {
+        unlink_at(&self.dir, &self.name).map_err(|e| ShareError::Io {
+            what: "remove",
+            path: self.path.clone(),
+            source: e,
+        })
+    }
+}
+
+/// `unlinkat(dir, name)`.
+fn unlink_at(dir: &File, name: &CString) -> std::io::Result<()> {
+    // SAFETY: unlinkat with a directory we own and a NUL-terminated name.
+    if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Makes the group file `name` in `dir`, whole, without replacing
+/// anything: written in a temporary file, then linked to its name.
+/// `None` when another process made it first.
+fn make(
+    dir: &File,
+    name: &CString,
+    total: u64,
+    scope: Scope,
+    path: &Path,
+) -> Result<Option<File>, ShareError> {
+    let io = |what: &'static str, e: std::io::Error| ShareError::Io {
+        what,
+        path: path.to_path_buf(),
+        source: e,
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let tmp = CString::new(format!(
+        ".{}.{}.{nanos}",
+        name.to_string_lossy(),
+        std::process::id()
+    ))
+    .map_err(|_| ShareError::BadName(name.to_string_lossy().into_owned()))?;
+    let f = open_at(
+        dir,
+        &tmp,
+        libc::O_RDWR | libc::O_CREAT | libc::O_EXCL,
+        scope.mode(),
+    )
+    .map_err(|e| io("create", e))?;
+    let r = (|| {
+        if scope == Scope::AllUsers {
+            let dir_gid = stat_fd(dir)
+                .map_err(|e| io("stat the directory of", e))?
+                .st_gid;
+            // SAFETY: fchown on a descriptor we own; -1 keeps the owner.
+            if unsafe { libc::fchown(f.as_raw_fd(), u32::MAX, dir_gid) } != 0 {
+                return Err(io(
+                    "give the directory's group to",
+                    std::io::Error::last_os_error(),
+                ));
+            }
+        }
+        // The umask took bits off the mode given to open: set it exactly.
+        // SAFETY: fchmod on a descriptor we own.
+        if unsafe { libc::fchmod(f.as_raw_fd(), scope.mode()) } != 0 {
+            return Err(io("set the mode of", std::io::Error::last_os_error()));
+        }
+        f.write_all_at(&Table::new(total).encode(), 0)
+            .map_err(|e| io("write", e))?;
+        // SAFETY: linkat with a directory we own and NUL-terminated names.
+        let r = unsafe {
+            libc::linkat(
+                dir.as_raw_fd(),
+                tmp.as_ptr(),
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                0,
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EEXIST) {
+                return Ok(false);
+            }
+            return Err(io("link", e));
+        }
+        Ok(true)
+    })();
+    let _ = unlink_at(dir, &tmp);
+    Ok(r?.then_some(f))
 }
 
 #[cfg(test)]
@@ -442,50 +710,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_table_survives_its_encoding_and_a_flipped_bit_is_corrupt() {
-        let mut t = Table::new(4 << 30);
-        t.revision = 7;
-        t.slots[3] = Slot {
-            pid: 42,
-            state: SlotState::Deferred,
-            start: 99,
-            used: 3 << 30,
-            cap: 1 << 30,
-            cap_rev: 7,
-            want: 2 << 20,
-            cached: 5,
-            pidns: 4026531836,
-        };
-        let b = t.encode();
-        let p = Path::new("/x");
-        assert_eq!(Table::decode(&b, p).unwrap(), t);
-        let mut bad = b;
-        bad[64 * 4 + 17] ^= 1;
-        let e = Table::decode(&bad, p).unwrap_err();
-        assert!(matches!(e, ShareError::Corrupt { .. }), "{e}");
-        let mut v2 = b;
-        v2[8] = 2;
-        assert!(matches!(
-            Table::decode(&v2, p).unwrap_err(),
-            ShareError::Version { found: 2, .. }
-        ));
-        assert!(matches!(
-            Table::decode(&b[..100], p).unwrap_err(),
-            ShareError::Corrupt { .. }
-        ));
-        assert!(matches!(
-            Table::decode(b"garbage!", p).unwrap_err(),
-            ShareError::Corrupt { .. }
-        ));
-    }
-
-    #[test]
-    fn names_are_checked() {
-        for ok in ["train", "a.b-c_1", "GPU-5e3f"] {
+    fn names_and_devices_are_checked() {
+        for ok in ["train", "a.b-c_1", "GPU-5e3f", "@team"] {
             check_name(ok).unwrap();
         }
-        for bad in ["", ".hidden", "a/b", "x y", &"n".repeat(65)] {
+        for bad in [
+            "",
+            ".hidden",
+            "a/b",
+            "x y",
+            &"n".repeat(65),
+            "@",
+            "@.x",
+            "a@b",
+        ] {
             assert!(check_name(bad).is_err(), "{bad:?}");
         }
+        for ok in ["gpu0", "gpu17", "host0", "sim3"] {
+            check_device(ok).unwrap();
+        }
+        for bad in ["foo", "gpu", "gpu-1", "gpu99999", "GPU0", "gpu0x", ""] {
+            let e = check_device(bad).unwrap_err();
+            assert!(e.to_string().contains("gpuN"), "{e}");
+        }
+        assert_eq!(Scope::of("@team"), Scope::AllUsers);
+        assert_eq!(Scope::of("team"), Scope::User);
     }
 }
