@@ -29,7 +29,8 @@
 # (train STEPS=5), hot-path under vmmalloc with and without the companion.
 #
 # Checks of the plug-in under vmmalloc expandable. A check script's verdict:
-# FAIL when it exits non-zero (not 3) or prints any `CHECK name: FAIL` line;
+# FAIL when it exits non-zero (not 3), prints any `CHECK name: FAIL` line, or
+# (but for torch_plugin_checks.py and torch_sleep_checks.py) no CHECK line;
 # SKIP, with its reason, when it exits 3 or prints any `CHECK name: SKIP` line
 # (what was skipped was not checked: a part is never "ok" for it); else ok.
 # Its `RESULT {json}` lines go to $RESULTS_JSONL like the workloads'.
@@ -311,7 +312,8 @@ check_script() {
     while IFS= read -r line; do
         printf '%s\n' "${line#RESULT }" >>"$results"
     done < <(grep '^RESULT {' "$out" || true)
-    local fails skipped last
+    local fails skipped last checks
+    checks="$(grep -c '^CHECK [^:]*: ' "$out" || true)"
     fails="$(grep -c '^CHECK [^:]*: FAIL' "$out" || true)"
     fail_why="$(grep -m 1 '^CHECK [^:]*: FAIL' "$out" | sed 's/^CHECK //' | cut -c1-120 || true)"
     skipped="$(grep '^CHECK [^:]*: SKIP' "$out" | sed 's/^CHECK \([^:]*\): SKIP */\1: /' | tr '\n' ';' | sed 's/;$//' || true)"
@@ -325,6 +327,13 @@ check_script() {
     if ((rc == 3)); then
         skip_why="${last:-exit 3}"
         return 3
+    fi
+    # Every check script but the plug-in's and sleep's (exit status only)
+    # prints a CHECK line per check: none at all is no pass.
+    if ((checks == 0)) && [[ $script != torch_plugin_checks.py && $script != torch_sleep_checks.py ]]; then
+        fail_why="exit 0, but no CHECK line printed"
+        echo "    [$name] $fail_why"
+        return 1
     fi
     if [[ -n $skipped ]]; then
         skip_why="$(cut -c1-200 <<<"$skipped")"

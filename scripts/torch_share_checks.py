@@ -188,10 +188,11 @@ class Member:
         self.lines.put(None)
 
     def answer(self, timeout=60):
+        timeout = torch_common.child_timeout(timeout)
         try:
             a = self.lines.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"member {self.proc.pid} did not answer in {timeout} s") from None
+            raise RuntimeError(f"member {self.proc.pid} did not answer in {timeout:.0f} s") from None
         if a is None:
             raise RuntimeError(f"member {self.proc.pid} exited: " + " | ".join(self.tail))
         if "error" in a:

@@ -5,7 +5,8 @@
 //!
 //! - a script that exits 3 (cannot run) or prints `CHECK x: SKIP` is a SKIP,
 //!   never a PASS;
-//! - a script that exits 1, or prints `CHECK x: FAIL` and exits 0, is a FAIL;
+//! - a script that exits 1, or prints `CHECK x: FAIL` and exits 0, or exits 0
+//!   without a single CHECK line, is a FAIL;
 //! - a selected step the time budget left out makes the run exit 1, and the
 //!   summary names it;
 //! - `VMMALLOC_CLI` (the bundle's `bin/vmmalloc`) reaches every PyTorch step;
@@ -74,6 +75,8 @@ if mode == "exit3":
 if mode in ("fail", "failzero"):
     print("CHECK standin: FAIL the stand-in's check failed")
     sys.exit(1 if mode == "fail" else 0)
+if mode == "silent":
+    sys.exit(0)
 if mode == "skipzero":
     print("CHECK standin: ok")
     print("CHECK standin-part: SKIP stand-in environment refused")
@@ -216,6 +219,7 @@ fn skips_and_failures_are_reported_as_such_and_the_cli_reaches_every_step() {
         ("STANDIN_torch_share_checks", "fail"),
         ("STANDIN_torch_ipc_checks", "failzero"),
         ("STANDIN_torch_activation_checks", "skipzero"),
+        ("STANDIN_torch_complete_checks", "silent"),
     ]);
     run.expect("vmm", "PASS");
     run.expect("python", "PASS");
@@ -235,9 +239,14 @@ fn skips_and_failures_are_reported_as_such_and_the_cli_reaches_every_step() {
         "{}",
         run.summary
     );
+    run.expect("complete", "FAIL");
+    assert!(
+        run.verdict("complete").contains("no CHECK line"),
+        "{}",
+        run.summary
+    );
     for step in [
         "graph-pools",
-        "complete",
         "unpin-threads",
         "hot-path",
         "fragmentation",
@@ -270,7 +279,7 @@ fn skips_and_failures_are_reported_as_such_and_the_cli_reaches_every_step() {
     let jsonl = fs::read_to_string(run.out.join("results.jsonl")).unwrap();
     for script in [
         "torch_graph_pool_checks",
-        "torch_complete_checks",
+        "torch_unpin_threads",
         "torch_fragmentation",
     ] {
         assert!(
