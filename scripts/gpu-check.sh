@@ -378,12 +378,21 @@ t = time.time()
 lib = _companion.load(torch)
 print("torch companion for PyTorch %s built or found in %.1f s: %s; methods left out: %s"
       % (torch.__version__, time.time() - t, lib.path, ", ".join(_companion.lost_methods(lib.path)) or "none"))
-'
+' || { echo failed >"$companion_state"; echo "the torch companion could not be built (above)"; return 1; }
 }
+# A failed companion build is not retried by every PyTorch process (10-30 s
+# each): the steps after it run without it, and say so.
+companion_state="$(mktemp)"
 export -f python_check
+export companion_state
 if need "$lib" python && need "$bundle/python/vmmalloc/__init__.py" python; then
     step python 90 python_check
 fi
+if [[ -s $companion_state ]]; then
+    export VMMALLOC_COMPANION=0
+    echo "gpu-check: no torch companion (step python): the PyTorch steps run with VMMALLOC_COMPANION=0"
+fi
+rm -f "$companion_state"
 
 # One step per part of scripts/gpu-check-pytorch.sh, each with its own
 # timeout, PART:TIMEOUT[:PART2...], in the order they run. The estimates (s,

@@ -10,6 +10,8 @@
 //! - a selected step the time budget left out makes the run exit 1, and the
 //!   summary names it;
 //! - `VMMALLOC_CLI` (the bundle's `bin/vmmalloc`) reaches every PyTorch step;
+//! - a torch companion that cannot be built fails the python step, and the
+//!   steps after it run with `VMMALLOC_COMPANION=0` (no rebuild in each);
 //! - the scripts' RESULT lines reach `results.jsonl` and `results-gpu.md`.
 //!
 //! The bundle is a small stand-in (the CLI this package built, the real check
@@ -53,6 +55,9 @@ if args and args[0] == "-c":
         print("torch 2.11.0+standin 13.0 True")
     elif "platform" in code:
         print("3.12.0")
+    elif "_companion" in code and os.environ.get("STANDIN_COMPANION") == "fail":
+        print("RuntimeError: stand-in: no C++ compiler")
+        sys.exit(1)
     else:
         print("stand-in python: -c ran")
     sys.exit(0)
@@ -62,7 +67,8 @@ if not script.startswith("torch_"):
 stem = script[:-3]
 cli = os.environ.get("VMMALLOC_CLI", "")
 with open(os.environ["STANDIN_LOG"], "a") as f:
-    f.write("%s %s %d\n" % (stem, cli or "-", int(bool(cli) and os.access(cli, os.X_OK))))
+    ok = int(bool(cli) and os.access(cli, os.X_OK))
+    f.write("%s %s %d %s\n" % (stem, cli or "-", ok, os.environ.get("VMMALLOC_COMPANION", "-")))
 mode = os.environ.get("STANDIN_" + stem, "ok")
 conf = os.environ.get("VMMALLOC_CONF")
 label = ("vmmalloc:" + conf.split(",")[0].split(":")[1]) if conf else "pytorch"
@@ -268,10 +274,10 @@ fn skips_and_failures_are_reported_as_such_and_the_cli_reaches_every_step() {
             .collect();
         assert!(!seen.is_empty(), "{step}: {script} never ran:\n{}", run.log);
         for l in seen {
-            assert_eq!(
-                l,
-                format!("{script} {} 1", cli.display()),
-                "{step}: VMMALLOC_CLI not the bundle's"
+            let want = format!("{script} {} 1 ", cli.display());
+            assert!(
+                l.starts_with(&want),
+                "{step}: VMMALLOC_CLI not the bundle's: {l}"
             );
         }
     }
@@ -338,5 +344,31 @@ fn a_run_where_every_selected_step_passed_exits_0_and_a_misspelt_step_fails() {
     assert_eq!(run.code, Some(0), "{}\n{}", run.summary, run.printed);
     let run = b.check(&[("ONLY", "python histroy")]);
     run.expect("histroy", "FAIL (ONLY names no step");
+    assert_eq!(run.code, Some(1), "{}", run.summary);
+}
+
+#[test]
+fn a_companion_that_cannot_be_built_fails_python_and_is_not_retried_by_every_step() {
+    let b = Bundle::new("companion");
+    let run = b.check(&[
+        ("ONLY", "python graph-pools"),
+        ("STANDIN_COMPANION", "fail"),
+    ]);
+    run.expect("python", "FAIL");
+    assert!(
+        run.verdict("python").contains("could not be built"),
+        "{}",
+        run.summary
+    );
+    run.expect("graph-pools", "PASS");
+    let line = run
+        .log
+        .lines()
+        .find(|l| l.starts_with("torch_graph_pool_checks "))
+        .unwrap();
+    assert!(
+        line.ends_with(" 0"),
+        "VMMALLOC_COMPANION=0 did not reach the step: {line}"
+    );
     assert_eq!(run.code, Some(1), "{}", run.summary);
 }
