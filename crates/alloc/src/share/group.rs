@@ -33,6 +33,10 @@ pub(super) fn open_checked(
     create: Option<u64>,
 ) -> Result<GroupFile, ShareError> {
     let scope = Scope::of(name);
+    if create.is_some() {
+        // The directory is made (mode 0700) on first use.
+        super::file::open_dir(p.parent().unwrap_or(std::path::Path::new(".")), scope, true)?;
+    }
     // A missing file is made only when no member of a removed one runs.
     let first = match GroupFile::open(p, None, scope) {
         Err(ShareError::Missing(_)) if create.is_some() => {
@@ -182,7 +186,7 @@ impl Group {
                 return Ok(format!(
                     "nothing to recover: no file at {} (the next member makes it)",
                     p.display()
-                ))
+                ));
             }
             Err(e @ ShareError::UnsafeFile { .. }) => {
                 if busy(None) {
