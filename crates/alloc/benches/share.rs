@@ -12,10 +12,12 @@
 //!   on the `sim` device, with the local budget and with the shared one:
 //!   the difference is what sharing adds to a cache miss;
 //! - `give back 1 GiB`: an allocator holding 1 GiB of cached memory on the
-//!   `host` device (real memory); its cap is lowered to 0, from outside
-//!   (`Group::set_cap`, as `vmmalloc share --cap` does: the poller sees it
-//!   at its next poll, every 100 ms) and from inside (`Member::set_cap`,
-//!   which wakes the poller at once); timed until the member holds nothing.
+//!   `host` device (real memory); its cap is lowered to 0 from outside
+//!   (`Group::set_cap`, as `vmmalloc share --cap` does) for a member woken
+//!   through the file's wake word (`Member::serve`) and, side by side, for
+//!   one that only polls every 100 ms (`Member::serve_polling`, how every
+//!   member heard it before issue 41); then from inside (`Member::set_cap`);
+//!   timed until the member holds nothing.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -105,48 +107,87 @@ fn main() {
         shared - local
     );
 
-    let dev = match HostDevice::with_capacity(2 * GIB) {
-        Ok(d) => Arc::new(d),
+    // Give-back of 1 GiB after the cap is lowered from outside: a member
+    // woken through the file's wake word (`share/wake.rs`) beside one that
+    // only polls (every 100 ms, as before issue 41), then from inside.
+    let host = || match HostDevice::with_capacity(2 * GIB) {
+        Ok(d) => Some(Arc::new(d)),
         Err(e) => {
             println!("share/give back 1 GiB: skipped (no host device: {e})");
-            return;
+            None
         }
     };
-    let a = Arc::new(ExpandableAllocator::new(dev, ExpandableConfig::default()).unwrap());
-    let m = join(&dir, "giveback", DEFAULT_POLL);
-    serve(&a, &m);
-    let admin = Group::open_path("giveback", &dir.join("giveback")).unwrap();
+    let Some((dev_w, dev_p)) = host().zip(host()) else {
+        return;
+    };
     let pid = std::process::id();
-    let mut outside = Vec::new();
-    let mut inside = Vec::new();
-    for r in 0..2 * rounds {
+    let member = |dev, name: &str, wake: bool| {
+        let a = Arc::new(ExpandableAllocator::new(dev, ExpandableConfig::default()).unwrap());
+        let m = join(&dir, name, DEFAULT_POLL);
+        a.join_share(Arc::clone(&m)).unwrap();
+        let g = Arc::new(AllocatorGiveBack {
+            alloc: Arc::downgrade(&a),
+            pressure: None,
+            sleep_tags: vec![],
+            sleep_backup: false,
+        });
+        if wake {
+            m.serve(g).unwrap();
+        } else {
+            m.serve_polling(g).unwrap();
+        }
+        let admin = Group::open_path(name, &dir.join(name)).unwrap();
+        (a, m, admin)
+    };
+    let woken = member(dev_w, "giveback-wake", true);
+    let polled = member(dev_p, "giveback-poll", false);
+    // Fills 1 GiB of cache, lowers the cap to 0 (from outside, or from
+    // inside), and times until the member holds nothing.
+    let round = |(a, m, admin): &(
+        Arc<ExpandableAllocator<Arc<HostDevice>>>,
+        Arc<Member>,
+        Group,
+    ),
+                 inside: bool| {
         m.set_cap(NO_CAP, None).unwrap();
         let x = a.malloc(GIB, Stream::DEFAULT).unwrap();
         a.free(x.ptr).unwrap();
         assert!(m.used() >= GIB);
         let t = Instant::now();
-        if r % 2 == 0 {
-            admin.set_cap(pid, 0, None).unwrap();
-        } else {
+        if inside {
             m.set_cap(0, None).unwrap();
+        } else {
+            admin.set_cap(pid, 0, None).unwrap();
         }
         while m.used() > 0 {
             assert!(t.elapsed() < Duration::from_secs(60), "not given back");
-            std::thread::sleep(Duration::from_micros(50));
+            std::hint::spin_loop();
         }
-        let ms = t.elapsed().as_secs_f64() * 1e3;
-        if r % 2 == 0 {
-            outside.push(ms)
-        } else {
-            inside.push(ms)
-        }
+        t.elapsed().as_secs_f64() * 1e3
+    };
+    let (mut by_wake, mut by_poll, mut inside) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        by_wake.push(round(&woken, false));
+        by_poll.push(round(&polled, false));
+        inside.push(round(&woken, true));
     }
+    let range = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(0.0, f64::max);
+        format!("{lo:.2}-{hi:.2}")
+    };
     println!(
-        "share/give back 1 GiB (host) after the cap is lowered: from outside (poll {} ms) median {:.1} ms, \
-         from inside (poller woken) median {:.1} ms",
+        "share/give back 1 GiB (host) after the cap is lowered to 0 from outside: woken median \
+         {:.2} ms ({} ms), by the poll only (every {} ms) median {:.1} ms ({} ms); from inside \
+         median {:.2} ms",
+        median(by_wake.clone()),
+        range(&by_wake),
         DEFAULT_POLL.as_millis(),
-        median(outside),
+        median(by_poll.clone()),
+        range(&by_poll),
         median(inside)
     );
+    drop(woken);
+    drop(polled);
     let _ = std::fs::remove_dir_all(&dir);
 }
