@@ -895,15 +895,18 @@ fn producer_legacy(a: &Api, test: &str, backend: &str, _extra: &[(&str, String)]
     assert_eq!(raw, again, "the same allocation, the same handle");
     fill(p, n, 1);
     // The driver's own rules for the calls PyTorch's cudaIpc path makes.
-    let open: unsafe extern "C" fn(*mut u64, vmm_sys::CUipcMemHandle, u32) -> c_int = sym!(
-        unsafe extern "C" fn(*mut u64, vmm_sys::CUipcMemHandle, u32) -> c_int,
+    /// `CUipcMemHandle` (cuda.h: `struct { char reserved[64]; }`), passed
+    /// by value.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct CuIpcMemHandle([u8; 64]);
+    let open: unsafe extern "C" fn(*mut u64, CuIpcMemHandle, u32) -> c_int = sym!(
+        unsafe extern "C" fn(*mut u64, CuIpcMemHandle, u32) -> c_int,
         "cuIpcOpenMemHandle_v2"
     );
     let close: unsafe extern "C" fn(u64) -> c_int =
         sym!(unsafe extern "C" fn(u64) -> c_int, "cuIpcCloseMemHandle");
-    let h = vmm_sys::CUipcMemHandle {
-        reserved: raw.map(|b| b as std::ffi::c_char),
-    };
+    let h = CuIpcMemHandle(raw);
     let mut q = 0u64;
     // SAFETY: valid out-pointer, a handle by value.
     unsafe {

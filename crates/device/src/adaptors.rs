@@ -6,8 +6,8 @@
 //! needs handle sizes.
 
 use crate::{
-    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, HostBuffer, MemInfo,
-    PhysHandle, Stream,
+    Call, CallCounts, Device, DeviceCaps, DeviceError, DeviceResult, Event, HostBuffer,
+    IpcMemHandle, MemInfo, PhysHandle, Stream,
 };
 use parking_lot::Mutex;
 use rand::{Rng, SeedableRng};
@@ -171,6 +171,12 @@ impl<D: Device, H: CallHook> Device for Hooked<D, H> {
     }
     fn destroy_event(&self, event: Event) -> DeviceResult<()> {
         self.run(Call::EventDestroy, 0, |d| d.destroy_event(event))
+    }
+    fn ipc_open(&self, handle: &IpcMemHandle) -> DeviceResult<u64> {
+        self.run(Call::IpcOpen, 0, |d| d.ipc_open(handle))
+    }
+    fn ipc_close(&self, ptr: u64) -> DeviceResult<()> {
+        self.run(Call::IpcClose, 0, |d| d.ipc_close(ptr))
     }
 }
 
@@ -486,11 +492,12 @@ impl<D: Device> CapacityLimit<D> {
 impl<D: Device> Device for CapacityLimit<D> {
     // Address space, access, copies, streams and events cost no physical
     // memory; host memory (`create_on_host`, `alloc_host_buffer`) is not
-    // device capacity: all forwarded uncharged.
+    // device capacity, nor is another process's memory opened by a legacy
+    // IPC handle (`ipc_open`): all forwarded uncharged.
     crate::forward_device_calls!(inner: reserve, free_reservation, set_access, copy_to_device,
         copy_from_device, copy_device, alloc_host_buffer, create_stream, synchronize_stream,
         synchronize, create_event, record_event, query_event, synchronize_event, destroy_event,
-        is_capturing, create_on_host, introspect);
+        is_capturing, create_on_host, ipc_open, ipc_close, introspect);
     fn caps(&self) -> &DeviceCaps {
         &self.caps
     }

@@ -26,7 +26,9 @@
 //! - [`sim::SimDevice`]: bookkeeping and a cost model only.
 //!
 //! Adaptors in [`adaptors`] wrap any device (fault injection, call counting,
-//! capacity limit).
+//! capacity limit). [`ipc`] composes the calls an IPC consumer makes
+//! (import and map shared handles, open legacy `cudaIpc` handles, and close
+//! either after the work on a stream), rolling back a half-done import.
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
@@ -37,6 +39,7 @@ pub mod cuda;
 mod error;
 pub mod host;
 mod hostbuf;
+pub mod ipc;
 pub mod model;
 pub mod sim;
 mod streams;
@@ -82,6 +85,15 @@ pub struct Event(pub u64);
 /// A physical memory handle (`CUmemGenericAllocationHandle` on `cuda`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PhysHandle(pub u64);
+
+/// Bytes of a legacy IPC handle (`CU_IPC_HANDLE_SIZE`, cuda.h).
+pub const IPC_HANDLE_SIZE: usize = 64;
+
+/// A legacy IPC handle (`CUipcMemHandle` / `cudaIpcMemHandle_t`, cuda.h):
+/// 64 opaque bytes naming another process's `cuMemAlloc` allocation, opened
+/// with [`Device::ipc_open`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpcMemHandle(pub [u8; IPC_HANDLE_SIZE]);
 
 /// What a device can do, queried once when it is opened.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -167,11 +179,16 @@ pub enum Call {
     HostAlloc,
     /// `cuMemcpyDtoD` (device to device, [`Device::copy_device`]).
     CopyDtoD,
+    /// `cuIpcOpenMemHandle` (a legacy IPC handle of another process's
+    /// `cuMemAlloc` memory, [`Device::ipc_open`]).
+    IpcOpen,
+    /// `cuIpcCloseMemHandle` ([`Device::ipc_close`]).
+    IpcClose,
 }
 
 impl Call {
     /// Every kind, in declaration order.
-    pub const ALL: [Call; 24] = [
+    pub const ALL: [Call; 26] = [
         Call::Reserve,
         Call::AddressFree,
         Call::Create,
@@ -196,6 +213,8 @@ impl Call {
         Call::EventDestroy,
         Call::HostAlloc,
         Call::CopyDtoD,
+        Call::IpcOpen,
+        Call::IpcClose,
     ];
 
     /// Number of kinds.
@@ -233,6 +252,8 @@ impl Call {
             Call::EventDestroy => "event_destroy",
             Call::HostAlloc => "host_alloc",
             Call::CopyDtoD => "copy_dtod",
+            Call::IpcOpen => "ipc_open",
+            Call::IpcClose => "ipc_close",
         }
     }
 
@@ -263,6 +284,8 @@ impl Call {
             Call::EventDestroy => "cuEventDestroy_v2",
             Call::HostAlloc => "cuMemHostAlloc",
             Call::CopyDtoD => "cuMemcpyDtoD_v2",
+            Call::IpcOpen => "cuIpcOpenMemHandle_v2",
+            Call::IpcClose => "cuIpcCloseMemHandle",
         }
     }
 
@@ -478,6 +501,36 @@ pub trait Device: Send + Sync {
         })
     }
 
+    /// Opens a legacy IPC handle (`cudaIpcMemHandle_t`, what PyTorch's
+    /// default allocator shares) of another process's `cuMemAlloc` memory:
+    /// `cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, the
+    /// only flag it takes, in this device's primary context (cuda.h). Returns
+    /// the pointer, mapped and accessible. The driver counts references:
+    /// opening a handle that is already open here returns the same pointer,
+    /// and each open needs its own [`Device::ipc_close`]. Opening a handle in
+    /// the process that exported it fails ("other process", cuda.h). Only
+    /// the driver can map such memory: backends without it answer
+    /// [`DeviceError::Unsupported`] (the default). Most callers want
+    /// [`ipc::OpenedIpcMem`], which closes after the work on a stream.
+    fn ipc_open(&self, handle: &IpcMemHandle) -> DeviceResult<u64> {
+        let _ = handle;
+        Err(DeviceError::Unsupported {
+            call: Call::IpcOpen,
+            what: "legacy CUDA IPC handles (cuIpcOpenMemHandle) on this backend".into(),
+        })
+    }
+    /// Drops one reference to a pointer [`Device::ipc_open`] returned
+    /// (`cuIpcCloseMemHandle`); the last one unmaps the memory (cuda.h). The
+    /// caller has waited for the work queued on the memory. A pointer that
+    /// is not open is refused ([`Rule::UnknownPointer`] on `cuda`).
+    fn ipc_close(&self, ptr: u64) -> DeviceResult<()> {
+        let _ = ptr;
+        Err(DeviceError::Unsupported {
+            call: Call::IpcClose,
+            what: "legacy CUDA IPC handles (cuIpcCloseMemHandle) on this backend".into(),
+        })
+    }
+
     /// The checked model behind a CPU backend (`sim`, `host`), for tests and
     /// `validate()`; `None` on a real GPU.
     fn introspect(&self) -> Option<&dyn Introspect> {
@@ -653,6 +706,16 @@ macro_rules! forward_device_calls {
             $crate::forward_device_calls!(@call self $to create_on_host(size))
         }
     };
+    (@one $to:tt ipc_open) => {
+        fn ipc_open(&self, handle: &$crate::IpcMemHandle) -> $crate::DeviceResult<u64> {
+            $crate::forward_device_calls!(@call self $to ipc_open(handle))
+        }
+    };
+    (@one $to:tt ipc_close) => {
+        fn ipc_close(&self, ptr: u64) -> $crate::DeviceResult<()> {
+            $crate::forward_device_calls!(@call self $to ipc_close(ptr))
+        }
+    };
     (@one $to:tt introspect) => {
         fn introspect(&self) -> Option<&dyn $crate::Introspect> {
             $crate::forward_device_calls!(@call self $to introspect())
@@ -672,7 +735,8 @@ macro_rules! impl_device_for_pointer {
                 unmap, set_access, mem_info, alloc, free, export_fd, import_fd, copy_to_device,
                 copy_from_device, copy_device, alloc_host_buffer, create_stream,
                 synchronize_stream, synchronize, create_event, record_event, query_event,
-                synchronize_event, destroy_event, is_capturing, create_on_host, introspect);
+                synchronize_event, destroy_event, is_capturing, create_on_host, ipc_open,
+                ipc_close, introspect);
         }
     };
 }

@@ -26,7 +26,8 @@ use vmm_sys::{
 };
 use vmmalloc_device::cuda::{self, CudaDevice};
 use vmmalloc_device::{
-    conformance, Call, Device, DeviceError, DeviceResult, Event, PhysHandle, Rule, Stream, MIB,
+    conformance, Call, Device, DeviceError, DeviceResult, Event, IpcMemHandle, PhysHandle, Rule,
+    Stream, MIB,
 };
 
 // Building and finding the fake, and running each test in a child process:
@@ -1180,6 +1181,10 @@ fn every_operation(dev: &CudaDevice, after: &mut dyn FnMut(&str)) {
     after("free (refused)");
     assert!(dev.unmap(va, g).is_err());
     after("unmap (refused by the driver)");
+    assert!(dev.ipc_open(&IpcMemHandle([0; 64])).is_err());
+    after("ipc_open (refused by the driver)");
+    assert!(dev.ipc_close(p).is_err());
+    after("ipc_close (refused)");
 }
 
 fake_test! {
@@ -1626,4 +1631,141 @@ fake_test! {
         drop((b, c));
         assert_eq!(fake.pinned(), (0, 0));
     }
+}
+
+// ---------------------------------------------------------------------------
+// Legacy CUDA IPC (`Device::ipc_open` / `ipc_close`, `ipc::OpenedIpcMem`)
+
+/// The consumer's side of [`legacy_ipc_handles_open_in_another_process`]:
+/// the handle, in hex.
+const LEGACY_HANDLE_ENV: &str = "VMMALLOC_TEST_LEGACY_IPC_HANDLE";
+/// Bytes of the shared allocation.
+const LEGACY_BYTES: usize = 3 * MIB as usize + 100;
+
+/// The consumer: opens the handle twice (one pointer, two references, as
+/// cuda.h says), reads the producer's bytes and writes its own through the
+/// CPU (the fake's IPC mappings are host memory, docs/fake-cuda.md), and
+/// closes each open once, through a counting adaptor; a third close never
+/// reaches the driver.
+fn legacy_consumer(fake: &Fake, hex: &str) {
+    use vmmalloc_device::adaptors::Counting;
+    use vmmalloc_device::ipc::OpenedIpcMem;
+    let mut raw = [0u8; 64];
+    for (i, b) in raw.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let dev = Counting::counting(fake.open(0));
+    let a = OpenedIpcMem::open(&dev, &IpcMemHandle(raw)).unwrap();
+    let b = OpenedIpcMem::open(&dev, &IpcMemHandle(raw)).unwrap();
+    assert_eq!(a.ptr(), b.ptr(), "the driver counts references");
+    let p = std::ptr::with_exposed_provenance_mut::<u8>(a.ptr() as usize);
+    // SAFETY: the fake mapped LEGACY_BYTES of host memory at the pointer,
+    // open until the closes below; nothing else touches it here.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(p, LEGACY_BYTES) };
+    assert!(
+        bytes == pattern(LEGACY_BYTES, 1).as_slice(),
+        "the producer's bytes"
+    );
+    bytes.copy_from_slice(&pattern(LEGACY_BYTES, 2));
+    let ptr = a.ptr();
+    a.close(Stream::DEFAULT).unwrap();
+    b.close(Stream::DEFAULT).unwrap();
+    let counts = dev.hook().counts();
+    assert_eq!(
+        (counts.get(Call::IpcOpen), counts.get(Call::IpcClose)),
+        (2, 2)
+    );
+    assert_eq!(fake.calls("cuIpcCloseMemHandle"), 2);
+    expect_rule(fake, dev.ipc_close(ptr), Rule::UnknownPointer);
+    assert_eq!(
+        fake.calls("cuIpcCloseMemHandle"),
+        2,
+        "refused before the driver"
+    );
+}
+
+/// The `cuda` backend opens a legacy IPC handle of another process's
+/// `cuMemAlloc` memory (`cuIpcOpenMemHandle`) and closes it: the producer
+/// cannot open its own handle (cuda.h: handles are for "other processes";
+/// the fake answers `CUDA_ERROR_INVALID_CONTEXT`), a consumer process can,
+/// and sees and changes the same bytes; after the producer frees the memory
+/// the handle no longer opens. Other backends refuse both calls.
+#[test]
+fn legacy_ipc_handles_open_in_another_process() {
+    const NAME: &str = "legacy_ipc_handles_open_in_another_process";
+    in_child(NAME, &[], |fake| {
+        if let Ok(hex) = std::env::var(LEGACY_HANDLE_ENV) {
+            return legacy_consumer(fake, &hex);
+        }
+        let dev = fake.open(0);
+        let ptr = dev.alloc(LEGACY_BYTES as u64).unwrap();
+        dev.copy_to_device(ptr, &pattern(LEGACY_BYTES, 1)).unwrap();
+        let h = {
+            let _ctx = dev.enter(Call::IpcOpen).unwrap();
+            fake.driver.ipc_get_mem_handle(ptr).unwrap()
+        };
+        let raw = IpcMemHandle(h.reserved.map(|c| c as u8));
+        let e = dev.ipc_open(&raw).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DeviceError::Driver {
+                    call: Call::IpcOpen,
+                    code: 201,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let hex: String = raw.0.iter().map(|b| format!("{b:02x}")).collect();
+        let consumer = |expect_ok: bool| {
+            let out = Command::new(std::env::current_exe().unwrap())
+                .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+                .env(LEGACY_HANDLE_ENV, &hex)
+                .output()
+                .unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(out.status.success(), expect_ok, "consumer:\n{text}");
+            text
+        };
+        consumer(true);
+        let mut back = vec![0u8; LEGACY_BYTES];
+        dev.copy_from_device(ptr, &mut back).unwrap();
+        assert!(
+            back == pattern(LEGACY_BYTES, 2),
+            "the consumer's write, seen here"
+        );
+        dev.free(ptr).unwrap();
+        let text = consumer(false);
+        assert!(text.contains("CUDA_ERROR_INVALID_HANDLE"), "{text}");
+        assert_clean(fake, 0);
+        // The models hold no cuMemAlloc memory of another process.
+        let sim = vmmalloc_device::sim::SimDevice::new(Default::default());
+        let e = sim.ipc_open(&raw).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DeviceError::Unsupported {
+                    call: Call::IpcOpen,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = sim.ipc_close(ptr).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DeviceError::Unsupported {
+                    call: Call::IpcClose,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    });
 }

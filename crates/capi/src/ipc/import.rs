@@ -1,31 +1,39 @@
 //! The consumer side of IPC: taking a handle's descriptors, mapping them
-//! (or opening a legacy handle through the driver), and closing the mapping
-//! after the work queued on a stream (see the parent module's docs).
+//! (or opening a legacy handle), and closing the mapping after the work
+//! queued on a stream (see the parent module's docs). The memory calls are
+//! the device layer's ([`vmmalloc_device::ipc`]): this file only finds the
+//! device and the descriptors, and keeps what was imported by pointer.
+//!
+//! Legacy handles (`'c'` + `cudaIpcMemHandle_t`) name memory of PyTorch's
+//! default caching allocator (`cudaMalloc` segments), which
+//! `DeviceCachingAllocator::shareIpcHandle` exports with
+//! `cudaIpcGetMemHandle` on the segment's base block and
+//! `NativeCachingAllocator::getIpcDevPtr` opens with `cudaIpcOpenMemHandle`
+//! (c10/cuda/CUDACachingAllocator.cpp). vmmalloc opens them the same way,
+//! through the driver ([`Device::ipc_open`]: `cuIpcOpenMemHandle` in the
+//! device's primary context, the one the CUDA runtime and so PyTorch uses).
+//! The driver counts references: opening the same handle again returns the
+//! same pointer (cuda.h, `cuIpcOpenMemHandle`), so two imports of one handle
+//! are two closes. Only `device:cuda` can do this: the memory is a
+//! `cuMemAlloc` allocation that only the driver can map.
 
 use super::format::{Backend, Handle, TorchHandle};
 use super::transport::{self, TakeError, Transport};
-use super::{backend_of, legacy, lock, lookup, FORMAT_ENV};
+use super::{backend_of, lock, lookup, FORMAT_ENV};
 use crate::config::DeviceKind;
 use crate::runtime;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
-use vmmalloc_device::{Device, PhysHandle, Stream};
+use vmmalloc_device::ipc::{MappedImport, OpenedIpcMem};
+use vmmalloc_device::{Device, IpcMemHandle, Stream};
 
 /// One mapping made by an import (consumer side).
 enum Import {
     /// Descriptors mapped into a reservation of ours.
-    Mapped {
-        device: Arc<dyn Device>,
-        base: u64,
-        total: u64,
-        handles: Vec<PhysHandle>,
-    },
+    Mapped(MappedImport<Arc<dyn Device>>),
     /// A legacy handle opened by the driver (`cuIpcOpenMemHandle`).
-    Legacy {
-        device: Arc<dyn Device>,
-        opened: legacy::Opened,
-    },
+    Legacy(OpenedIpcMem<Arc<dyn Device>>),
 }
 
 /// Imports by the pointer handed out; a legacy handle opened twice maps at
@@ -173,7 +181,8 @@ fn import_torch(t: TorchHandle, device: i32) -> Result<u64, String> {
 }
 
 /// Opens a legacy `cudaIpcMemHandle_t` handle (PyTorch's default allocator)
-/// on device `device` (-1: 0) through `cuIpcOpenMemHandle` ([`legacy`]).
+/// on device `device` (-1: 0) through `cuIpcOpenMemHandle` (see the module
+/// docs).
 fn import_legacy(version: Option<u8>, handle: &[u8; 64], device: i32) -> Result<u64, String> {
     let what = match version {
         Some(v) => format!("PyTorch's cudaMalloc IPC handle (version {v}, 'c')"),
@@ -192,98 +201,41 @@ fn import_legacy(version: Option<u8>, handle: &[u8; 64], device: i32) -> Result<
     let d = rt
         .device(ordinal)
         .map_err(|m| format!("device {ordinal} is not usable here: {m}"))?;
-    let opened = legacy::open(d.ordinal, handle).map_err(|m| format!("{what}: {m}"))?;
-    let ptr = opened.dptr;
+    let opened = OpenedIpcMem::open(d.device.clone(), &IpcMemHandle(*handle))
+        .map_err(|e| format!("{what}: {e}"))?;
+    let ptr = opened.ptr();
+    record(ptr, Import::Legacy(opened));
+    Ok(ptr)
+}
+
+/// Keeps `imp` under the pointer handed out.
+fn record(ptr: u64, imp: Import) {
     lock(&IMPORTS)
         .get_or_insert_with(HashMap::new)
         .entry(ptr)
         .or_default()
-        .push(Import::Legacy {
-            device: d.device.clone(),
-            opened,
-        });
-    Ok(ptr)
+        .push(imp);
 }
 
 /// Imports descriptors `fds` (chunks of `sizes` bytes) into a fresh
-/// reservation, maps them in order, grants access and records the import;
-/// returns `base + offset`. Rolls everything back on failure.
+/// reservation, mapped in order and accessible ([`MappedImport::map`], which
+/// rolls everything back on failure), and records the import; returns
+/// `base + offset`.
 fn map_fds(
     dev: Arc<dyn Device>,
     sizes: &[u64],
     fds: &[OwnedFd],
     offset: u64,
 ) -> Result<u64, String> {
-    let total: u64 = sizes.iter().sum();
-    let base = dev
-        .reserve(total, 0)
-        .map_err(|e| format!("reserving {total:#x} bytes for the import: {e}"))?;
-    let mut handles: Vec<PhysHandle> = Vec::with_capacity(sizes.len());
-    let mut mapped = 0u64;
-    let rollback = |handles: &[PhysHandle], mapped: u64| {
-        if mapped > 0 {
-            let _ = dev.unmap(base, mapped);
-        }
-        for &ph in handles {
-            let _ = dev.release(ph);
-        }
-        let _ = dev.free_reservation(base, total);
-    };
-    for (&size, fd) in sizes.iter().zip(fds) {
-        let ph = match dev.import_fd(fd.as_raw_fd()) {
-            Ok(ph) => ph,
-            Err(e) => {
-                rollback(&handles, mapped);
-                return Err(format!("importing a chunk of {size:#x} bytes: {e}"));
-            }
-        };
-        handles.push(ph);
-        if let Err(e) = dev.map(base + mapped, size, ph) {
-            rollback(&handles, mapped);
-            return Err(format!("mapping an imported chunk of {size:#x} bytes: {e}"));
-        }
-        mapped += size;
-    }
-    if let Err(e) = dev.set_access(base, total) {
-        rollback(&handles, mapped);
-        return Err(format!("granting access to the import: {e}"));
-    }
-    let ptr = base + offset;
-    lock(&IMPORTS)
-        .get_or_insert_with(HashMap::new)
-        .entry(ptr)
-        .or_default()
-        .push(Import::Mapped {
-            device: dev,
-            base,
-            total,
-            handles,
-        });
+    let chunks: Vec<_> = fds
+        .iter()
+        .map(AsRawFd::as_raw_fd)
+        .zip(sizes.iter().copied())
+        .collect();
+    let imported = MappedImport::map(dev, &chunks).map_err(|e| e.to_string())?;
+    let ptr = imported.base() + offset;
+    record(ptr, Import::Mapped(imported));
     Ok(ptr)
-}
-
-/// Waits until the work queued on `stream` so far has finished: an event
-/// recorded there, then waited for (not a device-wide synchronize). Where
-/// that fails (a stream the device does not know, say), waits for the whole
-/// device instead, so that nothing still running loses its memory; the
-/// error says so.
-fn wait_stream(dev: &Arc<dyn Device>, stream: Stream) -> Result<(), String> {
-    let on_event = dev.create_event().and_then(|e| {
-        let r = dev
-            .record_event(e, stream)
-            .and_then(|()| dev.synchronize_event(e));
-        let _ = dev.destroy_event(e);
-        r
-    });
-    match on_event {
-        Ok(()) => Ok(()),
-        Err(x) => match dev.synchronize() {
-            Ok(()) => Ok(()),
-            Err(y) => Err(format!(
-                "waiting for stream {stream}: {x}; then for the device: {y}"
-            )),
-        },
-    }
 }
 
 /// Unmaps an import once the work queued on `stream` is done.
@@ -304,44 +256,13 @@ pub(super) fn close(ptr: u64, stream: Stream) -> Result<(), String> {
         })?
     };
     // Work queued on the mapping must finish before it goes (cuMemUnmap of
-    // memory in use is undefined behaviour, CUDA Driver API).
-    let mut errors = Vec::new();
+    // memory in use is undefined behaviour, CUDA Driver API): `close` waits
+    // for `stream` first.
     match imp {
-        Import::Mapped {
-            device: dev,
-            base,
-            total,
-            handles,
-        } => {
-            if let Err(e) = wait_stream(&dev, stream) {
-                errors.push(e);
-            }
-            if let Err(e) = dev.unmap(base, total) {
-                errors.push(format!("unmap: {e}"));
-            }
-            for &ph in &handles {
-                if let Err(e) = dev.release(ph) {
-                    errors.push(format!("release: {e}"));
-                }
-            }
-            if let Err(e) = dev.free_reservation(base, total) {
-                errors.push(format!("free reservation: {e}"));
-            }
-        }
-        Import::Legacy { device, opened } => {
-            if let Err(e) = wait_stream(&device, stream) {
-                errors.push(e);
-            }
-            if let Err(e) = opened.close() {
-                errors.push(format!("cuIpcCloseMemHandle: {e}"));
-            }
-        }
+        Import::Mapped(m) => m.close(stream),
+        Import::Legacy(l) => l.close(stream),
     }
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(errors.join("; "))
-    }
+    .map_err(|e| e.to_string())
 }
 
 /// The pointers of live imports and how many imports each holds.

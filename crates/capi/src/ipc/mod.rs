@@ -44,7 +44,9 @@
 //! exports), and the producer's socket name. Import takes the descriptors
 //! ([`transport`]: `pidfd_getfd`, else `SCM_RIGHTS` over the producer's
 //! socket), imports them (`cuMemImportFromShareableHandle`) into a fresh
-//! reservation, maps them in order and grants this device read-write access.
+//! reservation, maps them in order and grants this device read-write access
+//! ([`vmmalloc_device::ipc::MappedImport`]: the device layer makes the
+//! memory calls, and rolls back a half-done import).
 //! Exporting the same pointer again returns the same handle.
 //!
 //! # PyTorch's formats, both ways
@@ -62,7 +64,7 @@
 //! - A vmmalloc consumer reads PyTorch's `'e'` handles of versions 2 and 3
 //!   (descriptors taken with `pidfd_getfd`, as PyTorch's consumer does) and
 //!   its legacy `'c'` / bare 64-byte `cudaIpcMemHandle_t` handles (through
-//!   `cuIpcOpenMemHandle`, [`legacy`]; `device:cuda` only).
+//!   `cuIpcOpenMemHandle`, [`Device::ipc_open`]; `device:cuda` only).
 //!
 //! # What vmmalloc guarantees
 //!
@@ -86,7 +88,6 @@
 mod ffi;
 pub mod format;
 mod import;
-pub mod legacy;
 pub mod transport;
 
 pub use ffi::*;

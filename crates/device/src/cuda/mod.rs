@@ -79,8 +79,8 @@
 //! `CUstream` / `CUevent` pointers, or [`stream_key`]'s per-thread keys.
 
 use crate::{
-    Call, Device, DeviceCaps, DeviceError, DeviceResult, Event, HostBuffer, MemInfo, PhysHandle,
-    Rule, Stream,
+    Call, Device, DeviceCaps, DeviceError, DeviceResult, Event, HostBuffer, IpcMemHandle, MemInfo,
+    PhysHandle, Rule, Stream,
 };
 use parking_lot::{Mutex, RwLock};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -108,6 +108,7 @@ use vmm_sys::{
 
 mod context;
 mod driver;
+mod ipc;
 mod peers;
 mod registry;
 mod streams;
@@ -153,6 +154,9 @@ pub struct CudaDevice {
     ranges: RwLock<Ranges>,
     handles: Mutex<Registry>,
     events: Mutex<Registry>,
+    /// Pointers `cuIpcOpenMemHandle` returned, one reference per open
+    /// (`ipc.rs`).
+    ipc_opened: Mutex<Registry>,
     /// Streams never die (the trait has no destroy), so membership suffices.
     streams: Mutex<HashSet<u64>>,
     /// Accept stream handles created outside this device (PyTorch's side streams).
@@ -313,6 +317,7 @@ impl CudaDevice {
             ranges: RwLock::new(Ranges::default()),
             handles: Mutex::new(Registry::default()),
             events: Mutex::new(Registry::default()),
+            ipc_opened: Mutex::new(Registry::default()),
             streams: Mutex::new(HashSet::new()),
             external_streams: std::sync::atomic::AtomicBool::new(false),
         };
@@ -814,6 +819,14 @@ impl Device for CudaDevice {
             .map_err(|e| self.fail(Call::Import, e, 0, || format!("fd {fd}, POSIX fd")))?;
         self.handles.lock().insert(handle);
         Ok(PhysHandle(handle))
+    }
+
+    fn ipc_open(&self, handle: &IpcMemHandle) -> DeviceResult<u64> {
+        self.open_ipc(handle)
+    }
+
+    fn ipc_close(&self, ptr: u64) -> DeviceResult<()> {
+        self.close_ipc(ptr)
     }
 
     fn copy_to_device(&self, dst: u64, src: &[u8]) -> DeviceResult<()> {
