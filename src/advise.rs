@@ -254,14 +254,56 @@ pub fn best<'a>(
         })
 }
 
-/// What the plug-in does not support yet (docs/pytorch.md, "Limits"),
-/// listed next to every recommendation of it.
-pub const PLUGIN_LIMITS: [&str; 4] = [
-    "torch.backends.cudnn.benchmark = True raises: CUDAPluggableAllocator has no cacheInfo hook",
-    "torch.cuda.memory._record_memory_history raises: set record_history:True in VMMALLOC_CONF (no stack frames)",
-    "CUDA graphs and torch.cuda.MemPool need backend:expandable (the other backends refuse them)",
-    "cudaIpcGetMemHandle on its memory is not supported (torch.multiprocessing shares CUDA tensors with it)",
+/// The torch companion's capability table, `FEATURES` in
+/// python/vmmalloc/_companion.py: the one place that says which PyTorch
+/// features the plug-in serves beyond malloc and free (and which raise
+/// without the companion). What `advise` says of the plug-in comes from it.
+const COMPANION_SOURCE: &str = include_str!("../python/vmmalloc/_companion.py");
+
+/// The C++ methods in the companion's capability table ([`COMPANION_SOURCE`]),
+/// in its order.
+pub fn companion_methods() -> Vec<&'static str> {
+    let Some(start) = COMPANION_SOURCE.find("\nFEATURES = (\n") else {
+        return Vec::new();
+    };
+    let body = &COMPANION_SOURCE[start + "\nFEATURES = (\n".len()..];
+    let body = &body[..body.find("\n)\n").unwrap_or(body.len())];
+    body.lines()
+        .filter_map(|l| l.strip_prefix("    (\"")?.split('"').next())
+        .collect()
+}
+
+/// Features of the companion's table that `advise` names as examples: (C++
+/// method in the table, what a user calls it). A test checks every method
+/// against the table.
+pub const COMPANION_EXAMPLES: [(&str, &str); 5] = [
+    ("checkPoolLiveAllocations", "CUDA graph trees"),
+    ("createOrIncrefPool", "torch.cuda.MemPool"),
+    ("cacheInfo", "cudnn.benchmark"),
+    ("recordHistory", "_record_memory_history"),
+    ("shareIpcHandle", "torch.multiprocessing"),
 ];
+
+/// What the plug-in needs and cannot do (docs/pytorch.md, "Limits"), listed
+/// next to every recommendation of it; the companion's part is counted
+/// from its capability table ([`companion_methods`]).
+pub fn plugin_limits() -> Vec<String> {
+    let examples: Vec<&str> = COMPANION_EXAMPLES.iter().map(|(_, name)| *name).collect();
+    vec![
+        format!(
+            "{} PyTorch features ({}, ...) come from its torch companion, built when enable() first \
+             runs: it needs a C++20 compiler and the CUDA headers, and without it those raise; \
+             `python -m vmmalloc --check` lists what works here",
+            companion_methods().len(),
+            examples.join(", ")
+        ),
+        "CUDA graphs and torch.cuda.MemPool need backend:expandable (the other backends refuse them)"
+            .to_string(),
+        "legacy CUDA IPC (cudaIpcGetMemHandle) does not work on its memory, as on any cuMemCreate \
+         memory; torch.multiprocessing goes through the companion"
+            .to_string(),
+    ]
+}
 
 /// Steady driver time within this many ms per further pass (or
 /// [`STEADY_TIE_FRACTION`] of the larger) counts as equal.
@@ -326,7 +368,7 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     let gpus = gpu_sizes(&trace.name, &devices, gpu, base.granularity)?;
     for (dt, cap) in devices.iter().zip(&gpus) {
         let peak = dt.peak_live_bytes();
-        println!(
+        let head = format!(
             "{} device {}: {} events, peak live {}; judged on {}",
             trace.name,
             dt.device(),
@@ -340,6 +382,7 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                 ),
             }
         );
+        print!("{}", crate::compare::wrap_hanging(&head, 0, 2));
     }
     let verdicts = evaluate(&devices, &gpus, &base)?;
     println!();
@@ -492,9 +535,9 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                 indented(v.candidate.also);
             }
             if !v.candidate.pytorch {
-                println!("  What the plug-in does not support yet (docs/pytorch.md, \"Limits\"):");
-                for l in PLUGIN_LIMITS {
-                    for (i, part) in crate::compare::wrap(l, width - 4).lines().enumerate() {
+                println!("  What the plug-in needs, and its limits (docs/pytorch.md, \"Limits\"):");
+                for l in plugin_limits() {
+                    for (i, part) in crate::compare::wrap(&l, width - 4).lines().enumerate() {
                         println!("  {} {part}", if i == 0 { "-" } else { " " });
                     }
                 }
@@ -526,6 +569,36 @@ pub fn run(args: AdviseArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_plugin_limits_come_from_the_companions_capability_table() {
+        let methods = companion_methods();
+        // The table as the Python package reads it: one entry per line
+        // that opens a tuple (continuation lines open none).
+        let start = COMPANION_SOURCE.find("\nFEATURES = (\n").unwrap();
+        let end = start + COMPANION_SOURCE[start..].find("\n)\n").unwrap();
+        let entries = COMPANION_SOURCE[start..end].matches("\n    (\"").count();
+        assert!(entries >= 15, "{entries}");
+        assert_eq!(methods.len(), entries);
+        for (m, _) in COMPANION_EXAMPLES {
+            assert!(
+                methods.contains(&m),
+                "{m} is not in the companion's FEATURES"
+            );
+        }
+        let text = plugin_limits().join(" ");
+        assert!(
+            text.contains(&format!("{} PyTorch features", methods.len())),
+            "{text}"
+        );
+        for stale in [
+            "does not support yet",
+            "cudnn.benchmark = True raises",
+            "history raises",
+        ] {
+            assert!(!text.contains(stale), "{text}");
+        }
+    }
 
     #[test]
     fn every_candidate_parses_and_is_set_by_its_line() {

@@ -1,12 +1,12 @@
 //! `vmmalloc bench`: the cache-hit malloc + free pair and 1-vs-2-thread
 //! throughput of every policy, measured side by side in one run.
 
-use crate::compare::parse_policies;
+use crate::compare::parse_policy_specs;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use vmmalloc_alloc::bench::{bench_pair, thread_scaling, PAIR_SIZE};
-use vmmalloc_alloc::{build, Policy, PolicyOptions};
+use vmmalloc_alloc::{build, Policy, PolicySpec};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Call, Device, Stream, GIB};
@@ -14,12 +14,9 @@ use vmmalloc_device::{Call, Device, Stream, GIB};
 /// Arguments of `vmmalloc bench`.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Policies to measure, comma-separated.
-    #[arg(
-        long,
-        default_value = "expandable,caching,torch-es,native",
-        value_delimiter = ','
-    )]
+    /// Policies to measure, comma-separated, each `NAME[:key=value,...]` with
+    /// policy options as for `compare`, e.g. `expandable,expandable:max_chunk=20MiB`.
+    #[arg(long, default_value = "expandable,caching,torch-es,native")]
     pub policies: Vec<String>,
     /// Device backend: `sim` (bookkeeping only) or `host` (real CPU memory).
     #[arg(long, default_value = "sim")]
@@ -29,11 +26,11 @@ pub struct BenchArgs {
     pub json: Option<String>,
     /// Timed pairs per policy and round (at least 10,000: fewer make the
     /// p99 and the throughput timings meaningless).
-    #[arg(long, default_value_t = 200_000)]
+    #[arg(long, default_value_t = 200_000, allow_negative_numbers = true, value_parser = crate::whole_number::<u64>)]
     pub iters: u64,
     /// Rounds; each round measures every policy once, in turn, and the median
     /// round is reported (so noise hits every policy alike).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = crate::whole_number::<usize>)]
     pub rounds: usize,
     /// Where output folders may be created.
     #[command(flatten)]
@@ -65,10 +62,11 @@ fn median(v: &[f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn measure(policy: Policy, kind: &str, iters: u64) -> Result<(f64, f64, f64, f64)> {
+fn measure(spec: &PolicySpec, kind: &str, iters: u64) -> Result<(f64, f64, f64, f64)> {
     let dev = device(kind)?;
     let side = dev.create_stream().context("creating a stream")?;
-    let alloc = build(policy, dev, &PolicyOptions::default())?;
+    let alloc = build(spec.policy, dev, &spec.options)
+        .with_context(|| format!("--policies {}", spec.label))?;
     let (med, p99) = bench_pair(&*alloc, iters)?;
     let scaling = thread_scaling(&*alloc, [Stream::DEFAULT, side], iters)?;
     Ok((med, p99, scaling.one, scaling.two))
@@ -80,8 +78,8 @@ fn measure(policy: Policy, kind: &str, iters: u64) -> Result<(f64, f64, f64, f64
 pub const MIN_ITERS: u64 = 10_000;
 
 /// What the `sim` device means for these figures: its calls cost no time.
-fn sim_note(policies: &[Policy]) -> Option<String> {
-    if !policies.contains(&Policy::Native) {
+fn sim_note(policies: &[PolicySpec]) -> Option<String> {
+    if !policies.iter().any(|s| s.policy == Policy::Native) {
         return None;
     }
     // What one pair would cost on a GPU by the default (h200) cost model.
@@ -97,7 +95,7 @@ fn sim_note(policies: &[Policy]) -> Option<String> {
 
 /// Runs `vmmalloc bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
-    let policies = parse_policies(&args.policies)?;
+    let policies = parse_policy_specs(&args.policies)?;
     if let Some(j) = args.json.as_deref().filter(|j| *j != "-") {
         crate::output_path::prepare_file("--json", std::path::Path::new(j), args.mkdir.mkdir)?;
     }
@@ -111,12 +109,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.iters
         );
     }
-    device(&args.device)?;
+    // Every policy's options, before anything is measured.
+    for spec in &policies {
+        build(spec.policy, device(&args.device)?, &spec.options)
+            .with_context(|| format!("--policies {}", spec.label))?;
+    }
     let mut figs: Vec<Figures> = vec![Figures::default(); policies.len()];
     for _ in 0..args.rounds {
         for (i, p) in policies.iter().enumerate() {
-            let (med, p99, one, two) = measure(*p, &args.device, args.iters)
-                .with_context(|| format!("benchmarking {p}"))?;
+            let (med, p99, one, two) = measure(p, &args.device, args.iters)
+                .with_context(|| format!("benchmarking {}", p.label))?;
             figs[i].median.push(med);
             figs[i].p99.push(p99);
             figs[i].one.push(one);
@@ -144,11 +146,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
             median(&f.two),
         );
         pols.insert(
-            p.name().to_string(),
+            p.label.clone(),
             json!({"pair_ns_median": med, "pair_ns_p99": p99, "threads": {"1": one, "2": two}}),
         );
         lines.push(vec![
-            p.name().to_string(),
+            p.label.clone(),
             format!("{med:.1}"),
             format!("{p99:.1}"),
             format!("{one:.0}"),
@@ -157,7 +159,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         ]);
     }
     if !to_stdout {
-        print!("{}", crate::compare::align(&lines, 1));
+        print!("{}", crate::compare::align_fit(&lines, 1));
         let width = crate::compare::TERMINAL_WIDTH;
         if let Some(first) = figs.first() {
             let base = median(&first.median);
@@ -168,7 +170,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     crate::compare::wrap(
                         &format!(
                             "pair time {} / {}: {r:.2} ({}'s median pair takes {r:.2}x {}'s; below 1: {} is faster)",
-                            policies[0], p, policies[0], p, policies[0]
+                            policies[0].label, p.label, policies[0].label, p.label, policies[0].label
                         ),
                         width
                     )
@@ -208,7 +210,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if j == "-" {
             println!("{text}");
         } else {
-            std::fs::write(j, text + "\n").with_context(|| format!("writing {j}"))?;
+            crate::output_path::write_file(std::path::Path::new(j), (text + "\n").as_bytes())?;
         }
     }
     Ok(())

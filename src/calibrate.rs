@@ -52,10 +52,15 @@ pub struct CalibrateArgs {
     pub json: Option<PathBuf>,
     /// Timed calls per measured point; each point is their median (200 on a
     /// GPU; fewer only to test the pipeline).
-    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(3..))]
+    #[arg(
+        long,
+        default_value_t = 200,
+        allow_negative_numbers = true,
+        value_parser = clap::value_parser!(u32).range(3..)
+    )]
     pub iterations: u32,
     /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::whole_number::<u32>)]
     pub device: u32,
     /// Where output folders may be created.
     #[command(flatten)]
@@ -390,8 +395,7 @@ pub fn run(args: CalibrateArgs) -> Result<()> {
         doc["preset_distance"], doc["fit_distance"]
     );
     if let Some(path) = &args.json {
-        std::fs::write(path, format!("{text}\n"))
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::output_path::write_file(path, format!("{text}\n").as_bytes())?;
         eprintln!(
             "wrote {} (use it with --cost-file {})",
             path.display(),

@@ -95,7 +95,8 @@ impl TightCapacity {
         match self {
             TightCapacity::Factor(f) => crate::device_size::factor_size(
                 &format!(
-                    "{trace}: the tight device, {f} x peak live ({})",
+                    "{trace}: the tight device, {} x peak live ({})",
+                    crate::device_size::factor_text(f),
                     crate::replay_cmd::format_bytes(peak_live)
                 ),
                 f,
@@ -113,7 +114,9 @@ impl TightCapacity {
     /// How reports describe it: `1.05 x peak live` or `24.00 GiB (--capacity)`.
     pub fn describe(self, granularity: u64) -> String {
         match self {
-            TightCapacity::Factor(f) => format!("{f} x peak live"),
+            TightCapacity::Factor(f) => {
+                format!("{} x peak live", crate::device_size::factor_text(f))
+            }
             TightCapacity::Fixed(b) => {
                 format!(
                     "{} (--capacity)",
@@ -475,11 +478,47 @@ pub fn wrap(text: &str, width: usize) -> String {
     out
 }
 
+/// `text` wrapped to [`TERMINAL_WIDTH`], its first line indented by
+/// `indent` spaces and the others by `hang`; each of its own lines starts
+/// a new one, keeping its own indentation (and 2 more where it wraps).
+/// Ends with a newline.
+pub fn wrap_hanging(text: &str, indent: usize, hang: usize) -> String {
+    let mut out = String::new();
+    for (n, para) in text.lines().enumerate() {
+        let own = para.len() - para.trim_start().len();
+        let (first, rest) = if n == 0 {
+            (indent + own, hang + own + 2 * usize::from(own > 0))
+        } else {
+            (hang + own, hang + own + 2 * usize::from(own > 0))
+        };
+        let width = TERMINAL_WIDTH.saturating_sub(first.max(rest)).max(20);
+        for (i, l) in wrap(para, width).lines().enumerate() {
+            let pad = if i == 0 { first } else { rest };
+            out.push_str(&format!("{:pad$}{l}\n", ""));
+        }
+    }
+    out
+}
+
 /// Aligns `lines` (first: the header) in columns, the first `left` ones
 /// left-aligned and the rest right-aligned, two spaces apart, with a rule
 /// under the header.
+/// (`--wide`'s table: as wide as its cells).
 pub fn align(lines: &[Vec<String>], left: usize) -> String {
-    let widths: Vec<usize> = (0..lines[0].len())
+    align_within(lines, left, usize::MAX)
+}
+
+/// [`align`] for a default output: the table fits [`TERMINAL_WIDTH`]. Where
+/// it would not, the first column narrows (to its header at least) and a
+/// cell too long for it gets a line of its own, the row's other cells on
+/// the next line.
+pub fn align_fit(lines: &[Vec<String>], left: usize) -> String {
+    align_within(lines, left, TERMINAL_WIDTH)
+}
+
+/// [`align`] within `width` columns (see [`align_fit`]).
+fn align_within(lines: &[Vec<String>], left: usize, width: usize) -> String {
+    let mut widths: Vec<usize> = (0..lines[0].len())
         .map(|i| {
             lines
                 .iter()
@@ -488,12 +527,22 @@ pub fn align(lines: &[Vec<String>], left: usize) -> String {
                 .unwrap_or(0)
         })
         .collect();
+    let rest: usize = widths[1..].iter().map(|w| w + 2).sum();
+    widths[0] = widths[0]
+        .min(width.saturating_sub(rest))
+        .max(lines[0][0].chars().count());
     let mut out = String::new();
     for (n, l) in lines.iter().enumerate() {
+        let own_line = l[0].chars().count() > widths[0];
+        if own_line {
+            out.push_str(&l[0]);
+            out.push('\n');
+        }
         let cells: Vec<String> = l
             .iter()
             .enumerate()
             .map(|(i, c)| {
+                let c = if i == 0 && own_line { "" } else { c.as_str() };
                 if i < left {
                     format!("{c:<w$}", w = widths[i])
                 } else {
@@ -570,7 +619,7 @@ pub fn narrow_table(rows: &[TraceRow]) -> String {
                 ),
             ]);
         }
-        out.push_str(&align(&lines, 1));
+        out.push_str(&align_fit(&lines, 1));
         for note in steady_notes(t) {
             for l in wrap(&note, TERMINAL_WIDTH - 2).lines() {
                 out.push_str(&format!("  {l}\n"));
@@ -670,26 +719,6 @@ pub fn print_reader_warnings(trace: &str, dt: &DeviceTrace) {
     }
 }
 
-/// Parses a policy list (names only; see [`parse_policy_specs`] for options).
-pub fn parse_policies(names: &[String]) -> Result<Vec<Policy>> {
-    let mut out = Vec::new();
-    for n in names
-        .iter()
-        .flat_map(|s| s.split(','))
-        .map(|s| s.trim())
-        .filter(|s| !s.is_empty())
-    {
-        let p: Policy = n.parse()?;
-        if !out.contains(&p) {
-            out.push(p);
-        }
-    }
-    if out.is_empty() {
-        bail!("no policies given");
-    }
-    Ok(out)
-}
-
 /// Parses a list of policy specs, `NAME[:key=value,...]` (see
 /// [`PolicySpec`]); a spec given twice is measured once.
 pub fn parse_policy_specs(items: &[String]) -> Result<Vec<PolicySpec>> {
@@ -722,7 +751,7 @@ pub struct SimArgs {
     #[arg(long, value_name = "FILE")]
     pub cost_file: Option<PathBuf>,
     /// Device granularity in MiB for the simulated device.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true, value_parser = crate::whole_number::<u64>)]
     pub granularity_mb: u64,
 }
 
@@ -739,8 +768,29 @@ impl SimArgs {
     }
 }
 
+/// What "min cap" means, as the notes under the table say it.
+pub const MIN_CAP_LEGEND: &str = "min cap = the smallest device on which the policy replays the \
+     trace without out-of-memory (a search to the granularity)";
+
+/// What "calls" counts, as the notes under the table say it.
+pub const CALLS_LEGEND: &str = "driver memory calls (reserve, create, map, set access, unmap, \
+     release, address free, alloc, free)";
+
+/// What the "unlimited" device of the steady notes is.
+pub const UNLIMITED_LEGEND: &str = "unlimited = a device of 8 x peak live, at least 80 GiB, where \
+     memory never runs short";
+
 /// Runs `vmmalloc compare`.
 pub fn run(args: CompareArgs) -> Result<()> {
+    // No output over an input.
+    let input_files =
+        crate::output_path::input_files(&args.inputs, &[args.sim.cost_file.as_deref()]);
+    if let Some(dir) = &args.out {
+        crate::output_path::refuse_inputs_in_dir("--out", dir, &input_files)?;
+    }
+    if let Some(j) = args.json.as_deref().filter(|j| *j != "-") {
+        crate::output_path::refuse_inputs("--json", std::path::Path::new(j), &input_files)?;
+    }
     let policies = parse_policy_specs(&args.policies)?;
     let base = args.sim.base_config()?;
     let tight = match (&args.capacity, &args.tight_factor) {
@@ -823,10 +873,10 @@ pub fn run(args: CompareArgs) -> Result<()> {
         if args.wide {
             print!("{}", table(&rows));
             println!(
-                "cost model: {}. overhead = min capacity / peak live; memory calls, modeled driver time and syncs at the tight capacity \
+                "cost model: {}. {MIN_CAP_LEGEND}; overhead = min capacity / peak live; memory calls ({CALLS_LEGEND}), modeled driver time and syncs at the tight capacity \
                  ({rule}): cold = first replay, steady = second replay after freeing what the first left live \
                  (what every later iteration pays); cold ms {second} = the cold calls priced by the {second} preset; teardown excluded; \
-                 {SYNCS_LEGEND}.",
+                 {SYNCS_LEGEND}; {UNLIMITED_LEGEND}.",
                 base.cost_label,
             );
         } else {
@@ -836,12 +886,13 @@ pub fn run(args: CompareArgs) -> Result<()> {
                 "{}",
                 wrap(
                     &format!(
-                        "cost model: {}. overhead = min capacity / peak live. tight: the device the calls, driver ms \
-                         and syncs were measured on ({rule}): ok, or no (out-of-memory errors of the cold / steady \
-                         replay). cold = first replay, steady = second replay after freeing what the first left \
-                         live (what every later iteration pays); teardown excluded; syncs = stream/event waits + \
-                         device-wide synchronizations (cuCtxSynchronize and every cuMemFree). --wide prints every \
-                         column (syncs by kind, the cold calls priced by the {second} preset).",
+                        "cost model: {}. {MIN_CAP_LEGEND}; overhead = min cap / peak live. tight: the device the \
+                         calls, driver ms and syncs were measured on ({rule}): ok, or no (out-of-memory errors of \
+                         the cold / steady replay). calls = {CALLS_LEGEND}. cold = first replay, steady = second \
+                         replay after freeing what the first left live (what every later iteration pays); teardown \
+                         excluded; syncs = stream/event waits + device-wide synchronizations (cuCtxSynchronize and \
+                         every cuMemFree); {UNLIMITED_LEGEND}. --wide prints every column (syncs by kind, the cold \
+                         calls priced by the {second} preset).",
                         base.cost_label
                     ),
                     TERMINAL_WIDTH
@@ -873,7 +924,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
         if j == "-" {
             println!("{text}");
         } else {
-            std::fs::write(j, text + "\n").with_context(|| format!("writing {j}"))?;
+            crate::output_path::write_file(std::path::Path::new(j), (text + "\n").as_bytes())?;
         }
     }
     if let Some(dir) = &args.out {

@@ -351,8 +351,9 @@ pub fn sentences(traces: &[PrintedTrace]) -> Vec<String> {
              and GPU)."
         ),
         _ if smallest == pairs.len() && e_fits_wherever_any && dearer.is_empty() => {
-            "So expandable: it needs the smallest device and, where a PyTorch allocator fits too, \
-             no more driver time per further pass."
+            "So expandable: of the allocators that cache memory (expandable, caching, torch-es), it \
+             needs the smallest device and, where a PyTorch allocator fits too, no more driver time \
+             per further pass."
                 .to_string()
         }
         _ if smallest == pairs.len() && e_fits_wherever_any => format!(

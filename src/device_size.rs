@@ -59,8 +59,39 @@ pub fn device_size(what: &str, asked: u128, granularity: u64) -> Result<u64> {
 /// Parses a device size given by `flag` (`--capacity`, `--gpu`) and checks
 /// it with [`device_size`]: the device's bytes, rounded up to `granularity`.
 pub fn parse_capacity(flag: &str, s: &str, granularity: u64) -> Result<u64> {
+    let what = format!("{flag} {}", s.trim());
+    if let Some(bytes) = beyond_tib(s) {
+        // Units past TiB are not taken; a size in them is too large anyway
+        // (or says to write it in TiB).
+        device_size(&what, bytes, granularity)?;
+        bail!("{what}: write it in TiB or smaller units (sizes take B, KiB .. TiB, kB .. TB)");
+    }
     let b = vmmalloc_alloc::parse_size_unbounded(s).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
-    device_size(&format!("{flag} {}", s.trim()), b, granularity)
+    device_size(&what, b, granularity)
+}
+
+/// The bytes of a size written in a unit beyond TiB (`10PiB`, `2EB`), which
+/// sizes do not take; `None` for anything else.
+fn beyond_tib(s: &str) -> Option<u128> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic())?;
+    let (num, unit) = t.split_at(split);
+    let scale: f64 = match unit {
+        "P" | "Pi" | "PiB" => 2f64.powi(50),
+        "PB" => 1e15,
+        "E" | "Ei" | "EiB" => 2f64.powi(60),
+        "EB" => 1e18,
+        "Z" | "Zi" | "ZiB" => 2f64.powi(70),
+        "ZB" => 1e21,
+        _ => return None,
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .ok()
+        .filter(|n: &f64| n.is_finite() && *n >= 0.0)?;
+    // `as` saturates: a product beyond u128 stays beyond the limit.
+    Some((n * scale).ceil() as u128)
 }
 
 /// The device `factor` x `peak_live` bytes, rounded up to `granularity`,
@@ -69,6 +100,16 @@ pub fn factor_size(what: &str, factor: f64, peak_live: u64, granularity: u64) ->
     // `as` saturates: a product beyond u128 stays beyond the limit.
     let asked = (peak_live as f64 * factor).ceil() as u128;
     device_size(what, asked, granularity)
+}
+
+/// A factor as messages write it: `1.05`, `1000`, and `1e308` rather than
+/// its 309 digits.
+pub fn factor_text(f: f64) -> String {
+    if f.abs() < 1e9 {
+        format!("{f}")
+    } else {
+        format!("{f:e}")
+    }
 }
 
 /// Parses `--tight-factor F`: a multiple of peak live, at least 1 (errors
@@ -143,6 +184,21 @@ mod tests {
             106 * MIB
         );
         assert!(factor_size("f", f64::MAX, u64::MAX, 2 * MIB).is_err());
+        assert_eq!(factor_text(1e308), "1e308");
+        assert_eq!(factor_text(1.05), "1.05");
+        // Units past TiB: too large, or written in TiB.
+        let e = parse_capacity("--capacity", "10PiB", 2 * MIB)
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("--capacity 10PiB: larger than"), "{e}");
+        let e = parse_capacity("--capacity", "2EB", 2 * MIB)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("larger than"), "{e}");
+        let e = parse_capacity("--capacity", "0.0001PiB", 2 * MIB)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("write it in TiB"), "{e}");
         assert!(device_size("d", 0, 2 * MIB).is_err());
         assert_eq!(device_size("d", 1, 2 * MIB).unwrap(), 2 * MIB);
         assert!(device_size("d", u128::MAX, 2 * MIB).is_err());

@@ -40,7 +40,7 @@ enum Command {
     /// Replay traces against every policy: smallest device each needs, driver cost (the main job).
     Compare(compare::CompareArgs),
     /// Replay one trace against one policy on a simulated device and print its stats.
-    Replay(replay_cmd::ReplayArgs),
+    Replay(replay_cmd::ReplayCmdArgs),
     /// Replay one trace against one policy and print PyTorch's memory_summary() table at the end, peak or first OOM.
     Summary(summary_cmd::SummaryArgs),
     /// Replay one trace against one policy and write the allocator's state at the end, peak or first OOM as a PyTorch snapshot pickle.
@@ -74,7 +74,10 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return command_line_error(e),
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -82,6 +85,72 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A command line clap refuses: help and version as clap prints them, any
+/// other error as one line (`Error: ` and clap's message with its tip, no
+/// usage block), exit status 2 as clap's own.
+fn command_line_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit();
+    }
+    eprintln!("Error: {}", one_line(&e.render().to_string()));
+    ExitCode::from(2)
+}
+
+/// clap's rendered error as one line: its message and tips, without the
+/// `error: ` prefix, the usage block and the pointer to `--help` (the line
+/// ends saying `--help` lists the options).
+fn one_line(rendered: &str) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut usage = false;
+    for l in rendered.lines().map(str::trim) {
+        if l.is_empty() {
+            usage = false;
+            continue;
+        }
+        if l.starts_with("Usage:") {
+            usage = true;
+            continue;
+        }
+        // clap's tip to write `-- -1` or `-- --flag` is wrong here: no
+        // command takes such a value.
+        if usage || l.starts_with("For more information") || l.contains("use '-- ") {
+            continue;
+        }
+        let l = l.strip_prefix("error: ").unwrap_or(l);
+        match parts.last_mut() {
+            Some(last) if last.ends_with(':') => {
+                last.push(' ');
+                last.push_str(l);
+            }
+            _ => parts.push(l.to_string()),
+        }
+    }
+    format!("{} (--help lists the options)", parts.join("; "))
+}
+
+/// Parses a whole number option (a count or a device ordinal): negative
+/// values are taken from the command line (not read as options) and
+/// refused here, saying so, rather than with clap's tip to write `-- -1`.
+pub fn whole_number<T>(s: &str) -> std::result::Result<T, String>
+where
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    let t = s.trim();
+    if t.starts_with('-') {
+        return Err(format!("`{t}` is negative: it must be 0 or more"));
+    }
+    t.replace('_', "")
+        .parse::<T>()
+        .map_err(|e| format!("`{t}` is not a whole number in range ({e})"))
 }
 
 fn run(cli: Cli) -> Result<()> {

@@ -200,15 +200,13 @@ pub fn print_out(text: &str) -> Result<()> {
 /// `args.at`; `record_events` keeps the replay's events up to that point
 /// (`Point::result.events`).
 pub fn replay_at(args: &PointArgs, record_events: bool) -> Result<Vec<Point>> {
-    if args.replay.steady {
-        bail!("--steady is an option of `vmmalloc replay` (summary and snapshot look at one point of the first pass)");
-    }
     let cfg = args.replay.config()?;
     if let Some(note) = args.replay.capacity_note(&cfg) {
         eprintln!("note: {note}");
     }
     let policy = cfg.policy;
     let traces = load_inputs(std::slice::from_ref(&args.replay.input))?;
+    args.replay.check_device(&traces)?;
     let mut points = Vec::new();
     for t in &traces {
         for dt in t.devices.iter().filter(|d| args.replay.selects(d.device())) {

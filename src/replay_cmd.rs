@@ -22,20 +22,29 @@ pub struct ReplayArgs {
     #[arg(long, default_value = "80GiB", allow_hyphen_values = true)]
     pub capacity: String,
     /// Only this device of the trace (default: all).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::whole_number::<u32>)]
     pub device: Option<u32>,
     /// The simulated device: cost model and granularity.
     #[command(flatten)]
     pub sim: crate::compare::SimArgs,
-    /// Replay the trace a second time (steady state) after freeing what the
-    /// first pass left live, and print the second pass's figures too
-    /// (`replay` only).
-    #[arg(long)]
-    pub steady: bool,
     /// Exit with an error if any allocation ran out of memory (for scripts
     /// and CI); without it only a replay that cannot finish fails.
     #[arg(long)]
     pub fail_on_oom: bool,
+}
+
+/// Arguments of `vmmalloc replay` itself: the shared ones and `--steady`
+/// (`summary` and `snapshot` look at one point of the first pass, so they
+/// have no such option).
+#[derive(clap::Args, Debug)]
+pub struct ReplayCmdArgs {
+    /// The input, policy and simulated device.
+    #[command(flatten)]
+    pub replay: ReplayArgs,
+    /// Replay the trace a second time (steady state) after freeing what the
+    /// first pass left live, and print the second pass's figures too.
+    #[arg(long)]
+    pub steady: bool,
 }
 
 impl ReplayArgs {
@@ -71,6 +80,28 @@ impl ReplayArgs {
         })
     }
 
+    /// Refuses a `--device` that none of `traces` has, listing the devices
+    /// they have.
+    pub fn check_device(&self, traces: &[vmmalloc_trace::Trace]) -> Result<()> {
+        let Some(d) = self.device else {
+            return Ok(());
+        };
+        let mut have: Vec<u32> = traces
+            .iter()
+            .flat_map(|t| t.devices.iter().map(|dt| dt.device()))
+            .collect();
+        have.sort_unstable();
+        have.dedup();
+        if !have.contains(&d) {
+            let list: Vec<String> = have.iter().map(|x| x.to_string()).collect();
+            bail!(
+                "--device {d}: the input has no device {d}; its devices: {}",
+                list.join(", ")
+            );
+        }
+        Ok(())
+    }
+
     /// Whether `--device` selects trace device `device`.
     pub fn selects(&self, device: u32) -> bool {
         self.device.is_none_or(|x| x == device)
@@ -95,10 +126,12 @@ pub use vmmalloc_alloc::summary::format_bytes;
 /// Exits with an error when a replay cannot finish (an error that is not
 /// out-of-memory stopped it), and with `--fail-on-oom` when any allocation
 /// ran out of memory; the figures are printed first either way.
-pub fn run(args: ReplayArgs) -> Result<()> {
+pub fn run(cmd: ReplayCmdArgs) -> Result<()> {
+    let (args, steady) = (cmd.replay, cmd.steady);
     let cfg = args.config()?;
     let policy = cfg.policy;
     let traces = load_inputs(std::slice::from_ref(&args.input))?;
+    args.check_device(&traces)?;
     let mut any = false;
     let mut failures: Vec<String> = Vec::new();
     for t in &traces {
@@ -106,7 +139,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             any = true;
             print_reader_warnings(&t.name, dt);
             let mut cfg = cfg.clone();
-            cfg.steady = args.steady;
+            cfg.steady = steady;
             cfg.pre_trace_ops = dt.pre_trace().len();
             let ops = dt.replay_ops();
             let r = replay(ops, &crate::point::with_frames(&cfg, dt));
@@ -117,7 +150,10 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 format_bytes(cfg.capacity)
             );
             if let Some(note) = args.capacity_note(&cfg) {
-                println!("  note: {note}");
+                print!(
+                    "{}",
+                    crate::compare::wrap_hanging(&format!("note: {note}"), 2, 4)
+                );
             }
             let result = match (&r.error, r.ooms) {
                 (Some(_), _) => format!(
@@ -184,8 +220,8 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                 }
             }
             if let Some(st) = &r.steady {
-                println!(
-                    "  steady state (2nd pass): {}, {} trace allocations freed before it, {} memory calls, {:.3} ms modeled, syncs {}",
+                let line = format!(
+                    "steady state (2nd pass): {}, {} trace allocations freed before it, {} memory calls, {:.3} ms modeled, syncs {}",
                     if st.ok {
                         "ok".to_string()
                     } else {
@@ -196,6 +232,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                     st.modeled_driver_us / 1000.0,
                     st.driver_calls.syncs_cell()
                 );
+                print!("{}", crate::compare::wrap_hanging(&line, 2, 4));
                 for c in Call::ALL {
                     let n = st.driver_calls.get(c);
                     if n > 0 {
@@ -203,18 +240,31 @@ pub fn run(args: ReplayArgs) -> Result<()> {
                     }
                 }
                 if let Some(e) = &st.error {
-                    println!("  steady error: {e}");
+                    print!(
+                        "{}",
+                        crate::compare::wrap_hanging(&format!("steady error: {e}"), 2, 4)
+                    );
                     failures.push(format!("{what}: the steady pass stopped early: {e}"));
                 }
             }
             if let Some(m) = &r.oom_message {
-                println!(
-                    "  first out-of-memory (event {}): {m}",
-                    r.first_oom.unwrap_or(0)
+                print!(
+                    "{}",
+                    crate::compare::wrap_hanging(
+                        &format!(
+                            "first out-of-memory (event {}): {m}",
+                            r.first_oom.unwrap_or(0)
+                        ),
+                        2,
+                        4
+                    )
                 );
             }
             if let Some(e) = &r.error {
-                println!("  error: {e}");
+                print!(
+                    "{}",
+                    crate::compare::wrap_hanging(&format!("error: {e}"), 2, 4)
+                );
                 failures.push(format!(
                     "{what}: the replay stopped after {} of {} ops: {e}",
                     r.ops,

@@ -743,10 +743,10 @@ pub fn write(
         writeln!(md, "\n![memory over time]({file})\n")?;
         oom_explanations(&mut md, t)?;
     }
-    std::fs::write(dir.join("report.md"), &md)?;
-    std::fs::write(
-        dir.join("report.html"),
-        crate::html::render("vmmalloc: allocator comparison", &md, dir),
+    crate::output_path::write_file(&dir.join("report.md"), md.as_bytes())?;
+    crate::output_path::write_file(
+        &dir.join("report.html"),
+        crate::html::render("vmmalloc: allocator comparison", &md, dir).as_bytes(),
     )?;
     Ok(())
 }

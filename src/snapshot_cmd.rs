@@ -30,6 +30,11 @@ pub struct SnapshotArgs {
 /// Runs `vmmalloc snapshot`.
 pub fn run(args: SnapshotArgs) -> Result<()> {
     crate::output_path::prepare_file("--out", &args.out, args.mkdir.mkdir)?;
+    let inputs = crate::output_path::input_files(
+        std::slice::from_ref(&args.point.replay.input),
+        &[args.point.replay.sim.cost_file.as_deref()],
+    );
+    crate::output_path::refuse_inputs("--out", &args.out, &inputs)?;
     let points = replay_at(&args.point, true)?;
     let snaps: Vec<_> = points
         .iter()
@@ -63,9 +68,11 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
             matches!(cfg.policy, Policy::Expandable | Policy::TorchEs).into(),
         ),
     ];
-    pickle_snapshot::write(&args.out, &parts, &settings)
-        .map_err(anyhow::Error::msg)
-        .with_context(|| format!("writing the snapshot to {}", args.out.display()))?;
+    crate::output_path::write_via_temp(&args.out, |tmp| {
+        pickle_snapshot::write(tmp, &parts, &settings)
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("writing the snapshot to {}", args.out.display()))
+    })?;
     let what: Vec<String> = points
         .iter()
         .zip(&snaps)
@@ -84,10 +91,10 @@ pub fn run(args: SnapshotArgs) -> Result<()> {
             )
         })
         .collect();
-    print_out(&format!(
-        "wrote {}: {}\n",
-        args.out.display(),
-        what.join("; ")
+    print_out(&crate::compare::wrap_hanging(
+        &format!("wrote {}: {}", args.out.display(), what.join("; ")),
+        0,
+        2,
     ))?;
     crate::point::check_points(&args.point, &points)
 }

@@ -28,8 +28,10 @@ pub fn run(args: SummaryArgs) -> Result<()> {
         if i > 0 {
             out.push('\n');
         }
-        out.push_str(&p.describe());
-        out.push('\n');
+        out.push_str(&crate::compare::wrap(
+            &p.describe(),
+            crate::compare::TERMINAL_WIDTH,
+        ));
         let stats = p.allocator.stats();
         let text = summary(
             &stats,
@@ -44,7 +46,10 @@ pub fn run(args: SummaryArgs) -> Result<()> {
         );
         out.push_str(&text);
         if let (At::Oom, Some(m)) = (p.at, &p.result.oom_message) {
-            out.push_str(&format!("\nThe out-of-memory error:\n{m}\n"));
+            out.push_str(&format!(
+                "\nThe out-of-memory error:\n{}",
+                crate::compare::wrap(m, crate::compare::TERMINAL_WIDTH)
+            ));
         }
         if let Some(f) = &p.frames {
             out.push_str(&by_stack(&p.allocator.snapshot(), f));

@@ -20,10 +20,10 @@ use vmmalloc_device::{Device, PhysHandle};
 #[derive(clap::Args, Debug)]
 pub struct VmmCheckArgs {
     /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::whole_number::<u32>)]
     pub device: u32,
     /// Granularity pages to reserve, create and map (at least 1).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true, value_parser = crate::whole_number::<u64>)]
     pub pages: u64,
 }
 
@@ -60,7 +60,10 @@ fn step<T, E: std::fmt::Display>(name: &str, r: Result<T, E>) -> Result<T, Strin
             Ok(v)
         }
         Err(e) => {
-            println!("  {name}: FAILED: {e}");
+            print!(
+                "{}",
+                crate::compare::wrap_hanging(&format!("{name}: FAILED: {e}"), 2, 4)
+            );
             Err(format!("{name} failed: {e}"))
         }
     }

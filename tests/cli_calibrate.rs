@@ -4,6 +4,8 @@
 //! bookkeeping, so the fitted figures themselves mean nothing here; the fit
 //! is checked against known shapes by the unit tests in `src/calibrate.rs`.)
 
+mod common;
+
 use serde_json::Value;
 use std::process::Command;
 
@@ -20,8 +22,7 @@ fn bin() -> Command {
 #[test]
 fn calibrate_fits_and_writes_a_cost_file_that_compare_reads() {
     let lib = vmmalloc_test_support::fake_cuda_library();
-    let dir = std::env::temp_dir().join(format!("vmmalloc-calibrate-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = common::tmpdir("calibrate");
     let file = dir.join("sub").join("gpu-calibration.json");
     let out = bin()
         .args(["calibrate", "--iterations", "3", "--json"])

@@ -499,3 +499,38 @@ fn compare_report_shows_sleep_per_phase_for_rl_colocate() {
     }
     assert!(md.contains("## Sleep and wake"), "{md}");
 }
+
+#[test]
+fn the_notes_define_every_column_and_the_unlimited_device() {
+    let out = common::ok(&[
+        "compare",
+        "frag-adversary:rounds=1",
+        "--policies",
+        "expandable,native",
+    ]);
+    let text = out.split_whitespace().collect::<Vec<_>>().join(" ");
+    for (column, legend) in [
+        (
+            "min cap GiB",
+            "min cap = the smallest device on which the policy replays the trace",
+        ),
+        (
+            "calls",
+            "calls = driver memory calls (reserve, create, map,",
+        ),
+        (
+            "driver ms",
+            "tight: the device the calls, driver ms and syncs were measured on",
+        ),
+        ("syncs", "syncs = stream/event waits"),
+    ] {
+        assert!(
+            out.contains(column) && text.contains(legend),
+            "{legend}: {out}"
+        );
+    }
+    assert!(
+        text.contains("unlimited = a device of 8 x peak live, at least 80 GiB"),
+        "{out}"
+    );
+}

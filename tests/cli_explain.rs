@@ -180,11 +180,20 @@ fn advise_replays_each_setting_and_ends_with_the_line_to_set() {
         Some("VMMALLOC_CONF=backend:expandable"),
         "{text}"
     );
-    // A recommendation of the plug-in lists what it does not support yet.
+    // A recommendation of the plug-in says what it needs (the torch
+    // companion, whose capability table counts the features) and its
+    // limits; nothing the companion serves is listed as unsupported.
+    let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(
-        text.contains("What the plug-in does not support yet")
-            && text.contains("cudnn.benchmark")
-            && text.contains("_record_memory_history"),
+        flat.contains("What the plug-in needs, and its limits")
+            && flat.contains(
+                "PyTorch features (CUDA graph trees, torch.cuda.MemPool, cudnn.benchmark"
+            )
+            && flat.contains("come from its torch companion"),
+        "{text}"
+    );
+    assert!(
+        !flat.contains("does not support yet") && !flat.contains("history raises"),
         "{text}"
     );
 

@@ -1,6 +1,8 @@
 //! `vmmalloc info --pytorch`: the Python package's self-check appended to the
 //! report, or one line saying why there is none; exit code 0 either way.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -80,8 +82,7 @@ fn info_pytorch_appends_the_python_self_check() {
 fn info_pytorch_outside_the_packages_python_names_vmmalloc_python() {
     // A Python without the package: python3 with an empty PYTHONPATH (the
     // check is moot where python3 itself has vmmalloc installed).
-    let empty = std::env::temp_dir().join(format!("vmmalloc-nopkg-{}", std::process::id()));
-    std::fs::create_dir_all(&empty).unwrap();
+    let empty = common::tmpdir("nopkg");
     let has_it = Command::new("python3")
         .args(["-c", "import vmmalloc"])
         .env("PYTHONPATH", &empty)

@@ -164,3 +164,188 @@ fn output_folders_are_created_only_under_the_current_directory_or_with_mkdir() {
     ]);
     assert!(e.contains("--mkdir"), "{e}");
 }
+
+#[test]
+fn no_command_writes_over_one_of_its_inputs() {
+    let dir = tmpdir("over-input");
+    let snap = dir.join("victim.pickle");
+    let s = snap.to_str().unwrap();
+    ok_bt(&["snapshot", "train-varlen:steps=1", "--out", s]);
+    let before = std::fs::read(&snap).unwrap();
+    std::os::unix::fs::symlink(&snap, dir.join("link.pickle")).unwrap();
+    std::fs::hard_link(&snap, dir.join("hard.pickle")).unwrap();
+    let cost = dir.join("cost.json");
+    std::fs::write(&cost, "{\"costs_us\": {}}").unwrap();
+    let c = cost.to_str().unwrap();
+    let (link, hard) = (dir.join("link.pickle"), dir.join("hard.pickle"));
+    let (l, h) = (link.to_str().unwrap(), hard.to_str().unwrap());
+    // Every command that writes a file, each way of naming an input.
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["snapshot", s, "--out", s],
+        vec!["snapshot", s, "--out", l],
+        vec!["snapshot", s, "--out", h],
+        vec![
+            "snapshot",
+            "train-varlen:steps=1",
+            "--cost-file",
+            c,
+            "--out",
+            c,
+        ],
+        vec!["compare", s, "--policies", "native", "--json", s],
+        vec!["compare", s, "--policies", "native", "--json", h],
+        vec![
+            "compare",
+            "train-varlen:steps=1",
+            "--cost-file",
+            c,
+            "--json",
+            c,
+        ],
+    ];
+    for args in &cases {
+        let e = user_error(args);
+        assert!(e.contains("one of this command's inputs"), "{args:?}: {e}");
+        assert_eq!(std::fs::read(&snap).unwrap(), before, "{args:?}");
+    }
+    assert_eq!(std::fs::read(&cost).unwrap(), b"{\"costs_us\": {}}");
+    // compare --out DIR: the report's files are checked too.
+    let report = dir.join("report.md");
+    std::fs::write(&report, "alloc 0 1 0x0 4096\n").unwrap();
+    let args = [
+        "compare",
+        report.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+    ];
+    let e = user_error(&args);
+    assert!(
+        e.contains("report.md") && e.contains("another folder"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&report).unwrap(), b"alloc 0 1 0x0 4096\n");
+    // An output that replaces a file is renamed into place: the file's other
+    // name (a hard link that is no input) keeps its bytes.
+    let out = dir.join("out.pickle");
+    std::fs::write(&out, "old").unwrap();
+    std::fs::hard_link(&out, dir.join("out-too.pickle")).unwrap();
+    ok_bt(&[
+        "snapshot",
+        "train-varlen:steps=1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(std::fs::read(dir.join("out-too.pickle")).unwrap(), b"old");
+    assert_ne!(std::fs::read(&out).unwrap(), b"old");
+    let json = dir.join("out.json");
+    ok_bt(&[
+        "compare",
+        "train-varlen:steps=1",
+        "--policies",
+        "native",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(std::fs::read_to_string(&json).unwrap().starts_with('{'));
+    let left: Vec<_> = std::fs::read_dir(&*dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.contains("vmmalloc-tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn a_tests_temporary_folder_goes_when_the_test_ends() {
+    let d = tmpdir("guard");
+    std::fs::write(d.join("f"), "x").unwrap();
+    let path = d.to_path_buf();
+    drop(d);
+    assert!(!path.exists());
+}
+
+/// A command line clap refuses: exit status 2 and one line on standard
+/// error, `Error: ...`, with no usage block and no tip to write `-- -1`.
+fn usage_error(args: &[&str]) -> String {
+    let o = run_bt(args);
+    let err = common::stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert_eq!(err.lines().count(), 1, "{args:?}: not one line:\n{err}");
+    assert!(
+        err.starts_with("Error: ") && !err.contains("Usage:"),
+        "{args:?}: {err}"
+    );
+    assert!(!err.contains("'-- "), "{args:?}: {err}");
+    err
+}
+
+#[test]
+fn command_line_errors_are_one_line_and_name_the_real_cause() {
+    let e = usage_error(&["replay"]);
+    assert!(
+        e.contains("required arguments were not provided: <INPUT>"),
+        "{e}"
+    );
+    let e = usage_error(&["replay", "cs336_lm_step", "--bogus"]);
+    assert!(e.contains("'--bogus'"), "{e}");
+    // Negative counts and ordinals: said to be negative, not "use -- -1".
+    for args in [
+        &["replay", "cs336_lm_step", "--device", "-1"][..],
+        &["compare", "cs336_lm_step", "--granularity-mb", "-1"],
+        &["vmm-check", "--device", "-1"],
+        &["bench", "--iters", "-5"],
+    ] {
+        let e = usage_error(args);
+        assert!(
+            e.contains("is negative: it must be 0 or more"),
+            "{args:?}: {e}"
+        );
+    }
+    // Sizes past TiB are too large, not an unknown unit.
+    let e = user_error(&["replay", "cs336_lm_step", "--capacity", "10PiB"]);
+    assert!(
+        e.contains("larger than the simulated device can model"),
+        "{e}"
+    );
+    // A huge factor is written as given, not as 309 digits.
+    let e = user_error(&["compare", "cs336_lm_step", "--tight-factor", "1e308"]);
+    assert!(e.contains("1e308 x peak live") && e.len() < 300, "{e}");
+    // A device the input lacks: the devices it has are listed.
+    let e = user_error(&["replay", "cs336_lm_step", "--device", "5"]);
+    assert!(
+        e.contains("the input has no device 5; its devices: 0"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bench_takes_policy_specs_as_compare_does() {
+    let out = ok_bt(&[
+        "bench",
+        "--rounds",
+        "1",
+        "--iters",
+        "10000",
+        "--policies",
+        "expandable:max_chunk=20MiB,native",
+    ]);
+    // The spec labels its row (on a line of its own where it is too long
+    // for the first column of a 100-column table).
+    assert!(
+        out.lines()
+            .any(|l| l.split_whitespace().next() == Some("expandable:max_chunk=20MiB")),
+        "{out}"
+    );
+    assert!(out.lines().any(|l| l.starts_with("native ")), "{out}");
+    let e = user_error(&[
+        "bench",
+        "--iters",
+        "10000",
+        "--policies",
+        "expandable:bogus=1",
+    ]);
+    assert!(
+        e.contains("`expandable:bogus=1`") && e.contains("unknown option `bogus`"),
+        "{e}"
+    );
+}

@@ -117,16 +117,38 @@ fn capacities_beyond_the_simulated_device_are_refused_up_front() {
 }
 
 /// The first out-of-memory message of a replay (its text runs to the next
-/// line that is not part of it).
+/// line that is not part of it), its lines as the message has them: the
+/// replay wraps them to 100 columns under a 4-space indent, so a line of
+/// the message is a line with at most 2 spaces of its own indent left, the
+/// deeper ones its continuations (joined to it here).
 fn first_oom(out: &str) -> String {
     let at = out
         .find("first out-of-memory")
         .unwrap_or_else(|| panic!("no out-of-memory:\n{out}"));
-    out[at..]
+    let mut lines: Vec<String> = Vec::new();
+    for l in out[at..]
         .lines()
         .take_while(|l| !l.starts_with("  error") && !l.starts_with("  steady"))
-        .collect::<Vec<_>>()
-        .join("\n")
+    {
+        let l = l.strip_prefix("    ").unwrap_or(l);
+        let own = l.len() - l.trim_start().len();
+        match lines.last_mut() {
+            Some(last) if own > 2 || (own == 0 && !starts_a_line(l)) => {
+                last.push(' ');
+                last.push_str(l.trim_start());
+            }
+            _ => lines.push(l.to_string()),
+        }
+    }
+    lines.join("\n")
+}
+
+/// Whether a wrapped line of an out-of-memory message starts one of its own
+/// lines (PyTorch's wording wraps into lines of no such start).
+fn starts_a_line(l: &str) -> bool {
+    ["Why: ", "Pinning ", "first out-of-memory"]
+        .iter()
+        .any(|s| l.starts_with(s))
 }
 
 #[test]

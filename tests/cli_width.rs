@@ -116,3 +116,51 @@ fn bench_separates_its_columns_and_counts_rounds_in_the_singular() {
         "{two}"
     );
 }
+
+#[test]
+fn every_commands_default_output_fits_100_columns() {
+    let dir = common::tmpdir("width");
+    let snap = dir.join("s.pickle");
+    let long = "expandable:max_chunk=20MiB,unpin=0,grow_granule=0,\
+                caching:garbage_collection_threshold=0.8,memory_fraction=1.0";
+    let runs: Vec<Vec<&str>> = vec![
+        vec!["workloads"],
+        vec!["summary", "cs336_lm_step"],
+        vec![
+            "summary",
+            "cs336_lm_step",
+            "--capacity",
+            "8GiB",
+            "--at",
+            "oom",
+        ],
+        vec!["advise", "cs336_lm_step"],
+        vec!["snapshot", "cs336_lm_step", "--out", snap.to_str().unwrap()],
+        vec!["replay", "cs336_lm_step", "--capacity", "8GiB", "--steady"],
+        vec!["compare", "train-varlen:steps=2", "--policies", long],
+        vec![
+            "bench",
+            "--rounds",
+            "1",
+            "--iters",
+            "10000",
+            "--policies",
+            long,
+        ],
+        vec!["info"],
+    ];
+    for args in &runs {
+        let o = common::run_bt(args);
+        assert!(o.status.success(), "{args:?}: {}", common::stderr(&o));
+        fits(&format!("{args:?}"), &common::stdout(&o));
+    }
+    // vmm-check where there is no driver (or a GPU): every line but its
+    // verdict, the last, which scripts/gpu-check.sh quotes whole.
+    let o = common::run_bt(&["vmm-check"]);
+    let out = common::stdout(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    fits(
+        "vmm-check",
+        &lines[..lines.len().saturating_sub(1)].join("\n"),
+    );
+}

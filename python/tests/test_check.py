@@ -43,6 +43,8 @@ def test_check_without_a_driver_says_so(lib, tmp_path):
     missing = str(tmp_path / "no-libcuda.so")
     assert out.stdout.count(missing) == 1, out.stdout  # the library named once
     assert verdict.startswith("verdict: not usable: ") and "no CUDA driver" in verdict
+    # What runs without a GPU (issue 45).
+    assert "without a GPU, run the simulator" in verdict and "rl_colocate.py --host" in verdict, verdict
     assert f"library: {vmmalloc.library_path()} (version {vmmalloc.version()})" in out.stdout
     assert "VMMALLOC_CONF: (unset: defaults): parses" in out.stdout
     if have_torch():

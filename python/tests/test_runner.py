@@ -268,6 +268,12 @@ def test_device_cuda_without_a_gpu_says_so(lib, fake_torch, tmp_path):
     out, _ = run_py(["-c", code.replace("enable()", "enable('device:host')")], fake_torch, tmp_path,
                     FAKE_TORCH_NO_GPU="1", **env)
     assert out.returncode == 0 and "no CUDA GPU" not in out.stderr, out.stderr
+    # device:host without a GPU: PyTorch's CUDA tensors still need one, and
+    # the warning says what runs on a CPU instead (issue 45).
+    assert "enabled with device:host" in out.stderr and 'device="cuda"' in out.stderr, out.stderr
+    assert "rl_colocate.py --host" in out.stderr and "simulator" in out.stderr, out.stderr
+    out, _ = run_py(["-c", code.replace("enable()", "enable('device:host')")], fake_torch, tmp_path, **env)
+    assert out.returncode == 0 and "device:host" not in out.stderr, out.stderr
     # The library reads the configuration, not Python: `=` works and the
     # last value of a key wins (issue 36).
     for conf in ("device=host", "device:cuda,device:host"):

@@ -118,12 +118,21 @@ def _no_gpu_warning(torch, conf):
     except VmmallocError:
         return None  # a bad configuration is reported where it is used
     available = getattr(getattr(torch, "cuda", None), "is_available", None)
-    if device != "cuda" or available is None or available():
+    if available is None or available():
+        return None
+    from ._check import CPU_HINT
+    if device == "host":
+        # device:host backs vmmalloc's own memory with CPU memory; PyTorch's
+        # CUDA tensors still go to a GPU (and fail: "Found no NVIDIA driver").
+        return ("vmmalloc: enabled with device:host, but PyTorch sees no CUDA device here "
+                "(torch.cuda.is_available() is False): device:host gives vmmalloc's own allocations CPU "
+                "memory, it does not make tensors with device=\"cuda\" run on the CPU, so a script that "
+                f"makes them fails in PyTorch (\"Found no NVIDIA driver\"). {CPU_HINT[0].upper()}{CPU_HINT[1:]}.")
+    if device != "cuda":
         return None
     return ("vmmalloc: enabled with device:cuda, but PyTorch sees no CUDA GPU (torch.cuda.is_available() is "
-            "False), so no tensor will be allocated through vmmalloc. On a CPU machine use the simulator "
-            "(`vmmalloc replay` / `compare`) or the library with device:host (real CPU memory); on a GPU "
-            "machine check the driver with `python -m vmmalloc --check`.")
+            "False), so no tensor will be allocated through vmmalloc. On a GPU machine check the driver "
+            f"with `python -m vmmalloc --check`; {CPU_HINT}.")
 
 
 _VMMALLOC_BACKENDS = ("expandable", "caching", "torch-es", "native")
@@ -174,9 +183,10 @@ def enable(conf=None):
 
     It also warns when ``PYTORCH_CUDA_ALLOC_CONF`` is set (vmmalloc does not
     read it; the warning gives the ``VMMALLOC_CONF`` line that asks for the
-    same) and when ``device:cuda`` is configured but PyTorch sees no GPU
-    (``torch.cuda.is_available()`` False: nothing will be allocated through
-    vmmalloc).
+    same) and when PyTorch sees no GPU (``torch.cuda.is_available()``
+    False): with ``device:cuda`` nothing will be allocated through vmmalloc,
+    and with ``device:host`` PyTorch's own CUDA tensors still need a GPU;
+    both say what runs without one.
     """
     global _allocator, _enabled_conf, _oom
     try:

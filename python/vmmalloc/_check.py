@@ -35,6 +35,13 @@ USABLE = "usable"
 LIMITED = "usable with limits"
 NOT_USABLE = "not usable"
 
+# What a machine without a GPU can run instead: said by --check's verdict and
+# by enable()'s warnings (one text).
+CPU_HINT = ("without a GPU, run the simulator (`vmmalloc compare` / `replay` / `advise` on a trace) or "
+            "the host-backend example (`python examples/rl_colocate.py --host`, real CPU memory "
+            "through the C ABI); PyTorch's own tensors with device=\"cuda\" need a GPU whatever "
+            "VMMALLOC_CONF says")
+
 
 class Report:
     """What check() found: ``lines`` (the text, one finding a line),
@@ -107,7 +114,7 @@ def _check_driver(r):
         # dlopen's message already starts with the library's name.
         why = str(e) if str(e).startswith(name) else f"{name}: {e}"
         r.lines.append(f"CUDA driver: not found ({why})")
-        r.problems.append("no CUDA driver (vmmalloc serves CUDA tensors; install the NVIDIA driver)")
+        r.problems.append(f"no CUDA driver (vmmalloc serves CUDA tensors; install the NVIDIA driver; {CPU_HINT})")
         return
     c_int = ctypes.c_int
     v = c_int()
@@ -120,7 +127,7 @@ def _check_driver(r):
     if rc != 0 or n.value == 0:
         why = "no CUDA device" if rc in (0, CUDA_ERROR_NO_DEVICE) else f"cuInit/cuDeviceGetCount: error {rc}"
         r.lines.append(f"CUDA driver: {version} ({name}), {why}")
-        r.problems.append(f"{why} (vmmalloc needs a GPU)")
+        r.problems.append(f"{why} (vmmalloc needs a GPU; {CPU_HINT})")
         return
     r.lines.append(f"CUDA driver: {version} ({name}), {n.value} device(s)")
     devs = []

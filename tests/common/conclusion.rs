@@ -375,7 +375,12 @@ pub fn check(blocks: &[Block], conclusion: &str) {
             ctx(advice)
         );
     } else if least == pairs.len() && e_fits && dearer.is_empty() {
-        assert!(advice.starts_with("So expandable: "), "{}", ctx(advice));
+        // The claim names the set it compares: native (no cache) may need less.
+        assert!(
+            advice.starts_with("So expandable: of the allocators that cache memory"),
+            "{}",
+            ctx(advice)
+        );
     } else if least == pairs.len() && e_fits {
         assert!(
             advice.starts_with(&format!(

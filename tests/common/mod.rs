@@ -6,7 +6,7 @@
 
 pub mod conclusion;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// The CLI under test, without `RUST_BACKTRACE` (a test that wants it sets it).
@@ -54,8 +54,11 @@ pub fn ok(args: &[&str]) -> String {
 }
 
 /// An empty directory of this test binary and `name`, in the system's
-/// temporary directory (emptied first).
-pub fn tmpdir(name: &str) -> PathBuf {
+/// temporary directory (emptied first), removed with everything in it when
+/// the returned guard is dropped, at the end of the test (so `cargo test`
+/// leaves no folder behind; a failed test's folder goes too, its paths are
+/// in the failure message).
+pub fn tmpdir(name: &str) -> TmpDir {
     let d = std::env::temp_dir().join(format!(
         "vmmalloc-{}-{name}-{}",
         env!("CARGO_CRATE_NAME"),
@@ -63,7 +66,37 @@ pub fn tmpdir(name: &str) -> PathBuf {
     ));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    TmpDir(d)
+}
+
+/// A temporary directory that is removed when dropped ([`tmpdir`]); it
+/// derefs to its path.
+#[derive(Debug)]
+pub struct TmpDir(PathBuf);
+
+impl std::ops::Deref for TmpDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TmpDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TmpDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The CLI with `RUST_BACKTRACE=1`, as many Rust users (and some machines)

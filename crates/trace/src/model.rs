@@ -377,10 +377,11 @@ impl DeviceTrace {
                     };
                     match regions.get(&id) {
                         Some(&max) if e.size <= max => {}
-                        _ => {
-                            return Err(at(ErrorKind::Absurd {
-                                field: "size",
-                                value: e.size.into(),
+                        max => {
+                            return Err(at(ErrorKind::BadResize {
+                                addr: e.addr,
+                                size: e.size,
+                                max: max.copied(),
                             }))
                         }
                     }

@@ -503,6 +503,16 @@ alloc 1 5 0
             ),
             ("vmmalloc-trace 1\nalloc 0x1 0 0\n", 2, "size 0"),
             (
+                "vmmalloc-trace 1\nreserve 0x1 4096 0\nresize 0x1 8192 0\n",
+                3,
+                "resize of 0x1 to 8192 bytes: more than the 4096 bytes its `reserve` set aside",
+            ),
+            (
+                "vmmalloc-trace 1\nalloc 0x1 4096 0\nresize 0x1 512 0\n",
+                3,
+                "it is no region",
+            ),
+            (
                 "vmmalloc-trace 1\nalloc 0x1 10 0\nfree 0x2\n",
                 3,
                 "free of unknown address 0x2",

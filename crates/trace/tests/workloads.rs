@@ -202,3 +202,85 @@ fn a_trace_needing_1_2x_the_device_completes_with_spill_only() {
     );
     spilled.allocator.as_ref().unwrap().validate().unwrap();
 }
+
+#[test]
+fn every_parameter_is_bounded_and_a_value_past_its_bound_is_refused_naming_it() {
+    use vmmalloc_trace::workloads::workload_bounds;
+    for w in WORKLOADS {
+        for (key, bound) in workload_bounds(w).unwrap() {
+            // Seeds and flags take any value of their type.
+            let Some(bound) = bound else {
+                assert!(
+                    key == "seed" || key == "checkpointing",
+                    "{w}:{key} has no bound"
+                );
+                continue;
+            };
+            let hi = bound.split("..=").nth(1).unwrap();
+            let past = match hi.parse::<u64>() {
+                Ok(n) => (n + 1).to_string(),
+                Err(_) => format!("{}", hi.parse::<f64>().unwrap() * 2.0),
+            };
+            let spec = format!("{w}:{key}={past}");
+            let started = Instant::now();
+            let e = workload_by_name(&spec).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("`{key}`")) && e.contains(&format!("must be in {bound}")),
+                "{spec}: {e}"
+            );
+            assert!(
+                started.elapsed().as_secs() < 5,
+                "{spec}: refused only after generating"
+            );
+        }
+    }
+    // The examples: refused up front, naming the bound.
+    let e = workload_by_name("serve-kv:steps=4000000000")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`steps`") && e.contains("1..=1000000"), "{e}");
+    let e = workload_by_name("train-varlen:layers=100000")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`layers`") && e.contains("1..=1000"), "{e}");
+    let e = workload_by_name("train-varlen:hidden=1000000000")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`hidden`") && !e.contains("len_max"), "{e}");
+}
+
+#[test]
+fn a_tensor_past_2_50_bytes_names_itself_and_the_parameter_at_fault() {
+    // Each value within its bounds, the product not.
+    let e = workload_by_name("train-varlen:batch=4096,heads=1024,len_max=1048576")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("bad value `4096` for `batch`") && e.contains("the attention scores"),
+        "{e}"
+    );
+    let e = workload_by_name(
+        "train-varlen:batch=4096,heads=1,act_bytes=1,len_max=131072,vocab=1048576",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("the logits") && e.contains("`batch`"), "{e}");
+    let e = workload_by_name(
+        "serve-kv:prompt_max=1048576,output_max=1048576,layers=1000,kv_heads=1024,head_dim=4096",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("KV cache") && e.contains("`output_max`"), "{e}");
+}
+
+#[test]
+fn a_generator_stops_at_the_event_bound_and_says_so() {
+    use vmmalloc_trace::workloads::MAX_EVENTS;
+    // Every parameter within bounds; the trace would pass the event bound.
+    let spec = "frag-adversary:rounds=1000,blocks=200000";
+    let e = workload_by_name(spec).unwrap_err().to_string();
+    assert!(
+        e.contains("`rounds`") && e.contains(&format!("more than {MAX_EVENTS} events")),
+        "{e}"
+    );
+}

@@ -33,21 +33,21 @@ define_params! {
         /// Random seed.
         seed: u64 = 0,
         /// Rounds of allocate, free every other, request larger.
-        rounds: u32 = 4,
+        rounds: u32 [1, 1_000] = 4,
         /// Medium blocks allocated per round.
-        blocks: u32 = 2000,
+        blocks: u32 [1, 200_000] = 2000,
         /// Smallest medium block in MiB.
-        small_min_mb: u64 = 2,
+        small_min_mb: u64 [1, 65_536] = 2,
         /// Largest medium block in MiB (must be below big_min_mb).
-        small_max_mb: u64 = 9,
+        small_max_mb: u64 [1, 65_536] = 9,
         /// Smallest large block in MiB.
-        big_min_mb: u64 = 12,
+        big_min_mb: u64 [1, 1_048_576] = 12,
         /// Largest large block in MiB.
-        big_max_mb: u64 = 64,
+        big_max_mb: u64 [1, 1_048_576] = 64,
         /// Sizes are multiples of this many KiB (2048 = the 2 MiB page).
-        align_kb: u64 = 2048,
+        align_kb: u64 [1, 1_048_576] = 2048,
         /// Bytes of large blocks requested per byte of holes left by a round.
-        big_ratio: f64 = 1.0,
+        big_ratio: f64 [0.0, 10.0] = 1.0,
     }
 }
 
@@ -64,6 +64,7 @@ pub fn generate(p: &FragAdversaryParams) -> Result<Trace> {
     };
     let mut bigs: Vec<Buf> = Vec::new();
     for _round in 0..p.rounds {
+        super::check_events(r.len(), FragAdversaryParams::WORKLOAD, "rounds", p.rounds)?;
         for b in bigs.drain(..) {
             r.free(b);
         }
@@ -146,12 +147,12 @@ fn validate(p: &FragAdversaryParams) -> Result<()> {
             "must not exceed small_min_mb",
         ));
     }
-    if !(0.0..=100.0).contains(&p.big_ratio) {
+    if !(0.0..=10.0).contains(&p.big_ratio) {
         return Err(out_of_range(
             w,
             "big_ratio",
             p.big_ratio,
-            "must be in 0..=100",
+            "must be in 0.0..=10.0",
         ));
     }
     Ok(())

@@ -102,6 +102,18 @@ pub fn workload_params(name: &str) -> Option<&'static [(&'static str, &'static s
     }
 }
 
+/// The parameters of workload `name` with their bounds (`None`: any value
+/// of the key's type), or `None` for an unknown workload.
+pub fn workload_bounds(name: &str) -> Option<Vec<(&'static str, Option<String>)>> {
+    match name {
+        "train-varlen" => Some(TrainVarlenParams::bounds()),
+        "serve-kv" => Some(ServeKvParams::bounds()),
+        "frag-adversary" => Some(FragAdversaryParams::bounds()),
+        "rl-colocate" => Some(RlColocateParams::bounds()),
+        _ => None,
+    }
+}
+
 /// The parameters of workload `name` with their default values, as the
 /// command line writes them (`None`: no such workload).
 pub fn workload_defaults(name: &str) -> Option<Vec<(&'static str, String)>> {
@@ -178,7 +190,7 @@ macro_rules! define_params {
     (
         $(#[$meta:meta])*
         $name:ident for $workload:literal {
-            $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:expr, )+
+            $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty $([$lo:expr, $hi:expr])? = $default:expr, )+
         }
     ) => {
         $(#[$meta])*
@@ -209,10 +221,18 @@ macro_rules! define_params {
                 vec![ $( (stringify!($field), format!("{:?}", d.$field)), )+ ]
             }
 
+            /// Every parameter key with its bounds (`1..=1000`), `None` for a
+            /// key any value of its type suits (a seed, a flag).
+            pub fn bounds() -> Vec<(&'static str, Option<String>)> {
+                vec![ $( (stringify!($field), None $( .or(Some(format!("{}..={}", $lo, $hi))) )? ), )+ ]
+            }
+
             /// Sets parameter `key` from its command-line text `value`.
             ///
             /// An unknown key is an error listing the valid keys; a value that
-            /// does not parse is an error naming the key.
+            /// does not parse, or lies outside the key's bounds ([`Self::bounds`]:
+            /// they keep a generated trace's size and time small), is an error
+            /// naming the key and its bounds.
             pub fn set(&mut self, key: &str, value: &str) -> $crate::error::Result<()> {
                 let bad = |reason: String| $crate::error::ErrorKind::BadParam {
                     workload: $workload.to_string(),
@@ -222,7 +242,17 @@ macro_rules! define_params {
                 };
                 match key {
                     $( stringify!($field) => {
-                        self.$field = <$ty as $crate::workloads::ParamValue>::parse_param(value).map_err(bad)?;
+                        let v = <$ty as $crate::workloads::ParamValue>::parse_param(value).map_err(bad)?;
+                        $(
+                            if !($lo..=$hi).contains(&v) {
+                                return Err(bad(format!(
+                                    "must be in {}..={} (the bounds keep a generated trace small; \
+                                     `vmmalloc workloads` lists them)",
+                                    $lo, $hi
+                                )).into());
+                            }
+                        )?
+                        self.$field = v;
                     } )+
                     _ => {
                         return Err($crate::error::ErrorKind::UnknownParam {
@@ -239,6 +269,68 @@ macro_rules! define_params {
     };
 }
 pub(crate) use define_params;
+
+/// The most events a generated trace may hold (its memory, a few hundred
+/// MB, and a comparison's time grow with them; the defaults hold tens of
+/// thousands): a generator stops and refuses once its trace passes it
+/// ([`check_events`]). With every parameter within its bounds, one step of a
+/// generator adds at most a few million events more, so memory stays bounded
+/// whatever the parameters.
+pub const MAX_EVENTS: usize = 4_000_000;
+
+/// Refuses a trace that has passed [`MAX_EVENTS`] with `n` events, naming
+/// the parameter `key` (of value `value`) whose loop it is in.
+pub(crate) fn check_events(
+    n: usize,
+    workload: &str,
+    key: &str,
+    value: impl std::fmt::Display,
+) -> Result<()> {
+    if n <= MAX_EVENTS {
+        return Ok(());
+    }
+    Err(out_of_range(
+        workload,
+        key,
+        value,
+        &format!(
+            "the trace would hold more than {MAX_EVENTS} events, the most a generated trace may \
+             hold; lower it or the work per {key}"
+        ),
+    ))
+}
+
+/// One tensor a generator would allocate at its largest: what it is (with
+/// its formula), its bytes, and the parameters it grows with (key, value,
+/// default).
+pub(crate) type Tensor<'a> = (&'a str, u128, &'a [(&'a str, u64, u64)]);
+
+/// Refuses parameters that make one of `tensors` larger than
+/// [`crate::model::MAX_SIZE`], naming the tensor and, as the value at
+/// fault, its parameter furthest above its default.
+pub(crate) fn check_tensors(workload: &str, tensors: &[Tensor<'_>]) -> Result<()> {
+    let ratio = |&(_, v, d): &(&str, u64, u64)| v as f64 / d.max(1) as f64;
+    for (what, bytes, factors) in tensors {
+        if *bytes <= crate::model::MAX_SIZE as u128 {
+            continue;
+        }
+        let Some(&(key, value, _)) = factors.iter().max_by(|a, b| ratio(a).total_cmp(&ratio(b)))
+        else {
+            continue;
+        };
+        let keys: Vec<&str> = factors.iter().map(|f| f.0).collect();
+        return Err(out_of_range(
+            workload,
+            key,
+            value,
+            &format!(
+                "{what} would take {bytes} bytes, more than 2^50; lower {}",
+                keys.join(" or ")
+            ),
+        ));
+    }
+    Ok(())
+}
 
 /// An error for parameter `key` of `workload` that is out of range.
 pub(crate) fn out_of_range(
@@ -349,6 +441,11 @@ impl Recorder {
     /// Leaves `buf` live to the end of the trace.
     pub fn keep(&mut self, buf: Buf) {
         let _ = buf;
+    }
+
+    /// The number of events recorded so far.
+    pub fn len(&self) -> usize {
+        self.events.len()
     }
 
     /// Builds the single-device trace.

@@ -43,19 +43,19 @@ define_params! {
         /// Random seed.
         seed: u64 = 0,
         /// Training iterations (each one generate phase and one train phase).
-        iterations: u32 = 3,
+        iterations: u32 [1, 10_000] = 3,
         /// Model parameters in millions.
-        params_m: u64 = 2000,
+        params_m: u64 [1, 1_000_000] = 2000,
         /// Transformer layers (one weight tensor group per layer).
-        layers: u32 = 24,
+        layers: u32 [1, 1_000] = 24,
         /// KV cache preallocated by the inference engine, in MiB.
-        kv_cache_mb: u64 = 16384,
+        kv_cache_mb: u64 [1, 16_777_216] = 16384,
         /// Decode steps per generate phase.
-        gen_steps: u32 = 40,
+        gen_steps: u32 [0, 10_000] = 40,
         /// Micro-batches per train phase.
-        micro_batches: u32 = 4,
+        micro_batches: u32 [1, 256] = 4,
         /// Median activation bytes per layer and micro-batch, in MiB.
-        act_mb: u64 = 160,
+        act_mb: u64 [1, 1_048_576] = 160,
     }
 }
 
@@ -140,6 +140,12 @@ pub fn plan(p: &RlColocateParams) -> Result<Vec<RlOp>> {
     }
     alloc(&mut ops, p.kv_cache_mb * MIB, "kv_cache");
     for it in 0..p.iterations {
+        super::check_events(
+            ops.len(),
+            RlColocateParams::WORKLOAD,
+            "iterations",
+            p.iterations,
+        )?;
         ops.push(RlOp::Phase("generate"));
         if it > 0 {
             ops.push(RlOp::Resume(&["weights", "kv_cache"]));

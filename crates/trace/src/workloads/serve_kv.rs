@@ -43,46 +43,46 @@ define_params! {
         /// Random seed.
         seed: u64 = 0,
         /// Decode iterations.
-        steps: u32 = 2000,
+        steps: u32 [1, 1_000_000] = 2000,
         /// Mean number of new requests per iteration (Poisson arrivals).
-        arrival_rate: f64 = 0.2,
+        arrival_rate: f64 [0.0, 1_000.0] = 0.2,
         /// Most requests decoded at once (the batch size limit).
-        max_running: u32 = 64,
+        max_running: u32 [1, 4_096] = 64,
         /// Median prompt length in tokens (log-normal).
-        prompt_median: f64 = 600.0,
+        prompt_median: f64 [1.0, 1_048_576.0] = 600.0,
         /// Log-space standard deviation of the prompt length.
-        prompt_sigma: f64 = 0.8,
+        prompt_sigma: f64 [0.0, 10.0] = 0.8,
         /// Longest prompt in tokens.
-        prompt_max: u64 = 8192,
+        prompt_max: u64 [1, 1_048_576] = 8192,
         /// Median number of generated tokens (log-normal).
-        output_median: f64 = 200.0,
+        output_median: f64 [1.0, 1_048_576.0] = 200.0,
         /// Log-space standard deviation of the number of generated tokens.
-        output_sigma: f64 = 0.9,
+        output_sigma: f64 [0.0, 10.0] = 0.9,
         /// Most generated tokens per request.
-        output_max: u64 = 4096,
+        output_max: u64 [1, 1_048_576] = 4096,
         /// Transformer layers.
-        layers: u64 = 32,
+        layers: u64 [1, 1_000] = 32,
         /// Hidden size in elements.
-        hidden: u64 = 4096,
+        hidden: u64 [1, 65_536] = 4096,
         /// MLP width in elements.
-        ffn: u64 = 14336,
+        ffn: u64 [1, 1_048_576] = 14336,
         /// Key/value heads (grouped-query attention).
-        kv_heads: u64 = 8,
+        kv_heads: u64 [1, 1_024] = 8,
         /// Elements per attention head.
-        head_dim: u64 = 128,
+        head_dim: u64 [1, 4_096] = 128,
         /// Vocabulary size (the logits are batch x vocab, fp32).
-        vocab: u64 = 128256,
+        vocab: u64 [1, 1_048_576] = 128256,
         /// Smallest cache growth chunk in tokens (each request draws one in [chunk_min, chunk_max]).
-        chunk_min: u64 = 16,
+        chunk_min: u64 [1, 1_048_576] = 16,
         /// Largest cache growth chunk in tokens.
-        chunk_max: u64 = 64,
+        chunk_max: u64 [1, 1_048_576] = 64,
         /// Bytes per weight, activation and cache element (2 = bf16).
-        dtype_bytes: u64 = 2,
+        dtype_bytes: u64 [1, 16] = 2,
         /// 1: each request's cache is a growable region (reserved for the
         /// longest context, `prompt_max + output_max` tokens) that grows in
         /// place by the same chunks, the vAttention way; policies without
         /// regions reallocate and copy as with 0 (docs/expandable.md).
-        growable: u64 = 0,
+        growable: u64 [0, 1] = 0,
     }
 }
 
@@ -144,6 +144,9 @@ pub fn generate(p: &ServeKvParams) -> Result<Trace> {
     let mut running: Vec<Running> = Vec::new();
     let mut sampled_prev: Option<Buf> = None;
     for _step in 0..p.steps {
+        // The queue is the generator's own live state: counted too.
+        let held = r.len() + queue.len();
+        super::check_events(held, ServeKvParams::WORKLOAD, "steps", p.steps)?;
         for _ in 0..poisson(&mut rng, p.arrival_rate) {
             queue.push_back(Request {
                 prompt: lognormal_clamped(
@@ -294,26 +297,55 @@ fn validate(p: &ServeKvParams) -> Result<()> {
             return Err(out_of_range(w, k, v, "must not be negative"));
         }
     }
-    let limit = crate::model::MAX_SIZE as u128;
+    // Every tensor within the model's size limit; the error names the
+    // tensor and the parameter at fault.
+    let d = ServeKvParams::default();
     let tokens = (p.prompt_max + p.output_max + p.chunk_max) as u128;
-    let biggest = [
-        tokens
-            * 2
-            * p.layers as u128
-            * p.kv_heads as u128
-            * p.head_dim as u128
-            * p.dtype_bytes as u128,
-        p.vocab as u128 * p.hidden.max(p.max_running.into()) as u128 * 4,
-        p.prompt_max as u128 * p.ffn.max(p.hidden) as u128 * p.dtype_bytes as u128,
-        p.hidden as u128 * p.ffn.max(p.hidden) as u128 * p.dtype_bytes as u128,
-    ];
-    if biggest.iter().any(|&x| x > limit) {
-        return Err(out_of_range(
-            w,
-            "prompt_max",
-            p.prompt_max,
-            "the model's tensors would exceed 2^50 bytes; use smaller sizes",
-        ));
-    }
-    Ok(())
+    let prompt_max = ("prompt_max", p.prompt_max, d.prompt_max);
+    let hidden = ("hidden", p.hidden, d.hidden);
+    let ffn = ("ffn", p.ffn, d.ffn);
+    let dtype = ("dtype_bytes", p.dtype_bytes, d.dtype_bytes);
+    super::check_tensors(
+        w,
+        &[
+            (
+                "a request's KV cache ((prompt_max + output_max + chunk_max) x 2 x layers x \
+                 kv_heads x head_dim x dtype_bytes)",
+                tokens
+                    * 2
+                    * p.layers as u128
+                    * p.kv_heads as u128
+                    * p.head_dim as u128
+                    * p.dtype_bytes as u128,
+                &[
+                    prompt_max,
+                    ("output_max", p.output_max, d.output_max),
+                    ("chunk_max", p.chunk_max, d.chunk_max),
+                    ("layers", p.layers, d.layers),
+                    ("kv_heads", p.kv_heads, d.kv_heads),
+                    ("head_dim", p.head_dim, d.head_dim),
+                    dtype,
+                ],
+            ),
+            (
+                "the logits (vocab x max(hidden, max_running) x 4)",
+                p.vocab as u128 * p.hidden.max(p.max_running.into()) as u128 * 4,
+                &[
+                    ("vocab", p.vocab, d.vocab),
+                    hidden,
+                    ("max_running", p.max_running.into(), d.max_running.into()),
+                ],
+            ),
+            (
+                "the prefill activations (prompt_max x max(ffn, hidden) x dtype_bytes)",
+                p.prompt_max as u128 * p.ffn.max(p.hidden) as u128 * p.dtype_bytes as u128,
+                &[prompt_max, ffn, hidden, dtype],
+            ),
+            (
+                "the MLP weights (hidden x max(ffn, hidden) x dtype_bytes)",
+                p.hidden as u128 * p.ffn.max(p.hidden) as u128 * p.dtype_bytes as u128,
+                &[hidden, ffn, dtype],
+            ),
+        ],
+    )
 }

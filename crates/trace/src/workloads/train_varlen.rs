@@ -40,35 +40,35 @@ define_params! {
         /// Random seed.
         seed: u64 = 0,
         /// Training steps (forward, backward, optimizer step each).
-        steps: u32 = 12,
+        steps: u32 [1, 10_000] = 12,
         /// Transformer layers.
-        layers: u32 = 24,
+        layers: u32 [1, 1_000] = 24,
         /// Hidden size (model width) in elements.
-        hidden: u64 = 2048,
+        hidden: u64 [1, 65_536] = 2048,
         /// Attention heads (the attention scores are batch x heads x len^2).
-        heads: u64 = 16,
+        heads: u64 [1, 1_024] = 16,
         /// MLP width as a multiple of the hidden size.
-        ffn_mult: u64 = 4,
+        ffn_mult: u64 [1, 64] = 4,
         /// Vocabulary size (the logits are batch x len x vocab).
-        vocab: u64 = 50304,
+        vocab: u64 [1, 1_048_576] = 50304,
         /// Sequences per batch.
-        batch: u64 = 4,
+        batch: u64 [1, 4_096] = 4,
         /// Median padded sequence length of a batch (log-normal).
-        len_median: f64 = 512.0,
+        len_median: f64 [1.0, 1_048_576.0] = 512.0,
         /// Log-space standard deviation of the sequence length (the long tail).
-        len_sigma: f64 = 0.7,
+        len_sigma: f64 [0.0, 10.0] = 0.7,
         /// Shortest sequence length.
-        len_min: u64 = 64,
+        len_min: u64 [1, 1_048_576] = 64,
         /// Longest sequence length (the log-normal draw is clamped to it).
-        len_max: u64 = 2048,
+        len_max: u64 [1, 1_048_576] = 2048,
         /// Activation checkpointing: keep only layer outputs, recompute each layer in backward.
         checkpointing: bool = false,
         /// Bytes per activation element (2 = bf16).
-        act_bytes: u64 = 2,
+        act_bytes: u64 [1, 16] = 2,
         /// Bytes per weight, gradient and optimizer-state element (4 = fp32).
-        param_bytes: u64 = 4,
+        param_bytes: u64 [1, 16] = 4,
         /// Gradient bucket size in MiB on the communication stream (0: no buckets).
-        bucket_mb: u64 = 25,
+        bucket_mb: u64 [0, 65_536] = 25,
     }
 }
 
@@ -113,6 +113,7 @@ pub fn generate(p: &TrainVarlenParams) -> Result<Trace> {
     let bucket_bytes = p.bucket_mb * MIB;
 
     for step in 0..p.steps {
+        super::check_events(r.len(), TrainVarlenParams::WORKLOAD, "steps", p.steps)?;
         let Some((ids, labels, len)) = next.take() else {
             break;
         };
@@ -317,24 +318,50 @@ fn validate(p: &TrainVarlenParams) -> Result<()> {
             "must not be negative",
         ));
     }
-    // Keep every tensor within the model's size limit (and u64 products from overflowing).
-    let limit = crate::model::MAX_SIZE as u128;
+    // Keep every tensor within the model's size limit (and u64 products from
+    // overflowing); the error names the tensor and the parameter at fault.
+    let d = TrainVarlenParams::default();
     let (h, len, b) = (p.hidden as u128, p.len_max as u128, p.batch as u128);
-    let biggest = [
-        b * p.heads as u128 * len * len * p.act_bytes as u128,
-        b * len * p.vocab as u128 * 4,
-        b * len * h * p.ffn_mult as u128 * p.act_bytes as u128,
-        h * h * p.ffn_mult as u128 * p.param_bytes as u128 * 12,
-        p.vocab as u128 * h * p.param_bytes as u128,
-        p.bucket_mb as u128 * MIB as u128 * 4,
-    ];
-    if biggest.iter().any(|&x| x > limit) {
-        return Err(out_of_range(
-            w,
-            "len_max",
-            p.len_max,
-            "the model's tensors would exceed 2^50 bytes; use smaller sizes",
-        ));
-    }
-    Ok(())
+    let batch = ("batch", p.batch, d.batch);
+    let len_max = ("len_max", p.len_max, d.len_max);
+    let hidden = ("hidden", p.hidden, d.hidden);
+    let act = ("act_bytes", p.act_bytes, d.act_bytes);
+    let pbytes = ("param_bytes", p.param_bytes, d.param_bytes);
+    let vocab = ("vocab", p.vocab, d.vocab);
+    let ffn = ("ffn_mult", p.ffn_mult, d.ffn_mult);
+    super::check_tensors(
+        w,
+        &[
+            (
+                "the attention scores (batch x heads x len_max^2 x act_bytes)",
+                b * p.heads as u128 * len * len * p.act_bytes as u128,
+                &[batch, ("heads", p.heads, d.heads), len_max, act],
+            ),
+            (
+                "the logits (batch x len_max x vocab x 4)",
+                b * len * p.vocab as u128 * 4,
+                &[batch, len_max, vocab],
+            ),
+            (
+                "the MLP activations (batch x len_max x hidden x ffn_mult x act_bytes)",
+                b * len * h * p.ffn_mult as u128 * p.act_bytes as u128,
+                &[batch, len_max, hidden, ffn, act],
+            ),
+            (
+                "the MLP weights and optimizer state (12 x hidden^2 x ffn_mult x param_bytes)",
+                h * h * p.ffn_mult as u128 * p.param_bytes as u128 * 12,
+                &[hidden, ffn, pbytes],
+            ),
+            (
+                "the embedding (vocab x hidden x param_bytes)",
+                p.vocab as u128 * h * p.param_bytes as u128,
+                &[vocab, hidden, pbytes],
+            ),
+            (
+                "the gradient buckets (4 x bucket_mb MiB)",
+                p.bucket_mb as u128 * MIB as u128 * 4,
+                &[("bucket_mb", p.bucket_mb, d.bucket_mb)],
+            ),
+        ],
+    )
 }
