@@ -321,7 +321,7 @@ impl CostModel {
         match name {
             "h200" => Some(
                 "measured by `vmmalloc calibrate` on an H200 (driver 580, CUDA 13.0) on 2026-12-04, \
-                 shared/gpu/2026-12-04/gpu-calibration.json",
+                 tests/fixtures/h200-calibration-2026-12-04.json",
             ),
             "a100" => Some("published A100 figures (kvcached's bench_vmm)"),
             "linear" => Some("the model before version 2, for sensitivity"),
