@@ -392,3 +392,91 @@ fn output_into_a_closed_pipe_ends_quietly() {
         "{err}"
     );
 }
+
+/// README.md's text.
+fn readme() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap()
+}
+
+#[test]
+fn the_readme_command_line_lists_every_command() {
+    let help = ok(&["--help"]);
+    let commands: Vec<&str> = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        // A command starts its line; its description may wrap, indented deeper.
+        .filter(|l| !l.starts_with("   "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .collect();
+    assert!(commands.len() >= 10, "{help}");
+    let text = readme();
+    let block = text
+        .split("## Command line")
+        .nth(1)
+        .and_then(|s| s.split("```").nth(1))
+        .expect("a Command line block");
+    for c in commands {
+        assert!(
+            block.contains(&format!("vmmalloc {c} ")),
+            "README's Command line lacks {c}"
+        );
+    }
+}
+
+#[test]
+fn the_readmes_test_examples_name_tests_that_exist() {
+    // `cargo test -p PKG --test TARGET FILTER`: FILTER must select a test of
+    // TARGET (a bare `cargo test -p PKG FILTER` is easy to get wrong: it ran 0).
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = readme().split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut seen = 0;
+    for cmd in text.split('`').filter(|s| s.starts_with("cargo test -p ")) {
+        let words: Vec<&str> = cmd.split_whitespace().collect();
+        let pkg = words[3];
+        let target = words
+            .iter()
+            .position(|w| *w == "--test")
+            .map(|i| words[i + 1]);
+        let last = *words.last().unwrap();
+        let filter =
+            (words.len() > 4 && !last.starts_with('-') && Some(last) != target).then_some(last);
+        let Some(filter) = filter else { continue };
+        let target = target.unwrap_or_else(|| panic!("`{cmd}`: a filter needs --test TARGET"));
+        let dir = match pkg {
+            "vmmalloc" => root.to_path_buf(),
+            p => root.join("crates").join(p.trim_start_matches("vmmalloc-")),
+        };
+        let file = std::fs::read_to_string(dir.join("tests").join(format!("{target}.rs")))
+            .unwrap_or_else(|e| panic!("`{cmd}`: {e}"));
+        assert!(
+            file.lines()
+                .any(|l| l.trim_start().starts_with("fn ") && l.contains(filter)),
+            "`{cmd}`: no test of {target} has `{filter}` in its name"
+        );
+        seen += 1;
+    }
+    assert!(seen >= 1, "no filtered test example found");
+}
+
+#[test]
+fn the_readmes_measured_figures_say_when_and_at_which_commit() {
+    // A paragraph that quotes a results page's figures says the date and
+    // the commit they were measured at.
+    for para in readme().split("\n\n") {
+        let flat = para.split_whitespace().collect::<Vec<_>>().join(" ");
+        if flat.starts_with("On a real H200") || flat.starts_with("From docs/results.md") {
+            assert!(flat.contains("2026-") && flat.contains("commit "), "{flat}");
+        }
+    }
+    assert!(
+        !readme().contains("about 13 s"),
+        "the snapshot figures live in docs/trace-format.md"
+    );
+    assert!(
+        !readme().contains("make fewer driver calls"),
+        "advise's extra settings cost more"
+    );
+}
