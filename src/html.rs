@@ -188,5 +188,6 @@ mod tests {
         assert!(html.contains("missing.svg: "));
         // Self-contained: nothing to fetch.
         assert!(!html.contains("http://") && !html.contains("https://") && !html.contains("src="));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

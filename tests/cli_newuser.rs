@@ -480,3 +480,26 @@ fn the_readmes_measured_figures_say_when_and_at_which_commit() {
         "advise's extra settings cost more"
     );
 }
+
+#[test]
+fn the_workload_bounds_are_listed_and_the_guide_names_the_event_bound() {
+    let out = ok(&["workloads"]);
+    // Every parameter line but the seeds' and flags' shows its bounds.
+    assert!(out.contains("(default 12; 1..=10000)"), "{out}");
+    let max = vmmalloc_trace::workloads::MAX_EVENTS;
+    assert!(out.contains(&format!("at most {max} events")), "{out}");
+    let guide =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/guide.md")).unwrap();
+    let with_commas = max
+        .to_string()
+        .as_bytes()
+        .rchunks(3)
+        .rev()
+        .map(|c| std::str::from_utf8(c).unwrap())
+        .collect::<Vec<_>>()
+        .join(",");
+    assert!(
+        guide.contains(&format!("at most {with_commas} events")),
+        "{with_commas}"
+    );
+}
