@@ -26,6 +26,9 @@ pub(crate) struct SharedBudget {
     member: Arc<Member>,
     /// Bytes of one page.
     page: u64,
+    /// Pages credited and kept for replacements while a swap runs
+    /// ([`Budget::begin_keep`]); `None` outside one.
+    kept: Option<u64>,
 }
 
 impl Budget for SharedBudget {
@@ -53,7 +56,19 @@ impl Budget for SharedBudget {
 
     fn charge(&mut self, pages: u64, page: u64, kind: Charge) -> Result<(), DeviceError> {
         self.local.charge(pages, page, kind)?;
-        if let Err(r) = self.member.charge(pages * page, kind == Charge::Grow) {
+        let mut pages_to_charge = pages;
+        if let (Charge::Replace, Some(kept)) = (kind, self.kept.as_mut()) {
+            let take = (*kept).min(pages);
+            *kept -= take;
+            pages_to_charge -= take;
+            if pages_to_charge == 0 {
+                return Ok(());
+            }
+        }
+        if let Err(r) = self
+            .member
+            .charge(pages_to_charge * page, kind == Charge::Grow)
+        {
             self.local.credit(pages);
             return Err(DeviceError::OutOfMemory {
                 call: Call::Create,
@@ -67,7 +82,22 @@ impl Budget for SharedBudget {
 
     fn credit(&mut self, pages: u64) {
         self.local.credit(pages);
-        self.member.credit(pages * self.page);
+        match self.kept.as_mut() {
+            Some(kept) => *kept += pages,
+            None => self.member.credit(pages * self.page),
+        }
+    }
+
+    fn begin_keep(&mut self) {
+        self.kept.get_or_insert(0);
+    }
+
+    fn end_keep(&mut self) {
+        if let Some(kept) = self.kept.take() {
+            if kept > 0 {
+                self.member.credit(kept * self.page);
+            }
+        }
     }
 
     fn charged(&self) -> u64 {
@@ -103,6 +133,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 local,
                 member,
                 page,
+                kept: None,
             }));
             Ok(())
         })
@@ -246,4 +277,55 @@ pub fn build_shared(
     };
     join_and_serve(&alloc, member, give_back)?;
     Ok(alloc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::share::{JoinOptions, DEFAULT_POLL, NO_CAP};
+
+    const PAGE: u64 = 2 << 20;
+
+    /// Unpinning in place releases a chunk and creates its replacements:
+    /// while the budget keeps the credit, the group never sees the bytes
+    /// free, so no other member can take them in between.
+    #[test]
+    fn a_kept_credit_is_never_free_for_the_group_until_the_swap_ends() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = std::env::temp_dir().join(format!("vmmalloc-keep-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let p = d.join("keep");
+        let _ = std::fs::remove_file(&p);
+        let opts = JoinOptions {
+            total: 64 * PAGE,
+            cap: NO_CAP,
+            poll: DEFAULT_POLL,
+        };
+        let member = Member::join_path("g", &p, opts.clone()).unwrap();
+        let other = Member::join_path("g", &p, opts).unwrap();
+        let mut b = SharedBudget {
+            local: LocalBudget::new(1.0, 64),
+            member: Arc::clone(&member),
+            page: PAGE,
+            kept: None,
+        };
+        b.charge(10, PAGE, Charge::Grow).unwrap();
+        other.charge(54 * PAGE, true).unwrap();
+        b.begin_keep();
+        b.credit(10); // the old chunk's release
+        assert_eq!(member.used(), 10 * PAGE, "kept, not given back");
+        assert!(other.charge(PAGE, true).is_err(), "nothing free meanwhile");
+        b.charge(3, PAGE, Charge::Replace).unwrap();
+        b.charge(4, PAGE, Charge::Replace).unwrap();
+        assert_eq!(member.used(), 10 * PAGE);
+        b.end_keep();
+        assert_eq!(member.used(), 7 * PAGE, "what was not taken goes back");
+        assert_eq!(b.charged(), 7);
+        other.charge(3 * PAGE, true).unwrap();
+        // Without a keep, a replacement is charged (never refused).
+        b.charge(1, PAGE, Charge::Replace).unwrap();
+        assert_eq!(member.used(), 8 * PAGE);
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }

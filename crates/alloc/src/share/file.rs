@@ -445,8 +445,12 @@ impl GroupFile {
     }
 
     /// Whether the file at the path is still the file open here, whole
-    /// (module docs): `Some(why)` when it is not.
-    pub fn gone(&self) -> Result<Option<Gone>, ShareError> {
+    /// (module docs): `Some(why)` when it is not. Quick (`full: false`):
+    /// the open file's size and link count only (one `fstat`: a removed
+    /// file, or one replaced by a rename, has no link left); full: also
+    /// the device and inode at the path (`fstatat`), which catches a file
+    /// replaced while a link to the old one remains elsewhere.
+    pub fn gone(&self, full: bool) -> Result<Option<Gone>, ShareError> {
         let io = |e| ShareError::Io {
             what: "stat",
             path: self.path.clone(),
@@ -455,6 +459,9 @@ impl GroupFile {
         let st = stat_fd(&self.file).map_err(io)?;
         if self.whole && st.st_size as u64 != FILE_LEN as u64 {
             return Ok(Some(Gone::Truncated(st.st_size.max(0) as u64)));
+        }
+        if !full && st.st_nlink > 0 {
+            return Ok(None);
         }
         // SAFETY: all-zero is a valid `stat`, which fstatat fills in.
         let mut at: libc::stat = unsafe { std::mem::zeroed() };
@@ -560,10 +567,15 @@ impl GroupFile {
         })
     }
 
-    /// Reads the table (the caller holds the lock), after checking that
-    /// the file is still the one at the path, whole.
+    /// Reads the table (the caller holds the lock), after the quick check
+    /// that the file is still the one at the path, whole ([`Self::gone`]).
     pub fn read(&self) -> Result<Table, ShareError> {
-        if let Some(why) = self.gone()? {
+        self.read_checked(false)
+    }
+
+    /// [`Self::read`] after the full check ([`Self::gone`]).
+    pub fn read_checked(&self, full: bool) -> Result<Table, ShareError> {
+        if let Some(why) = self.gone(full)? {
             return Err(ShareError::Lost {
                 path: self.path.clone(),
                 why,

@@ -118,7 +118,7 @@ impl Group {
     /// Reads the group, giving back the budget of dead members first.
     pub fn info(&self) -> Result<GroupInfo, ShareError> {
         let _l = self.file.lock()?;
-        let mut t = self.file.read()?;
+        let mut t = self.file.read_checked(true)?;
         let reaped = reap(&self.file, &mut t, None, self.ns);
         if !reaped.is_empty() {
             self.file.write(&t)?;

@@ -175,13 +175,13 @@ impl fmt::Display for GroupInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "group {}: total {}, used {}, revision {} ({})",
+            "group {}: total {}, used {}, revision {}",
             self.name,
             format_bytes(self.total),
             format_bytes(self.used),
             self.revision,
-            self.path.display()
         )?;
+        writeln!(f, "  file {}", self.path.display())?;
         for p in &self.reaped {
             writeln!(f, "  (pid {p} had died: its budget was given back)")?;
         }

@@ -2,7 +2,9 @@
 //! allocator plans with, the poller that gives back above the cap.
 //!
 //! A member checks that its file is still the group's before every read
-//! (`file.rs`, `GroupFile::gone`). When it is not (removed, replaced, cut
+//! (`file.rs`, `GroupFile::gone`: its size and link count before every
+//! charge and credit, also the device and inode at the path at every poll
+//! round). When it is not (removed, replaced, cut
 //! short, corrupt, of another version) the member is *lost*: it keeps what
 //! it holds, takes nothing more from the group (memory that replaces
 //! memory it just released excepted), says so in one line naming the file
@@ -294,7 +296,12 @@ impl Member {
 
     /// Reads the table under the lock, checks that the slot is still ours.
     fn read_locked(&self) -> Result<Table, ShareError> {
-        let t = self.file.read()?;
+        self.read_locked_checked(false)
+    }
+
+    /// [`Self::read_locked`] with the file's full check when `full`.
+    fn read_locked_checked(&self, full: bool) -> Result<Table, ShareError> {
+        let t = self.file.read_checked(full)?;
         let s = &t.slots[self.slot];
         if !s.taken() || s.pid != self.pid {
             return Err(ShareError::Evicted(self.file.path.clone()));
@@ -335,13 +342,19 @@ impl Member {
     /// under 1/8 of the total), dead members' bytes are taken back first.
     /// Nothing is read once the member is lost.
     pub fn refresh(&self) -> Result<(), ShareError> {
+        self.refresh_checked(false)
+    }
+
+    /// [`Self::refresh`], with the file's full check (device and inode at
+    /// the path, `GroupFile::gone`) when `full` (every poll round).
+    fn refresh_checked(&self, full: bool) -> Result<(), ShareError> {
         if self.lost_now() {
             return Ok(());
         }
         let mut l = self.local.lock();
         let r = (|| {
             let _f = self.file.lock()?;
-            let mut t = self.read_locked()?;
+            let mut t = self.read_locked_checked(full)?;
             if t.total.saturating_sub(t.used()) < t.total / 8 {
                 let dead = reap(&self.file, &mut t, Some(self.slot), self.ns);
                 if !dead.is_empty() {
@@ -631,7 +644,7 @@ impl Member {
     /// One round; returns the wake word read, `None` when the file could
     /// not be read (the poller then sleeps a poll interval).
     fn poll_round(&self, g: &dyn GiveBack) -> Option<u32> {
-        let seen = match self.refresh() {
+        let seen = match self.refresh_checked(true) {
             Ok(()) if !self.lost_now() => Some(self.local.lock().last.wake),
             _ => None,
         };

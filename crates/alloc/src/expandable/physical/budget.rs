@@ -84,6 +84,20 @@ pub(crate) trait Budget: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Starts keeping credits for an operation that swaps physical memory
+    /// (unpinning in place, `moves.rs`): until [`Budget::end_keep`], a
+    /// credit is kept for the operation's replacements instead of given
+    /// back, and a [`Charge::Replace`] takes from what is kept first. The
+    /// bytes released to be replaced are then never free for anyone else in
+    /// between, so a budget shared by processes holds "charges ≤ total" at
+    /// every instant (issue 41, part 3). The local budget has nobody to
+    /// keep them from: no-op.
+    fn begin_keep(&mut self) {}
+
+    /// Ends [`Budget::begin_keep`]: what was kept and not taken is given
+    /// back.
+    fn end_keep(&mut self) {}
+
     /// Called once before an allocation is refused for lack of memory:
     /// whether the limit may have grown since it was planned with (a
     /// shared budget gives back the bytes of members that died), so that

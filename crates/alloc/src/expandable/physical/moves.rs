@@ -270,7 +270,24 @@ impl Physical {
     /// new ones in the memory it freed, map them, copy the bytes back. A
     /// failure after the release re-creates a chunk of the old size and
     /// copies the bytes into it.
+    ///
+    /// The budget keeps the old chunk's credit for the replacements
+    /// ([`super::budget::Budget::begin_keep`]): what is released here is
+    /// never charged by another process before it is charged again here.
     fn swap_in_place<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        p: &Move,
+        saved: &HostBuffer,
+    ) -> Result<(), DeviceError> {
+        self.budget.begin_keep();
+        let r = self.swap_in_place_kept(dev, p, saved);
+        self.budget.end_keep();
+        r
+    }
+
+    /// [`Self::swap_in_place`] while the budget keeps credits.
+    fn swap_in_place_kept<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         p: &Move,
