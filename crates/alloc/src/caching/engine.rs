@@ -8,8 +8,8 @@
 //! are in [`super::release`]; validation, snapshots and reports in [`super::inspect`].
 
 use super::block::{Block, BlockId, BlockPool, Cursor, EsId, IntMap, SizeKey, Slab};
+use super::calls::Calls;
 use super::config::CachingConfig;
-use super::counter::Counter;
 use super::segment::ExpandableSegment;
 use super::sizes::{
     get_allocation_size, get_pool, round_size, should_split, PoolKind, K_LARGE_BUFFER,
@@ -17,7 +17,7 @@ use super::sizes::{
 };
 use crate::{AllocError, AllocResult, Allocation, Stats};
 use std::collections::{BTreeMap, VecDeque};
-use vmmalloc_device::{Call, Device, Event, MemInfo, Stream};
+use vmmalloc_device::{Device, Event, MemInfo, Stream};
 
 /// A `cudaMalloc`ed segment of the plain caching allocator.
 #[derive(Debug, Clone, Copy)]
@@ -50,7 +50,7 @@ pub(crate) struct State {
     /// `CUDAAllocatorConfig::expandable_segments()`.
     pub expandable: bool,
     pub config: CachingConfig,
-    /// `stats` (driver calls and stream syncs live in `counter`).
+    /// `stats` (driver calls and stream syncs are counted in `calls`).
     pub stats: Stats,
     /// `large_blocks`.
     pub large_blocks: BlockPool,
@@ -74,7 +74,8 @@ pub(crate) struct State {
     /// `expandable_segments_`.
     pub expandable_segments: BTreeMap<EsId, ExpandableSegment>,
     pub next_es: EsId,
-    pub counter: Counter,
+    /// Every driver call, made and counted once (`calls.rs`).
+    pub calls: Calls,
 }
 
 impl State {
@@ -103,7 +104,7 @@ impl State {
             segments: BTreeMap::new(),
             expandable_segments: BTreeMap::new(),
             next_es: 1,
-            counter: Counter::default(),
+            calls: Calls::default(),
         }
     }
 
@@ -205,8 +206,7 @@ impl State {
             }
         }
         let Some(block) = p.block.filter(|_| found) else {
-            self.counter.add(Call::MemInfo);
-            let info = dev.mem_info().ok();
+            let info = self.calls.mem_info(dev).ok();
             self.stats.num_ooms += 1;
             return Err(self.out_of_memory(dev, policy, orig_size, p.alloc_size, info));
         };
@@ -322,8 +322,7 @@ impl State {
             p.block = self.try_allocate_expandable_block(dev, p.stream, p.pool, p.size)?;
             return Ok(p.block.is_some());
         }
-        self.counter.add(Call::Alloc);
-        let ptr = match dev.alloc(size) {
+        let ptr = match self.calls.alloc(dev, size) {
             Ok(ptr) => ptr,
             Err(e) if e.is_out_of_memory() => return Ok(false),
             Err(e) => return Err(e.into()),
@@ -626,12 +625,14 @@ impl State {
         } else {
             K_LARGE_BUFFER
         };
-        let es = match ExpandableSegment::new(dev, &mut self.counter, stream, segment_size) {
+        let es_id = self.next_es;
+        // The counter's owner id; ids past u32::MAX share the last one.
+        let seg = u32::try_from(es_id).unwrap_or(u32::MAX);
+        let es = match ExpandableSegment::new(dev, &mut self.calls, seg, stream, segment_size) {
             Ok(es) => es,
             Err(e) if e.is_out_of_memory() => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        let es_id = self.next_es;
         self.next_es += 1;
         let mut b = Block::new(stream, es.size(), pool, es.ptr, Some(es_id));
         b.mapped = false;
@@ -681,7 +682,7 @@ impl State {
             .expandable_segments
             .get_mut(&es_id)
             .expect("live segment");
-        let Some((_, msize)) = es.map(dev, &mut self.counter, ptr, size)? else {
+        let Some((_, msize)) = es.map(dev, &mut self.calls, ptr, size)? else {
             return Ok(false);
         };
         let key = self.slab.get(to_map).addr_key(to_map);
@@ -760,8 +761,7 @@ impl State {
                 "invalid fraction:{fraction}. Please set within (0, 1)."
             )));
         }
-        self.counter.add(Call::MemInfo);
-        let MemInfo { total, .. } = dev.mem_info()?;
+        let MemInfo { total, .. } = self.calls.mem_info(dev)?;
         self.allowed_memory_maximum = (fraction * total as f64) as u64;
         self.set_fraction = true;
         Ok(())

@@ -9,7 +9,7 @@ use crate::{
     StatType, Stats, StreamUsage,
 };
 use std::collections::{BTreeMap, HashMap};
-use vmmalloc_device::{Call, Device, MemInfo, Stream};
+use vmmalloc_device::{Device, MemInfo, Stream};
 
 /// A recount of the stats that describe current state.
 #[derive(Default)]
@@ -83,8 +83,10 @@ impl State {
     /// Stats as PyTorch reports them, plus our driver-call counts.
     pub fn stats_view(&self) -> Stats {
         let mut s = self.stats.clone();
-        s.driver_calls = self.counter.calls;
-        s.num_stream_syncs = self.counter.stream_syncs;
+        s.driver_calls = self.calls.counts();
+        // Stream and event waits: `cuStreamSynchronize` before unmapping
+        // pages, `cuEventSynchronize` when freeing every event's block.
+        s.num_stream_syncs = s.driver_calls.stream_syncs();
         s.pages_mapped = self
             .expandable_segments
             .values()
@@ -518,6 +520,22 @@ impl State {
             }
         }
 
+        // The driver-call counter agrees: every page handle created and not
+        // released is mapped in a segment, or an orphan.
+        let c = self.calls.counter();
+        let (pages, page_bytes) = self.expandable_segments.values().fold((0, 0), |(n, b), e| {
+            (n + e.mapped_pages(), b + e.mapped_pages() * e.segment_size)
+        });
+        let orphan_bytes: u64 = self.calls.orphans.iter().map(|o| o.1).sum();
+        let orphans = self.calls.orphans.len() as u64;
+        if c.handles_alive != pages + orphans || c.device_bytes_alive != page_bytes + orphan_bytes {
+            return Err(format!(
+                "the driver-call counter has {} handles ({} bytes) alive, the segments map {pages} \
+                 pages ({page_bytes} bytes) and {orphans} release(s) failed ({orphan_bytes} bytes)",
+                c.handles_alive, c.device_bytes_alive
+            ));
+        }
+
         // 3. The device agrees.
         if let Some(i) = dev.introspect() {
             for (_, b) in self.slab.iter() {
@@ -561,31 +579,31 @@ impl State {
             events.extend(q.into_iter().map(|(ev, _)| ev));
         }
         for ev in events {
-            self.counter.add(Call::EventDestroy);
-            if let Err(e) = dev.destroy_event(ev) {
+            if let Err(e) = self.calls.destroy_event(dev, ev) {
                 eprintln!("vmmalloc: {policy}: destroying an event on drop failed: {e}");
             }
         }
-        for &ptr in self.segments.keys() {
-            self.counter.add(Call::Free);
-            if let Err(e) = dev.free(ptr) {
+        for (ptr, seg) in std::mem::take(&mut self.segments) {
+            if let Err(e) = self.calls.free(dev, ptr, seg.size) {
                 eprintln!("vmmalloc: {policy}: freeing segment {ptr:#x} on drop failed: {e}");
             }
         }
-        self.segments.clear();
         if !self.expandable_segments.is_empty() {
-            self.counter.add(Call::DeviceSync);
-            if let Err(e) = dev.synchronize() {
+            if let Err(e) = self.calls.synchronize(dev) {
                 eprintln!("vmmalloc: {policy}: device synchronize on drop failed: {e}");
             }
         }
         for (_, mut es) in std::mem::take(&mut self.expandable_segments) {
-            es.destroy(dev, &mut self.counter);
+            es.destroy(dev, &mut self.calls);
         }
-        for h in std::mem::take(&mut self.counter.orphans) {
-            if let Err(e) = dev.release(h) {
-                eprintln!("vmmalloc: {policy}: releasing an orphaned handle on drop failed: {e}");
-            }
+        for (h, bytes) in std::mem::take(&mut self.calls.orphans) {
+            self.calls.release(dev, h, bytes);
+        }
+        if !self.calls.orphans.is_empty() {
+            eprintln!(
+                "vmmalloc: {policy}: {} orphaned handle(s) could not be released on drop",
+                self.calls.orphans.len()
+            );
         }
     }
 }

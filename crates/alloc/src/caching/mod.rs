@@ -20,8 +20,8 @@
 //! `release_lock_on_cudamalloc` is accepted but not honoured).
 
 mod block;
+mod calls;
 pub mod config;
-mod counter;
 mod engine;
 mod inspect;
 mod release;

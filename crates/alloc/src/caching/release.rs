@@ -5,7 +5,7 @@ use super::block::{BlockId, SizeKey};
 use super::engine::{AllocParams, State};
 use super::sizes::PoolKind;
 use crate::AllocResult;
-use vmmalloc_device::{Call, Device, Event, Stream};
+use vmmalloc_device::{Device, Event, Stream};
 
 impl State {
     /// `release_available_cached_blocks`: with `max_split_size` set, frees the
@@ -100,8 +100,7 @@ impl State {
             debug_assert!(b.segment.is_none() && !b.is_split() && b.is_allocatable());
             (b.ptr, b.size, b.pool)
         };
-        self.counter.add(Call::Free);
-        dev.free(ptr)?;
+        self.calls.free(dev, ptr, size)?;
         self.stats.num_device_free += 1;
         self.total_allocated_memory -= size;
         let st = pool.stat_type();
@@ -137,7 +136,7 @@ impl State {
             .expandable_segments
             .get_mut(&es_id)
             .expect("live segment");
-        let (uptr, usize, error) = match es.unmap(dev, &mut self.counter, ptr, size) {
+        let (uptr, usize, error) = match es.unmap(dev, &mut self.calls, ptr, size) {
             Ok((p, s)) => (p, s, None),
             Err(pu) => (pu.ptr, pu.size, Some(pu.error)),
         };
@@ -212,8 +211,7 @@ impl State {
             "block disagrees with segment"
         );
         let (ptr, size) = (es.ptr, es.size());
-        self.counter.add(Call::AddressFree);
-        dev.free_reservation(ptr, size)?;
+        self.calls.free_reservation(dev, es.id, ptr, size)?;
         self.expandable_segments.remove(&es_id);
         let key = self.slab.get(id).addr_key(id);
         self.pool_mut(pool).unmapped.remove(&key);
@@ -234,19 +232,15 @@ impl State {
         for s in streams {
             let ev = match self.event_pool.pop() {
                 Some(ev) => ev,
-                None => {
-                    self.counter.add(Call::EventCreate);
-                    match dev.create_event() {
-                        Ok(ev) => ev,
-                        Err(e) => {
-                            self.event_pool.extend(out.into_iter().map(|(_, ev)| ev));
-                            return Err(e.into());
-                        }
+                None => match self.calls.create_event(dev) {
+                    Ok(ev) => ev,
+                    Err(e) => {
+                        self.event_pool.extend(out.into_iter().map(|(_, ev)| ev));
+                        return Err(e.into());
                     }
-                }
+                },
             };
-            self.counter.add(Call::EventRecord);
-            if let Err(e) = dev.record_event(ev, s) {
+            if let Err(e) = self.calls.record_event(dev, ev, s) {
                 self.event_pool.push(ev);
                 self.event_pool.extend(out.into_iter().map(|(_, ev)| ev));
                 return Err(e.into());
@@ -285,8 +279,7 @@ impl State {
         let streams: Vec<Stream> = self.cuda_events.keys().copied().collect();
         for s in streams {
             while let Some(&(ev, id)) = self.cuda_events.get(&s).and_then(|q| q.front()) {
-                self.counter.add(Call::EventQuery);
-                if !dev.query_event(ev)? {
+                if !self.calls.query_event(dev, ev)? {
                     break;
                 }
                 if let Some(q) = self.cuda_events.get_mut(&s) {
@@ -310,9 +303,7 @@ impl State {
                 self.cuda_events.remove(&s);
                 continue;
             };
-            self.counter.add(Call::EventSync);
-            self.counter.stream_sync();
-            dev.synchronize_event(ev)?;
+            self.calls.synchronize_event(dev, ev)?;
             if let Some(q) = self.cuda_events.get_mut(&s) {
                 q.pop_front();
             }

@@ -13,13 +13,15 @@
 //! failure leaves the segment and the device consistent: a failed `map` is rolled
 //! back; a failed `unmap` reports the pages it did unmap.
 
-use super::counter::Counter;
-use vmmalloc_device::{Call, Device, DeviceError, DeviceResult, PhysHandle, Stream};
+use super::calls::Calls;
+use vmmalloc_device::{Device, DeviceError, DeviceResult, PhysHandle, Stream};
 
 /// One expandable segment. Invariant: `handles[i]` is `Some` iff page `i` is
 /// mapped and accessible; `handles` has no trailing `None` (`trimHandles`).
 #[derive(Debug)]
 pub(crate) struct ExpandableSegment {
+    /// The segment's id, as its driver calls name their owner.
+    pub id: u32,
     /// The stream the segment serves (`stream_`).
     pub stream: Stream,
     /// Start of the reservation (`ptr_`).
@@ -45,15 +47,16 @@ impl ExpandableSegment {
     /// (the constructor: "enough address space for 1 1/8 the total memory").
     pub fn new<D: Device>(
         dev: &D,
-        c: &mut Counter,
+        c: &mut Calls,
+        id: u32,
         stream: Stream,
         segment_size: u64,
     ) -> DeviceResult<Self> {
         let total = dev.caps().total_memory;
         let max_handles = (total + total / 8).div_ceil(segment_size).max(1);
-        c.add(Call::Reserve);
-        let ptr = dev.reserve(segment_size * max_handles, 0)?;
+        let ptr = c.reserve(dev, id, segment_size * max_handles, 0)?;
         Ok(ExpandableSegment {
+            id,
             stream,
             ptr,
             segment_size,
@@ -95,7 +98,7 @@ impl ExpandableSegment {
     pub fn map<D: Device>(
         &mut self,
         dev: &D,
-        c: &mut Counter,
+        c: &mut Calls,
         ptr: u64,
         size: u64,
     ) -> DeviceResult<Option<(u64, u64)>> {
@@ -118,15 +121,11 @@ impl ExpandableSegment {
                 self.handles[i as usize].is_none(),
                 "page {i} already mapped"
             );
-            c.add(Call::Create);
-            match dev.create(self.segment_size) {
+            match c.create(dev, self.segment_size) {
                 Ok(h) => created.push(h),
                 Err(e) => {
                     for h in created {
-                        c.add(Call::Release);
-                        if let Err(re) = dev.release(h) {
-                            c.orphan(h, &re);
-                        }
+                        c.release(dev, h, self.segment_size);
                     }
                     self.trim_handles();
                     return if e.is_out_of_memory() {
@@ -142,16 +141,16 @@ impl ExpandableSegment {
         let mut failure = None;
         for (k, &h) in created.iter().enumerate() {
             let addr = self.ptr + (begin + k as u64) * self.segment_size;
-            c.add(Call::Map);
-            if let Err(e) = dev.map(addr, self.segment_size, h) {
+            if let Err(e) = c.map(dev, self.id, addr, self.segment_size, h) {
                 failure = Some(e);
                 break;
             }
             mapped += 1;
         }
         if failure.is_none() {
-            c.add(Call::SetAccess);
-            if let Err(e) = dev.set_access(
+            if let Err(e) = c.set_access(
+                dev,
+                self.id,
                 self.ptr + begin * self.segment_size,
                 (end - begin) * self.segment_size,
             ) {
@@ -161,16 +160,12 @@ impl ExpandableSegment {
         if let Some(e) = failure {
             for k in 0..mapped {
                 let addr = self.ptr + (begin + k as u64) * self.segment_size;
-                c.add(Call::Unmap);
-                if let Err(ue) = dev.unmap(addr, self.segment_size) {
+                if let Err(ue) = c.unmap(dev, self.id, addr, self.segment_size) {
                     c.note_failure(&ue);
                 }
             }
             for h in created {
-                c.add(Call::Release);
-                if let Err(re) = dev.release(h) {
-                    c.orphan(h, &re);
-                }
+                c.release(dev, h, self.segment_size);
             }
             self.trim_handles();
             return Err(e);
@@ -190,7 +185,7 @@ impl ExpandableSegment {
     pub fn unmap<D: Device>(
         &mut self,
         dev: &D,
-        c: &mut Counter,
+        c: &mut Calls,
         ptr: u64,
         size: u64,
     ) -> Result<(u64, u64), PartialUnmap> {
@@ -202,9 +197,7 @@ impl ExpandableSegment {
         let start = self.ptr + begin * self.segment_size;
         // "unlike cudaFree, MemUnmap and MemRelease do not appear to synchronize
         // in all cases, so we have to wait for the stream to finish".
-        c.add(Call::StreamSync);
-        c.stream_sync();
-        if let Err(error) = dev.synchronize_stream(self.stream) {
+        if let Err(error) = c.synchronize_stream(dev, self.stream) {
             return Err(PartialUnmap {
                 ptr: start,
                 size: 0,
@@ -216,8 +209,7 @@ impl ExpandableSegment {
             let Some(h) = self.handles.get(i as usize).copied().flatten() else {
                 continue;
             };
-            c.add(Call::Unmap);
-            if let Err(error) = dev.unmap(addr, self.segment_size) {
+            if let Err(error) = c.unmap(dev, self.id, addr, self.segment_size) {
                 self.trim_handles();
                 return Err(PartialUnmap {
                     ptr: start,
@@ -226,10 +218,7 @@ impl ExpandableSegment {
                 });
             }
             self.handles[i as usize] = None;
-            c.add(Call::Release);
-            if let Err(re) = dev.release(h) {
-                c.orphan(h, &re);
-            }
+            c.release(dev, h, self.segment_size);
         }
         self.trim_handles();
         Ok((start, (end - begin) * self.segment_size))
@@ -238,23 +227,18 @@ impl ExpandableSegment {
     /// Unmaps and releases every mapped page without touching the stream state,
     /// then frees the reservation (`~ExpandableSegment`, used on teardown after
     /// a device synchronize). Errors are logged.
-    pub fn destroy<D: Device>(&mut self, dev: &D, c: &mut Counter) {
+    pub fn destroy<D: Device>(&mut self, dev: &D, c: &mut Calls) {
         for i in 0..self.handles.len() {
             if let Some(h) = self.handles[i].take() {
                 let addr = self.ptr + i as u64 * self.segment_size;
-                c.add(Call::Unmap);
-                if let Err(e) = dev.unmap(addr, self.segment_size) {
+                if let Err(e) = c.unmap(dev, self.id, addr, self.segment_size) {
                     eprintln!("vmmalloc: torch-es: unmapping {addr:#x} on teardown failed: {e}");
                 }
-                c.add(Call::Release);
-                if let Err(e) = dev.release(h) {
-                    eprintln!("vmmalloc: torch-es: releasing a page on teardown failed: {e}");
-                }
+                c.release(dev, h, self.segment_size);
             }
         }
         self.handles.clear();
-        c.add(Call::AddressFree);
-        if let Err(e) = dev.free_reservation(self.ptr, self.size()) {
+        if let Err(e) = c.free_reservation(dev, self.id, self.ptr, self.size()) {
             eprintln!(
                 "vmmalloc: torch-es: freeing the reservation {:#x} on teardown failed: {e}",
                 self.ptr

@@ -112,6 +112,9 @@ pub use config::{
 pub use growable::GrowableInfo;
 pub use share::{build_shared, join_and_serve, AllocatorGiveBack};
 pub use sleep::{tag_summary, TagStats};
+// The driver-call events and their counter, shared with the caching
+// replica's driver calls (`caching/calls.rs`): one counting mechanism.
+pub(crate) use physical::observe;
 
 use crate::pools::{PoolBlock, PoolId, PoolStats, PrivatePools, Restored};
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
