@@ -676,7 +676,8 @@ fn a_killed_member_gives_its_budget_back() {
     assert!(g.members.is_empty());
 }
 
-/// Four members allocate and free at random for `SHARE_STRESS_SECS`
+/// Four members (`SHARE_STRESS_MEMBERS`; the total `SHARE_STRESS_TOTAL_MB`,
+/// default 4096) allocate and free at random for `SHARE_STRESS_SECS`
 /// (default 30) seconds while the parent changes their caps at random
 /// every 100 ms (by revision) and reads the group every 2 ms: the group is
 /// never above its total, every member validates, every block's bytes
@@ -690,8 +691,21 @@ fn four_members_random_ops_and_caps_never_exceed_the_total() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(30);
+    let env_u64 = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    // Issue 41 part 3 measured 16 members and a 256 MiB total
+    // (SHARE_STRESS_MEMBERS=16 SHARE_STRESS_TOTAL_MB=256).
+    let members = env_u64("SHARE_STRESS_MEMBERS", 4);
+    let total = env_u64("SHARE_STRESS_TOTAL_MB", 4096) * MIB;
     let path = group_file("stress");
-    let mut procs: Vec<Proc> = (0..4).map(|_| Proc::start(&path, "host", &[])).collect();
+    let env = [("SHARE_TOTAL", total.to_string())];
+    let mut procs: Vec<Proc> = (0..members)
+        .map(|_| Proc::start(&path, "host", &env))
+        .collect();
     let admin = Group::open_path("test", &path).unwrap();
     for (i, p) in procs.iter_mut().enumerate() {
         writeln!(p.stdin, "random {secs} {i}").unwrap();
@@ -700,13 +714,16 @@ fn four_members_random_ops_and_caps_never_exceed_the_total() {
     let pids: Vec<u32> = procs.iter().map(Proc::pid).collect();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     let t0 = Instant::now();
-    let (mut reads, mut changes, mut stale, mut max_used, mut deferred_seen) =
-        (0u64, 0u64, 0u64, 0u64, 0u64);
+    let (mut reads, mut changes, mut stale, mut max_used, mut deferred_seen, mut above) =
+        (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
     let mut next_change = Instant::now();
     while t0.elapsed() < Duration::from_secs(secs) {
         let g = admin.info().unwrap();
         reads += 1;
-        assert!(g.used <= g.total, "the group went above its total: {g}");
+        if g.used > g.total {
+            above += 1;
+            eprintln!("the group went above its total: {g}");
+        }
         max_used = max_used.max(g.used);
         deferred_seen += g
             .members
@@ -718,7 +735,7 @@ fn four_members_random_ops_and_caps_never_exceed_the_total() {
             let cap = if rng.gen_bool(0.2) {
                 NO_CAP
             } else {
-                rng.gen_range(1..=8) * 256 * MIB
+                rng.gen_range(1..=8) * (total / 16).max(2 * MIB)
             };
             // Sometimes a stale revision: it must be refused.
             let rev = if rng.gen_bool(0.1) {
@@ -744,10 +761,13 @@ fn four_members_random_ops_and_caps_never_exceed_the_total() {
         assert_eq!(p.empty(), 0, "every block was freed");
     }
     println!(
-        "share: 4 members × {secs} s: {ops:?}; {reads} reads of the group, max used {} MiB of 4096, \
-         {changes} cap changes, {stale} stale changes refused, {deferred_seen} deferred sightings",
-        max_used / MIB
+        "share: {members} members × {secs} s: {ops:?}; {reads} reads of the group, {above} above \
+         the total, max used {} MiB of {}, {changes} cap changes, {stale} stale changes refused, \
+         {deferred_seen} deferred sightings",
+        max_used / MIB,
+        total / MIB
     );
+    assert_eq!(above, 0, "reads of the group above its total");
     assert!(stale > 0 && changes > 0);
     for p in procs {
         p.quit();
