@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2329  # the step functions run through `step` (bash -c)
 # gpu-check.sh — vmmalloc on a real NVIDIA GPU (A100 / H100 / H200), in one
-# call of at most ~8 minutes, with no Rust and no network on the GPU box
+# call of at most 7 minutes (BUDGET_S), with no Rust and no network on the GPU box
 # (issue 16).
 #
 #   usage: scripts/gpu-check.sh [--bundle DIR] [--out DIR] [--dry-run]
@@ -433,8 +433,10 @@ for entry in "${pytorch_steps[@]}"; do
     name=${f[0]} limit=${f[1]}
     parts=("${f[@]:2}")
     ((${#parts[@]})) || parts=("$name")
-    if [[ -z ${ONLY:-} ]] && ((!full)) && [[ $full_only == *" $name "* ]]; then
-        verdict "$name" SKIP "not in the default check: passed on 2026-12-04 (H200); FULL=1 or ONLY=$name runs it"
+    if [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]]; then
+        verdict "$name" SKIP "not selected (ONLY=$ONLY)"
+    elif [[ -z ${ONLY:-} ]] && ((!full)) && [[ $full_only == *" $name "* ]]; then
+        verdict "$name" SKIP "passed 2026-12-04 on an H200; FULL=1 or ONLY=$name runs it"
     elif [[ -n $pytorch_skip ]]; then
         verdict "$name" SKIP "$pytorch_skip"
     else
@@ -498,9 +500,11 @@ done
 # Selected steps the time budget left out: the run is not a pass.
 if ((${#budget_cut[@]} > 0)); then
     failed=1
-    line="gpu-check: ${#budget_cut[@]} selected step(s) NOT RUN, time budget of ${budget} s spent: rerun them with ONLY=\"${budget_cut[*]}\""
-    echo "$line"
-    echo "$line" >>"$summary"
+    for line in "gpu-check: ${#budget_cut[@]} selected step(s) NOT RUN: the ${budget} s time budget was spent" \
+        "gpu-check: rerun them with ONLY=\"${budget_cut[*]}\""; do
+        echo "$line"
+        echo "$line" >>"$summary"
+    done
 fi
 
 # results-gpu.md: the GPU, driver, PyTorch and commit, the verdicts, and the
