@@ -63,7 +63,8 @@ def share_info(device=0):
 
 
 def share_set_cap(cap, device=0, revision=None):
-    """Sets this process's cap to ``cap`` bytes (None: no cap). Above it, the
+    """Sets this process's cap to ``cap`` bytes (None: no cap; 0: nothing,
+    as ``vmmalloc share NAME --cap PID=0``). Above it, the
     allocator gives back its cached memory at once, then calls the pressure
     callback (``on_memory_pressure``); live tensors are never revoked (the
     member reads "deferred" until it frees them). With ``revision``, refused

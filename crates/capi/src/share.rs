@@ -10,7 +10,12 @@
 //! int64_t vmmalloc_share_set_total(int device, uint64_t total, int64_t expect_revision); // new revision, or -1
 //! ```
 //!
-//! `cap` `UINT64_MAX` means no cap. `expect_revision` < 0 changes whatever
+//! `cap` `UINT64_MAX` means no cap; 0 means nothing (the member gives back
+//! everything it can and creates nothing), as `vmmalloc share NAME --cap
+//! PID=0` and Python's `share_set_cap(0)`. A total is 0 or at least 2 MiB,
+//! at most the memory of the device the group was made on. A call waits at
+//! most 1 s for the group file's lock (a member stopped while holding it),
+//! then fails naming the holder. `expect_revision` < 0 changes whatever
 //! the revision; >= 0 refuses the change (-1, `vmmalloc_last_error` says
 //! "stale") unless the group is still at that revision. The device's
 //! allocator is created (and joins) on first use, so a cap can be set
