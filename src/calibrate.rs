@@ -390,16 +390,31 @@ pub fn run(args: CalibrateArgs) -> Result<()> {
     let (doc, closer) = cost_file(&points, meta);
     let text = serde_json::to_string_pretty(&doc)?;
     println!("{text}");
-    eprintln!(
-        "closest preset: {closer} (mean |ln(predicted / measured)| per preset: {}; the fit: {})",
-        doc["preset_distance"], doc["fit_distance"]
+    eprint!(
+        "{}",
+        crate::compare::wrap_hanging(
+            &format!(
+                "closest preset: {closer} (mean |ln(predicted / measured)| per preset: {}; the \
+                 fit: {})",
+                doc["preset_distance"], doc["fit_distance"]
+            ),
+            0,
+            2
+        )
     );
     if let Some(path) = &args.json {
         crate::output_path::write_file(path, format!("{text}\n").as_bytes())?;
-        eprintln!(
-            "wrote {} (use it with --cost-file {})",
-            path.display(),
-            path.display()
+        eprint!(
+            "{}",
+            crate::compare::wrap_hanging(
+                &format!(
+                    "wrote {} (use it with --cost-file {})",
+                    path.display(),
+                    path.display()
+                ),
+                0,
+                2
+            )
         );
     }
     Ok(())

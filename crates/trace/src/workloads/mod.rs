@@ -295,7 +295,7 @@ pub(crate) fn check_events(
         value,
         &format!(
             "the trace would hold more than {MAX_EVENTS} events, the most a generated trace may \
-             hold; lower it or the work per {key}"
+             hold; lower `{key}` (or the parameters that make each of them longer)"
         ),
     ))
 }
