@@ -20,6 +20,10 @@
 //!   same `VmHWM` (not `ru_maxrss`, which Linux carries over `exec` from the
 //!   parent).
 //!
+//! The last column is the new reader's own memory counter
+//! (`ReadStats::peak_held`, deterministic) against its bound
+//! (`ReadLimits::memory_bound` of the file's size; issue 41).
+//!
 //! Time is the read alone, measured inside the child (process start-up
 //! excluded); peak RSS includes the process's own baseline (a few MB for the
 //! Rust child, ~10 MB for Python). The readers run interleaved, `--runs`
@@ -37,8 +41,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use vmmalloc_trace::pytorch::legacy;
 use vmmalloc_trace::pytorch::synth::{write_snapshot, SynthConfig};
+use vmmalloc_trace::pytorch::{legacy, read_snapshot_limited, ReadLimits};
 
 /// The environment variable that makes this binary a measuring child.
 const CHILD: &str = "VMMALLOC_SNAPSHOT_READ_CHILD";
@@ -50,14 +54,17 @@ o = pickle.load(f)\n\
 dt = time.perf_counter() - t\n\
 n = sum(len(x) for x in o.get('device_traces', []))\n\
 hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n\
-print(dt, hwm.split()[1], n)\n";
+print(dt, hwm.split()[1], n, 0)\n";
 
-/// One measurement: seconds, peak RSS in KiB, events read.
+/// One measurement: seconds, peak RSS in KiB, events read, and the peak
+/// bytes the new reader's own counter held (`ReadStats::peak_held`; 0 for
+/// the others).
 #[derive(Debug, Clone, Copy)]
 struct Sample {
     secs: f64,
     peak_kib: u64,
     events: u64,
+    counted: u64,
 }
 
 fn peak_kib() -> u64 {
@@ -69,17 +76,23 @@ fn peak_kib() -> u64 {
         .unwrap_or(0)
 }
 
-/// The child: reads `path` with `reader` and prints `secs peak_kib events`.
+/// The child: reads `path` with `reader` and prints `secs peak_kib events
+/// counted`.
 fn child(reader: &str, path: &Path) -> ! {
     let t = Instant::now();
-    let trace = match reader {
-        "old" => legacy::read_snapshot(path),
-        _ => vmmalloc_trace::load_path(path),
+    let (trace, counted) = match reader {
+        "old" => (legacy::read_snapshot(path), 0),
+        _ => {
+            // What `load_path` does for a pickle, with the reader's counters.
+            let f = std::fs::File::open(path).expect("open the snapshot");
+            let (r, st) = read_snapshot_limited(f, "bench", &ReadLimits::default());
+            (r, st.peak_held)
+        }
     };
     let secs = t.elapsed().as_secs_f64();
     match trace {
         Ok(trace) => {
-            println!("{secs} {} {}", peak_kib(), trace.num_events());
+            println!("{secs} {} {} {counted}", peak_kib(), trace.num_events());
             std::process::exit(0)
         }
         Err(e) => {
@@ -111,11 +124,12 @@ fn measure(reader: &str, path: &Path) -> Sample {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     let f: Vec<&str> = text.split_whitespace().collect();
-    assert_eq!(f.len(), 3, "{reader} reader printed {text:?}");
+    assert_eq!(f.len(), 4, "{reader} reader printed {text:?}");
     Sample {
         secs: f[0].parse().expect("seconds"),
         peak_kib: f[1].parse().expect("KiB"),
         events: f[2].parse().expect("events"),
+        counted: f[3].parse().expect("counted bytes"),
     }
 }
 
@@ -230,9 +244,9 @@ fn main() {
     }
 
     println!(
-        "| file | MB | events | reader | median time | MB/s | median peak RSS | RSS / file | old/new time | old/new RSS | new/python time |"
+        "| file | MB | events | reader | median time | MB/s | median peak RSS | RSS / file | old/new time | old/new RSS | new/python time | counted peak / bound |"
     );
-    println!("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for f in &files {
         let bytes = std::fs::metadata(f).expect("stat").len();
         let mb = bytes as f64 / 1e6;
@@ -259,6 +273,12 @@ fn main() {
             })
             .collect();
         let events = samples[0][0].events;
+        // The new reader's counter against its memory bound (deterministic).
+        let counted = format!(
+            "{:.1} / {:.1} MiB",
+            samples[0][0].counted as f64 / (1 << 20) as f64,
+            ReadLimits::default().memory_bound(bytes) as f64 / (1 << 20) as f64
+        );
         for (i, r) in readers.iter().enumerate() {
             assert_eq!(
                 samples[i][0].events,
@@ -278,7 +298,7 @@ fn main() {
             let (t, rss) = med[i];
             let first = i == 0;
             println!(
-                "| {} | {:.1} | {} | {r} | {:.3} s | {:.0} | {:.0} MiB | {:.1} | {} | {} | {} |",
+                "| {} | {:.1} | {} | {r} | {:.3} s | {:.0} | {:.0} MiB | {:.1} | {} | {} | {} | {} |",
                 if first { name.as_ref() } else { "" },
                 mb,
                 events,
@@ -301,6 +321,7 @@ fn main() {
                 } else {
                     String::new()
                 },
+                if first { counted.as_str() } else { "" },
             );
         }
     }

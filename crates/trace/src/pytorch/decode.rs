@@ -812,6 +812,10 @@ impl Vm {
         if pairs && items.len() % 2 == 1 {
             return Err(self.pickle_err("SETITEMS with a key and no value"));
         }
+        if self.objs[t as usize].role == NO_ROLE {
+            // Kept: room for the whole batch at once.
+            self.grow_items(t, items.len())?;
+        }
         let step = if pairs { 2 } else { 1 };
         for chunk in items.chunks(step) {
             let (key, item) = if pairs {
@@ -840,7 +844,6 @@ impl Vm {
                         .into());
                     }
                 }
-                self.grow_items(t, chunk.len())?;
                 self.objs[t as usize].items.extend_from_slice(chunk);
             } else {
                 sink.land(self, t, key, index, item)?;

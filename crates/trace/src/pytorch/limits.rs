@@ -99,17 +99,23 @@ pub(crate) struct Budget {
     peak: Cell<u64>,
     work: Cell<u64>,
     read: Cell<u64>,
+    /// The memory and work bounds at some earlier `read` (never above the
+    /// bounds now: they only grow); recomputed when a count passes them.
+    memory_bound: Cell<u64>,
+    work_bound: Cell<u64>,
     hit: Cell<Option<(Hit, u64)>>,
 }
 
 impl Budget {
     pub fn new(limits: ReadLimits) -> Budget {
         Budget {
-            limits,
+            limits: limits.clone(),
             held: Cell::new(0),
             peak: Cell::new(0),
             work: Cell::new(0),
             read: Cell::new(0),
+            memory_bound: Cell::new(limits.memory_bound(0)),
+            work_bound: Cell::new(limits.work_bound(0)),
             hit: Cell::new(None),
         }
     }
@@ -142,9 +148,13 @@ impl Budget {
     #[inline]
     pub fn charge(&self, n: u64) -> bool {
         let held = self.held.get().saturating_add(n);
-        if held > self.limits.memory_bound(self.read.get()) {
-            self.hit_limit(Hit::Memory);
-            return false;
+        if held > self.memory_bound.get() {
+            self.memory_bound
+                .set(self.limits.memory_bound(self.read.get()));
+            if held > self.memory_bound.get() {
+                self.hit_limit(Hit::Memory);
+                return false;
+            }
         }
         self.held.set(held);
         if held > self.peak.get() {
@@ -165,9 +175,12 @@ impl Budget {
     pub fn spend(&self, n: u64) -> bool {
         let w = self.work.get().saturating_add(n);
         self.work.set(w);
-        if w > self.limits.work_bound(self.read.get()) {
-            self.hit_limit(Hit::Work);
-            return false;
+        if w > self.work_bound.get() {
+            self.work_bound.set(self.limits.work_bound(self.read.get()));
+            if w > self.work_bound.get() {
+                self.hit_limit(Hit::Work);
+                return false;
+            }
         }
         true
     }
