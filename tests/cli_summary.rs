@@ -111,7 +111,11 @@ fn summary_at_the_end_is_the_pytorch_table_of_the_final_state() {
     assert!(text.contains("backend expandable on sim device"), "{text}");
     // The table, up to the blank line before the stacks section (the fixture
     // recorded stacks).
-    for l in text.lines().skip(1).take_while(|l| !l.is_empty()) {
+    for l in text
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| !l.is_empty())
+    {
         assert_eq!(l.chars().count(), 77, "{l:?}");
     }
     assert!(
