@@ -508,7 +508,9 @@ impl GroupFile {
             }
         };
         let Some(threads) = self.threads.try_lock_until(deadline) else {
-            return Err(stalled(Some(std::process::id())));
+            // Another thread of this process waited on the holder of the
+            // file's lock, or holds it: name that holder.
+            return Err(stalled(self.holder().or(Some(std::process::id()))));
         };
         let mut tries = 0u32;
         loop {
