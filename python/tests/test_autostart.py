@@ -67,8 +67,14 @@ def py(code, env, cwd, timeout=600, args=()):
                           capture_output=True, text=True, timeout=timeout)
 
 
+# device:host where PyTorch sees no GPU: enable() says once that PyTorch's own
+# CUDA tensors still need one (issue 45). These tests run there on purpose.
+HOST_WITHOUT_GPU = "vmmalloc: enabled with device:host, but PyTorch sees no CUDA device"
+
+
 def hook_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("vmmalloc:")]
+    return [line for line in stderr.splitlines()
+            if line.startswith("vmmalloc:") and not line.startswith(HOST_WITHOUT_GPU)]
 
 
 def test_installed_package_has_the_pth():
