@@ -86,8 +86,8 @@ pub fn refuse_inputs(flag: &str, output: &Path, inputs: &[PathBuf]) -> Result<()
 }
 
 /// Refuses an output folder (`compare --out DIR`) where the report would
-/// replace one of `inputs`: `report.md`, `report.html` or a `memory-*.svg`
-/// plot in `dir`.
+/// replace one of `inputs`: `report.md`, `report.html`, `overhead.svg` or a
+/// `memory-*.svg` plot in `dir`.
 pub fn refuse_inputs_in_dir(flag: &str, dir: &Path, inputs: &[PathBuf]) -> Result<()> {
     for input in inputs {
         let Some(name) = input.file_name().and_then(|n| n.to_str()) else {
@@ -95,6 +95,7 @@ pub fn refuse_inputs_in_dir(flag: &str, dir: &Path, inputs: &[PathBuf]) -> Resul
         };
         let written = name == "report.md"
             || name == "report.html"
+            || name == "overhead.svg"
             || (name.starts_with("memory-") && name.ends_with(".svg"));
         if written && same_file(&dir.join(name), input) {
             bail!(

@@ -659,7 +659,7 @@ pub fn write(
 ) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let second = crate::compare::second_preset(&base.cost_label);
-    plot_overhead(&dir.join("overhead.svg"), rows)?;
+    crate::output_path::write_via_temp(&dir.join("overhead.svg"), |tmp| plot_overhead(tmp, rows))?;
     let mut md = String::new();
     writeln!(md, "# vmmalloc: allocator comparison\n")?;
     writeln!(
@@ -698,7 +698,7 @@ pub fn write(
     writeln!(md, "## Traces\n")?;
     for t in rows {
         let file = format!("memory-{}-d{}.svg", slug(&t.name), t.device);
-        plot_memory(&dir.join(&file), t)?;
+        crate::output_path::write_via_temp(&dir.join(&file), |tmp| plot_memory(tmp, t))?;
         writeln!(md, "### {} (device {})\n", t.name, t.device)?;
         writeln!(
             md,
