@@ -49,7 +49,7 @@ use num_bigint::{BigInt, Sign};
 use rustc_hash::FxHashMap;
 use serde_pickle::Value;
 
-use super::limits::{Budget, ReadLimits};
+use super::limits::{Budget, Hit, ReadLimits};
 use crate::error::{ErrorKind, Result, TraceError};
 
 /// Pickle opcodes (names as in Python's `pickletools`).
@@ -329,6 +329,7 @@ impl Memo {
     /// Stores `v` under `id`, charging `budget` for what the memo grows by;
     /// returns the value it replaces. Errors: [`OVER_BUDGET`] (nothing
     /// stored) or a message.
+    #[inline]
     fn set(
         &mut self,
         id: u32,
@@ -415,6 +416,19 @@ pub(crate) struct Vm {
     pub budget: Budget,
 }
 
+/// A charge the budget refused (the budget records which limit). Small, so
+/// the hot paths return it in a register; [`run`] turns whatever error
+/// follows into the limit's own.
+#[derive(Debug)]
+pub(crate) struct Over;
+
+impl From<Over> for TraceError {
+    #[cold]
+    fn from(_: Over) -> TraceError {
+        ErrorKind::Pickle("over the reader's budget".into()).into()
+    }
+}
+
 /// Bytes the machine holds whatever the input (buffers made up front).
 const FIXED_BYTES: u64 = (BUF + 256 * 16 + 16 * 8) as u64;
 
@@ -447,33 +461,36 @@ impl Vm {
         Ok(vm)
     }
 
-    /// Charges `n` bytes, or fails with the limit's error (nothing charged).
-    pub fn charge(&self, n: u64) -> Result<()> {
+    /// Charges `n` bytes, or fails (nothing charged).
+    #[inline]
+    pub fn charge(&self, n: u64) -> std::result::Result<(), Over> {
         if self.budget.charge(n) {
             Ok(())
         } else {
-            Err(self.limit_err())
+            Err(Over)
         }
     }
 
-    /// Takes `n` steps, or fails with the limit's error.
-    pub fn spend(&self, n: u64) -> Result<()> {
+    /// Takes `n` steps, or fails.
+    #[inline]
+    pub fn spend(&self, n: u64) -> std::result::Result<(), Over> {
         if self.budget.spend(n) {
             Ok(())
         } else {
-            Err(self.limit_err())
+            Err(Over)
         }
     }
 
     /// The error of the limit hit.
+    #[cold]
     pub fn limit_err(&self) -> TraceError {
         self.budget
-            .error()
+            .error(self.at)
             .unwrap_or_else(|| self.pickle_err("over the reader's budget"))
     }
 
     /// Interns `s` (charged if new); its id is stable for the whole decode.
-    pub fn intern(&mut self, s: &str) -> Result<u32> {
+    pub fn intern(&mut self, s: &str) -> std::result::Result<u32, Over> {
         if let Some(&i) = self.strings.index.get(s) {
             return Ok(i);
         }
@@ -482,10 +499,9 @@ impl Vm {
     }
 
     /// Keeps a byte string (charged).
-    fn keep_bytes(&mut self, b: Vec<u8>) -> Result<Val> {
+    fn keep_bytes(&mut self, b: Vec<u8>) -> std::result::Result<Val, Over> {
         self.charge(b.len() as u64 + 48)?;
-        let i = u32::try_from(self.bytes.len())
-            .map_err(|_| self.pickle_err("more than 2^32 byte strings"))?;
+        let i = u32::try_from(self.bytes.len()).map_err(|_| self.over_memory())?;
         self.bytes.push(b.into_boxed_slice());
         Ok(Val::Bytes(i))
     }
@@ -525,15 +541,29 @@ impl Vm {
         ErrorKind::Pickle(format!("{msg} (at byte {})", self.at)).into()
     }
 
+    /// More of something than a 32-bit index counts: only more memory than
+    /// the budget allows can hold that many.
+    #[cold]
+    fn over_memory(&self) -> Over {
+        self.budget.hit_limit(Hit::Memory);
+        Over
+    }
+
     /// Moves the stack's items from `m` up into a new vector (charged).
-    fn take_items(&mut self, m: usize) -> Result<Vec<Val>> {
+    fn take_items(&mut self, m: usize) -> std::result::Result<Vec<Val>, Over> {
         let n = self.stack.len().saturating_sub(m);
         self.charge(n as u64 * VAL_BYTES)?;
         Ok(self.stack.split_off(m))
     }
 
     /// A new container holding `items`, which the caller has charged.
-    fn new_obj(&mut self, kind: Kind, role: u32, items: Vec<Val>) -> Result<u32> {
+    #[inline]
+    fn new_obj(
+        &mut self,
+        kind: Kind,
+        role: u32,
+        items: Vec<Val>,
+    ) -> std::result::Result<u32, Over> {
         let landed = if kind == Kind::Dict {
             items.len() / 2
         } else {
@@ -566,14 +596,13 @@ impl Vm {
                 Ok(i)
             }
             None => {
-                let i = u32::try_from(self.objs.len())
-                    .map_err(|_| self.pickle_err("more than 2^32 containers"))?;
+                let i = u32::try_from(self.objs.len()).map_err(|_| self.over_memory())?;
                 if self.objs.len() == self.objs.capacity() {
                     let add = self.objs.capacity().max(64);
                     if !self.budget.charge(add as u64 * OBJ_SLOT_BYTES) {
                         // Nothing is kept of `o` but its items, charged.
                         self.budget.uncharge(o.items.capacity() as u64 * VAL_BYTES);
-                        return Err(self.limit_err());
+                        return Err(Over);
                     }
                     self.objs.reserve_exact(add);
                     let cap = self.objs.capacity();
@@ -648,6 +677,7 @@ impl Vm {
         }
     }
 
+    #[inline(always)]
     fn push(&mut self, v: Val) {
         self.stack.push(v);
     }
@@ -662,7 +692,7 @@ impl Vm {
     }
 
     /// Makes room for `n` values in `scratch` (charged).
-    fn room_in_scratch(&self, scratch: &mut Vec<Val>, n: usize) -> Result<()> {
+    fn room_in_scratch(&self, scratch: &mut Vec<Val>, n: usize) -> std::result::Result<(), Over> {
         let cap = scratch.capacity();
         if n > cap {
             let new_cap = n.max(cap * 2);
@@ -770,7 +800,7 @@ impl Vm {
 
     /// Makes room for `n` more items in container `t` (charged), growing as a
     /// vector does (doubling).
-    fn grow_items(&mut self, t: u32, n: usize) -> Result<()> {
+    fn grow_items(&mut self, t: u32, n: usize) -> std::result::Result<(), Over> {
         let items = &self.objs[t as usize].items;
         let (len, cap) = (items.len(), items.capacity());
         if len + n > cap {
@@ -847,6 +877,11 @@ impl Vm {
                 self.objs[t as usize].items.extend_from_slice(chunk);
             } else {
                 sink.land(self, t, key, index, item)?;
+                // The sink keeps what it converts: a charge it was refused
+                // ends the read here.
+                if self.budget.exhausted() {
+                    return Err(Over.into());
+                }
                 self.release(item);
                 if let Some(k) = key {
                     self.release(k);
@@ -880,6 +915,8 @@ pub(crate) fn type_name(vm: &Vm, v: Val) -> &'static str {
 /// Reads bytes from any `Read` through a buffer of its own, counting the offset.
 struct Src<R> {
     r: R,
+    /// Bytes read from `r` in all (the budget's count, kept up to date).
+    read: Rc<std::cell::Cell<u64>>,
     buf: Box<[u8]>,
     pos: usize,
     end: usize,
@@ -890,9 +927,10 @@ struct Src<R> {
 const BUF: usize = 1 << 18;
 
 impl<R: Read> Src<R> {
-    fn new(r: R) -> Src<R> {
+    fn new(r: R, read: Rc<std::cell::Cell<u64>>) -> Src<R> {
         Src {
             r,
+            read,
             buf: vec![0; BUF].into_boxed_slice(),
             pos: 0,
             end: 0,
@@ -917,6 +955,7 @@ impl<R: Read> Src<R> {
                 Ok(0) => return Ok(false),
                 Ok(n) => {
                     self.end += n;
+                    self.read.set(self.base + self.end as u64);
                     return Ok(true);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -965,6 +1004,7 @@ impl<R: Read> Src<R> {
             .read_to_end(&mut out)
             .map_err(TraceError::from)?;
         self.base += got as u64;
+        self.read.set(self.base + self.end as u64);
         Ok((got as u64 == rest).then_some(out))
     }
 
@@ -1066,6 +1106,7 @@ fn name_of(opcode: u8) -> String {
 }
 
 /// Two's-complement little-endian bytes (LONG1/LONG4) as an integer value.
+#[inline]
 fn long_val(vm: &mut Vm, bytes: &[u8]) -> Result<Val> {
     if bytes.len() <= 8 {
         if bytes.is_empty() {
@@ -1182,7 +1223,8 @@ pub(crate) fn decode<R: Read, S: Sink>(r: R, sink: &mut S) -> Result<(Vm, Val)> 
 /// `sink`; returns the pickle's value. Bytes after `STOP` are an error, and
 /// so is a limit hit (whatever the sink made of it).
 pub(crate) fn run<R: Read, S: Sink>(vm: &mut Vm, r: R, sink: &mut S) -> Result<Val> {
-    let r = run_src(vm, Src::new(r), sink);
+    let src = Src::new(r, vm.budget.read_counter());
+    let r = run_src(vm, src, sink);
     match r {
         Err(_) | Ok(_) if vm.budget.exhausted() => Err(vm.limit_err()),
         r => r,
@@ -1193,10 +1235,6 @@ fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Resu
     use op::*;
     loop {
         vm.at = src.offset();
-        vm.budget.set_read(vm.at);
-        if vm.budget.exhausted() {
-            return Err(vm.limit_err());
-        }
         // Every opcode pushes at most one value: room for it is charged here.
         if vm.stack.len() == vm.stack.capacity() {
             let add = vm.stack.capacity().max(256);
@@ -1209,8 +1247,6 @@ fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Resu
         macro_rules! take {
             ($n:expr) => {
                 match src.take($n)? {
-                    // (The bytes read are brought up to date at the next
-                    // opcode: at most one buffer's worth behind.)
                     Some(b) => b,
                     None => {
                         return Err(vm.pickle_err(format!(
@@ -1224,10 +1260,7 @@ fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Resu
         macro_rules! take_vec {
             ($n:expr) => {
                 match src.take_vec($n)? {
-                    Some(b) => {
-                        vm.budget.set_read(src.offset());
-                        b
-                    }
+                    Some(b) => b,
                     None => {
                         return Err(vm.pickle_err(format!(
                             "truncated: the input ends inside {}",
@@ -1240,10 +1273,7 @@ fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Resu
         macro_rules! line {
             () => {
                 match src.line()? {
-                    Some(l) => {
-                        vm.budget.set_read(src.offset());
-                        l
-                    }
+                    Some(l) => l,
                     None => {
                         return Err(vm.pickle_err(format!(
                             "truncated: the input ends inside {}",
@@ -1276,7 +1306,6 @@ fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Resu
                     vm.at = src.offset() - 1;
                     return Err(vm.pickle_err("trailing bytes after the STOP opcode"));
                 }
-                vm.budget.set_read(src.offset());
                 return Ok(v);
             }
             MARK => {
@@ -1527,7 +1556,7 @@ fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Resu
                 items.clear();
                 if let Err(e) = vm.room_in_scratch(&mut items, n) {
                     vm.scratch = items;
-                    return Err(e);
+                    return Err(e.into());
                 }
                 let from = vm.stack.len() - n;
                 items.extend_from_slice(&vm.stack[from..]);
@@ -1547,7 +1576,7 @@ fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Resu
                 items.clear();
                 if let Err(e) = vm.room_in_scratch(&mut items, vm.stack.len() - m) {
                     vm.scratch = items;
-                    return Err(e);
+                    return Err(e.into());
                 }
                 items.extend_from_slice(&vm.stack[m..]);
                 vm.stack.truncate(m);
@@ -1687,19 +1716,13 @@ fn reduce(vm: &mut Vm, callable: Val, args: Val) -> Result<Val> {
         Ok(Some(Val::Obj(vm.new_obj(kind, NO_ROLE, l)?)))
     };
     // Text as bytes, one byte per character (charged and counted).
-    let text_bytes = |vm: &mut Vm, s: u32, what: &str| -> Result<Val> {
+    let text_bytes = |vm: &mut Vm, s: u32| -> Result<Val> {
         let n = vm.str(s).len() as u64;
         vm.spend(n)?;
         vm.charge(n)?;
         let b: Vec<u8> = vm.str(s).chars().map(|c| c as u32 as u8).collect();
         vm.budget.uncharge(n);
-        vm.keep_bytes(b).map_err(|e| {
-            if vm.budget.exhausted() {
-                e
-            } else {
-                bad(vm, what)
-            }
-        })
+        Ok(vm.keep_bytes(b)?)
     };
     Ok(match g {
         Global::Set => copy_list(vm, Kind::Set)?.ok_or_else(|| bad(vm, "set"))?,
@@ -1711,11 +1734,11 @@ fn reduce(vm: &mut Vm, callable: Val, args: Val) -> Result<Val> {
         },
         Global::Bytearray => match first {
             Some(v @ Val::Bytes(_)) => v,
-            Some(Val::Str(s)) => text_bytes(vm, s, "bytearray")?,
+            Some(Val::Str(s)) => text_bytes(vm, s)?,
             _ => return Err(bad(vm, "bytearray")),
         },
         Global::Encode => match (second_last, last) {
-            (Some(Val::Str(s)), Some(Val::Str(_))) => text_bytes(vm, s, "encode")?,
+            (Some(Val::Str(s)), Some(Val::Str(_))) => text_bytes(vm, s)?,
             _ => return Err(bad(vm, "encode")),
         },
         Global::Reconst => Val::Obj(vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?),

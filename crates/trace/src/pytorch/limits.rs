@@ -24,6 +24,7 @@
 //! [`ReadLimits::memory_bound`] of the bytes read.
 
 use std::cell::Cell;
+use std::rc::Rc;
 
 use crate::error::{ErrorKind, TraceError};
 
@@ -98,7 +99,9 @@ pub(crate) struct Budget {
     held: Cell<u64>,
     peak: Cell<u64>,
     work: Cell<u64>,
-    read: Cell<u64>,
+    /// Input bytes read (shared with the reader's buffer, which brings it up
+    /// to date each time it reads more).
+    read: Rc<Cell<u64>>,
     /// The memory and work bounds at some earlier `read` (never above the
     /// bounds now: they only grow); recomputed when a count passes them.
     memory_bound: Cell<u64>,
@@ -113,7 +116,7 @@ impl Budget {
             held: Cell::new(0),
             peak: Cell::new(0),
             work: Cell::new(0),
-            read: Cell::new(0),
+            read: Rc::new(Cell::new(0)),
             memory_bound: Cell::new(limits.memory_bound(0)),
             work_bound: Cell::new(limits.work_bound(0)),
             hit: Cell::new(None),
@@ -125,9 +128,14 @@ impl Budget {
     }
 
     /// `n` input bytes have been read in all.
-    #[inline]
+    #[cfg(test)]
     pub fn set_read(&self, n: u64) {
         self.read.set(n);
+    }
+
+    /// The count of input bytes read, for the reader's buffer to keep.
+    pub fn read_counter(&self) -> Rc<Cell<u64>> {
+        self.read.clone()
     }
 
     /// Records the first limit hit (later ones are consequences).
@@ -194,9 +202,9 @@ impl Budget {
         }
     }
 
-    /// The error for the limit hit, if one was.
-    pub fn error(&self) -> Option<TraceError> {
-        let (hit, at) = self.hit.get()?;
+    /// The error for the limit hit, if one was, found at input byte `at`.
+    pub fn error(&self, at: u64) -> Option<TraceError> {
+        let (hit, read) = self.hit.get()?;
         let l = &self.limits;
         let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
         let (limit, bound) = match hit {
@@ -206,7 +214,7 @@ impl Budget {
                     "{} + {} x input = {}",
                     mib(l.memory_base),
                     l.memory_per_input_byte,
-                    mib(l.memory_bound(at))
+                    mib(l.memory_bound(read))
                 ),
             ),
             Hit::Work => (
@@ -215,7 +223,7 @@ impl Budget {
                     "{} + {} x input = {} steps",
                     l.work_base,
                     l.work_per_input_byte,
-                    l.work_bound(at)
+                    l.work_bound(read)
                 ),
             ),
             Hit::WholeBytes => (
@@ -252,7 +260,7 @@ mod tests {
         assert!(!b.charge(1));
         assert_eq!(b.stats().peak_held, 100);
         assert!(b.exhausted());
-        let e = b.error().expect("a limit was hit").to_string();
+        let e = b.error(0).expect("a limit was hit").to_string();
         assert!(e.contains("memory limit"), "{e}");
         assert!(e.contains("at byte 0"), "{e}");
     }
@@ -272,6 +280,6 @@ mod tests {
         b.uncharge(200);
         assert!(b.spend(160));
         assert!(!b.spend(1));
-        assert!(b.error().unwrap().to_string().contains("work limit"));
+        assert!(b.error(7).unwrap().to_string().contains("work limit"));
     }
 }

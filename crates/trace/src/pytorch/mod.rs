@@ -254,6 +254,7 @@ type Fields = [Option<Val>; N_KEYS];
 ///
 /// Counted as work (one dict can be looked up many times); past the work
 /// limit every field reads as absent and the read ends with the limit's error.
+#[inline]
 fn fields(vm: &Vm, items: &[Val]) -> Fields {
     let mut f: Fields = [None; N_KEYS];
     if !vm.budget.spend(items.len() as u64 / 2 + 1) {
