@@ -925,12 +925,20 @@ fn a_growing_tail_maps_ahead_to_20_mib_while_memory_has_room() {
     let big = a.malloc(50 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(
         a.stats().pages_mapped * 2 * MIB,
-        60 * MIB,
-        "ahead to 60 MiB"
+        50 * MIB,
+        "a block of more than 20 MiB maps nothing ahead (issue 40)"
     );
+    let before = dev.counts();
     let _rest: Vec<_> = (0..5)
         .map(|_| a.malloc(2 * MIB, Stream::DEFAULT).unwrap())
         .collect();
+    // 10 MiB in two chunks: max_chunk is 1/8 of this 64 MiB device.
+    assert_eq!(since(&dev, &before).get(Call::Create), 2);
+    assert_eq!(
+        a.stats().pages_mapped * 2 * MIB,
+        60 * MIB,
+        "the first small block after it maps ahead to 60 MiB, in a chunk of its own"
+    );
     let before = dev.counts();
     let last = a.malloc(2 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(last.ptr, big.ptr + 60 * MIB);

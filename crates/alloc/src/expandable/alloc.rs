@@ -147,7 +147,7 @@ impl Inner {
             // small blocks carved from the tail find their pages mapped.
             // Only from memory to spare: no reclaim, unpin or release for
             // pages nobody asked for yet.
-            let ahead = self.grow_to(seg, idx, p1, room.1);
+            let ahead = self.grow_to(seg, idx, p1, room.1, rounded);
             let mut backed = Err(Backing::Short(0));
             if ahead > p1 {
                 backed = self.back_pages(
@@ -232,9 +232,17 @@ impl Inner {
     /// by whichever of its blocks lives longest; near the limit nothing is
     /// mapped ahead, and unpinning gives such pages back when memory runs
     /// short (`unpin.rs`).
-    fn grow_to(&self, seg: u32, idx: u32, p1: u64, end: u64) -> u64 {
+    ///
+    /// Not after a block of more than 20 MiB (`rounded` bytes; PyTorch's
+    /// expandable-segment page, `kLargeBuffer`): the pages ahead would join
+    /// its handle, and the first small block carved from them would pin the
+    /// whole handle after the large block is freed, past `empty_cache()`
+    /// (issue 40: 2 MiB, 1 GiB and 2 MiB allocated, the 1 GiB freed, kept
+    /// 1040 MiB mapped; PyTorch's expandable segments keep 40). The next
+    /// small block maps a chunk of its own, with the pages ahead of it.
+    fn grow_to(&self, seg: u32, idx: u32, p1: u64, end: u64, rounded: u64) -> u64 {
         let granule = self.layout.grow_pages;
-        if granule <= 1 || self.seg(seg).tail != idx {
+        if granule <= 1 || self.seg(seg).tail != idx || rounded > self.layout.no_ahead_above {
             return p1;
         }
         // A no_split pool's block has chunks of its own: its free blocks are

@@ -81,6 +81,19 @@ impl Inner {
         if let Err(e) = self.unmap_all_free(dev) {
             first_err.get_or_insert(e);
         }
+        // Chunks that live blocks hold only in part (a small block carved
+        // from a freed larger one's chunk) keep their free pages past the
+        // unmapping above. Where unpinning may run (`unpin`, and under
+        // `auto` no other host thread alongside: `unpin.rs`), their live
+        // pages move to exact chunks at the same addresses and the old
+        // handles go back below: `empty_cache()` then keeps only the pages
+        // live blocks touch, less than PyTorch's expandable segments keep
+        // (their 20 MiB pages). Where it may not, the placement rules keep
+        // the common pins away (`alloc.rs`, `whole_pages`, `grow_to`).
+        let pinned = self.unpinnable_pages();
+        if pinned > 0 {
+            self.unpin(dev, pinned, None);
+        }
         if let Err(e) = self.phys.release_pool(dev) {
             first_err.get_or_insert(e);
         }
