@@ -512,7 +512,7 @@ fn cap_lowered_gives_back(backend: &str) {
         member(g, p1.pid()).used <= 2 * GIB
     });
     println!(
-        "share [{backend}]: P1 gave back 2 GiB {:.1} ms after its cap was lowered (poll 100 ms)",
+        "share [{backend}]: P1 gave back 2 GiB {:.1} ms after its cap was lowered (woken; poll 100 ms as fallback)",
         took.as_secs_f64() * 1e3
     );
     let a = p2.alloc(GIB).unwrap();

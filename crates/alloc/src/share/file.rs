@@ -317,6 +317,8 @@ pub struct GroupFile {
     /// Until when waits for the lock are short ([`STALLED_WAIT`]): set when
     /// a wait gave up, cleared when the lock is had.
     stalled: parking_lot::Mutex<Option<Instant>>,
+    /// Whether `stalled` is set (read without its mutex on the fast path).
+    stalled_flag: std::sync::atomic::AtomicBool,
     /// The wake word, mapped (`None` where the file cannot be mapped).
     pub wake: Option<Arc<super::wake::WakeWord>>,
 }
@@ -440,6 +442,7 @@ impl GroupFile {
             whole: st.st_size as u64 == FILE_LEN as u64,
             threads: parking_lot::Mutex::new(()),
             stalled: parking_lot::Mutex::new(None),
+            stalled_flag: std::sync::atomic::AtomicBool::new(false),
             wake,
         })
     }
@@ -493,6 +496,32 @@ impl GroupFile {
     /// up, [`STALLED_WAIT`] until the lock is had again); then
     /// [`ShareError::Stalled`] naming the holder. Not reentrant.
     pub fn lock(&self) -> Result<Locked<'_>, ShareError> {
+        // The fast path (no other holder): no clock read.
+        if let Some(threads) = self.threads.try_lock() {
+            // SAFETY: flock on a file descriptor we own.
+            let r = unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+            if r == 0 {
+                self.unstall();
+                return Ok(Locked {
+                    f: self,
+                    _threads: threads,
+                });
+            }
+        }
+        self.lock_slow()
+    }
+
+    /// Notes that the lock was had: the next waits get the whole bound.
+    fn unstall(&self) {
+        if self.stalled_flag.load(std::sync::atomic::Ordering::Relaxed) {
+            *self.stalled.lock() = None;
+            self.stalled_flag
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// [`Self::lock`] when someone holds the lock: waits with a bound.
+    fn lock_slow(&self) -> Result<Locked<'_>, ShareError> {
         let t0 = Instant::now();
         let bound = match *self.stalled.lock() {
             Some(until) if t0 < until => STALLED_WAIT,
@@ -501,6 +530,8 @@ impl GroupFile {
         let deadline = t0 + bound;
         let stalled = |holder: Option<u32>| {
             *self.stalled.lock() = Some(Instant::now() + LOCK_WAIT);
+            self.stalled_flag
+                .store(true, std::sync::atomic::Ordering::Relaxed);
             ShareError::Stalled {
                 path: self.path.clone(),
                 holder,
@@ -517,7 +548,7 @@ impl GroupFile {
             // SAFETY: flock on a file descriptor we own.
             let r = unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
             if r == 0 {
-                *self.stalled.lock() = None;
+                self.unstall();
                 return Ok(Locked {
                     f: self,
                     _threads: threads,
