@@ -1826,7 +1826,8 @@ pub(crate) fn to_value(vm: &Vm, v: Val, frames: &dyn Fn(Val) -> Value, cap: u64)
                         self.open.push(i);
                     }
                     self.level += 1;
-                    let mut items = Vec::with_capacity(o.items.len().min(1024));
+                    // Grown as the items come: what is reserved up front is small.
+                    let mut items = Vec::with_capacity(o.items.len().min(16));
                     for &x in &o.items {
                         items.push(self.go(x)?);
                     }

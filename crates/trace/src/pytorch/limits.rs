@@ -15,9 +15,10 @@
 //! - **work**: the steps that are not paid for by input bytes (a dict's
 //!   fields looked up, a list copied, a value expanded), never more than
 //!   `work_base + work_per_input_byte × bytes read so far`;
-//! - **whole values**: a value the reader keeps as a generic value
-//!   (`allocator_settings`, a key of a foreign top-level dict) expands to at
-//!   most `whole_value_bytes` and nests at most `whole_value_depth` deep.
+//! - **whole values**: `allocator_settings`, the one value the reader keeps
+//!   whole (as text), expands to at most `whole_value_bytes` and nests at
+//!   most `whole_value_depth` deep (a foreign dict's keys, kept only for a
+//!   message, are cut at 4 KiB instead).
 //!
 //! The counters are deterministic (they depend on the input alone), so tests
 //! assert them exactly: [`ReadStats::peak_held`] never exceeds
