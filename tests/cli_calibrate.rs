@@ -38,8 +38,15 @@ fn calibrate_fits_and_writes_a_cost_file_that_compare_reads() {
     assert!(stderr.contains("closest preset: "), "{stderr}");
     // Its table and notes fit 100 columns (issue 45), as every command's
     // output; the JSON document's lines too.
-    for l in stderr.lines().chain(String::from_utf8_lossy(&out.stdout).lines()) {
-        assert!(l.chars().count() <= 100, "{} columns: {l}", l.chars().count());
+    for l in stderr
+        .lines()
+        .chain(String::from_utf8_lossy(&out.stdout).lines())
+    {
+        assert!(
+            l.chars().count() <= 100,
+            "{} columns: {l}",
+            l.chars().count()
+        );
     }
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     // The printed document is the file.
