@@ -10,11 +10,12 @@
 //! counter's mapped figures follow the pages); a page's create and release
 //! are `Owner::Handle`; plain segments (`cuMemAlloc` / `cuMemFree`), streams,
 //! events and the memory query are `Owner::Block`, the block layer's view.
+//! Streams, events and the memory query are made through
+//! [`Calls::observers`] (`Observers::sync_stream` and the rest), the one
+//! definition expandable's physical layer uses too.
 
 use crate::expandable::observe::{CallCounter, Observers, Owner, PhysEvent};
-use vmmalloc_device::{
-    Call, CallCounts, Device, DeviceError, DeviceResult, Event, MemInfo, PhysHandle, Stream,
-};
+use vmmalloc_device::{Call, CallCounts, Device, DeviceError, DeviceResult, PhysHandle};
 
 /// The driver calls made, counted once each as they are made, and the
 /// physical handles whose release failed (retried on teardown).
@@ -24,7 +25,10 @@ use vmmalloc_device::{
 /// the orphans.
 #[derive(Debug, Default)]
 pub(crate) struct Calls {
-    observers: Observers,
+    /// The observers, the counter first. Streams, events and the memory
+    /// query are made through them directly (`Observers::sync_stream` and
+    /// the rest: the narrow view expandable's physical layer uses too).
+    pub observers: Observers,
     /// Handles (and their bytes) whose `cuMemRelease` failed.
     pub orphans: Vec<(PhysHandle, u64)>,
 }
@@ -33,11 +37,7 @@ impl Calls {
     /// Delivers `ev`, marked with `r`'s outcome, to the observers; returns `r`.
     #[inline]
     fn emit<T>(&mut self, ev: PhysEvent, r: DeviceResult<T>) -> DeviceResult<T> {
-        self.observers.emit(&PhysEvent {
-            ok: r.is_ok(),
-            ..ev
-        });
-        r
+        self.observers.emit_result(ev, r)
     }
 
     /// The counter: calls per kind and the handles they left alive.
@@ -143,12 +143,6 @@ impl Calls {
         self.emit(ev, r)
     }
 
-    /// `cuMemGetInfo`.
-    pub fn mem_info<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<MemInfo> {
-        let r = dev.mem_info();
-        self.emit(PhysEvent::new(Call::MemInfo, Owner::Block), r)
-    }
-
     /// `cuMemAlloc` of a plain segment of `size` bytes.
     pub fn alloc<D: Device + ?Sized>(&mut self, dev: &D, size: u64) -> DeviceResult<u64> {
         let r = dev.alloc(size);
@@ -160,61 +154,6 @@ impl Calls {
     pub fn free<D: Device + ?Sized>(&mut self, dev: &D, ptr: u64, size: u64) -> DeviceResult<()> {
         let r = dev.free(ptr);
         self.emit(PhysEvent::new(Call::Free, Owner::Block).at(ptr, size), r)
-    }
-
-    /// `cuStreamSynchronize`.
-    pub fn synchronize_stream<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        stream: Stream,
-    ) -> DeviceResult<()> {
-        let r = dev.synchronize_stream(stream);
-        self.emit(PhysEvent::new(Call::StreamSync, Owner::Block), r)
-    }
-
-    /// `cuCtxSynchronize`.
-    pub fn synchronize<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<()> {
-        let r = dev.synchronize();
-        self.emit(PhysEvent::new(Call::DeviceSync, Owner::Block), r)
-    }
-
-    /// `cuEventCreate`.
-    pub fn create_event<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<Event> {
-        let r = dev.create_event();
-        self.emit(PhysEvent::new(Call::EventCreate, Owner::Block), r)
-    }
-
-    /// `cuEventRecord` of `ev` on `stream`.
-    pub fn record_event<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        ev: Event,
-        stream: Stream,
-    ) -> DeviceResult<()> {
-        let r = dev.record_event(ev, stream);
-        self.emit(PhysEvent::new(Call::EventRecord, Owner::Block), r)
-    }
-
-    /// `cuEventQuery`: whether `ev` has completed.
-    pub fn query_event<D: Device + ?Sized>(&mut self, dev: &D, ev: Event) -> DeviceResult<bool> {
-        let r = dev.query_event(ev);
-        self.emit(PhysEvent::new(Call::EventQuery, Owner::Block), r)
-    }
-
-    /// `cuEventSynchronize`.
-    pub fn synchronize_event<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        ev: Event,
-    ) -> DeviceResult<()> {
-        let r = dev.synchronize_event(ev);
-        self.emit(PhysEvent::new(Call::EventSync, Owner::Block), r)
-    }
-
-    /// `cuEventDestroy`.
-    pub fn destroy_event<D: Device + ?Sized>(&mut self, dev: &D, ev: Event) -> DeviceResult<()> {
-        let r = dev.destroy_event(ev);
-        self.emit(PhysEvent::new(Call::EventDestroy, Owner::Block), r)
     }
 
     /// Logs a failure during a rollback.
@@ -231,7 +170,7 @@ mod tests {
     use std::sync::Arc;
     use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
     use vmmalloc_device::sim::SimDevice;
-    use vmmalloc_device::{GIB, MIB};
+    use vmmalloc_device::{Stream, GIB, MIB};
 
     /// A workload that makes every kind of call both modes make: plain or
     /// expandable segments grown and shrunk, events recorded, queried and

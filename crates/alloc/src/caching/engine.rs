@@ -206,7 +206,7 @@ impl State {
             }
         }
         let Some(block) = p.block.filter(|_| found) else {
-            let info = self.calls.mem_info(dev).ok();
+            let info = self.calls.observers.mem_info(dev).ok();
             self.stats.num_ooms += 1;
             return Err(self.out_of_memory(dev, policy, orig_size, p.alloc_size, info));
         };
@@ -761,7 +761,7 @@ impl State {
                 "invalid fraction:{fraction}. Please set within (0, 1)."
             )));
         }
-        let MemInfo { total, .. } = self.calls.mem_info(dev)?;
+        let MemInfo { total, .. } = self.calls.observers.mem_info(dev)?;
         self.allowed_memory_maximum = (fraction * total as f64) as u64;
         self.set_fraction = true;
         Ok(())

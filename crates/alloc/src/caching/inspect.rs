@@ -579,7 +579,7 @@ impl State {
             events.extend(q.into_iter().map(|(ev, _)| ev));
         }
         for ev in events {
-            if let Err(e) = self.calls.destroy_event(dev, ev) {
+            if let Err(e) = self.calls.observers.destroy_event(dev, ev) {
                 eprintln!("vmmalloc: {policy}: destroying an event on drop failed: {e}");
             }
         }
@@ -589,7 +589,7 @@ impl State {
             }
         }
         if !self.expandable_segments.is_empty() {
-            if let Err(e) = self.calls.synchronize(dev) {
+            if let Err(e) = self.calls.observers.sync_device(dev) {
                 eprintln!("vmmalloc: {policy}: device synchronize on drop failed: {e}");
             }
         }

@@ -232,7 +232,7 @@ impl State {
         for s in streams {
             let ev = match self.event_pool.pop() {
                 Some(ev) => ev,
-                None => match self.calls.create_event(dev) {
+                None => match self.calls.observers.create_event(dev) {
                     Ok(ev) => ev,
                     Err(e) => {
                         self.event_pool.extend(out.into_iter().map(|(_, ev)| ev));
@@ -240,7 +240,7 @@ impl State {
                     }
                 },
             };
-            if let Err(e) = self.calls.record_event(dev, ev, s) {
+            if let Err(e) = self.calls.observers.record_event(dev, ev, s) {
                 self.event_pool.push(ev);
                 self.event_pool.extend(out.into_iter().map(|(_, ev)| ev));
                 return Err(e.into());
@@ -279,7 +279,7 @@ impl State {
         let streams: Vec<Stream> = self.cuda_events.keys().copied().collect();
         for s in streams {
             while let Some(&(ev, id)) = self.cuda_events.get(&s).and_then(|q| q.front()) {
-                if !self.calls.query_event(dev, ev)? {
+                if !self.calls.observers.query_event(dev, ev)? {
                     break;
                 }
                 if let Some(q) = self.cuda_events.get_mut(&s) {
@@ -303,7 +303,7 @@ impl State {
                 self.cuda_events.remove(&s);
                 continue;
             };
-            self.calls.synchronize_event(dev, ev)?;
+            self.calls.observers.sync_event(dev, ev)?;
             if let Some(q) = self.cuda_events.get_mut(&s) {
                 q.pop_front();
             }

@@ -197,7 +197,7 @@ impl ExpandableSegment {
         let start = self.ptr + begin * self.segment_size;
         // "unlike cudaFree, MemUnmap and MemRelease do not appear to synchronize
         // in all cases, so we have to wait for the stream to finish".
-        if let Err(error) = c.synchronize_stream(dev, self.stream) {
+        if let Err(error) = c.observers.sync_stream(dev, self.stream) {
             return Err(PartialUnmap {
                 ptr: start,
                 size: 0,

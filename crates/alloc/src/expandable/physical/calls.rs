@@ -22,11 +22,7 @@ impl Physical {
     /// Delivers `ev`, marked with `r`'s outcome, to the observers; returns `r`.
     #[inline]
     fn emit<T>(&mut self, ev: PhysEvent, r: DeviceResult<T>) -> DeviceResult<T> {
-        self.observers.emit(&PhysEvent {
-            ok: r.is_ok(),
-            ..ev
-        });
-        r
+        self.observers.emit_result(ev, r)
     }
 
     // --- Memory calls (physical layer only) ----------------------------------
@@ -167,22 +163,22 @@ impl Physical {
 
     // --- The block layer's narrow view --------------------------------------
 
+    // Streams and events: the narrow view shared with the caching replica
+    // (`observe.rs`, `Observers`), where the calls are made and counted.
+
     /// `cuStreamSynchronize`.
     pub fn sync_stream<D: Device + ?Sized>(&mut self, dev: &D, s: Stream) -> DeviceResult<()> {
-        let r = dev.synchronize_stream(s);
-        self.emit(PhysEvent::new(Call::StreamSync, Owner::Block), r)
+        self.observers.sync_stream(dev, s)
     }
 
     /// `cuCtxSynchronize` (device-wide).
     pub fn sync_device<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<()> {
-        let r = dev.synchronize();
-        self.emit(PhysEvent::new(Call::DeviceSync, Owner::Block), r)
+        self.observers.sync_device(dev)
     }
 
     /// `cuEventCreate`.
     pub fn create_event<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<Event> {
-        let r = dev.create_event();
-        self.emit(PhysEvent::new(Call::EventCreate, Owner::Block), r)
+        self.observers.create_event(dev)
     }
 
     /// `cuEventRecord` of `ev` on `s`.
@@ -192,26 +188,22 @@ impl Physical {
         ev: Event,
         s: Stream,
     ) -> DeviceResult<()> {
-        let r = dev.record_event(ev, s);
-        self.emit(PhysEvent::new(Call::EventRecord, Owner::Block), r)
+        self.observers.record_event(dev, ev, s)
     }
 
     /// `cuEventQuery`: whether `ev` completed.
     pub fn query_event<D: Device + ?Sized>(&mut self, dev: &D, ev: Event) -> DeviceResult<bool> {
-        let r = dev.query_event(ev);
-        self.emit(PhysEvent::new(Call::EventQuery, Owner::Block), r)
+        self.observers.query_event(dev, ev)
     }
 
     /// `cuEventSynchronize`.
     pub fn sync_event<D: Device + ?Sized>(&mut self, dev: &D, ev: Event) -> DeviceResult<()> {
-        let r = dev.synchronize_event(ev);
-        self.emit(PhysEvent::new(Call::EventSync, Owner::Block), r)
+        self.observers.sync_event(dev, ev)
     }
 
     /// `cuEventDestroy`.
     pub fn destroy_event<D: Device + ?Sized>(&mut self, dev: &D, ev: Event) -> DeviceResult<()> {
-        let r = dev.destroy_event(ev);
-        self.emit(PhysEvent::new(Call::EventDestroy, Owner::Block), r)
+        self.observers.destroy_event(dev, ev)
     }
 
     /// `cuMemcpyDtoH` of `dst.len()` bytes from `src`.
@@ -252,7 +244,6 @@ impl Physical {
 
     /// `cuMemGetInfo`.
     pub fn mem_info<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<MemInfo> {
-        let r = dev.mem_info();
-        self.emit(PhysEvent::new(Call::MemInfo, Owner::Block), r)
+        self.observers.mem_info(dev)
     }
 }

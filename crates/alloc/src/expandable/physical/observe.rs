@@ -20,7 +20,7 @@
 //! where the driver is called, never on a cache hit.
 
 use std::fmt;
-use vmmalloc_device::{Call, PhysHandle};
+use vmmalloc_device::{Call, Device, DeviceResult, Event, MemInfo, PhysHandle, Stream};
 
 /// Who a memory call is made for: the table (or the part of the physical
 /// layer) that owns the address or the handle.
@@ -201,6 +201,73 @@ impl Observers {
         for o in &mut self.attached {
             o.observe(ev);
         }
+    }
+
+    /// Delivers `ev`, marked with `r`'s outcome (failed calls count too),
+    /// to every observer; returns `r`.
+    #[inline]
+    pub fn emit_result<T>(&mut self, ev: PhysEvent, r: DeviceResult<T>) -> DeviceResult<T> {
+        self.emit(&PhysEvent {
+            ok: r.is_ok(),
+            ..ev
+        });
+        r
+    }
+
+    /// Makes a call of the block layer's narrow view (streams, events, the
+    /// memory query: no handle) and delivers its event, owned by
+    /// [`Owner::Block`].
+    #[inline]
+    fn block_call<T>(&mut self, call: Call, r: DeviceResult<T>) -> DeviceResult<T> {
+        self.emit_result(PhysEvent::new(call, Owner::Block), r)
+    }
+
+    // --- The block layer's narrow view, one definition for every policy ----
+    // (expandable's physical layer and the caching replica's `Calls`).
+
+    /// `cuStreamSynchronize`.
+    pub fn sync_stream<D: Device + ?Sized>(&mut self, dev: &D, s: Stream) -> DeviceResult<()> {
+        self.block_call(Call::StreamSync, dev.synchronize_stream(s))
+    }
+
+    /// `cuCtxSynchronize` (device-wide).
+    pub fn sync_device<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<()> {
+        self.block_call(Call::DeviceSync, dev.synchronize())
+    }
+
+    /// `cuEventCreate`.
+    pub fn create_event<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<Event> {
+        self.block_call(Call::EventCreate, dev.create_event())
+    }
+
+    /// `cuEventRecord` of `ev` on `s`.
+    pub fn record_event<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        ev: Event,
+        s: Stream,
+    ) -> DeviceResult<()> {
+        self.block_call(Call::EventRecord, dev.record_event(ev, s))
+    }
+
+    /// `cuEventQuery`: whether `ev` completed.
+    pub fn query_event<D: Device + ?Sized>(&mut self, dev: &D, ev: Event) -> DeviceResult<bool> {
+        self.block_call(Call::EventQuery, dev.query_event(ev))
+    }
+
+    /// `cuEventSynchronize`.
+    pub fn sync_event<D: Device + ?Sized>(&mut self, dev: &D, ev: Event) -> DeviceResult<()> {
+        self.block_call(Call::EventSync, dev.synchronize_event(ev))
+    }
+
+    /// `cuEventDestroy`.
+    pub fn destroy_event<D: Device + ?Sized>(&mut self, dev: &D, ev: Event) -> DeviceResult<()> {
+        self.block_call(Call::EventDestroy, dev.destroy_event(ev))
+    }
+
+    /// `cuMemGetInfo`.
+    pub fn mem_info<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<MemInfo> {
+        self.block_call(Call::MemInfo, dev.mem_info())
     }
 }
 
