@@ -5,6 +5,7 @@ use super::ladder::Need;
 use super::pages::Backing;
 use super::segment::{Segment, StreamEntry};
 use super::Inner;
+use crate::caching::sizes::K_LARGE_BUFFER;
 use crate::{AllocError, AllocResult, Allocation};
 use vmmalloc_device::{round_up, Device, Stream};
 
@@ -242,7 +243,7 @@ impl Inner {
     /// small block maps a chunk of its own, with the pages ahead of it.
     fn grow_to(&self, seg: u32, idx: u32, p1: u64, end: u64, rounded: u64) -> u64 {
         let granule = self.layout.grow_pages;
-        if granule <= 1 || self.seg(seg).tail != idx || rounded > self.layout.no_ahead_above {
+        if granule <= 1 || self.seg(seg).tail != idx || rounded > K_LARGE_BUFFER {
             return p1;
         }
         // A no_split pool's block has chunks of its own: its free blocks are

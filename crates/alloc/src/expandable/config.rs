@@ -196,10 +196,6 @@ pub(crate) struct Layout {
     /// Pages to which a growing tail maps ahead (`grow_granule` in pages,
     /// rounded down; 1 or 0: no mapping ahead).
     pub grow_pages: u64,
-    /// Bytes above which a request that grows a segment's tail maps no
-    /// pages ahead (`alloc.rs`, `grow_to`): PyTorch's expandable-segment
-    /// page (`kLargeBuffer`, 20 MiB).
-    pub no_ahead_above: u64,
 }
 
 impl Layout {
@@ -305,7 +301,6 @@ impl ExpandableConfig {
             max_chunk_pages,
             slack_pages: self.split_slack / page,
             grow_pages: self.grow_granule / page,
-            no_ahead_above: crate::caching::sizes::K_LARGE_BUFFER,
         })
     }
 }
