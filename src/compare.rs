@@ -992,7 +992,11 @@ pub fn metadata_json(
             match std::fs::read(&path) {
                 Ok(bytes) => json!({
                     "input": s,
-                    "path": path,
+                    // The bundled snapshot by its place in the repository,
+                    // not the build machine's folder.
+                    "path": path
+                        .strip_prefix(concat!(env!("CARGO_MANIFEST_DIR"), "/"))
+                        .unwrap_or(&path),
                     "bytes": bytes.len(),
                     "fnv1a64": format!("{:016x}", fnv1a64(&bytes)),
                 }),
@@ -1022,4 +1026,22 @@ pub fn fnv1a64(bytes: &[u8]) -> u64 {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bundled_snapshot_is_named_by_its_place_in_the_repository() {
+        let base = ReplayConfig::new(Policy::Expandable, 0);
+        let m = metadata_json(
+            &["cs336_lm_step".to_string(), "serve-kv".to_string()],
+            &base,
+            TightCapacity::default(),
+        );
+        let inputs = m["inputs"].as_array().unwrap();
+        assert_eq!(inputs[0]["path"], "tests/fixtures/cs336_lm_step.pickle");
+        assert_eq!(inputs[1]["workload"], "serve-kv");
+    }
 }
