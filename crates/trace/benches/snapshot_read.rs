@@ -5,7 +5,7 @@
 //!
 //! Inputs: the bundled real snapshot (`tests/fixtures/cs336_lm_step.pickle`)
 //! and synthetic snapshots of the sizes asked for, written by
-//! [`vmmalloc_trace::pytorch::synth`] (a training loop recorded with stacks,
+//! [`vmmalloc_trace_testkit::synth`] (a training loop recorded with stacks,
 //! shared frames, as `_dump_snapshot` pickles them) into
 //! `target/tmp/snapshot_read/` and kept there for the next run.
 //!
@@ -13,7 +13,7 @@
 //! peak RSS (`VmHWM` in `/proc/self/status`, Linux) is that reader's alone:
 //!
 //! - `new`: [`vmmalloc_trace::load_path`], what every command uses (streams the file);
-//! - `old`: [`vmmalloc_trace::pytorch::legacy::read_snapshot`], the reader before
+//! - `old`: [`vmmalloc_trace_testkit::legacy::read_snapshot`], the reader before
 //!   issue 34 (the whole file, then serde-pickle's value tree), kept only as
 //!   this baseline and as the tests' oracle;
 //! - `python`: `pickle.load` of the file (`python3`; skipped if absent), the
@@ -41,8 +41,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use vmmalloc_trace::pytorch::synth::{write_snapshot, SynthConfig};
-use vmmalloc_trace::pytorch::{legacy, read_snapshot_limited, ReadLimits};
+use vmmalloc_trace::pytorch::{read_snapshot_limited, ReadLimits};
+use vmmalloc_trace_testkit::legacy;
+use vmmalloc_trace_testkit::synth::{write_snapshot, SynthConfig};
 
 /// The environment variable that makes this binary a measuring child.
 const CHILD: &str = "VMMALLOC_SNAPSHOT_READ_CHILD";

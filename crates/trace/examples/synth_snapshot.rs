@@ -1,10 +1,10 @@
-//! Writes a synthetic PyTorch memory snapshot (see `vmmalloc_trace::pytorch::synth`).
+//! Writes a synthetic PyTorch memory snapshot (see `vmmalloc_trace_testkit::synth`).
 //!
 //! `cargo run --release -p vmmalloc-trace --example synth_snapshot -- OUT.pickle [MEGABYTES] [PROTOCOL] [DEVICES]`
 
 use std::error::Error;
 
-use vmmalloc_trace::pytorch::synth::{write_snapshot, SynthConfig};
+use vmmalloc_trace_testkit::synth::{write_snapshot, SynthConfig};
 
 fn main() -> Result<(), Box<dyn Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();

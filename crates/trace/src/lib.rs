@@ -7,8 +7,9 @@
 //! - [`pytorch`]: `torch.cuda.memory._dump_snapshot` pickles (protocols 2–5,
 //!   PyTorch 2.0 to current schema), streamed through a pull parser so that
 //!   snapshots of any size are read in about their own size of memory, with
-//!   the allocations live before recording reconstructed ([`reconstruct`]);
-//!   [`pytorch::synth`] writes synthetic ones of any size;
+//!   the allocations live before recording reconstructed ([`reconstruct`])
+//!   (the synthetic snapshot writer and the old reader, test and bench
+//!   scaffolding, are in the dev-only crate `vmmalloc-trace-testkit`);
 //! - [`text`]: the `vmmalloc-trace 1` text format (docs/trace-format.md);
 //! - [`workloads`]: `train-varlen`, `serve-kv`, `frag-adversary`;
 //! - [`input`]: [`load_path`] (format detection) and [`Input`] (a path or a workload name).

@@ -28,11 +28,16 @@ use crate::model::{
 };
 
 /// One device of a snapshot, as read: events in order (frees not yet resolved)
-/// and the final segments.
+/// and the final segments. Public so that another snapshot reader (the old
+/// one kept as a test oracle in `vmmalloc-trace-testkit`) builds its traces
+/// through the same reconstruction.
 #[derive(Debug, Default)]
-pub(crate) struct RawDevice {
+pub struct RawDevice {
+    /// The device index.
     pub device: u32,
+    /// The device's events, in order (`free_requested` not yet resolved).
     pub events: Vec<Event>,
+    /// The final segments of the device.
     pub segments: Vec<Segment>,
     /// Stacks of alloc events, by event index.
     pub frames: BTreeMap<usize, Stack>,
@@ -50,10 +55,7 @@ Record the history before the work, then dump: \
 
 /// Resolves frees, reconstructs the pre-trace allocations, checks the trace
 /// against the final segments and builds the device trace.
-pub(crate) fn build_device(
-    raw: RawDevice,
-    settings: &BTreeMap<String, String>,
-) -> Result<DeviceTrace> {
+pub fn build_device(raw: RawDevice, settings: &BTreeMap<String, String>) -> Result<DeviceTrace> {
     let RawDevice {
         device,
         mut events,

@@ -1,6 +1,6 @@
 //! The streaming snapshot reader (issue 34) reads every snapshot the reader
 //! before it read, with the same result: the same trace, or an error where
-//! the old one failed. The old reader (`pytorch::legacy`, serde-pickle's value
+//! the old one failed. The old reader (`vmmalloc_trace_testkit::legacy`, serde-pickle's value
 //! tree) is the oracle.
 //!
 //! Inputs: the bundled real snapshot, the checked-in test snapshots, and
@@ -15,9 +15,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use proptest::prelude::*;
-use vmmalloc_trace::pytorch::synth::{write_snapshot, SynthConfig};
-use vmmalloc_trace::pytorch::{legacy, parse_snapshot};
+use vmmalloc_trace::pytorch::parse_snapshot;
 use vmmalloc_trace::{load_path, Trace};
+use vmmalloc_trace_testkit::legacy;
+use vmmalloc_trace_testkit::synth::{write_snapshot, SynthConfig};
 
 fn repo(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel)

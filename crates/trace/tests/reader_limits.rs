@@ -13,9 +13,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 
 use proptest::prelude::*;
-use vmmalloc_trace::pytorch::synth::{write_snapshot, SynthConfig};
 use vmmalloc_trace::pytorch::{read_snapshot_limited, ReadLimits, ReadStats};
 use vmmalloc_trace::{ErrorKind, Result, Trace};
+use vmmalloc_trace_testkit::synth::{write_snapshot, SynthConfig};
 
 /// A pickle written opcode by opcode (protocol 2 unless said otherwise).
 struct P(Vec<u8>);

@@ -49,7 +49,6 @@
 //! named in a pickle is ever called: a global reads as `None`.
 
 mod decode;
-pub mod legacy;
 mod limits;
 
 pub use limits::{ReadLimits, ReadStats};
@@ -164,8 +163,6 @@ fn read_on<R: Read>(vm: &mut Vm, mut r: R, name: &str) -> Result<Trace> {
     let top = decode::run(vm, head[..n].chain(r), &mut b)?;
     b.finish(vm, top, name)
 }
-
-pub mod synth;
 
 // Names interned before decoding, so that their string ids are these indices.
 const K_ACTION: u32 = 0;
