@@ -1,6 +1,7 @@
 """PyTorch features beyond malloc/free under vmmalloc on a real GPU (issue 28):
 torch.compile's CUDA graph trees, NCCL with and without the register hook,
-torch.cuda.MemPool and a torch.multiprocessing-style IPC round trip, through
+torch.cuda.MemPool (with vmmalloc's pools and with its own allocator) and a
+torch.multiprocessing-style IPC round trip, through
 the torch companion (python/vmmalloc/companion/).
 
 Run it as ``python -m vmmalloc scripts/torch_complete_checks.py`` (VMMALLOC_CONF
@@ -163,6 +164,116 @@ def check_mempool(torch, vmmalloc):
         raise AssertionError("the pool outlived its MemPool")
 
 
+# MemPool(allocator=X)'s X: cuMemAlloc / cuMemFree through the driver
+# (libcuda.so.1, PyTorch's context current on the calling thread), counting
+# its calls; CUDAPluggableAllocator's alloc/free signatures.
+X_ALLOCATOR_SOURCE = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+#include <sys/types.h>
+typedef int (*mem_alloc_fn)(unsigned long long*, size_t);
+typedef int (*mem_free_fn)(unsigned long long);
+static mem_alloc_fn mem_alloc;
+static mem_free_fn mem_free;
+extern "C" {
+long x_raw_alloc = 0, x_raw_delete = 0, x_live = 0, x_bytes = 0;
+static int x_load() {
+  if (mem_alloc && mem_free) return 1;
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  if (!h) return 0;
+  mem_alloc = (mem_alloc_fn)dlsym(h, "cuMemAlloc_v2");
+  mem_free = (mem_free_fn)dlsym(h, "cuMemFree_v2");
+  return mem_alloc && mem_free;
+}
+void* x_alloc(ssize_t size, int device, void* stream) {
+  unsigned long long p = 0;
+  if (!x_load() || mem_alloc(&p, (size_t)size) != 0) return 0;
+  x_raw_alloc++;
+  x_live++;
+  x_bytes += size;
+  return (void*)p;
+}
+void x_free(void* p, ssize_t size, int device, void* stream) {
+  if (x_load()) mem_free((unsigned long long)p);
+  x_raw_delete++;
+  x_live--;
+}
+}
+"""
+
+
+def check_mempool_allocator(torch, vmmalloc):
+    """torch.cuda.MemPool(allocator=X) (vLLM's sleep mode) under the
+    companion: X gets PyTorch's segment-sized raw_alloc calls (20 x 1000 B +
+    4 x 3 MiB: 2 calls, a 2 MiB and a 20 MiB segment, as PyTorch's own
+    allocator asks; vmmalloc before issue 40: 24), the blocks are cached in
+    the pool (no call for a second round, none at empty_cache while the
+    MemPool lives), the segments are in memory_stats() and pool.snapshot(),
+    use counts are PyTorch's (1, 2 inside use_mem_pool, 1 after), and the
+    segments go back to X with the MemPool. A vLLM-like second pool (KV
+    cache, 2 x 128 MiB) adds 2 handles."""
+    import ctypes
+    import gc
+    import shutil
+
+    tmp = tempfile.mkdtemp(prefix="vmmalloc-x-")
+    src, so = os.path.join(tmp, "x.cpp"), os.path.join(tmp, "x.so")
+    with open(src, "w") as f:
+        f.write(X_ALLOCATOR_SOURCE)
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "g++"
+    subprocess.run([cxx, "-shared", "-fPIC", "-O1", src, "-o", so, "-ldl"], check=True)
+    x_lib = ctypes.CDLL(so)
+    counts = {n: ctypes.c_long.in_dll(x_lib, "x_" + n) for n in ("raw_alloc", "raw_delete", "live", "bytes")}
+
+    def now():
+        return {n: c.value for n, c in counts.items()}
+
+    x = torch.cuda.memory.CUDAPluggableAllocator(so, "x_alloc", "x_free")
+    mib = 1 << 20
+    st0 = torch.cuda.memory_stats()
+    pool = torch.cuda.MemPool(x.allocator())
+    assert pool.use_count() == 1, pool.use_count()
+    with torch.cuda.use_mem_pool(pool):
+        inside = pool.use_count()
+        small = [torch.full((1000,), i, dtype=torch.uint8, device="cuda") for i in range(20)]
+        large = [torch.full((3 * mib,), 100 + i, dtype=torch.uint8, device="cuda") for i in range(4)]
+    after = pool.use_count()
+    assert (inside, after) == (2, 1), f"use counts {inside} inside, {after} after (PyTorch: 2, 1)"
+    c = now()
+    assert c["raw_alloc"] == 2 and c["bytes"] == 22 * mib, f"X got {c} (PyTorch: 2 calls, 22 MiB)"
+    st = torch.cuda.memory_stats()
+    segs = st["segment.all.current"] - st0["segment.all.current"]
+    reserved = st["reserved_bytes.all.current"] - st0["reserved_bytes.all.current"]
+    assert (segs, reserved) == (2, 22 * mib), (segs, reserved)
+    snap = pool.snapshot()
+    sizes = sorted(s["total_size"] for s in snap)
+    assert sizes == [2 * mib, 20 * mib], sizes
+    assert all(int(t.sum().item()) == 1000 * i for i, t in enumerate(small))
+    assert all(int(t[-1].item()) == 100 + i for i, t in enumerate(large))
+    del small, large
+    with torch.cuda.use_mem_pool(pool):
+        again = [torch.empty(3 * mib, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    del again
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    c2 = now()
+    assert c2["raw_alloc"] == 2 and c2["raw_delete"] == 0, f"cached segments: X got {c2}"
+    kv_pool = torch.cuda.MemPool(x.allocator())
+    with torch.cuda.use_mem_pool(kv_pool):
+        kv = [torch.zeros(128 * mib, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    handles = now()["raw_alloc"]
+    assert handles == 4, f"{handles} handles (PyTorch: 4)"
+    del kv, pool, kv_pool
+    gc.collect()
+    torch.cuda.synchronize()
+    end = now()
+    assert end["live"] == 0 and end["raw_delete"] == end["raw_alloc"], f"segments left with X: {end}"
+    torch_common.result({"check": "mempool-allocator", "raw_alloc_24_tensors": c["raw_alloc"],
+                         "raw_alloc_24_tensors_pytorch": 2, "raw_alloc_24_tensors_before": 24,
+                         "handles_weights_and_kv": handles, "handles_pytorch": 4,
+                         "use_count_inside": inside, "use_count_after": after})
+
+
 NCCL_CHILD = r"""
 import os, sys, warnings
 import torch, torch.distributed as dist
@@ -270,6 +381,7 @@ def main():
     report("companion", lambda: check_companion(torch, vmmalloc))
     report("compile-reduce-overhead", lambda: check_compile(torch, vmmalloc))
     report("mempool", lambda: check_mempool(torch, vmmalloc))
+    report("mempool-allocator", lambda: check_mempool_allocator(torch, vmmalloc))
     report("oom-observer", lambda: check_oom_observer(torch, vmmalloc))
     report("ipc", lambda: check_ipc(torch, vmmalloc))
     report("nccl", lambda: check_nccl(torch, vmmalloc, hook=False))

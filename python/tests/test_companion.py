@@ -733,6 +733,236 @@ print("MEMPOOL ALLOCATOR OK")
     assert "MEMPOOL ALLOCATOR OK" in out.stdout
 
 
+# torch.cuda.MemPool(allocator=X) without a GPU: MemPool() itself needs one,
+# so a companion entry makes the pool as its constructor does (2.8+:
+# createOrIncrefPool(device, id, X)) with X a counting host allocator, and
+# ~MemPool's releasePool + emptyCache(id); use_mem_pool's own torch._C calls
+# open and close the span; allocations take the companion's path.
+MEMPOOL_X = PRELUDE + '''
+import contextlib, inspect
+comp = _companion._loaded
+comp.vmmalloc_companion_alloc_for_tests.restype = ctypes.c_void_p
+comp.vmmalloc_companion_alloc_for_tests.argtypes = [ctypes.c_size_t, ctypes.c_int]
+comp.vmmalloc_companion_free_for_tests.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+for f in ("vmmalloc_companion_test_pool_create", "vmmalloc_companion_test_pool_destroy"):
+    getattr(comp, f).argtypes = [U64, U64, ctypes.c_char_p, ctypes.c_size_t]
+comp.vmmalloc_companion_test_pool_use_count.argtypes = [U64, U64]
+comp.vmmalloc_companion_test_pool_counts.argtypes = [U64, U64, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+err = ctypes.create_string_buffer(1000)
+MiB = 1 << 20
+
+class Pool:
+    """torch.cuda.MemPool(allocator=X), X counting the calls it gets."""
+    def __init__(self, id):
+        self.id = id
+        assert comp.vmmalloc_companion_test_pool_create(*id, err, len(err)) == 0, err.value
+    def use_count(self):
+        return comp.vmmalloc_companion_test_pool_use_count(*self.id)
+    def counts(self, fail=-1):
+        out = (ctypes.c_int64 * 4)()
+        assert comp.vmmalloc_companion_test_pool_counts(*self.id, fail, out) == 0
+        return dict(raw_alloc=out[0], raw_delete=out[1], live=out[2], bytes=out[3])
+    def destroy(self):  # ~MemPool
+        assert comp.vmmalloc_companion_test_pool_destroy(*self.id, err, len(err)) == 0, err.value
+
+# torch.cuda.use_mem_pool's calls (torch/cuda/memory.py), checked against its source.
+src = inspect.getsource(torch.cuda.use_mem_pool)
+assert all(c in src for c in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool",
+                              "_cuda_releasePool")), src
+
+@contextlib.contextmanager
+def use_mem_pool(pool):
+    torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool.id)
+    try:
+        yield
+    finally:
+        torch._C._cuda_endAllocateToPool(0, pool.id)
+        torch._C._cuda_releasePool(0, pool.id)
+
+def alloc(n):
+    p = comp.vmmalloc_companion_alloc_for_tests(n, 0)
+    assert p, f"{n} B not allocated"
+    return p
+
+def free(p):
+    comp.vmmalloc_companion_free_for_tests(p, 0, 0)
+
+def cur(st, key, kind="all"):
+    return st[key][kind]["current"]
+'''
+
+
+def test_mempool_allocator_gets_pytorchs_segments_and_they_count(lib, tmp_path, cache):
+    # The issue's case: 20 x 1000 B + 4 x 3 MiB in a MemPool(allocator=X).
+    # PyTorch's DeviceCachingAllocator (c10/cuda/CUDACachingAllocator.cpp)
+    # asks X for 2 segments: 1000 B rounds to 1024 B, small (<= 1 MiB), from
+    # one kSmallBuffer (2 MiB) segment; 3 MiB is large and below 10 MiB: one
+    # kLargeBuffer (20 MiB) segment, split while more than 1 MiB remains. It
+    # counts them in memory_stats, lists them in MemPool.snapshot(), keeps
+    # them cached through empty_cache while the MemPool lives, and gives them
+    # back with raw_delete at ~MemPool. (vmmalloc before: 24 raw_alloc calls,
+    # none of it in the stats or the snapshot.)
+    out = run(MEMPOOL_X + '''
+st0 = torch._C._cuda_memoryStats(0)
+pool = Pool((0, 4001))
+assert pool.use_count() == 1
+with use_mem_pool(pool):
+    assert pool.use_count() == 2, pool.use_count()          # PyTorch: 2
+    small = [alloc(1000) for _ in range(20)]
+    large = [alloc(3 * MiB) for _ in range(4)]
+assert pool.use_count() == 1, pool.use_count()              # PyTorch: 1
+c = pool.counts()
+assert c["raw_alloc"] == 2 and c["bytes"] == 22 * MiB and c["raw_delete"] == 0, c
+print("CALLS", c["raw_alloc"])
+st = torch._C._cuda_memoryStats(0)
+for key, want in {"segment": (2, 1, 1), "reserved_bytes": (22 * MiB, 2 * MiB, 20 * MiB),
+                  "allocation": (24, 20, 4), "active": (24, 20, 4),
+                  "allocated_bytes": (20 * 1024 + 12 * MiB, 20 * 1024, 12 * MiB),
+                  "active_bytes": (20 * 1024 + 12 * MiB, 20 * 1024, 12 * MiB),
+                  "requested_bytes": (20 * 1000 + 12 * MiB, 20 * 1000, 12 * MiB),
+                  "inactive_split": (2, 1, 1),
+                  "inactive_split_bytes": (2 * MiB - 20 * 1024 + 8 * MiB, 2 * MiB - 20 * 1024, 8 * MiB)}.items():
+    got = tuple(cur(st, key, k) - cur(st0, key, k) for k in ("all", "small_pool", "large_pool"))
+    assert got == want, (key, got, want)
+assert st["reserved_bytes"]["all"]["peak"] == cur(st0, "reserved_bytes") + 22 * MiB, st["reserved_bytes"]
+assert st["num_device_alloc"] - st0["num_device_alloc"] == 2, st["num_device_alloc"]
+# MemPool.snapshot(): the pool's two segments, their blocks.
+segs = torch._C._cuda_memorySnapshot(pool.id)["segments"]
+assert sorted((s["segment_type"], s["total_size"]) for s in segs) == [("large", 20 * MiB), ("small", 2 * MiB)], segs
+assert all(s["segment_pool_id"] == pool.id and not s["is_expandable"] for s in segs), segs
+live = [b["address"] for s in segs for b in s["blocks"] if b["state"] == "active_allocated"]
+assert sorted(live) == sorted(small + large), live
+assert sorted(len(s["blocks"]) for s in segs) == [5, 21], [len(s["blocks"]) for s in segs]
+by_type = {s["segment_type"]: s for s in segs}
+assert by_type["small"]["requested_size"] == 20 * 1000 and by_type["large"]["allocated_size"] == 12 * MiB
+# The whole device's snapshot lists them too.
+all_segs = torch._C._cuda_memorySnapshot((0, 0))["segments"]
+assert sum(s["segment_pool_id"] == pool.id for s in all_segs) == 2
+# Freed blocks stay in the pool and serve the next allocations: no new call.
+for p in small + large:
+    free(p)
+st = torch._C._cuda_memoryStats(0)
+assert cur(st, "allocated_bytes") == cur(st0, "allocated_bytes") and cur(st, "reserved_bytes") == cur(st0, "reserved_bytes") + 22 * MiB
+assert cur(st, "inactive_split") == cur(st0, "inactive_split"), st["inactive_split"]
+with use_mem_pool(pool):
+    again = [alloc(3 * MiB) for _ in range(4)] + [alloc(1000) for _ in range(20)]
+assert pool.counts()["raw_alloc"] == 2, pool.counts()
+for p in again:
+    free(p)
+# torch.cuda.empty_cache() while the MemPool lives: PyTorch keeps its segments.
+torch._C._cuda_emptyCache()
+assert pool.counts()["raw_delete"] == 0, pool.counts()
+torch._C._cuda_resetPeakMemoryStats(0)
+st = torch._C._cuda_memoryStats(0)
+assert st["reserved_bytes"]["all"]["peak"] == st["reserved_bytes"]["all"]["current"], st["reserved_bytes"]
+pool.destroy()                                               # ~MemPool
+c = pool.counts()
+assert c["raw_delete"] == 2 and c["live"] == 0, c
+assert pool.use_count() == -1                                # forgotten, as PyTorch erases it
+st = torch._C._cuda_memoryStats(0)
+assert cur(st, "reserved_bytes") == cur(st0, "reserved_bytes") and cur(st, "segment") == cur(st0, "segment")
+assert st["num_device_free"] - st0["num_device_free"] == 2
+assert not torch._C._cuda_memorySnapshot(pool.id)["segments"]
+print("MEMPOOL X OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MEMPOOL X OK" in out.stdout and "CALLS 2" in out.stdout
+
+
+def test_mempool_allocator_use_counts_are_pytorchs(lib, tmp_path, cache):
+    # PyTorch 2.8+: createOrIncrefPool 1; beginAllocateToPool increfs (2
+    # inside use_mem_pool), its exit's releasePool decrefs (1 after); the
+    # pool is only forgotten once ~MemPool released it and its last segment
+    # went back. A second use_mem_pool allocates from X again, from the
+    # pool's cache; outside it vmmalloc serves. A failing X raises
+    # torch.cuda.OutOfMemoryError's kind of error, counted in num_ooms.
+    out = run(MEMPOOL_X + '''
+pool = Pool((0, 4002))
+with use_mem_pool(pool):
+    x = alloc(4 * MiB)
+assert pool.use_count() == 1, pool.use_count()
+with use_mem_pool(pool):
+    assert pool.use_count() == 2, pool.use_count()
+    y = alloc(4 * MiB)                                       # the same 20 MiB segment
+assert pool.use_count() == 1 and pool.counts()["raw_alloc"] == 1, pool.counts()
+z = alloc(4 * MiB)                                           # outside: vmmalloc's
+assert pool.counts()["raw_alloc"] == 1
+assert z not in [b["address"] for s in torch._C._cuda_memorySnapshot(pool.id)["segments"] for b in s["blocks"]]
+free(z)
+# Nested spans of one pool are refused as PyTorch refuses them.
+torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool.id)
+try:
+    torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool.id)
+except RuntimeError as e:
+    assert "already recording" in str(e), e
+else:
+    raise AssertionError("a second span of the same pool was accepted")
+torch._C._cuda_endAllocateToPool(0, pool.id)
+torch._C._cuda_releasePool(0, pool.id)
+torch._C._cuda_releasePool(0, pool.id)                        # the refused begin's incref, as PyTorch
+assert pool.use_count() == 1, pool.use_count()
+# X out of memory: the allocation fails, num_ooms counts it, nothing leaks.
+ooms = torch._C._cuda_memoryStats(0)["num_ooms"]
+pool.counts(fail=1)
+with use_mem_pool(pool):
+    assert not comp.vmmalloc_companion_alloc_for_tests(64 * MiB, 0)
+pool.counts(fail=0)
+assert torch._C._cuda_memoryStats(0)["num_ooms"] == ooms + 1
+# A tensor outliving its MemPool keeps its segment and the pool.
+pool.destroy()
+assert pool.use_count() == 0 and pool.counts()["live"] == 1, (pool.use_count(), pool.counts())
+free(x)
+free(y)
+assert pool.counts()["raw_delete"] == 0                      # cached until the cache is emptied
+torch._C._cuda_emptyCache()
+assert pool.counts()["raw_delete"] == 1 and pool.use_count() == -1, pool.counts()
+print("USE COUNTS OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "USE COUNTS OK" in out.stdout
+
+
+def test_vllm_sleep_mode_sequence_makes_no_more_handles_than_pytorch(lib, tmp_path, cache):
+    # vLLM's CuMemAllocator (vllm/device_allocator/cumem.py): use_memory_pool(tag)
+    # makes a MemPool(allocator=X) per call and keeps it; each raw_alloc X
+    # gets creates one cuMem handle (python_malloc_callback); sleep() unmaps
+    # and releases every handle itself, then gc.collect() and
+    # torch.cuda.empty_cache(); wake_up() creates and maps each again. So the
+    # handle count is the number of raw_alloc calls, before and after sleep.
+    # PyTorch's allocator for the same sequence (get_allocation_size and
+    # should_split): weights: 64 MiB -> one 64 MiB segment, 4 x 4 MiB ->
+    # one 20 MiB segment, 4 x 4 KiB + 4 x 8 KiB -> one 2 MiB segment;
+    # kv_cache: 2 x 128 MiB -> two segments: 5 handles.
+    out = run(MEMPOOL_X + '''
+PYTORCH_HANDLES = 5
+layers = [s for _ in range(4) for s in (4 * MiB, 4096, 8192)]
+sequence = {"weights": [64 * MiB] + layers, "kv_cache": [128 * MiB, 128 * MiB]}
+pools, live = {}, {}
+for i, (tag, sizes) in enumerate(sequence.items()):
+    pools[tag] = Pool((0, 4100 + i))                         # use_memory_pool(tag)
+    with use_mem_pool(pools[tag]):
+        live[tag] = [alloc(n) for n in sizes]
+    assert pools[tag].use_count() == 1
+handles = sum(p.counts()["raw_alloc"] for p in pools.values())
+# sleep(): X releases its handles (no call through PyTorch), then empty_cache
+# gives nothing back: the pools have users (PyTorch keeps them the same way).
+torch._C._cuda_emptyCache()
+assert all(p.counts()["raw_delete"] == 0 for p in pools.values())
+# wake_up(): X maps the same handles again; the model runs, allocating outside the pools.
+t = alloc(8 * MiB)
+free(t)
+assert sum(p.counts()["raw_alloc"] for p in pools.values()) == handles
+tensors = sum(len(s) for s in sequence.values())
+print(f"HANDLES vmmalloc {handles} PyTorch {PYTORCH_HANDLES} one-per-tensor {tensors}")
+assert handles <= PYTORCH_HANDLES, handles
+assert handles == PYTORCH_HANDLES
+print("VLLM OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "VLLM OK" in out.stdout
+    print(out.stdout)
+
+
 def test_mempool_use_on_oom_lends_the_pools_free_blocks(lib, tmp_path, cache):
     # torch.cuda.MemPool(use_on_oom=True): an allocation outside the pool
     # that would run out of memory gets the pool's free block (PyTorch's

@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <cstring>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -661,6 +662,7 @@ class VmmallocAllocator : public Base {
     s.num_device_alloc = v[i++];
     s.num_device_free = v[i++];
     s.max_split_size = v[i++];
+    add_pool_stats(device, v, s);  // MemPool(allocator=...)'s blocks
     return s;
   }
 #endif
@@ -668,6 +670,7 @@ class VmmallocAllocator : public Base {
 #ifndef VMM_NO_resetPeakStats
   void resetPeakStats(c10::DeviceIndex device) VMM_OVERRIDE {
     TORCH_CHECK(lib.reset_peak_stats(device) == 0, "vmmalloc: ", last_error());
+    reset_pool_peaks(device);
   }
 #endif
 
@@ -697,6 +700,7 @@ class VmmallocAllocator : public Base {
     TORCH_CHECK(lib.visit_segments(-1, only ? 1 : 0, mempool.first, mempool.second, &add_segment,
                                    &info) >= 0,
                 "vmmalloc: ", last_error());
+    add_pool_segments(info, mempool);  // MemPool(allocator=...)'s segments
     add_history(info, mempool, include_traces);
     return info;
   }
@@ -747,8 +751,8 @@ class VmmallocAllocator : public Base {
       std::lock_guard<std::mutex> g(custom_mu_);
       if (custom_pools_.count(id)) {
         size_t live = 0;
-        for (auto& [p, l] : custom_live_) {
-          if (l.id != id) continue;
+        for (auto& [p, b] : custom_live_) {
+          if (b->pool->owner->id != id) continue;
           if (!expected.count(p)) return false;
           live++;
         }
@@ -810,6 +814,75 @@ class VmmallocAllocator : public Base {
   }
 #endif
 
+ private:
+  // The blocks of a pool with its own allocator (torch.cuda.MemPool(allocator=...)),
+  // as the native Block / BlockPool / PrivatePool keep them
+  // (c10/cuda/CUDACachingAllocator.cpp).
+  struct PoolBlocks;
+  struct CustomPool;
+  struct PoolBlock {
+    uintptr_t ptr;
+    size_t size;
+    size_t requested;  // requested_size of its last allocation
+    cudaStream_t stream;
+    PoolBlocks* pool;
+    bool allocated = false;
+    PoolBlock* prev = nullptr;  // neighbours in its segment
+    PoolBlock* next = nullptr;
+    bool is_split() const { return prev != nullptr || next != nullptr; }
+  };
+  // BlockComparatorSize: stream, then size, then address.
+  struct BySize {
+    bool operator()(const PoolBlock* a, const PoolBlock* b) const {
+      if (a->stream != b->stream) {
+        return reinterpret_cast<uintptr_t>(a->stream) < reinterpret_cast<uintptr_t>(b->stream);
+      }
+      if (a->size != b->size) return a->size < b->size;
+      return a->ptr < b->ptr;
+    }
+  };
+  // A BlockPool: the free blocks of one size class.
+  struct PoolBlocks {
+    bool is_small;
+    CustomPool* owner = nullptr;
+    std::set<PoolBlock*, BySize> blocks;
+    explicit PoolBlocks(bool small) : is_small(small) {}
+    ~PoolBlocks() {
+      for (PoolBlock* b : blocks) delete b;
+    }
+  };
+  // A PrivatePool with an allocator.
+  struct CustomPool {
+    MempoolId_t id{0, 0};
+    CCA::CUDAAllocator* allocator = nullptr;
+    std::shared_ptr<CCA::CUDAAllocator> keep;  // owning from 2.11 (the native pool's allocator_)
+    int device = 0;
+    int use_count = 1;
+    int segments = 0;  // cudaMalloc_count: segments not yet given back
+    bool no_split = false;  // MemPool(no_split=True): no_split_pools
+    PoolBlocks small{true}, large{false};
+  };
+  // One Stat (current, peak, allocated, freed) and what track_peaks keeps.
+  struct PoolStat {
+    int64_t current = 0, peak = 0, allocated = 0, freed = 0;
+  };
+  struct PeakTrack {
+    int64_t seen_peak = 0, low = 0, combined = 0;
+  };
+  // The pools' figures of one device: [stat][AGGREGATE, SMALL_POOL,
+  // LARGE_POOL], stats in getDeviceStats' (and vmmalloc_device_stats') order.
+  enum {
+    kAllocation, kSegment, kActive, kInactiveSplit, kAllocatedBytes, kReservedBytes,
+    kActiveBytes, kInactiveSplitBytes, kRequestedBytes
+  };
+  struct PoolStats {
+    PoolStat st[9][3];
+    PeakTrack track[9][3];
+    int64_t ooms = 0, device_alloc = 0, device_free = 0;
+  };
+
+ public:
+
   // Pools: torch.cuda.MemPool (createOrIncrefPool in its constructor,
   // use_count() = getPoolUseCount, releasePool in its destructor).
   // From 2.8 (the allocator as a raw pointer to 2.10, a shared_ptr from
@@ -819,29 +892,39 @@ class VmmallocAllocator : public Base {
 #if !defined(VMM_NO_createOrIncrefPool) && VMM_TORCH_AT_LEAST(2, 11)
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id,
                           std::shared_ptr<CCA::CUDAAllocator> allocator) VMM_OVERRIDE {
-    create_or_incref_pool(device, id, allocator.get());
+    create_or_incref_pool(device, id, std::move(allocator));
   }
 #elif !defined(VMM_NO_createOrIncrefPool) && VMM_TORCH_AT_LEAST(2, 8)
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id,
                           CCA::CUDAAllocator* allocator) VMM_OVERRIDE {
-    create_or_incref_pool(device, id, allocator);
+    // 2.8-2.10's PrivatePool keeps a raw pointer (the MemPool owns it): not owned here either.
+    create_or_incref_pool(device, id, std::shared_ptr<CCA::CUDAAllocator>(std::shared_ptr<void>(),
+                                                                          allocator));
   }
 #endif
 
   void create_or_incref_pool(c10::DeviceIndex device, MempoolId_t id,
-                             CCA::CUDAAllocator* allocator) {
+                             std::shared_ptr<CCA::CUDAAllocator> allocator) {
     {
       std::lock_guard<std::mutex> g(custom_mu_);
       auto it = custom_pools_.find(id);
       if (it != custom_pools_.end()) {  // a capture into a MemPool(allocator=...)'s id
-        TORCH_CHECK(!allocator || allocator == it->second.allocator,
-                    "vmmalloc: pool (", id.first, ", ", id.second,
-                    ") already has another allocator");
-        it->second.use_count++;
+        // create_or_incref_pool: TORCH_INTERNAL_ASSERT(use_count > 0) and no second allocator.
+        TORCH_CHECK(it->second->use_count > 0, "vmmalloc: pool (", id.first, ", ", id.second,
+                    ") has no users left");
+        TORCH_CHECK(!allocator || allocator.get() == it->second->allocator, "vmmalloc: pool (",
+                    id.first, ", ", id.second, ") already has another allocator");
+        it->second->use_count++;
         return;
       }
-      if (allocator && allocator != this) {
-        custom_pools_[id] = CustomPool{allocator, static_cast<int>(device), 1};
+      if (allocator && allocator.get() != this) {
+        auto pool = std::make_unique<CustomPool>();
+        pool->id = id;
+        pool->allocator = allocator.get();
+        pool->keep = std::move(allocator);
+        pool->device = static_cast<int>(device);
+        pool->small.owner = pool->large.owner = pool.get();
+        custom_pools_[id] = std::move(pool);
         return;
       }
     }
@@ -850,84 +933,452 @@ class VmmallocAllocator : public Base {
   }
 
   // ---- torch.cuda.MemPool(allocator=...) ----
-  // As the native allocator (CUDACachingAllocator.cpp: a PrivatePool with an
-  // allocator gets its memory from allocator->raw_alloc and gives it back
-  // with raw_delete; vLLM's sleep mode works this way), a pool made with its
-  // own allocator gets each allocation made into it from that allocator,
-  // while vmmalloc stays PyTorch's allocator for everything else. vmmalloc
-  // does not cache for such a pool (it cannot reuse memory it did not map):
-  // each allocation is one raw_alloc_with_stream and its free one
-  // raw_delete. Its bytes are the other allocator's and are not in
-  // vmmalloc's statistics or snapshot().
+  // As the native allocator does it (c10/cuda/CUDACachingAllocator.cpp,
+  // DeviceCachingAllocator): a pool made with its own allocator X is a
+  // PrivatePool whose segments come from X: alloc_block asks
+  // X->raw_alloc(get_allocation_size(size)) (allocPrimitive), blocks are
+  // split and cached inside the pool (get_free_block's best fit on the
+  // allocation's stream, should_split, alloc_found_block, free_block's
+  // merge), and X->raw_delete(segment) is called only by release_block,
+  // which runs for the unsplit free segments of a pool without users
+  // (use_count 0) when the cache is emptied (release_cached_blocks:
+  // torch.cuda.empty_cache(), ~MemPool's emptyCache(id)). vLLM's sleep mode
+  // (CuMemAllocator) is this path: one cuMem handle per segment.
+  // The pool's blocks count in getDeviceStats (as the native allocator's
+  // stats, small or large pool by block size) and its segments are in
+  // snapshot(). vmmalloc stays PyTorch's allocator for everything else.
+  // Not modelled: roundup_power2_divisions and max_split_size (vmmalloc
+  // reports SIZE_MAX, PyTorch's default: no oversize rules), recordStream
+  // on such a block (its free is not deferred), lending the pool's free
+  // blocks for use_on_oom, and history entries for the pool's events.
+  static constexpr size_t kMinBlockSize = 512;            // all sizes rounded to at least 512 B
+  static constexpr size_t kSmallSize = 1048576;           // largest "small" allocation: 1 MiB
+  static constexpr size_t kSmallBuffer = 2097152;         // small segments: 2 MiB
+  static constexpr size_t kMinLargeAlloc = 10485760;      // 1-10 MiB requests take kLargeBuffer
+  static constexpr size_t kRoundLarge = 2097152;          // larger ones round up to 2 MiB
+  static constexpr size_t kLargeBuffer = 20971520;        // large_segment_size() default: 20 MiB
+
+  // round_size without roundup_power2_divisions (PyTorch's default).
+  static size_t pool_round_size(size_t size) {
+    if (size < kMinBlockSize) return kMinBlockSize;
+    return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
+  }
+
+  // get_allocation_size: the segment a new block of `size` asks X for.
+  static size_t pool_allocation_size(size_t size) {
+    if (size <= kSmallSize) return kSmallBuffer;
+    if (size < kMinLargeAlloc) return kLargeBuffer;
+    return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
+  }
+
   bool is_custom_pool(MempoolId_t id) {
     std::lock_guard<std::mutex> g(custom_mu_);
     return custom_pools_.count(id) != 0;
   }
 
-  // The allocator of the first open span whose filter takes `s` on
-  // `device` (native get_pool's order), with its pool.
-  CCA::CUDAAllocator* custom_route(int device, cudaStream_t s, MempoolId_t* id) {
-    std::lock_guard<std::mutex> g(custom_mu_);
-    for (auto& span : custom_spans_) {
-      if (span.device == device && span.filter(s)) {
-        auto it = custom_pools_.find(span.id);
-        if (it == custom_pools_.end()) continue;
-        *id = span.id;
-        return it->second.allocator;
+  // get_pool's search: the last open span (LIFO) whose filter takes `s` on
+  // `device`; custom_mu_ held.
+  CustomPool* route_locked(int device, cudaStream_t s) {
+    for (auto it = custom_spans_.rbegin(); it != custom_spans_.rend(); ++it) {
+      if (it->device == device && it->filter(s)) {
+        auto p = custom_pools_.find(it->id);
+        if (p != custom_pools_.end()) return p->second.get();
       }
     }
     return nullptr;
   }
 
-  void custom_record(void* p, CCA::CUDAAllocator* a, MempoolId_t id) {
-    std::lock_guard<std::mutex> g(custom_mu_);
-    custom_live_[p] = CustomLive{a, id};
-    g_custom_live.fetch_add(1, std::memory_order_relaxed);
+  // Adds `delta` to stat `kind` of the pool-size class (AGGREGATE and
+  // SMALL_POOL or LARGE_POOL, get_stat_types_for_pool).
+  static void stat_add(PoolStats& st, int kind, bool small, int64_t delta) {
+    for (int t : {0, small ? 1 : 2}) {
+      auto& s = st.st[kind][t];
+      s.current += delta;
+      if (delta > 0) {
+        s.allocated += delta;
+        s.peak = std::max(s.peak, s.current);
+      } else {
+        s.freed += -delta;
+      }
+    }
   }
 
-  // Gives `p` back to its pool's allocator if it came from one.
-  bool custom_release(void* p) {
-    CCA::CUDAAllocator* a = nullptr;
-    {
-      std::lock_guard<std::mutex> g(custom_mu_);
-      auto it = custom_live_.find(p);
-      if (it == custom_live_.end()) return false;
-      a = it->second.allocator;
-      MempoolId_t id = it->second.id;
-      custom_live_.erase(it);
-      g_custom_live.fetch_sub(1, std::memory_order_relaxed);
-      forget_pool_if_done_locked(id);
+  // The peak of a figure PyTorch reports is that of vmmalloc's part plus the
+  // pools' part, but vmmalloc keeps its peak alone. Called with vmmalloc's
+  // figures (`v`, vmmalloc_device_stats' layout) before and after each change
+  // of the pools' figures and when the stats are read: between two calls the
+  // pools' part is constant, so a rise of vmmalloc's peak in between adds to
+  // that constant. A lower bound of the true peak, exact unless vmmalloc's
+  // part rises and falls below its own peak between two such calls while the
+  // pools' part is higher than when that peak was reached.
+  static void track_peaks(PoolStats& st, const int64_t* v) {
+    for (int k = 0; k < 9; ++k) {
+      for (int t = 0; t < 3; ++t) {
+        const int64_t* r = v + (k * 3 + t) * 4;  // current, peak, allocated, freed
+        auto& tr = st.track[k][t];
+        int64_t mine = st.st[k][t].current;
+        if (r[1] < tr.seen_peak) {
+          tr.combined = r[1] + mine;  // vmmalloc's peak was reset
+        } else if (r[1] > tr.seen_peak) {
+          tr.combined = std::max(tr.combined, r[1] + tr.low);
+        }
+        tr.seen_peak = r[1];
+        tr.combined = std::max(tr.combined, r[0] + mine);
+        tr.low = mine;
+      }
     }
-    a->raw_delete(p);
+  }
+
+  // vmmalloc's figures for track_peaks (zeros if they cannot be read).
+  static void vmmalloc_figures(int device, int64_t* v) {
+    std::fill(v, v + kStatsLen, 0);
+    if (lib.device_stats(device, v, kStatsLen) != static_cast<int>(kStatsLen)) {
+      std::fill(v, v + kStatsLen, 0);
+    }
+  }
+
+  // DeviceCachingAllocator::malloc for an allocation routed to a pool with
+  // its own allocator: `*routed` when an open span of such a pool takes
+  // stream `s` on `device`.
+  void* pool_malloc(size_t orig_size, int device, cudaStream_t s, bool* routed) {
+    std::unique_lock<std::mutex> g(custom_mu_);
+    CustomPool* pool = route_locked(device, s);
+    if (!pool) return nullptr;
+    *routed = true;
+    const size_t size = pool_round_size(orig_size);
+    PoolBlocks& bp = size <= kSmallSize ? pool->small : pool->large;
+    int64_t v[kStatsLen];
+    vmmalloc_figures(device, v);
+    PoolStats& st = pool_stats_[device];
+    track_peaks(st, v);
+    // get_free_block: the smallest free block of the stream that fits.
+    PoolBlock key{0, size, 0, s, nullptr};
+    PoolBlock* block = nullptr;
+    auto it = bp.blocks.lower_bound(&key);
+    if (it != bp.blocks.end() && (*it)->stream == s) {
+      block = *it;
+      bp.blocks.erase(it);
+    }
+    if (!block) {
+      // alloc_block: a segment from X (allocPrimitive), the lock released
+      // around the call as with release_lock_on_cudamalloc. The pool stays:
+      // its segment count is taken first, so no emptyCache erases it.
+      const size_t alloc_size = pool_allocation_size(size);
+      CCA::CUDAAllocator* x = pool->allocator;
+      auto keep = pool->keep;
+      pool->segments++;
+      g.unlock();
+      void* p = nullptr;
+      try {
+        p = x->raw_alloc(alloc_size);
+      } catch (...) {
+        g.lock();
+        pool->segments--;
+        throw;
+      }
+      g.lock();
+      if (!p) {
+        pool->segments--;
+        st.ooms++;  // stats.num_ooms
+        g.unlock();
+        notify_oom(device, alloc_size);
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "vmmalloc: the allocator of MemPool (",
+                         pool->id.first, ", ", pool->id.second, ") could not allocate ",
+                         alloc_size, " bytes (raw_alloc returned NULL)");
+      }
+      block = new PoolBlock{reinterpret_cast<uintptr_t>(p), alloc_size, 0, s, &bp};
+      stat_add(st, kSegment, bp.is_small, 1);
+      stat_add(st, kReservedBytes, bp.is_small, static_cast<int64_t>(alloc_size));
+      st.device_alloc++;
+    }
+    // should_split (max_split_size is SIZE_MAX) and alloc_found_block.
+    const size_t remaining_size = block->size - size;
+    const bool split = !pool->no_split && (bp.is_small ? remaining_size >= kMinBlockSize
+                                                       : remaining_size > kSmallSize);
+    const bool already_split = block->is_split();
+    if (split) {
+      PoolBlock* remaining = block;
+      block = new PoolBlock{remaining->ptr, size, 0, s, &bp};
+      block->prev = remaining->prev;
+      if (block->prev) block->prev->next = block;
+      block->next = remaining;
+      remaining->prev = block;
+      remaining->ptr += size;
+      remaining->size -= size;
+      bp.blocks.insert(remaining);
+      if (already_split) {
+        stat_add(st, kInactiveSplitBytes, bp.is_small, -static_cast<int64_t>(block->size));
+      } else {
+        stat_add(st, kInactiveSplitBytes, bp.is_small, static_cast<int64_t>(remaining->size));
+        stat_add(st, kInactiveSplit, bp.is_small, 1);
+      }
+    } else if (already_split) {
+      stat_add(st, kInactiveSplitBytes, bp.is_small, -static_cast<int64_t>(block->size));
+      stat_add(st, kInactiveSplit, bp.is_small, -1);
+    }
+    block->allocated = true;
+    block->requested = orig_size;
+    stat_add(st, kAllocation, bp.is_small, 1);
+    stat_add(st, kAllocatedBytes, bp.is_small, static_cast<int64_t>(block->size));
+    stat_add(st, kActive, bp.is_small, 1);
+    stat_add(st, kActiveBytes, bp.is_small, static_cast<int64_t>(block->size));
+    stat_add(st, kRequestedBytes, bp.is_small, static_cast<int64_t>(orig_size));
+    track_peaks(st, v);
+    void* out = reinterpret_cast<void*>(block->ptr);
+    custom_live_[out] = block;
+    g_custom_live.fetch_add(1, std::memory_order_relaxed);
+    return out;
+  }
+
+  // DeviceCachingAllocator::free + free_block for a block of such a pool:
+  // it goes back to its pool, merged with free neighbours; X is not called.
+  bool pool_free(void* p) {
+    std::lock_guard<std::mutex> g(custom_mu_);
+    auto it = custom_live_.find(p);
+    if (it == custom_live_.end()) return false;
+    PoolBlock* block = it->second;
+    custom_live_.erase(it);
+    g_custom_live.fetch_sub(1, std::memory_order_relaxed);
+    PoolBlocks& bp = *block->pool;
+    const int device = bp.owner->device;
+    int64_t v[kStatsLen];
+    vmmalloc_figures(device, v);
+    PoolStats& st = pool_stats_[device];
+    track_peaks(st, v);
+    block->allocated = false;
+    const auto original_size = static_cast<int64_t>(block->size);
+    stat_add(st, kAllocation, bp.is_small, -1);
+    stat_add(st, kAllocatedBytes, bp.is_small, -original_size);
+    int64_t split_blocks = 0, split_bytes = 0;
+    for (PoolBlock* candidate : {block->prev, block->next}) {
+      size_t subsumed = try_merge_locked(block, candidate, bp);
+      if (subsumed > 0) {
+        split_blocks -= 1;
+        split_bytes -= static_cast<int64_t>(subsumed);
+      }
+    }
+    bp.blocks.insert(block);
+    if (block->is_split()) {
+      split_blocks += 1;
+      split_bytes += static_cast<int64_t>(block->size);
+    }
+    stat_add(st, kInactiveSplit, bp.is_small, split_blocks);
+    stat_add(st, kInactiveSplitBytes, bp.is_small, split_bytes);
+    stat_add(st, kActive, bp.is_small, -1);
+    stat_add(st, kActiveBytes, bp.is_small, -original_size);
+    stat_add(st, kRequestedBytes, bp.is_small, -static_cast<int64_t>(block->requested));
+    track_peaks(st, v);
     return true;
   }
 
-  // A pool whose use count reached 0 and that holds nothing is forgotten
-  // (the native allocator frees such a PrivatePool).
-  void forget_pool_if_done_locked(MempoolId_t id) {
-    auto it = custom_pools_.find(id);
-    if (it == custom_pools_.end() || it->second.use_count > 0) return;
-    for (auto& [p, live] : custom_live_) {
-      if (live.id == id) return;
+  // try_merge_blocks: `src`, if free, merges into `dst`; its size or 0.
+  static size_t try_merge_locked(PoolBlock* dst, PoolBlock* src, PoolBlocks& bp) {
+    if (!src || src->allocated) return 0;
+    if (dst->prev == src) {  // [src dst]
+      dst->ptr = src->ptr;
+      dst->prev = src->prev;
+      if (dst->prev) dst->prev->next = dst;
+    } else {  // [dst src]
+      dst->next = src->next;
+      if (dst->next) dst->next->prev = dst;
     }
-    custom_pools_.erase(it);
+    const size_t subsumed = src->size;
+    dst->size += subsumed;
+    bp.blocks.erase(src);
+    delete src;
+    return subsumed;
+  }
+
+  // release_cached_blocks' part for these pools: each pool without users
+  // (all of them for {0, 0}, else the one named) gives its unsplit free
+  // segments back to its allocator (release_blocks, release_block's
+  // raw_delete); one left with no segment is forgotten (graph_pools.erase).
+  void pool_empty_cache(MempoolId_t id) {
+    std::vector<std::pair<CCA::CUDAAllocator*, void*>> deletes;
+    std::vector<std::shared_ptr<CCA::CUDAAllocator>> keep;  // X outlives its raw_deletes
+    {
+      std::lock_guard<std::mutex> g(custom_mu_);
+      const bool all = id.first == 0 && id.second == 0;
+      for (auto it = custom_pools_.begin(); it != custom_pools_.end();) {
+        CustomPool& pool = *it->second;
+        if ((!all && it->first != id) || pool.use_count > 0) {
+          ++it;
+          continue;
+        }
+        int64_t v[kStatsLen];
+        vmmalloc_figures(pool.device, v);
+        PoolStats& st = pool_stats_[pool.device];
+        track_peaks(st, v);
+        for (PoolBlocks* bp : {&pool.small, &pool.large}) {
+          for (auto b = bp->blocks.begin(); b != bp->blocks.end();) {
+            PoolBlock* block = *b;
+            if (block->is_split()) {
+              ++b;
+              continue;
+            }
+            b = bp->blocks.erase(b);
+            deletes.emplace_back(pool.allocator, reinterpret_cast<void*>(block->ptr));
+            stat_add(st, kSegment, bp->is_small, -1);
+            stat_add(st, kReservedBytes, bp->is_small, -static_cast<int64_t>(block->size));
+            st.device_free++;
+            pool.segments--;
+            delete block;
+          }
+        }
+        track_peaks(st, v);
+        keep.push_back(pool.keep);
+        if (pool.segments == 0) {
+          it = custom_pools_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& [x, p] : deletes) x->raw_delete(p);
+  }
+
+  // torch.cuda.empty_cache() (id {0, 0}) and ~MemPool (its id): the pools'
+  // part, then vmmalloc's (the pluggable allocator's reset function) unless
+  // the id is such a pool's. From 2.8 (before, emptyCache takes no id and no
+  // pool has its own allocator).
+#if !defined(VMM_NO_emptyCache) && VMM_TORCH_AT_LEAST(2, 8)
+  void emptyCache(MempoolId_t mempool_id) VMM_OVERRIDE {
+    const bool custom = is_custom_pool(mempool_id);
+    pool_empty_cache(mempool_id);
+    if (!custom) Base::emptyCache(mempool_id);
+  }
+#endif
+
+  // The pools' figures added to vmmalloc's (`v`, read into `s`), as the
+  // native allocator's one DeviceStats counts every pool.
+  void add_pool_stats(int device, const int64_t* v, CCA::DeviceStats& s) {
+    std::lock_guard<std::mutex> g(custom_mu_);
+    auto it = pool_stats_.find(device);
+    if (it == pool_stats_.end()) return;
+    PoolStats& st = it->second;
+    track_peaks(st, v);
+    int k = 0;
+    for (auto* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
+                    &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes,
+                    &s.requested_bytes}) {
+      for (int t = 0; t < 3; ++t) {
+        auto& out = (*a)[t];
+        const auto& mine = st.st[k][t];
+        out.current += mine.current;
+        out.peak = std::max<int64_t>(out.peak, st.track[k][t].combined);
+        out.allocated += mine.allocated;
+        out.freed += mine.freed;
+      }
+      ++k;
+    }
+    s.num_ooms += st.ooms;
+    s.num_device_alloc += st.device_alloc;
+    s.num_device_free += st.device_free;
+  }
+
+  // resetPeakStats' part for the pools (after vmmalloc's own reset).
+  void reset_pool_peaks(int device) {
+    std::lock_guard<std::mutex> g(custom_mu_);
+    auto it = pool_stats_.find(device);
+    if (it == pool_stats_.end()) return;
+    int64_t v[kStatsLen];
+    vmmalloc_figures(device, v);
+    for (int k = 0; k < 9; ++k) {
+      for (int t = 0; t < 3; ++t) {
+        auto& mine = it->second.st[k][t];
+        mine.peak = mine.current;
+        const int64_t* r = v + (k * 3 + t) * 4;
+        it->second.track[k][t] = PeakTrack{r[1], mine.current, r[0] + mine.current};
+      }
+    }
+  }
+
+  // resetAccumulatedStats' part for the pools (allocated/freed and the
+  // counts the native resetAccumulatedStats zeroes).
+  void reset_pool_accumulated(int device) {
+    std::lock_guard<std::mutex> g(custom_mu_);
+    auto it = pool_stats_.find(device);
+    if (it == pool_stats_.end()) return;
+    for (auto& row : it->second.st) {
+      for (auto& s : row) s.allocated = s.freed = 0;
+    }
+    it->second.ooms = it->second.device_alloc = it->second.device_free = 0;
+  }
+
+  // snapshot()'s segments of these pools (all, or the one named), as the
+  // native snapshot() describes a segment and its blocks.
+  void add_pool_segments(CCA::SnapshotInfo& info, MempoolId_t mempool) {
+    std::lock_guard<std::mutex> g(custom_mu_);
+    const bool only = mempool.first != 0 || mempool.second != 0;
+    std::vector<PoolBlock*> heads;
+    for (auto& [id, pool] : custom_pools_) {
+      if (only && id != mempool) continue;
+      for (PoolBlocks* bp : {&pool->small, &pool->large}) {
+        for (PoolBlock* b : bp->blocks) {
+          if (!b->prev) heads.push_back(b);
+        }
+      }
+    }
+    for (auto& [p, b] : custom_live_) {
+      if (!b->prev && (!only || b->pool->owner->id == mempool)) heads.push_back(b);
+    }
+    if (heads.empty()) return;
+    for (PoolBlock* head : heads) {
+      info.segments.emplace_back();
+      auto& seg = info.segments.back();
+      const CustomPool& pool = *head->pool->owner;
+      seg.device = static_cast<c10::DeviceIndex>(pool.device);
+      seg.address = static_cast<int64_t>(head->ptr);
+      seg.stream = head->stream;
+      seg.is_large = !head->pool->is_small;
+      seg.is_expandable = false;
+      seg.owner_private_pool_id = pool.id;
+      for (PoolBlock* b = head; b; b = b->next) {
+        seg.blocks.emplace_back();
+        auto& bi = seg.blocks.back();
+        bi.size = static_cast<int64_t>(b->size);
+        bi.requested_size = static_cast<int64_t>(b->requested);
+        bi.allocated = b->allocated;
+        bi.active = b->allocated;
+        seg.total_size += bi.size;
+        if (bi.allocated) seg.allocated_size += bi.size;
+        if (bi.active) {
+          seg.active_size += bi.size;
+          seg.requested_size += bi.requested_size;
+        }
+      }
+    }
+    // The native snapshot lists segments by address.
+    std::stable_sort(info.segments.begin(), info.segments.end(),
+                     [](const auto& a, const auto& b) { return a.address < b.address; });
   }
 
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) VMM_OVERRIDE {
 #if !VMM_TORCH_AT_LEAST(2, 8)
-    // Before 2.8 there is no createOrIncrefPool: the pool is created or
-    // increfed here (those versions' native beginAllocateToPool), and a
-    // MemPool's own allocator is reachable only through MemPoolContext.
+    // Before 2.8 a MemPool's own allocator is reachable only through
+    // MemPoolContext. The pool is created or increfed once, by libvmmalloc's
+    // begin hook behind Base::beginAllocateToPool (as the native
+    // beginAllocateToPool of every version does: +1 per begin, issue 40).
     auto* active = c10::cuda::MemPoolContext::getActiveMemPool();
     TORCH_CHECK(!active || !active->allocator() || active->allocator() == this,
                 "vmmalloc: torch.cuda.MemPool(allocator=...) under vmmalloc needs PyTorch 2.8 or "
                 "newer; this is PyTorch ", TORCH_VERSION);
-    create_or_incref_pool(device, id, nullptr);
 #endif
     {
       std::lock_guard<std::mutex> g(custom_mu_);
-      if (custom_pools_.count(id)) {
+      auto it = custom_pools_.find(id);
+      if (it != custom_pools_.end()) {
+        // The native beginAllocateToPool: create_or_incref_pool (the span
+        // is a user: use_mem_pool's exit releasePool drops it again), then
+        // one span per pool at a time.
+        TORCH_CHECK(it->second->use_count > 0, "vmmalloc: pool (", id.first, ", ", id.second,
+                    ") has no users left");
+        it->second->use_count++;
+        for (const auto& span : custom_spans_) {
+          TORCH_CHECK(!(span.id == id && span.device == device),
+                      "beginAllocateToPool: already recording to mempool_id");
+        }
         custom_spans_.push_back(CustomSpan{static_cast<int>(device), id, std::move(filter)});
         g_custom_spans.fetch_add(1, std::memory_order_relaxed);
         return;
@@ -940,27 +1391,29 @@ class VmmallocAllocator : public Base {
     {
       std::lock_guard<std::mutex> g(custom_mu_);
       if (custom_pools_.count(id)) {
-        auto n = custom_spans_.size();
-        custom_spans_.erase(std::remove_if(custom_spans_.begin(), custom_spans_.end(),
-                                           [&](const CustomSpan& s) {
-                                             return s.id == id && s.device == device;
-                                           }),
-                            custom_spans_.end());
-        g_custom_spans.fetch_sub(static_cast<int>(n - custom_spans_.size()),
-                                 std::memory_order_relaxed);
-        return;
+        for (auto it = custom_spans_.begin(); it != custom_spans_.end(); ++it) {
+          if (it->id == id && it->device == device) {
+            custom_spans_.erase(it);
+            g_custom_spans.fetch_sub(1, std::memory_order_relaxed);
+            return;
+          }
+        }
+        TORCH_CHECK(false, "endAllocatePool: not currently recording to mempool_id");
       }
     }
     Base::endAllocateToPool(device, id);
   }
 
+  // The native releasePool: one user less; at 0 the pool's free segments
+  // may go back to its allocator at the next emptyCache.
   void releasePool(c10::DeviceIndex device, MempoolId_t id) VMM_OVERRIDE {
     {
       std::lock_guard<std::mutex> g(custom_mu_);
       auto it = custom_pools_.find(id);
       if (it != custom_pools_.end()) {
-        if (it->second.use_count > 0) it->second.use_count--;
-        forget_pool_if_done_locked(id);
+        TORCH_CHECK(it->second->use_count > 0, "vmmalloc: pool (", id.first, ", ", id.second,
+                    ") has no users left");
+        it->second->use_count--;
         return;
       }
     }
@@ -972,7 +1425,14 @@ class VmmallocAllocator : public Base {
   // merged; libvmmalloc does it (vmmalloc_pool_set_no_split).
 #if !defined(VMM_NO_setNoSplit) && VMM_TORCH_AT_LEAST(2, 10)
   void setNoSplit(c10::DeviceIndex device, MempoolId_t id) VMM_OVERRIDE {
-    if (is_custom_pool(id)) return;  // nothing is split: each allocation is its allocator's own
+    {
+      std::lock_guard<std::mutex> g(custom_mu_);
+      auto it = custom_pools_.find(id);
+      if (it != custom_pools_.end()) {  // should_split: no block of the pool is split
+        it->second->no_split = true;
+        return;
+      }
+    }
     TORCH_CHECK(lib.pool_set_no_split(device, id.first, id.second) == 0, "vmmalloc: ",
                 last_error());
   }
@@ -984,8 +1444,8 @@ class VmmallocAllocator : public Base {
   // mempools as a last resort", use_on_oom_pools, get_free_block);
   // ~MemPool() turns it off (from 2.11; 2.8-2.10 call setUseOnOOM(device,
   // id) only to turn it on). libvmmalloc does it
-  // (vmmalloc_pool_set_use_on_oom). A pool with its own allocator keeps no
-  // free blocks here to lend: accepted, nothing to do.
+  // (vmmalloc_pool_set_use_on_oom). A pool with its own allocator: accepted,
+  // but its free blocks are not lent (libvmmalloc does not see them).
 #if !defined(VMM_NO_setUseOnOOM) && VMM_TORCH_AT_LEAST(2, 11)
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) VMM_OVERRIDE {
     set_use_on_oom(device, id, use_on_oom);
@@ -1007,11 +1467,25 @@ class VmmallocAllocator : public Base {
     {
       std::lock_guard<std::mutex> g(custom_mu_);
       auto it = custom_pools_.find(id);
-      if (it != custom_pools_.end()) return it->second.use_count;
+      if (it != custom_pools_.end()) return it->second->use_count;
     }
     int n = lib.pool_use_count(device, id.first, id.second);
     TORCH_CHECK(n >= 0, "vmmalloc: ", last_error());
     return n;
+  }
+#endif
+
+  // 2.6 and 2.7 only (2.8 renamed it createOrIncrefPool and added the
+  // allocator): torch.cuda.MemPool's constructor creates its pool with use
+  // count 1 (c10/cuda/CUDACachingAllocator.cpp MemPool::MemPool), use_mem_pool
+  // adds one in beginAllocateToPool and drops it with releasePool, ~MemPool
+  // releases the last (torch/cuda/memory.py use_mem_pool). No pool has its
+  // own allocator before 2.8.
+#if !defined(VMM_NO_ensureExistsAndIncrefPool) && VMM_TORCH_AT_LEAST(2, 6) && \
+    !VMM_TORCH_AT_LEAST(2, 8)
+  void ensureExistsAndIncrefPool(c10::DeviceIndex device, MempoolId_t id) VMM_OVERRIDE {
+    TORCH_CHECK(lib.pool_create_or_incref(device, id.first, id.second) == 0, "vmmalloc: ",
+                last_error());
   }
 #endif
 
@@ -1243,25 +1717,21 @@ class VmmallocAllocator : public Base {
   std::unordered_map<uint64_t, std::shared_ptr<c10::GatheredContext>> segment_context_;
   std::vector<std::string> compile_context_;
 
-  // Pools with their own allocator (MemPool(allocator=...)).
-  struct CustomPool {
-    CCA::CUDAAllocator* allocator;  // kept alive by the MemPool (and PyTorch's pool table)
-    int device;
-    int use_count;
-  };
+  // Pools with their own allocator (MemPool(allocator=...)): the pools, the
+  // open begin..end spans (captures_underway), the allocated blocks by
+  // address and the pools' figures by device.
   struct CustomSpan {
     int device;
     MempoolId_t id;
     std::function<bool(cudaStream_t)> filter;
   };
-  struct CustomLive {
-    CCA::CUDAAllocator* allocator;
-    MempoolId_t id;
-  };
-  std::mutex custom_mu_;  // never held while calling another allocator or libvmmalloc
-  std::map<MempoolId_t, CustomPool> custom_pools_;
+  // Never held while calling another allocator; held while reading
+  // vmmalloc_device_stats (libvmmalloc never waits for it).
+  std::mutex custom_mu_;
+  std::map<MempoolId_t, std::unique_ptr<CustomPool>> custom_pools_;
   std::vector<CustomSpan> custom_spans_;
-  std::unordered_map<void*, CustomLive> custom_live_;
+  std::unordered_map<void*, PoolBlock*> custom_live_;
+  std::unordered_map<int, PoolStats> pool_stats_;
 
   std::mutex mu_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
@@ -1282,19 +1752,12 @@ VmmallocAllocator* current_allocator_for_tests() { return current ? current->get
 // when an open span of such a pool takes this stream.
 void* custom_malloc(size_t n, int device, cudaStream_t s, bool* routed) {
   auto* a = VmmallocAllocator::current_allocator;
-  if (!a) return nullptr;
-  MempoolId_t id{0, 0};
-  CCA::CUDAAllocator* other = a->custom_route(device, s, &id);
-  if (!other) return nullptr;
-  *routed = true;
-  void* p = other->raw_alloc_with_stream(n, s);
-  if (p) a->custom_record(p, other, id);
-  return p;
+  return a ? a->pool_malloc(n, device, s, routed) : nullptr;
 }
 
 bool custom_free(void* p) {
   auto* a = VmmallocAllocator::current_allocator;
-  return a && a->custom_release(p);
+  return a && a->pool_free(p);
 }
 
 template <class F>
@@ -1454,24 +1917,31 @@ extern "C" int vmmalloc_companion_bench_hot_path_for_tests(size_t size, size_t p
 }
 
 namespace {
-// An allocator of host memory standing for a MemPool's own allocator in
-// tests without a GPU (the pluggable allocator's raw_alloc_with_stream asks
-// CUDA for the current device). Counts what it serves.
+// An allocator of host memory standing for a MemPool's own allocator X in
+// tests without a GPU (the pluggable allocator's raw_alloc asks CUDA for the
+// current device). Counts what it gets: each raw_alloc is one cuMem handle
+// for vLLM's CuMemAllocator.
 class HostTestAllocator : public Base {
  public:
   HostTestAllocator()
       : Base([](size_t n, int, cudaStream_t) { return std::malloc(n); },
              [](void* p, size_t, int, cudaStream_t) { std::free(p); }) {}
-  void* raw_alloc_with_stream(size_t n, cudaStream_t) override {
-    live++;
-    served++;
-    return std::malloc(n);
-  }
+  void* raw_alloc(size_t n) override { return serve(n); }
+  void* raw_alloc_with_stream(size_t n, cudaStream_t) override { return serve(n); }
   void raw_delete(void* p) override {
     live--;
+    deleted++;
     std::free(p);
   }
-  int live = 0, served = 0;
+  void* serve(size_t n) {
+    if (fail) return nullptr;
+    live++;
+    served++;
+    bytes += static_cast<int64_t>(n);
+    return std::malloc(n);
+  }
+  int64_t live = 0, served = 0, deleted = 0, bytes = 0;
+  bool fail = false;
 };
 
 int64_t allocated_bytes(int device) {
@@ -1479,14 +1949,114 @@ int64_t allocated_bytes(int device) {
   if (lib.device_stats(device, v, kStatsLen) != static_cast<int>(kStatsLen)) return -1;
   return v[4 * 12];  // allocated_bytes, "all", current (torch_abi.rs layout)
 }
+
+// The stand-ins of vmmalloc_companion_test_pool_create's pools, by pool id
+// (kept after the pool is gone, for their counts). Never destroyed.
+std::map<MempoolId_t, std::shared_ptr<HostTestAllocator>>& test_allocators() {
+  static auto* m = new std::map<MempoolId_t, std::shared_ptr<HostTestAllocator>>();
+  return *m;
+}
 }  // namespace
+
+// torch.cuda.MemPool(allocator=X)'s constructor as PyTorch 2.8+ runs it,
+// createOrIncrefPool(device 0, (hi, lo), X), with X a counting host
+// allocator (vmmalloc_companion_test_pool_counts). Tests drive the pool
+// with torch._C's own calls (use_mem_pool's _cuda_beginAllocateCurrentThreadToPool,
+// _cuda_endAllocateToPool, _cuda_releasePool; _cuda_emptyCache) and the
+// companion's allocation path (vmmalloc_companion_alloc_for_tests), as
+// MemPool() needs a GPU. Returns 0, or -1 with the reason in `err`.
+extern "C" int vmmalloc_companion_test_pool_create(uint64_t hi, uint64_t lo, char* err,
+                                                   size_t err_len) {
+#if VMM_TORCH_AT_LEAST(2, 8)
+  try {
+    auto* a = current_allocator_for_tests();
+    TORCH_CHECK(a, "the companion is not installed");
+    auto x = std::make_shared<HostTestAllocator>();
+    MempoolId_t id{hi, lo};
+#if VMM_TORCH_AT_LEAST(2, 11)
+    a->createOrIncrefPool(0, id, x);
+#else
+    a->createOrIncrefPool(0, id, x.get());
+#endif
+    test_allocators()[id] = x;
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e.what(), err, err_len);
+    return -1;
+  }
+#else
+  (void)hi;
+  (void)lo;
+  copy_error("needs PyTorch 2.8 headers", err, err_len);
+  return -1;
+#endif
+}
+
+// ~MemPool as PyTorch 2.8+ runs it: releasePool(device, id), then
+// emptyCache(id) (torch/csrc/cuda/MemPool.cpp). Returns 0, or -1 with the reason.
+extern "C" int vmmalloc_companion_test_pool_destroy(uint64_t hi, uint64_t lo, char* err,
+                                                    size_t err_len) {
+#if VMM_TORCH_AT_LEAST(2, 8)
+  try {
+    auto* a = current_allocator_for_tests();
+    TORCH_CHECK(a, "the companion is not installed");
+    a->releasePool(0, MempoolId_t{hi, lo});
+    a->emptyCache(MempoolId_t{hi, lo});
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e.what(), err, err_len);
+    return -1;
+  }
+#else
+  (void)hi;
+  (void)lo;
+  copy_error("needs PyTorch 2.8 headers", err, err_len);
+  return -1;
+#endif
+}
+
+// MemPool.use_count() (getPoolUseCount on device 0), or -1 when the pool is
+// unknown (it raised). For tests.
+extern "C" int vmmalloc_companion_test_pool_use_count(uint64_t hi, uint64_t lo) {
+#if VMM_TORCH_AT_LEAST(2, 6)
+  try {
+    auto* a = current_allocator_for_tests();
+    return a ? a->getPoolUseCount(0, MempoolId_t{hi, lo}) : -1;
+  } catch (...) {
+    return -1;
+  }
+#else
+  (void)hi;
+  (void)lo;
+  return -1;
+#endif
+}
+
+// What the stand-in X of pool (hi, lo) got: out[0] raw_alloc calls served,
+// out[1] raw_delete calls, out[2] segments live, out[3] bytes asked. With
+// `fail` 1 its raw_alloc returns NULL from now on (0: serves again; -1:
+// unchanged). Returns 0, or -1 for a pool it never stood for.
+extern "C" int vmmalloc_companion_test_pool_counts(uint64_t hi, uint64_t lo, int fail,
+                                                   int64_t* out) {
+  auto it = test_allocators().find(MempoolId_t{hi, lo});
+  if (it == test_allocators().end() || !out) return -1;
+  auto& x = *it->second;
+  if (fail >= 0) x.fail = fail != 0;
+  out[0] = x.served;
+  out[1] = x.deleted;
+  out[2] = x.live;
+  out[3] = x.bytes;
+  return 0;
+}
 
 // torch.cuda.MemPool(allocator=other) + use_mem_pool as PyTorch 2.11+ call
 // the allocator (MemPool's constructor: createOrIncrefPool(device, id,
-// allocator); use_mem_pool: beginAllocateToPool / endAllocateToPool;
-// ~MemPool: releasePool), with a host allocator standing for `other`, and
-// the allocations made through the companion's own path. Returns 0, or -1
-// with the first failed check in `err`. For tests without a GPU.
+// allocator); use_mem_pool: beginAllocateToPool / endAllocateToPool /
+// releasePool; ~MemPool: releasePool, emptyCache(id)), with a host
+// allocator standing for `other`, and the allocations made through the
+// companion's own path and freed through a DataPtr's deleter and
+// raw_delete. Returns 0, or -1 with the first failed check in `err`. For
+// tests without a GPU.
 extern "C" int vmmalloc_companion_mempool_allocator_for_tests(char* err, size_t err_len) {
 #if VMM_TORCH_AT_LEAST(2, 11)
   try {
@@ -1498,10 +2068,15 @@ extern "C" int vmmalloc_companion_mempool_allocator_for_tests(char* err, size_t 
     a->createOrIncrefPool(0, id, other);
     TORCH_CHECK(a->getPoolUseCount(0, id) == 1, "use count after the constructor");
     a->beginAllocateToPool(0, id, [](cudaStream_t) { return true; });
+    TORCH_CHECK(a->getPoolUseCount(0, id) == 2, "use count inside use_mem_pool (PyTorch: 2)");
     void* p1 = companion_malloc(1 << 20, 0, nullptr);
     c10::DataPtr d2 = VmmallocAllocator::data_ptr_of(companion_malloc(3 << 20, 0, nullptr), 0);
     a->endAllocateToPool(0, id);
-    TORCH_CHECK(other->served == 2 && other->live == 2, "the pool's allocations went to its allocator");
+    a->releasePool(0, id);  // use_mem_pool's exit
+    TORCH_CHECK(a->getPoolUseCount(0, id) == 1, "use count after use_mem_pool (PyTorch: 1)");
+    // A 2 MiB segment for 1 MiB, a 20 MiB one for 3 MiB (get_allocation_size).
+    TORCH_CHECK(other->served == 2 && other->live == 2 && other->bytes == (22 << 20),
+                "the pool's segments came from its allocator");
     TORCH_CHECK(allocated_bytes(0) == before, "vmmalloc counted the other allocator's bytes");
     void* p3 = companion_malloc(1 << 20, 0, nullptr);
     TORCH_CHECK(other->served == 2 && allocated_bytes(0) == before + (1 << 20),
@@ -1512,26 +2087,53 @@ extern "C" int vmmalloc_companion_mempool_allocator_for_tests(char* err, size_t 
     a->createOrIncrefPool(0, id, nullptr);
     TORCH_CHECK(a->getPoolUseCount(0, id) == 2, "use count after a capture's incref");
     a->releasePool(0, id);
-#if VMM_TORCH_AT_LEAST(2, 10)
-    a->setNoSplit(0, id);  // nothing to split in such a pool: accepted
-#endif
-    // Frees: the deleter and raw_delete give the memory back to `other`.
+    // Frees: the deleter and raw_delete give the blocks back to the pool;
+    // the segments stay cached there while the pool has a user.
     d2.clear();
-    TORCH_CHECK(other->live == 1, "the deleter returned the block to its allocator");
-    a->releasePool(0, id);  // ~MemPool
+    a->emptyCache({0, 0});  // torch.cuda.empty_cache(): the pool has a user
+    TORCH_CHECK(other->live == 2 && other->deleted == 0, "a block went back to the allocator");
+    // The second use_mem_pool: the cached 20 MiB segment serves 4 MiB, no call.
+    a->beginAllocateToPool(0, id, [](cudaStream_t) { return true; });
+    void* p4 = companion_malloc(4 << 20, 0, nullptr);
+    a->endAllocateToPool(0, id);
+    a->releasePool(0, id);
+    TORCH_CHECK(other->served == 2, "the cached segment was not reused");
+    a->raw_delete(p4);
+    a->releasePool(0, id);  // ~MemPool: releasePool, emptyCache(id)
+    a->emptyCache(id);
+    TORCH_CHECK(other->deleted == 1 && other->live == 1,
+                "~MemPool gave back the free segment and kept the one in use");
     TORCH_CHECK(a->getPoolUseCount(0, id) == 0, "use count after ~MemPool");
     a->raw_delete(p1);
-    TORCH_CHECK(other->live == 0, "raw_delete returned the block to its allocator");
+    TORCH_CHECK(other->live == 1, "raw_delete of the last block called the allocator");
+    a->emptyCache({0, 0});
+    TORCH_CHECK(other->live == 0 && other->deleted == 2, "empty_cache kept the free segment");
     bool forgotten = false;
     try {
       a->getPoolUseCount(0, id);  // forgotten by the companion: libvmmalloc does not know it
     } catch (const c10::Error&) {
       forgotten = true;
     }
-    TORCH_CHECK(forgotten, "the pool was not forgotten after its last block and reference");
+    TORCH_CHECK(forgotten, "the pool was not forgotten after its last segment and reference");
     companion_free(p3, 1 << 20, 0, nullptr);
     TORCH_CHECK(allocated_bytes(0) == before, "vmmalloc's own block freed");
 #if VMM_TORCH_AT_LEAST(2, 10)
+    // MemPool(no_split=True) with its own allocator: each block a whole segment.
+    auto whole = std::make_shared<HostTestAllocator>();
+    MempoolId_t ns{0, 906};
+    a->createOrIncrefPool(0, ns, whole);
+    a->setNoSplit(0, ns);
+    a->beginAllocateToPool(0, ns, [](cudaStream_t) { return true; });
+    void* n1 = companion_malloc(1000, 0, nullptr);
+    void* n2 = companion_malloc(1000, 0, nullptr);
+    a->endAllocateToPool(0, ns);
+    a->releasePool(0, ns);
+    TORCH_CHECK(whole->served == 2, "no_split: two small blocks shared a segment");
+    companion_free(n1, 1000, 0, nullptr);
+    companion_free(n2, 1000, 0, nullptr);
+    a->releasePool(0, ns);
+    a->emptyCache(ns);
+    TORCH_CHECK(whole->deleted == 2 && whole->live == 0, "no_split: segments not given back");
     // MemPool(no_split=True) on one of vmmalloc's own pools: a small
     // allocation takes a whole page, a freed block is taken whole again.
     MempoolId_t own{0, 902};
