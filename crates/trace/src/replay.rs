@@ -2,6 +2,7 @@
 //! and the capacity search built on it.
 
 use crate::model::Op;
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::sync::{Mutex, MutexGuard};
@@ -613,173 +614,239 @@ fn run_ops(
     result: &mut ReplayResult,
     state: &mut OpState,
 ) {
-    let OpState {
-        recorder,
-        id_streams,
-        ptrs,
-        sizes,
-        streams,
-        last_stream,
-        live,
-        regions,
-    } = state;
-    let recorder = recorder.as_deref();
+    let env = OpEnv { alloc, sim, config };
     let sample_every = ops
         .len()
         .checked_div(config.timeline_samples)
         .map_or(usize::MAX, |n| n.max(1));
     for (j, op) in ops.iter().enumerate() {
         let i = first_index + j;
-        match *op {
-            Op::Alloc { id, size, stream } => {
-                let id = id as usize;
-                if ptrs.len() <= id {
-                    ptrs.resize(id + 1, u64::MAX);
-                    sizes.resize(id + 1, 0);
-                }
-                let known = match *last_stream {
-                    Some((t, s)) if t == stream => Some(s),
-                    _ => streams.iter().find(|e| e.0 == stream).map(|e| e.1),
-                };
-                let s = match known {
-                    Some(s) => s,
-                    None => {
-                        let s = if stream == 0 {
-                            Stream::DEFAULT
-                        } else {
-                            match sim.create_stream() {
-                                Ok(s) => s,
-                                Err(e) => {
-                                    result.error = Some(format!("op {i}: creating a stream: {e}"));
-                                    result.ok = false;
-                                    return;
-                                }
-                            }
-                        };
-                        streams.push((stream, s));
-                        s
-                    }
-                };
-                *last_stream = Some((stream, s));
-                if let Some(r) = recorder {
-                    r.at_op(i, stream);
-                }
-                match alloc.malloc(size, s) {
-                    Ok(a) => {
-                        if let Some(r) = recorder {
-                            r.push("alloc", a.ptr, size, None);
-                            if id_streams.len() <= id {
-                                id_streams.resize(id + 1, 0);
-                            }
-                            id_streams[id] = stream;
-                        }
-                        ptrs[id] = a.ptr;
-                        sizes[id] = size;
-                        *live += size;
-                        result.final_live_allocs += 1;
-                        if *live > result.peak_live {
-                            result.peak_live = *live;
-                            result.peak_live_op = Some(i);
-                        }
-                    }
-                    // A request beyond the device is an out-of-memory too
-                    // (PyTorch raises OutOfMemoryError for it), whatever
-                    // error the policy calls it: counted, and the replay goes on.
-                    Err(e) if e.is_out_of_memory() || beyond_device(&e, config.capacity) => {
-                        if let Some(r) = recorder {
-                            let free = sim.mem_info().map_or(0, |m| m.free);
-                            r.push("oom", free, size, Some(free));
-                        }
-                        result.ok = false;
-                        result.ooms += 1;
-                        if result.first_oom.is_none() {
-                            result.first_oom = Some(i);
-                            result.oom_message = Some(with_frames(e, ptrs, config).to_string());
-                        }
-                        if config.stop_at_oom {
-                            result.ops = i + 1;
-                            return;
-                        }
-                    }
-                    Err(e) => {
-                        result.ok = false;
-                        result.error = Some(format!("op {i}: malloc({size}) failed: {e}"));
-                        result.ops = i + 1;
-                        return;
-                    }
-                }
-            }
-            Op::Reserve { id, max, stream } => {
-                let s = match region_stream(sim, streams, stream) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        result.error = Some(format!("op {i}: creating a stream: {e}"));
-                        result.ok = false;
-                        return;
-                    }
-                };
-                let r = regions.reserve(alloc, id, max, s);
-                if region_failed(r, i, max, config, result) {
-                    return;
-                }
-            }
-            Op::Resize { id, size } => {
-                let r = regions.resize(alloc, id, size, live, result, i);
-                if region_failed(r, i, size, config, result) {
-                    return;
-                }
-            }
-            Op::Free { id } if regions.contains(id) => match regions.free(alloc, id) {
-                Ok(size) => *live -= size,
-                Err(e) => {
-                    result.ok = false;
-                    result.error = Some(format!("op {i}: destroying region {id} failed: {e}"));
-                    result.ops = i + 1;
-                    return;
-                }
-            },
-            Op::Free { id } => {
-                let id = id as usize;
-                let ptr = ptrs.get(id).copied().unwrap_or(u64::MAX);
-                if ptr != u64::MAX {
-                    if let Some(r) = recorder {
-                        let stream = id_streams.get(id).copied().unwrap_or(0);
-                        r.at_op(i, stream);
-                        r.push("free_requested", ptr, sizes[id], None);
-                    }
-                    if let Err(e) = alloc.free(ptr) {
-                        result.ok = false;
-                        result.error = Some(format!("op {i}: free({ptr:#x}) failed: {e}"));
-                        result.ops = i + 1;
-                        return;
-                    }
-                    if let Some(r) = recorder {
-                        r.push("free_completed", ptr, sizes[id], None);
-                    }
-                    ptrs[id] = u64::MAX;
-                    *live -= sizes[id];
-                    result.final_live_allocs -= 1;
-                }
-            }
-        }
-        if config.validate_every > 0 && i.is_multiple_of(config.validate_every) {
-            if let Err(e) = alloc.validate() {
-                result.ok = false;
-                result.error = Some(format!("op {i}: invariant broken: {e}"));
-                result.ops = i + 1;
-                return;
-            }
+        if state.apply(&env, *op, i, result).is_break()
+            || check_invariants(&env, i, result).is_break()
+        {
+            return;
         }
         if i.is_multiple_of(sample_every) {
             let reserved = alloc.stats().reserved_bytes.all().current.max(0) as u64;
             result.timeline.push(Sample {
                 op: i,
-                live: *live,
+                live: state.live,
                 reserved,
             });
         }
     }
     result.ops = first_index + ops.len();
+}
+
+/// What every op of one [`run_ops`] replays against.
+struct OpEnv<'a> {
+    alloc: &'a dyn Allocator,
+    sim: &'a SimDevice,
+    config: &'a ReplayConfig,
+}
+
+/// Stops the replay: `result` says why.
+type Replay<T = ()> = ControlFlow<(), T>;
+
+/// The allocator's own checks every `config.validate_every` ops.
+fn check_invariants(env: &OpEnv, i: usize, result: &mut ReplayResult) -> Replay {
+    if env.config.validate_every > 0 && i.is_multiple_of(env.config.validate_every) {
+        if let Err(e) = env.alloc.validate() {
+            result.ok = false;
+            result.error = Some(format!("op {i}: invariant broken: {e}"));
+            result.ops = i + 1;
+            return ControlFlow::Break(());
+        }
+    }
+    ControlFlow::Continue(())
+}
+
+/// A failure to create the device stream for op `i`.
+fn stream_failed<T>(i: usize, e: impl std::fmt::Display, result: &mut ReplayResult) -> Replay<T> {
+    result.error = Some(format!("op {i}: creating a stream: {e}"));
+    result.ok = false;
+    ControlFlow::Break(())
+}
+
+impl OpState {
+    /// Replays op `i`.
+    fn apply(&mut self, env: &OpEnv, op: Op, i: usize, result: &mut ReplayResult) -> Replay {
+        match op {
+            Op::Alloc { id, size, stream } => {
+                let s = self.device_stream(env.sim, stream, i, result)?;
+                self.alloc(env, i, id as usize, size, (stream, s), result)
+            }
+            Op::Reserve { id, max, stream } => {
+                let s = match region_stream(env.sim, &mut self.streams, stream) {
+                    Ok(s) => s,
+                    Err(e) => return stream_failed(i, e, result),
+                };
+                let r = self.regions.reserve(env.alloc, id, max, s);
+                region_flow(region_failed(r, i, max, env.config, result))
+            }
+            Op::Resize { id, size } => {
+                let r = self
+                    .regions
+                    .resize(env.alloc, id, size, &mut self.live, result, i);
+                region_flow(region_failed(r, i, size, env.config, result))
+            }
+            Op::Free { id } if self.regions.contains(id) => {
+                match self.regions.free(env.alloc, id) {
+                    Ok(size) => {
+                        self.live -= size;
+                        ControlFlow::Continue(())
+                    }
+                    Err(e) => {
+                        result.ok = false;
+                        result.error = Some(format!("op {i}: destroying region {id} failed: {e}"));
+                        result.ops = i + 1;
+                        ControlFlow::Break(())
+                    }
+                }
+            }
+            Op::Free { id } => self.free(env.alloc, i, id as usize, result),
+        }
+    }
+
+    /// The device stream for trace stream `stream` (created on first use;
+    /// the last one used is checked first).
+    fn device_stream(
+        &mut self,
+        sim: &SimDevice,
+        stream: u64,
+        i: usize,
+        result: &mut ReplayResult,
+    ) -> Replay<Stream> {
+        let known = match self.last_stream {
+            Some((t, s)) if t == stream => Some(s),
+            _ => self.streams.iter().find(|e| e.0 == stream).map(|e| e.1),
+        };
+        let s = match known {
+            Some(s) => s,
+            None => {
+                let s = if stream == 0 {
+                    Stream::DEFAULT
+                } else {
+                    match sim.create_stream() {
+                        Ok(s) => s,
+                        Err(e) => return stream_failed(i, e, result),
+                    }
+                };
+                self.streams.push((stream, s));
+                s
+            }
+        };
+        self.last_stream = Some((stream, s));
+        ControlFlow::Continue(s)
+    }
+
+    /// `Op::Alloc` of dense id `id` on `(trace stream, device stream)`.
+    fn alloc(
+        &mut self,
+        env: &OpEnv,
+        i: usize,
+        id: usize,
+        size: u64,
+        (stream, s): (u64, Stream),
+        result: &mut ReplayResult,
+    ) -> Replay {
+        if self.ptrs.len() <= id {
+            self.ptrs.resize(id + 1, u64::MAX);
+            self.sizes.resize(id + 1, 0);
+        }
+        let recorder = self.recorder.as_deref();
+        if let Some(r) = recorder {
+            r.at_op(i, stream);
+        }
+        match env.alloc.malloc(size, s) {
+            Ok(a) => {
+                if let Some(r) = recorder {
+                    r.push("alloc", a.ptr, size, None);
+                    if self.id_streams.len() <= id {
+                        self.id_streams.resize(id + 1, 0);
+                    }
+                    self.id_streams[id] = stream;
+                }
+                self.ptrs[id] = a.ptr;
+                self.sizes[id] = size;
+                self.live += size;
+                result.final_live_allocs += 1;
+                if self.live > result.peak_live {
+                    result.peak_live = self.live;
+                    result.peak_live_op = Some(i);
+                }
+                ControlFlow::Continue(())
+            }
+            // A request beyond the device is an out-of-memory too
+            // (PyTorch raises OutOfMemoryError for it), whatever
+            // error the policy calls it: counted, and the replay goes on.
+            Err(e) if e.is_out_of_memory() || beyond_device(&e, env.config.capacity) => {
+                if let Some(r) = recorder {
+                    let free = env.sim.mem_info().map_or(0, |m| m.free);
+                    r.push("oom", free, size, Some(free));
+                }
+                result.ok = false;
+                result.ooms += 1;
+                if result.first_oom.is_none() {
+                    result.first_oom = Some(i);
+                    result.oom_message = Some(with_frames(e, &self.ptrs, env.config).to_string());
+                }
+                if env.config.stop_at_oom {
+                    result.ops = i + 1;
+                    return ControlFlow::Break(());
+                }
+                ControlFlow::Continue(())
+            }
+            Err(e) => {
+                result.ok = false;
+                result.error = Some(format!("op {i}: malloc({size}) failed: {e}"));
+                result.ops = i + 1;
+                ControlFlow::Break(())
+            }
+        }
+    }
+
+    /// `Op::Free` of dense id `id` (nothing if its allocation failed).
+    fn free(
+        &mut self,
+        alloc: &dyn Allocator,
+        i: usize,
+        id: usize,
+        result: &mut ReplayResult,
+    ) -> Replay {
+        let ptr = self.ptrs.get(id).copied().unwrap_or(u64::MAX);
+        if ptr == u64::MAX {
+            return ControlFlow::Continue(());
+        }
+        let recorder = self.recorder.as_deref();
+        if let Some(r) = recorder {
+            let stream = self.id_streams.get(id).copied().unwrap_or(0);
+            r.at_op(i, stream);
+            r.push("free_requested", ptr, self.sizes[id], None);
+        }
+        if let Err(e) = alloc.free(ptr) {
+            result.ok = false;
+            result.error = Some(format!("op {i}: free({ptr:#x}) failed: {e}"));
+            result.ops = i + 1;
+            return ControlFlow::Break(());
+        }
+        if let Some(r) = recorder {
+            r.push("free_completed", ptr, self.sizes[id], None);
+        }
+        self.ptrs[id] = u64::MAX;
+        self.live -= self.sizes[id];
+        result.final_live_allocs -= 1;
+        ControlFlow::Continue(())
+    }
+}
+
+/// [`region_failed`]'s verdict as the replay's flow.
+fn region_flow(stopped: bool) -> Replay {
+    if stopped {
+        ControlFlow::Break(())
+    } else {
+        ControlFlow::Continue(())
+    }
 }
 
 /// Whether `e` refuses a request larger than the whole device.

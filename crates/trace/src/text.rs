@@ -73,100 +73,68 @@ impl Section {
 
 /// Parses a text trace; `default_name` names it when it has no `name` line.
 pub fn parse_text(text: &str, default_name: &str) -> Result<Trace> {
-    let mut name: Option<String> = None;
-    let mut header_seen = false;
-    let mut done: BTreeMap<u32, Section> = BTreeMap::new();
-    let mut current: Option<Section> = None;
-
+    let mut reader = TextReader::default();
     for (n, raw) in text.lines().enumerate() {
-        let line_no = n + 1;
-        let at = |kind: ErrorKind| TraceError::new(kind).at_line(line_no);
-        let line = raw.trim();
+        reader.line(n + 1, raw.trim())?;
+    }
+    reader.finish(default_name)
+}
+
+/// The error `kind` at line `line_no`.
+fn at_line(line_no: usize) -> impl Fn(ErrorKind) -> TraceError {
+    move |kind| TraceError::new(kind).at_line(line_no)
+}
+
+/// What [`parse_text`] has read so far.
+#[derive(Default)]
+struct TextReader {
+    name: Option<String>,
+    header_seen: bool,
+    /// Finished device sections.
+    done: BTreeMap<u32, Section>,
+    /// The section being read.
+    current: Option<Section>,
+}
+
+impl TextReader {
+    /// Reads one trimmed line.
+    fn line(&mut self, line_no: usize, line: &str) -> Result<()> {
+        let at = at_line(line_no);
         if line.is_empty() || line.starts_with('#') {
-            continue;
+            return Ok(());
         }
         let (word, rest) = match line.split_once(char::is_whitespace) {
             Some((w, r)) => (w, r.trim_start()),
             None => (line, ""),
         };
-        if !header_seen {
-            if word != "vmmalloc-trace" {
-                return Err(at(ErrorKind::BadHeader(format!(
-                    "expected `{HEADER}` as the first line, found `{}`",
-                    clip(line)
-                ))));
-            }
-            if rest != "1" {
-                return Err(at(ErrorKind::BadHeader(format!(
-                    "version `{}` is not supported (1 is)",
-                    clip(rest)
-                ))));
-            }
-            header_seen = true;
-            continue;
+        if !self.header_seen {
+            check_header(line, word, rest).map_err(at)?;
+            self.header_seen = true;
+            return Ok(());
         }
         match word {
             "name" => {
-                if name.is_some() {
+                if self.name.is_some() {
                     return Err(at(ErrorKind::Syntax("a second `name` line".into())));
                 }
-                name = Some(unescape(rest).map_err(at)?);
+                self.name = Some(unescape(rest).map_err(at)?);
             }
-            "device" => {
-                let d = parse_u64(rest, "device").map_err(at)?;
-                let d = u32::try_from(d)
-                    .map_err(|_| at(ErrorKind::Syntax(format!("device {d} out of range"))))?;
-                if let Some(s) = current.take() {
-                    let prev = s.parts.device;
-                    if done.insert(prev, s).is_some() {
-                        return Err(at(ErrorKind::DuplicateDevice(prev)));
-                    }
-                }
-                if done.contains_key(&d) {
-                    return Err(at(ErrorKind::DuplicateDevice(d)));
-                }
-                current = Some(Section::new(d));
-            }
+            "device" => self.start_device(line_no, rest)?,
             "setting" => {
-                let sec = current.get_or_insert_with(|| Section::new(0));
+                let sec = self.section();
                 let (k, v) = rest.split_once(char::is_whitespace).unwrap_or((rest, ""));
                 if k.is_empty() {
                     return Err(at(ErrorKind::Syntax("`setting` needs a key".into())));
                 }
-                let k = unescape(k).map_err(at)?;
+                let k = unescape(k).map_err(&at)?;
                 let v = unescape(v.trim_start()).map_err(at)?;
                 sec.parts.allocator_settings.insert(k, v);
             }
             "warning" => {
-                let sec = current.get_or_insert_with(|| Section::new(0));
+                let sec = self.section();
                 sec.parts.warnings.push(unescape(rest).map_err(at)?);
             }
-            "pre" => {
-                let sec = current.get_or_insert_with(|| Section::new(0));
-                if !sec.parts.events.is_empty() {
-                    return Err(at(ErrorKind::Syntax(
-                        "`pre` after the device's first event".into(),
-                    )));
-                }
-                let f = fields(rest, 3, 3, "pre ADDR SIZE STREAM").map_err(at)?;
-                let addr = parse_u64(f[0], "address").map_err(at)?;
-                let size = parse_u64(f[1], "size").map_err(at)?;
-                let stream = parse_u64(f[2], "stream").map_err(at)?;
-                if size == 0 {
-                    return Err(at(ErrorKind::ZeroSize).on_device(sec.parts.device));
-                }
-                if size > crate::model::MAX_SIZE {
-                    let kind = ErrorKind::Absurd {
-                        field: "size",
-                        value: size.into(),
-                    };
-                    return Err(at(kind).on_device(sec.parts.device));
-                }
-                if sec.live.insert(addr, (size, stream)).is_some() {
-                    return Err(at(ErrorKind::DuplicatePre { addr }).on_device(sec.parts.device));
-                }
-                sec.parts.pre_trace.push(Alloc { addr, size, stream });
-            }
+            "pre" => self.section().pre(line_no, rest)?,
             _ => {
                 let Some(kind) = EventKind::from_name(word) else {
                     let mut known: Vec<&str> = DIRECTIVES.to_vec();
@@ -176,97 +144,199 @@ pub fn parse_text(text: &str, default_name: &str) -> Result<Trace> {
                         known: known.join(", "),
                     }));
                 };
-                let sec = current.get_or_insert_with(|| Section::new(0));
-                let index = sec.parts.events.len();
-                let dev = sec.parts.device;
-                let at_ev = |k: ErrorKind| at(k).on_device(dev).at_event(index);
-                let event = if kind == EventKind::Free {
-                    let f =
-                        fields(rest, 1, 4, "free ADDR [SIZE STREAM [TIME_US]]").map_err(at_ev)?;
-                    if f.len() == 2 {
-                        return Err(at_ev(ErrorKind::Syntax(
-                            "`free` takes ADDR alone or ADDR SIZE STREAM [TIME_US]".into(),
-                        )));
-                    }
-                    let addr = parse_u64(f[0], "address").map_err(at_ev)?;
-                    let Some((live_size, live_stream)) = sec.live.remove(&addr) else {
-                        return Err(at_ev(ErrorKind::FreeOfUnknown { addr }));
-                    };
-                    let (size, stream) = if f.len() >= 3 {
-                        (
-                            parse_u64(f[1], "size").map_err(at_ev)?,
-                            parse_u64(f[2], "stream").map_err(at_ev)?,
-                        )
-                    } else {
-                        (live_size, live_stream)
-                    };
-                    let time_us = f
-                        .get(3)
-                        .map(|t| parse_i64(t, "time_us"))
-                        .transpose()
-                        .map_err(at_ev)?;
-                    Event {
-                        kind,
-                        addr,
-                        size,
-                        stream,
-                        time_us,
-                    }
-                } else {
-                    let usage = format!("{} ADDR SIZE STREAM [TIME_US]", kind.name());
-                    let f = fields(rest, 3, 4, &usage).map_err(at_ev)?;
-                    let addr = parse_u64(f[0], "address").map_err(at_ev)?;
-                    let size = parse_u64(f[1], "size").map_err(at_ev)?;
-                    let stream = parse_u64(f[2], "stream").map_err(at_ev)?;
-                    let time_us = f
-                        .get(3)
-                        .map(|t| parse_i64(t, "time_us"))
-                        .transpose()
-                        .map_err(at_ev)?;
-                    // A growable region (`reserve`) is live until its `free` too.
-                    let creates = matches!(kind, EventKind::Alloc | EventKind::Reserve);
-                    if creates && sec.live.insert(addr, (size, stream)).is_some() {
-                        return Err(at_ev(ErrorKind::DoubleAlloc { addr }));
-                    }
-                    Event {
-                        kind,
-                        addr,
-                        size,
-                        stream,
-                        time_us,
-                    }
-                };
-                sec.parts.events.push(event);
-                sec.event_lines.push(line_no);
+                self.section().event(line_no, kind, rest)?;
             }
         }
+        Ok(())
     }
-    if !header_seen {
-        return Err(ErrorKind::BadHeader(format!("empty file (expected `{HEADER}`)")).into());
+
+    /// The section events and directives go to (device 0 before any `device` line).
+    fn section(&mut self) -> &mut Section {
+        self.current.get_or_insert_with(|| Section::new(0))
     }
-    if let Some(s) = current.take() {
-        let d = s.parts.device;
-        if done.insert(d, s).is_some() {
-            return Err(ErrorKind::DuplicateDevice(d).into());
-        }
-    }
-    let mut devices = Vec::with_capacity(done.len());
-    for (_, s) in done {
-        let Section {
-            parts, event_lines, ..
-        } = s;
-        let dt = DeviceTrace::new(parts).map_err(|e| {
-            match e.index.and_then(|i| event_lines.get(i)) {
-                Some(&l) => e.at_line(l),
-                None => e,
+
+    /// `device N`: ends the current section and starts device N's.
+    fn start_device(&mut self, line_no: usize, rest: &str) -> Result<()> {
+        let at = at_line(line_no);
+        let d = parse_u64(rest, "device").map_err(&at)?;
+        let d = u32::try_from(d)
+            .map_err(|_| at(ErrorKind::Syntax(format!("device {d} out of range"))))?;
+        if let Some(s) = self.current.take() {
+            let prev = s.parts.device;
+            if self.done.insert(prev, s).is_some() {
+                return Err(at(ErrorKind::DuplicateDevice(prev)));
             }
-        })?;
-        devices.push(dt);
+        }
+        if self.done.contains_key(&d) {
+            return Err(at(ErrorKind::DuplicateDevice(d)));
+        }
+        self.current = Some(Section::new(d));
+        Ok(())
     }
-    Ok(Trace {
-        name: name.unwrap_or_else(|| default_name.to_string()),
-        devices,
-    })
+
+    /// The trace, once every line is read.
+    fn finish(mut self, default_name: &str) -> Result<Trace> {
+        if !self.header_seen {
+            return Err(ErrorKind::BadHeader(format!("empty file (expected `{HEADER}`)")).into());
+        }
+        if let Some(s) = self.current.take() {
+            let d = s.parts.device;
+            if self.done.insert(d, s).is_some() {
+                return Err(ErrorKind::DuplicateDevice(d).into());
+            }
+        }
+        let mut devices = Vec::with_capacity(self.done.len());
+        for (_, s) in self.done {
+            let Section {
+                parts, event_lines, ..
+            } = s;
+            let dt = DeviceTrace::new(parts).map_err(|e| {
+                match e.index.and_then(|i| event_lines.get(i)) {
+                    Some(&l) => e.at_line(l),
+                    None => e,
+                }
+            })?;
+            devices.push(dt);
+        }
+        Ok(Trace {
+            name: self.name.unwrap_or_else(|| default_name.to_string()),
+            devices,
+        })
+    }
+}
+
+/// Checks the first line: `vmmalloc-trace 1`.
+fn check_header(line: &str, word: &str, rest: &str) -> std::result::Result<(), ErrorKind> {
+    if word != "vmmalloc-trace" {
+        return Err(ErrorKind::BadHeader(format!(
+            "expected `{HEADER}` as the first line, found `{}`",
+            clip(line)
+        )));
+    }
+    if rest != "1" {
+        return Err(ErrorKind::BadHeader(format!(
+            "version `{}` is not supported (1 is)",
+            clip(rest)
+        )));
+    }
+    Ok(())
+}
+
+impl Section {
+    /// `pre ADDR SIZE STREAM`: an allocation live before the first event.
+    fn pre(&mut self, line_no: usize, rest: &str) -> Result<()> {
+        let at = at_line(line_no);
+        if !self.parts.events.is_empty() {
+            return Err(at(ErrorKind::Syntax(
+                "`pre` after the device's first event".into(),
+            )));
+        }
+        let f = fields(rest, 3, 3, "pre ADDR SIZE STREAM").map_err(&at)?;
+        let addr = parse_u64(f[0], "address").map_err(&at)?;
+        let size = parse_u64(f[1], "size").map_err(&at)?;
+        let stream = parse_u64(f[2], "stream").map_err(&at)?;
+        if size == 0 {
+            return Err(at(ErrorKind::ZeroSize).on_device(self.parts.device));
+        }
+        if size > crate::model::MAX_SIZE {
+            let kind = ErrorKind::Absurd {
+                field: "size",
+                value: size.into(),
+            };
+            return Err(at(kind).on_device(self.parts.device));
+        }
+        if self.live.insert(addr, (size, stream)).is_some() {
+            return Err(at(ErrorKind::DuplicatePre { addr }).on_device(self.parts.device));
+        }
+        self.parts.pre_trace.push(Alloc { addr, size, stream });
+        Ok(())
+    }
+
+    /// An event line (`alloc`, `free`, …) of kind `kind`.
+    fn event(&mut self, line_no: usize, kind: EventKind, rest: &str) -> Result<()> {
+        let index = self.parts.events.len();
+        let dev = self.parts.device;
+        let at = at_line(line_no);
+        let at_ev = |k: ErrorKind| at(k).on_device(dev).at_event(index);
+        let event = if kind == EventKind::Free {
+            self.free_event(rest, &at_ev)?
+        } else {
+            self.creating_event(kind, rest, &at_ev)?
+        };
+        self.parts.events.push(event);
+        self.event_lines.push(line_no);
+        Ok(())
+    }
+
+    /// `free ADDR [SIZE STREAM [TIME_US]]`: size and stream default to the
+    /// allocation's.
+    fn free_event(
+        &mut self,
+        rest: &str,
+        at_ev: &impl Fn(ErrorKind) -> TraceError,
+    ) -> Result<Event> {
+        let f = fields(rest, 1, 4, "free ADDR [SIZE STREAM [TIME_US]]").map_err(at_ev)?;
+        if f.len() == 2 {
+            return Err(at_ev(ErrorKind::Syntax(
+                "`free` takes ADDR alone or ADDR SIZE STREAM [TIME_US]".into(),
+            )));
+        }
+        let addr = parse_u64(f[0], "address").map_err(at_ev)?;
+        let Some((live_size, live_stream)) = self.live.remove(&addr) else {
+            return Err(at_ev(ErrorKind::FreeOfUnknown { addr }));
+        };
+        let (size, stream) = if f.len() >= 3 {
+            (
+                parse_u64(f[1], "size").map_err(at_ev)?,
+                parse_u64(f[2], "stream").map_err(at_ev)?,
+            )
+        } else {
+            (live_size, live_stream)
+        };
+        let time_us = f
+            .get(3)
+            .map(|t| parse_i64(t, "time_us"))
+            .transpose()
+            .map_err(at_ev)?;
+        Ok(Event {
+            kind: EventKind::Free,
+            addr,
+            size,
+            stream,
+            time_us,
+        })
+    }
+
+    /// `KIND ADDR SIZE STREAM [TIME_US]` for every kind but `free`.
+    fn creating_event(
+        &mut self,
+        kind: EventKind,
+        rest: &str,
+        at_ev: &impl Fn(ErrorKind) -> TraceError,
+    ) -> Result<Event> {
+        let usage = format!("{} ADDR SIZE STREAM [TIME_US]", kind.name());
+        let f = fields(rest, 3, 4, &usage).map_err(at_ev)?;
+        let addr = parse_u64(f[0], "address").map_err(at_ev)?;
+        let size = parse_u64(f[1], "size").map_err(at_ev)?;
+        let stream = parse_u64(f[2], "stream").map_err(at_ev)?;
+        let time_us = f
+            .get(3)
+            .map(|t| parse_i64(t, "time_us"))
+            .transpose()
+            .map_err(at_ev)?;
+        // A growable region (`reserve`) is live until its `free` too.
+        let creates = matches!(kind, EventKind::Alloc | EventKind::Reserve);
+        if creates && self.live.insert(addr, (size, stream)).is_some() {
+            return Err(at_ev(ErrorKind::DoubleAlloc { addr }));
+        }
+        Ok(Event {
+            kind,
+            addr,
+            size,
+            stream,
+            time_us,
+        })
+    }
 }
 
 /// Writes `trace` in the canonical text form (final segments are not written).

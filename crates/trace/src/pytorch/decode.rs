@@ -1232,432 +1232,493 @@ pub(crate) fn run<R: Read, S: Sink>(vm: &mut Vm, r: R, sink: &mut S) -> Result<V
 }
 
 fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Result<Val> {
-    use op::*;
     loop {
         vm.at = src.offset();
-        // Every opcode pushes at most one value: room for it is charged here.
-        if vm.stack.len() == vm.stack.capacity() {
-            let add = vm.stack.capacity().max(256);
-            vm.charge(add as u64 * VAL_BYTES)?;
-            vm.stack.reserve_exact(add);
-        }
+        reserve_stack_slot(vm)?;
         let Some(code) = src.byte()? else {
             return Err(vm.pickle_err("truncated: the input ends before the STOP opcode"));
         };
-        macro_rules! take {
-            ($n:expr) => {
-                match src.take($n)? {
-                    Some(b) => b,
-                    None => {
-                        return Err(vm.pickle_err(format!(
-                            "truncated: the input ends inside {}",
-                            name_of(code)
-                        )))
-                    }
-                }
-            };
-        }
-        macro_rules! take_vec {
-            ($n:expr) => {
-                match src.take_vec($n)? {
-                    Some(b) => b,
-                    None => {
-                        return Err(vm.pickle_err(format!(
-                            "truncated: the input ends inside {}",
-                            name_of(code)
-                        )))
-                    }
-                }
-            };
-        }
-        macro_rules! line {
-            () => {
-                match src.line()? {
-                    Some(l) => l,
-                    None => {
-                        return Err(vm.pickle_err(format!(
-                            "truncated: the input ends inside {}",
-                            name_of(code)
-                        )))
-                    }
-                }
-            };
-        }
-        macro_rules! utf8 {
-            ($b:expr) => {
-                match std::str::from_utf8($b) {
-                    Ok(s) => Val::Str(vm.intern(s)?),
-                    Err(_) => {
-                        return Err(vm.pickle_err(format!("{} is not valid UTF-8", name_of(code))))
-                    }
-                }
-            };
-        }
-        match code {
-            PROTO => {
-                take!(1);
-            }
-            FRAME => {
-                take!(8);
-            }
-            STOP => {
-                let v = vm.pop()?;
-                if src.byte()?.is_some() {
-                    vm.at = src.offset() - 1;
-                    return Err(vm.pickle_err("trailing bytes after the STOP opcode"));
-                }
-                return Ok(v);
-            }
-            MARK => {
-                if vm.marks.len() == vm.marks.capacity() {
-                    let add = vm.marks.capacity().max(16);
-                    vm.charge(add as u64 * 8)?;
-                    vm.marks.reserve_exact(add);
-                }
-                vm.marks.push(vm.stack.len())
-            }
-            POP => {
-                if vm.marks.last() == Some(&vm.stack.len()) {
-                    vm.marks.pop();
-                } else {
-                    let v = vm.pop()?;
-                    vm.release(v);
-                }
-            }
-            POP_MARK => {
-                let m = vm.pop_mark()?;
-                vm.release_from(m);
-            }
-            DUP => {
-                let v = vm.top()?;
-                vm.retain(v);
-                vm.push(v);
-            }
-            PUT | BINPUT | LONG_BINPUT | MEMOIZE => {
-                let id = match code {
-                    PUT => {
-                        let l = line!();
-                        std::str::from_utf8(&l)
-                            .ok()
-                            .and_then(|s| s.parse::<u32>().ok())
-                            .ok_or_else(|| vm.pickle_err("invalid PUT index"))?
-                    }
-                    BINPUT => take!(1)[0] as u32,
-                    LONG_BINPUT => u32::from_le_bytes(take!(4).try_into().expect("4 bytes")),
-                    _ => u32::try_from(vm.memo.count)
-                        .map_err(|_| vm.pickle_err("memo beyond 2^32 entries"))?,
-                };
-                let v = vm.top()?;
-                vm.retain(v);
-                if let Val::Obj(i) = v {
-                    let o = &mut vm.objs[i as usize];
-                    if o.memo == NO_MEMO {
-                        o.memo = id;
-                    }
-                }
-                match vm.memo.set(id, v, &vm.budget) {
-                    Ok(Some(old)) => vm.release(old),
-                    Ok(None) => {}
-                    Err(_) if vm.budget.exhausted() => return Err(vm.limit_err()),
-                    Err(m) => return Err(vm.pickle_err(m)),
-                }
-            }
-            GET | BINGET | LONG_BINGET => {
-                let id = match code {
-                    GET => {
-                        let l = line!();
-                        std::str::from_utf8(&l)
-                            .ok()
-                            .and_then(|s| s.parse::<u32>().ok())
-                            .ok_or_else(|| vm.pickle_err("invalid GET index"))?
-                    }
-                    BINGET => take!(1)[0] as u32,
-                    _ => u32::from_le_bytes(take!(4).try_into().expect("4 bytes")),
-                };
-                let v = vm
-                    .memo
-                    .get(id)
-                    .ok_or_else(|| vm.pickle_err(format!("memo entry {id} is missing")))?;
-                vm.retain(v);
-                vm.push(v);
-            }
-            NONE => vm.push(Val::None),
-            NEWTRUE => vm.push(Val::Bool(true)),
-            NEWFALSE => vm.push(Val::Bool(false)),
-            INT => {
-                let l = line!();
-                let v = match &l[..] {
-                    b"00" => Val::Bool(false),
-                    b"01" => Val::Bool(true),
-                    _ => Val::Int(
-                        std::str::from_utf8(&l)
-                            .ok()
-                            .and_then(|s| s.parse().ok())
-                            .ok_or_else(|| vm.pickle_err("invalid INT literal"))?,
-                    ),
-                };
-                vm.push(v);
-            }
-            LONG => {
-                let mut l = line!();
-                if l.last() == Some(&b'L') {
-                    l.pop();
-                }
-                let b = BigInt::parse_bytes(&l, 10)
-                    .ok_or_else(|| vm.pickle_err("invalid LONG literal"))?;
-                let v = big_val(vm, b)?;
-                vm.push(v);
-            }
-            FLOAT => {
-                let l = line!();
-                let f = std::str::from_utf8(&l)
-                    .ok()
-                    .and_then(|s| s.parse().ok())
-                    .ok_or_else(|| vm.pickle_err("invalid FLOAT literal"))?;
-                vm.push(Val::Float(f));
-            }
-            BINFLOAT => {
-                let f = f64::from_be_bytes(take!(8).try_into().expect("8 bytes"));
-                vm.push(Val::Float(f));
-            }
-            BININT => {
-                let i = i32::from_le_bytes(take!(4).try_into().expect("4 bytes"));
-                vm.push(Val::Int(i.into()));
-            }
-            BININT1 => {
-                let i = take!(1)[0];
-                vm.push(Val::Int(i.into()));
-            }
-            BININT2 => {
-                let i = u16::from_le_bytes(take!(2).try_into().expect("2 bytes"));
-                vm.push(Val::Int(i.into()));
-            }
-            LONG1 => {
-                let n = take!(1)[0] as usize;
-                let b = take!(n).to_vec();
-                let v = long_val(vm, &b)?;
-                vm.push(v);
-            }
-            LONG4 => {
-                let n = i32::from_le_bytes(take!(4).try_into().expect("4 bytes"));
-                let n = u64::try_from(n).map_err(|_| vm.pickle_err("LONG4 of negative length"))?;
-                let b = take_vec!(n);
-                let v = long_val(vm, &b)?;
-                vm.push(v);
-            }
-            SHORT_BINUNICODE | SHORT_BINSTRING => {
-                let n = take!(1)[0] as usize;
-                let v = utf8!(take!(n));
-                vm.push(v);
-            }
-            BINUNICODE | BINUNICODE8 | BINSTRING => {
-                let n = match code {
-                    BINUNICODE => u32::from_le_bytes(take!(4).try_into().expect("4 bytes")) as u64,
-                    BINSTRING => {
-                        let n = i32::from_le_bytes(take!(4).try_into().expect("4 bytes"));
-                        u64::try_from(n)
-                            .map_err(|_| vm.pickle_err("BINSTRING of negative length"))?
-                    }
-                    _ => u64::from_le_bytes(take!(8).try_into().expect("8 bytes")),
-                };
-                let v = if n <= BUF as u64 {
-                    utf8!(take!(n as usize))
-                } else {
-                    let b = take_vec!(n);
-                    utf8!(&b)
-                };
-                vm.push(v);
-            }
-            SHORT_BINBYTES | BINBYTES | BINBYTES8 | BYTEARRAY8 => {
-                let n = match code {
-                    SHORT_BINBYTES => take!(1)[0] as u64,
-                    BINBYTES => u32::from_le_bytes(take!(4).try_into().expect("4 bytes")) as u64,
-                    _ => u64::from_le_bytes(take!(8).try_into().expect("8 bytes")),
-                };
-                let b = take_vec!(n);
-                let v = vm.keep_bytes(b)?;
-                vm.push(v);
-            }
-            STRING => {
-                let l = line!();
-                let b = unescape_string(vm, &l)?;
-                let v = utf8!(&b);
-                vm.push(v);
-            }
-            UNICODE => {
-                let l = line!();
-                let s = unescape_unicode(vm, &l)?;
-                let v = Val::Str(vm.intern(&s)?);
-                vm.push(v);
-            }
-            EMPTY_TUPLE => {
-                let o = vm.new_obj(Kind::Tuple, NO_ROLE, Vec::new())?;
-                vm.push(Val::Obj(o));
-            }
-            TUPLE1 | TUPLE2 | TUPLE3 => {
-                let n = (code - TUPLE1 + 1) as usize;
-                if vm.stack.len() < vm.floor() + n {
-                    return Err(vm.pickle_err("stack underflow"));
-                }
-                let items = vm.take_items(vm.stack.len() - n)?;
-                let o = vm.new_obj(Kind::Tuple, NO_ROLE, items)?;
-                vm.push(Val::Obj(o));
-            }
-            TUPLE | LIST | FROZENSET => {
-                let m = vm.pop_mark()?;
-                let items = vm.take_items(m)?;
-                let kind = match code {
-                    TUPLE => Kind::Tuple,
-                    LIST => Kind::List,
-                    _ => Kind::FrozenSet,
-                };
-                if kind == Kind::FrozenSet {
-                    if let Some(&bad) = items.iter().find(|&&v| !vm.hashable(v)) {
-                        return Err(
-                            vm.pickle_err(format!("unhashable set member ({})", vm.type_of(bad)))
-                        );
-                    }
-                }
-                let o = vm.new_obj(kind, NO_ROLE, items)?;
-                vm.push(Val::Obj(o));
-            }
-            DICT => {
-                let m = vm.pop_mark()?;
-                let items = vm.take_items(m)?;
-                if items.len() % 2 == 1 {
-                    return Err(vm.pickle_err("DICT with a key and no value"));
-                }
-                if let Some(&bad) = items.iter().step_by(2).find(|&&k| !vm.hashable(k)) {
-                    return Err(vm.pickle_err(format!("unhashable dict key ({})", vm.type_of(bad))));
-                }
-                let o = vm.new_obj(Kind::Dict, NO_ROLE, items)?;
-                vm.push(Val::Obj(o));
-            }
-            EMPTY_LIST | EMPTY_DICT | EMPTY_SET => {
-                let kind = match code {
-                    EMPTY_LIST => Kind::List,
-                    EMPTY_DICT => Kind::Dict,
-                    _ => Kind::Set,
-                };
-                let role = if kind == Kind::Set {
-                    NO_ROLE
-                } else {
-                    vm.creation_role(sink, kind)
-                };
-                let o = vm.new_obj(kind, role, Vec::new())?;
-                vm.push(Val::Obj(o));
-            }
-            APPEND | SETITEM => {
-                let n = if code == APPEND { 1 } else { 2 };
-                if vm.stack.len() < vm.floor() + n + 1 {
-                    return Err(vm.pickle_err("stack underflow"));
-                }
-                let mut items = std::mem::take(&mut vm.scratch);
-                items.clear();
-                if let Err(e) = vm.room_in_scratch(&mut items, n) {
-                    vm.scratch = items;
-                    return Err(e.into());
-                }
-                let from = vm.stack.len() - n;
-                items.extend_from_slice(&vm.stack[from..]);
-                vm.stack.truncate(from);
-                let target = vm.top()?;
-                if code == APPEND && matches!(target, Val::Obj(t) if vm.obj(t).kind == Kind::Set) {
-                    vm.scratch = items;
-                    return Err(vm.pickle_err("APPEND into a set"));
-                }
-                let r = vm.land(sink, target, &items, code == SETITEM);
-                vm.scratch = items;
-                r?;
-            }
-            APPENDS | SETITEMS | ADDITEMS => {
-                let m = vm.pop_mark()?;
-                let mut items = std::mem::take(&mut vm.scratch);
-                items.clear();
-                if let Err(e) = vm.room_in_scratch(&mut items, vm.stack.len() - m) {
-                    vm.scratch = items;
-                    return Err(e.into());
-                }
-                items.extend_from_slice(&vm.stack[m..]);
-                vm.stack.truncate(m);
-                let target = vm.top()?;
-                if code == ADDITEMS && !matches!(target, Val::Obj(t) if vm.obj(t).kind == Kind::Set)
-                {
-                    return Err(vm.pickle_err(format!("ADDITEMS into {}", vm.type_of(target))));
-                }
-                if code == APPENDS && matches!(target, Val::Obj(t) if vm.obj(t).kind == Kind::Set) {
-                    return Err(vm.pickle_err("APPENDS into a set"));
-                }
-                let r = vm.land(sink, target, &items, code == SETITEMS);
-                vm.scratch = items;
-                r?;
-            }
-            GLOBAL => {
-                let module = line!();
-                let name = line!();
-                vm.push(Val::Global(global(&module, &name)));
-            }
-            STACK_GLOBAL => {
-                let name = vm.pop()?;
-                let module = vm.pop()?;
-                let (Val::Str(n), Val::Str(m)) = (name, module) else {
-                    return Err(vm.pickle_err("STACK_GLOBAL of something other than two strings"));
-                };
-                let g = global(vm.str(m).as_bytes(), vm.str(n).as_bytes());
-                vm.push(Val::Global(g));
-            }
-            REDUCE => {
-                let args = vm.pop()?;
-                let callable = vm.pop()?;
-                let v = reduce(vm, callable, args)?;
-                vm.release(args);
-                vm.release(callable);
-                vm.push(v);
-            }
-            BUILD => {
-                let state = vm.pop()?;
-                let standin = vm.pop()?;
-                vm.release(standin);
-                vm.push(state);
-            }
-            NEWOBJ => {
-                let args = vm.pop()?;
-                let class = vm.pop()?;
-                vm.release(args);
-                vm.release(class);
-                let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?;
-                vm.push(Val::Obj(o));
-            }
-            NEWOBJ_EX => {
-                for _ in 0..3 {
-                    let v = vm.pop()?;
-                    vm.release(v);
-                }
-                let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?;
-                vm.push(Val::Obj(o));
-            }
-            INST | OBJ => {
-                if code == INST {
-                    line!();
-                    line!();
-                }
-                let m = vm.pop_mark()?;
-                vm.release_from(m);
-                if code == OBJ {
-                    let class = vm.pop()?;
-                    vm.release(class);
-                }
-                let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?;
-                vm.push(Val::Obj(o));
-            }
-            other => {
-                return Err(vm.pickle_err(format!(
-                    "unsupported {} (a snapshot holds plain values only)",
-                    name_of(other)
-                )))
-            }
+        if let Some(top) = step(vm, &mut src, sink, code)? {
+            return Ok(top);
         }
     }
+}
+
+/// Every opcode pushes at most one value: room for it is charged here.
+fn reserve_stack_slot(vm: &mut Vm) -> Result<()> {
+    if vm.stack.len() == vm.stack.capacity() {
+        let add = vm.stack.capacity().max(256);
+        vm.charge(add as u64 * VAL_BYTES)?;
+        vm.stack.reserve_exact(add);
+    }
+    Ok(())
+}
+
+/// The error for an input that ends inside the operand of `code`.
+fn truncated(vm: &Vm, code: u8) -> TraceError {
+    vm.pickle_err(format!(
+        "truncated: the input ends inside {}",
+        name_of(code)
+    ))
+}
+
+/// The next `n` bytes of `code`'s operand.
+fn operand<'s, R: Read>(vm: &Vm, src: &'s mut Src<R>, code: u8, n: usize) -> Result<&'s [u8]> {
+    match src.take(n)? {
+        Some(b) => Ok(b),
+        None => Err(truncated(vm, code)),
+    }
+}
+
+/// A little-endian operand of `N` bytes.
+fn operand_le<const N: usize, R: Read>(vm: &Vm, src: &mut Src<R>, code: u8) -> Result<[u8; N]> {
+    Ok(operand(vm, src, code, N)?.try_into().expect("N bytes"))
+}
+
+/// An operand of `n` bytes too long for the reader's buffer.
+fn operand_vec<R: Read>(vm: &Vm, src: &mut Src<R>, code: u8, n: u64) -> Result<Vec<u8>> {
+    match src.take_vec(n)? {
+        Some(b) => Ok(b),
+        None => Err(truncated(vm, code)),
+    }
+}
+
+/// The newline-terminated operand of a text opcode (protocol 0).
+fn operand_line<R: Read>(vm: &Vm, src: &mut Src<R>, code: u8) -> Result<Vec<u8>> {
+    match src.line()? {
+        Some(l) => Ok(l),
+        None => Err(truncated(vm, code)),
+    }
+}
+
+/// The decimal memo index of a text `PUT`/`GET` (`what`).
+fn text_index<R: Read>(vm: &Vm, src: &mut Src<R>, code: u8, what: &str) -> Result<u32> {
+    let l = operand_line(vm, src, code)?;
+    std::str::from_utf8(&l)
+        .ok()
+        .and_then(|s| s.parse::<u32>().ok())
+        .ok_or_else(|| vm.pickle_err(format!("invalid {what} index")))
+}
+
+/// `b` as an interned string value (`code`'s operand).
+fn utf8_val(vm: &mut Vm, b: &[u8], code: u8) -> Result<Val> {
+    match std::str::from_utf8(b) {
+        Ok(s) => Ok(Val::Str(vm.intern(s)?)),
+        Err(_) => Err(vm.pickle_err(format!("{} is not valid UTF-8", name_of(code)))),
+    }
+}
+
+/// Executes one opcode; the value the pickle returns at `STOP`.
+fn step<R: Read, S: Sink>(
+    vm: &mut Vm,
+    src: &mut Src<R>,
+    sink: &mut S,
+    code: u8,
+) -> Result<Option<Val>> {
+    use op::*;
+    match code {
+        PROTO => {
+            operand(vm, src, code, 1)?;
+        }
+        FRAME => {
+            operand(vm, src, code, 8)?;
+        }
+        STOP => return stop(vm, src).map(Some),
+        MARK | POP | POP_MARK | DUP => stack_op(vm, code)?,
+        PUT | BINPUT | LONG_BINPUT | MEMOIZE => memo_put(vm, src, code)?,
+        GET | BINGET | LONG_BINGET => memo_get(vm, src, code)?,
+        NONE | NEWTRUE | NEWFALSE | INT | LONG | FLOAT | BINFLOAT | BININT | BININT1 | BININT2
+        | LONG1 | LONG4 => {
+            let v = scalar(vm, src, code)?;
+            vm.push(v);
+        }
+        SHORT_BINUNICODE | SHORT_BINSTRING | BINUNICODE | BINUNICODE8 | BINSTRING
+        | SHORT_BINBYTES | BINBYTES | BINBYTES8 | BYTEARRAY8 | STRING | UNICODE => {
+            let v = string(vm, src, code)?;
+            vm.push(v);
+        }
+        EMPTY_TUPLE | TUPLE1 | TUPLE2 | TUPLE3 | TUPLE | LIST | FROZENSET | DICT | EMPTY_LIST
+        | EMPTY_DICT | EMPTY_SET => {
+            let o = container(vm, sink, code)?;
+            vm.push(Val::Obj(o));
+        }
+        APPEND | SETITEM => add_one(vm, sink, code)?,
+        APPENDS | SETITEMS | ADDITEMS => add_marked(vm, sink, code)?,
+        GLOBAL | STACK_GLOBAL | REDUCE | BUILD | NEWOBJ | NEWOBJ_EX | INST | OBJ => {
+            object(vm, src, code)?
+        }
+        other => {
+            return Err(vm.pickle_err(format!(
+                "unsupported {} (a snapshot holds plain values only)",
+                name_of(other)
+            )))
+        }
+    }
+    Ok(None)
+}
+
+/// `STOP`: the value on top, and nothing may follow.
+fn stop<R: Read>(vm: &mut Vm, src: &mut Src<R>) -> Result<Val> {
+    let v = vm.pop()?;
+    if src.byte()?.is_some() {
+        vm.at = src.offset() - 1;
+        return Err(vm.pickle_err("trailing bytes after the STOP opcode"));
+    }
+    Ok(v)
+}
+
+/// `MARK`, `POP`, `POP_MARK`, `DUP`.
+fn stack_op(vm: &mut Vm, code: u8) -> Result<()> {
+    use op::*;
+    match code {
+        MARK => {
+            if vm.marks.len() == vm.marks.capacity() {
+                let add = vm.marks.capacity().max(16);
+                vm.charge(add as u64 * 8)?;
+                vm.marks.reserve_exact(add);
+            }
+            vm.marks.push(vm.stack.len())
+        }
+        POP => {
+            if vm.marks.last() == Some(&vm.stack.len()) {
+                vm.marks.pop();
+            } else {
+                let v = vm.pop()?;
+                vm.release(v);
+            }
+        }
+        POP_MARK => {
+            let m = vm.pop_mark()?;
+            vm.release_from(m);
+        }
+        _ => {
+            let v = vm.top()?;
+            vm.retain(v);
+            vm.push(v);
+        }
+    }
+    Ok(())
+}
+
+/// `PUT`, `BINPUT`, `LONG_BINPUT`, `MEMOIZE`: the top value into the memo.
+fn memo_put<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<()> {
+    use op::*;
+    let id = match code {
+        PUT => text_index(vm, src, code, "PUT")?,
+        BINPUT => operand(vm, src, code, 1)?[0] as u32,
+        LONG_BINPUT => u32::from_le_bytes(operand_le(vm, src, code)?),
+        _ => u32::try_from(vm.memo.count).map_err(|_| vm.pickle_err("memo beyond 2^32 entries"))?,
+    };
+    let v = vm.top()?;
+    vm.retain(v);
+    if let Val::Obj(i) = v {
+        let o = &mut vm.objs[i as usize];
+        if o.memo == NO_MEMO {
+            o.memo = id;
+        }
+    }
+    match vm.memo.set(id, v, &vm.budget) {
+        Ok(Some(old)) => vm.release(old),
+        Ok(None) => {}
+        Err(_) if vm.budget.exhausted() => return Err(vm.limit_err()),
+        Err(m) => return Err(vm.pickle_err(m)),
+    }
+    Ok(())
+}
+
+/// `GET`, `BINGET`, `LONG_BINGET`: a memo entry onto the stack.
+fn memo_get<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<()> {
+    use op::*;
+    let id = match code {
+        GET => text_index(vm, src, code, "GET")?,
+        BINGET => operand(vm, src, code, 1)?[0] as u32,
+        _ => u32::from_le_bytes(operand_le(vm, src, code)?),
+    };
+    let v = vm
+        .memo
+        .get(id)
+        .ok_or_else(|| vm.pickle_err(format!("memo entry {id} is missing")))?;
+    vm.retain(v);
+    vm.push(v);
+    Ok(())
+}
+
+/// The value of a `None`, bool, int or float opcode.
+fn scalar<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<Val> {
+    use op::*;
+    Ok(match code {
+        NONE => Val::None,
+        NEWTRUE => Val::Bool(true),
+        NEWFALSE => Val::Bool(false),
+        INT => {
+            let l = operand_line(vm, src, code)?;
+            match &l[..] {
+                b"00" => Val::Bool(false),
+                b"01" => Val::Bool(true),
+                _ => Val::Int(
+                    std::str::from_utf8(&l)
+                        .ok()
+                        .and_then(|s| s.parse().ok())
+                        .ok_or_else(|| vm.pickle_err("invalid INT literal"))?,
+                ),
+            }
+        }
+        LONG => {
+            let mut l = operand_line(vm, src, code)?;
+            if l.last() == Some(&b'L') {
+                l.pop();
+            }
+            let b =
+                BigInt::parse_bytes(&l, 10).ok_or_else(|| vm.pickle_err("invalid LONG literal"))?;
+            big_val(vm, b)?
+        }
+        FLOAT => {
+            let l = operand_line(vm, src, code)?;
+            let f = std::str::from_utf8(&l)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| vm.pickle_err("invalid FLOAT literal"))?;
+            Val::Float(f)
+        }
+        BINFLOAT => Val::Float(f64::from_be_bytes(operand_le(vm, src, code)?)),
+        BININT => Val::Int(i32::from_le_bytes(operand_le(vm, src, code)?).into()),
+        BININT1 => Val::Int(operand(vm, src, code, 1)?[0].into()),
+        BININT2 => Val::Int(u16::from_le_bytes(operand_le(vm, src, code)?).into()),
+        LONG1 => {
+            let n = operand(vm, src, code, 1)?[0] as usize;
+            let b = operand(vm, src, code, n)?.to_vec();
+            long_val(vm, &b)?
+        }
+        _ => {
+            let n = i32::from_le_bytes(operand_le(vm, src, code)?);
+            let n = u64::try_from(n).map_err(|_| vm.pickle_err("LONG4 of negative length"))?;
+            let b = operand_vec(vm, src, code, n)?;
+            long_val(vm, &b)?
+        }
+    })
+}
+
+/// The value of a string or bytes opcode.
+fn string<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<Val> {
+    use op::*;
+    match code {
+        SHORT_BINUNICODE | SHORT_BINSTRING => {
+            let n = operand(vm, src, code, 1)?[0] as usize;
+            let b = operand(vm, src, code, n)?;
+            utf8_val(vm, b, code)
+        }
+        BINUNICODE | BINUNICODE8 | BINSTRING => {
+            let n = match code {
+                BINUNICODE => u32::from_le_bytes(operand_le(vm, src, code)?) as u64,
+                BINSTRING => {
+                    let n = i32::from_le_bytes(operand_le(vm, src, code)?);
+                    u64::try_from(n).map_err(|_| vm.pickle_err("BINSTRING of negative length"))?
+                }
+                _ => u64::from_le_bytes(operand_le(vm, src, code)?),
+            };
+            if n <= BUF as u64 {
+                let b = operand(vm, src, code, n as usize)?;
+                utf8_val(vm, b, code)
+            } else {
+                let b = operand_vec(vm, src, code, n)?;
+                utf8_val(vm, &b, code)
+            }
+        }
+        SHORT_BINBYTES | BINBYTES | BINBYTES8 | BYTEARRAY8 => {
+            let n = match code {
+                SHORT_BINBYTES => operand(vm, src, code, 1)?[0] as u64,
+                BINBYTES => u32::from_le_bytes(operand_le(vm, src, code)?) as u64,
+                _ => u64::from_le_bytes(operand_le(vm, src, code)?),
+            };
+            let b = operand_vec(vm, src, code, n)?;
+            Ok(vm.keep_bytes(b)?)
+        }
+        STRING => {
+            let l = operand_line(vm, src, code)?;
+            let b = unescape_string(vm, &l)?;
+            utf8_val(vm, &b, code)
+        }
+        _ => {
+            let l = operand_line(vm, src, code)?;
+            let s = unescape_unicode(vm, &l)?;
+            Ok(Val::Str(vm.intern(&s)?))
+        }
+    }
+}
+
+/// A tuple, list, set, frozenset or dict built by one opcode.
+fn container<S: Sink>(vm: &mut Vm, sink: &mut S, code: u8) -> Result<u32> {
+    use op::*;
+    Ok(match code {
+        EMPTY_TUPLE => vm.new_obj(Kind::Tuple, NO_ROLE, Vec::new())?,
+        TUPLE1 | TUPLE2 | TUPLE3 => {
+            let n = (code - TUPLE1 + 1) as usize;
+            if vm.stack.len() < vm.floor() + n {
+                return Err(vm.pickle_err("stack underflow"));
+            }
+            let items = vm.take_items(vm.stack.len() - n)?;
+            vm.new_obj(Kind::Tuple, NO_ROLE, items)?
+        }
+        TUPLE | LIST | FROZENSET => {
+            let m = vm.pop_mark()?;
+            let items = vm.take_items(m)?;
+            let kind = match code {
+                TUPLE => Kind::Tuple,
+                LIST => Kind::List,
+                _ => Kind::FrozenSet,
+            };
+            if kind == Kind::FrozenSet {
+                if let Some(&bad) = items.iter().find(|&&v| !vm.hashable(v)) {
+                    return Err(
+                        vm.pickle_err(format!("unhashable set member ({})", vm.type_of(bad)))
+                    );
+                }
+            }
+            vm.new_obj(kind, NO_ROLE, items)?
+        }
+        DICT => {
+            let m = vm.pop_mark()?;
+            let items = vm.take_items(m)?;
+            if items.len() % 2 == 1 {
+                return Err(vm.pickle_err("DICT with a key and no value"));
+            }
+            if let Some(&bad) = items.iter().step_by(2).find(|&&k| !vm.hashable(k)) {
+                return Err(vm.pickle_err(format!("unhashable dict key ({})", vm.type_of(bad))));
+            }
+            vm.new_obj(Kind::Dict, NO_ROLE, items)?
+        }
+        _ => {
+            let kind = match code {
+                EMPTY_LIST => Kind::List,
+                EMPTY_DICT => Kind::Dict,
+                _ => Kind::Set,
+            };
+            let role = if kind == Kind::Set {
+                NO_ROLE
+            } else {
+                vm.creation_role(sink, kind)
+            };
+            vm.new_obj(kind, role, Vec::new())?
+        }
+    })
+}
+
+/// `APPEND`, `SETITEM`: one item (or key and value) into the container below.
+fn add_one<S: Sink>(vm: &mut Vm, sink: &mut S, code: u8) -> Result<()> {
+    use op::*;
+    let n = if code == APPEND { 1 } else { 2 };
+    if vm.stack.len() < vm.floor() + n + 1 {
+        return Err(vm.pickle_err("stack underflow"));
+    }
+    let mut items = std::mem::take(&mut vm.scratch);
+    items.clear();
+    if let Err(e) = vm.room_in_scratch(&mut items, n) {
+        vm.scratch = items;
+        return Err(e.into());
+    }
+    let from = vm.stack.len() - n;
+    items.extend_from_slice(&vm.stack[from..]);
+    vm.stack.truncate(from);
+    let target = vm.top()?;
+    if code == APPEND && matches!(target, Val::Obj(t) if vm.obj(t).kind == Kind::Set) {
+        vm.scratch = items;
+        return Err(vm.pickle_err("APPEND into a set"));
+    }
+    let r = vm.land(sink, target, &items, code == SETITEM);
+    vm.scratch = items;
+    r
+}
+
+/// `APPENDS`, `SETITEMS`, `ADDITEMS`: the items above the mark into the
+/// container below it.
+fn add_marked<S: Sink>(vm: &mut Vm, sink: &mut S, code: u8) -> Result<()> {
+    use op::*;
+    let m = vm.pop_mark()?;
+    let mut items = std::mem::take(&mut vm.scratch);
+    items.clear();
+    if let Err(e) = vm.room_in_scratch(&mut items, vm.stack.len() - m) {
+        vm.scratch = items;
+        return Err(e.into());
+    }
+    items.extend_from_slice(&vm.stack[m..]);
+    vm.stack.truncate(m);
+    let target = vm.top()?;
+    if code == ADDITEMS && !matches!(target, Val::Obj(t) if vm.obj(t).kind == Kind::Set) {
+        return Err(vm.pickle_err(format!("ADDITEMS into {}", vm.type_of(target))));
+    }
+    if code == APPENDS && matches!(target, Val::Obj(t) if vm.obj(t).kind == Kind::Set) {
+        return Err(vm.pickle_err("APPENDS into a set"));
+    }
+    let r = vm.land(sink, target, &items, code == SETITEMS);
+    vm.scratch = items;
+    r
+}
+
+/// The object opcodes (`GLOBAL`, `REDUCE`, `BUILD`, `NEWOBJ`, …): nothing
+/// named is ever called; objects read as empty dicts, globals as markers.
+fn object<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<()> {
+    use op::*;
+    match code {
+        GLOBAL => {
+            let module = operand_line(vm, src, code)?;
+            let name = operand_line(vm, src, code)?;
+            vm.push(Val::Global(global(&module, &name)));
+        }
+        STACK_GLOBAL => {
+            let name = vm.pop()?;
+            let module = vm.pop()?;
+            let (Val::Str(n), Val::Str(m)) = (name, module) else {
+                return Err(vm.pickle_err("STACK_GLOBAL of something other than two strings"));
+            };
+            let g = global(vm.str(m).as_bytes(), vm.str(n).as_bytes());
+            vm.push(Val::Global(g));
+        }
+        REDUCE => {
+            let args = vm.pop()?;
+            let callable = vm.pop()?;
+            let v = reduce(vm, callable, args)?;
+            vm.release(args);
+            vm.release(callable);
+            vm.push(v);
+        }
+        BUILD => {
+            let state = vm.pop()?;
+            let standin = vm.pop()?;
+            vm.release(standin);
+            vm.push(state);
+        }
+        NEWOBJ => {
+            let args = vm.pop()?;
+            let class = vm.pop()?;
+            vm.release(args);
+            vm.release(class);
+            let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?;
+            vm.push(Val::Obj(o));
+        }
+        NEWOBJ_EX => {
+            for _ in 0..3 {
+                let v = vm.pop()?;
+                vm.release(v);
+            }
+            let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?;
+            vm.push(Val::Obj(o));
+        }
+        _ => {
+            if code == INST {
+                operand_line(vm, src, code)?;
+                operand_line(vm, src, code)?;
+            }
+            let m = vm.pop_mark()?;
+            vm.release_from(m);
+            if code == OBJ {
+                let class = vm.pop()?;
+                vm.release(class);
+            }
+            let o = vm.new_obj(Kind::Dict, NO_ROLE, Vec::new())?;
+            vm.push(Val::Obj(o));
+        }
+    }
+    Ok(())
 }
 
 fn global(module: &[u8], name: &[u8]) -> Global {
