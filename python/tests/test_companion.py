@@ -21,6 +21,17 @@ require_torch()
 
 from vmmalloc import _companion  # noqa: E402
 
+# The PyTorch these tests run against: the newest (installed) and, in CI, the
+# oldest supported (scripts/companion_matrix.py --runtime, issue 40).
+TORCH = _companion.version_tuple(__import__("torch").__version__)
+
+
+def since(major, minor, what):
+    """Skips a test of `what`, which PyTorch offers only from major.minor
+    (the Python API itself is missing before: nothing to test there)."""
+    return pytest.mark.skipif(TORCH < (major, minor),
+                              reason=f"{what}: not in PyTorch {TORCH[0]}.{TORCH[1]} (from {major}.{minor})")
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
@@ -46,8 +57,22 @@ with warnings.catch_warnings():
     warnings.simplefilter("error")  # the companion builds and installs: no warning
     # but the one for device:host without a GPU, where these tests run (issue 45)
     warnings.filterwarnings("ignore", message="vmmalloc: enabled with device:host")
+    # and, on an older PyTorch, the one naming what that version lacks
+    warnings.filterwarnings("ignore", message="vmmalloc: PyTorch .* does not have")
     vmmalloc.enable("device:host,capacity_gb:1,log:off,backend:expandable")
 lib = vmmalloc.load()
+TORCH = _companion.version_tuple(torch.__version__)
+
+def snapshot(pool=(0, 0)):
+    """torch._C._cuda_memorySnapshot(pool); before 2.6 it takes no pool:
+    the whole snapshot, filtered as the native one filters by pool."""
+    try:
+        return torch._C._cuda_memorySnapshot(pool)
+    except TypeError:
+        snap = torch._C._cuda_memorySnapshot()
+        if tuple(pool) != (0, 0):
+            snap["segments"] = [s for s in snap["segments"] if tuple(s["segment_pool_id"]) == tuple(pool)]
+        return snap
 U64 = ctypes.c_uint64
 lib.vmmalloc_pool_try_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, U64, U64,
                                          ctypes.POINTER(ctypes.c_void_p)]
@@ -111,7 +136,7 @@ lib.vmmalloc_free(out, 0, 0, None)
 torch._C._cuda_resetPeakMemoryStats(0)
 assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["peak"] == 0
 assert lib.vmmalloc_try_malloc(7 << 20, 0, None, ctypes.byref(out)) == 0
-snap = torch._C._cuda_memorySnapshot((0, 0))
+snap = snapshot((0, 0))
 blocks = [b for s in snap["segments"] for b in s["blocks"]]
 live = [b for b in blocks if b["state"] == "active_allocated"]
 assert [(b["address"], b["requested_size"]) for b in live] == [(out.value, 7 << 20)], live
@@ -142,7 +167,7 @@ state = torch._C._cuda_getCheckpointState(0, pool)
 # is free in the pool (a snapshot shows it inactive) and is reused.
 lib.vmmalloc_free(b, 0, 0, None)
 assert check(0, pool, {a, c})
-snap = torch._C._cuda_memorySnapshot(pool)
+snap = snapshot(pool)
 blocks = {}
 for s in snap["segments"]:
     addr = s["address"]
@@ -193,8 +218,10 @@ def allocated():
     return stats()["allocated_bytes"]["all"]["current"]
 def reserved():
     return stats()["reserved_bytes"]["all"]["current"]
-begin = torch._C._cuda_beginAllocateCurrentThreadToPool
-end = torch._C._cuda_endAllocateToPool
+# The thread-filtered begin (no CUDA stream needed) from 2.8; before, the
+# all-streams one (use_mem_pool's) and the end that takes the pool.
+begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None) or torch._C._cuda_beginAllocateToPool
+end = getattr(torch._C, "_cuda_endAllocateToPool", None) or torch._C._cuda_endAllocateCurrentStreamToPool
 release = torch._C._cuda_releasePool
 '''
 
@@ -310,9 +337,76 @@ print("REFUSED OK")
     assert "REFUSED OK" in out.stdout
 
 
+def test_capture_and_mempool_use_counts_are_this_pytorchs(lib, tmp_path, cache):
+    # Issue 40: a begin adds one use in every version
+    # (c10/cuda/CUDACachingAllocator.cpp beginAllocateToPool: a new
+    # PrivatePool starts at 1, an existing one use_count++), CUDAGraph::reset's
+    # releasePool drops it. Before 2.8 the companion added a second one, so a
+    # released graph's pool was never freed: a 64 MiB capture on a 100 MiB
+    # device, graph released, and the next 64 MiB ran out of memory.
+    out = run(HOOKS.replace("capacity_gb:1", "capacity_gb:0.09765625") + '''
+import inspect
+comp = _companion._loaded
+err = ctypes.create_string_buffer(1000)
+comp.vmmalloc_companion_mempool_ctor_for_tests.argtypes = [ctypes.c_int, U64, U64, ctypes.c_char_p,
+                                                            ctypes.c_size_t]
+comp.vmmalloc_companion_test_pool_use_count.argtypes = [U64, U64]
+def uc(pool):
+    return lib.vmmalloc_pool_use_count(0, *pool)
+graph = (1, 0)                          # CUDAGraph's own pool (graph_pool_handle(false))
+begin(0, graph)                         # CUDAGraph::capture_begin
+assert uc(graph) == 1, uc(graph)
+# A nested begin is refused with nothing changed. (PyTorch's use_count++
+# comes before its "already recording" check, and a capture_begin that threw
+# never releases it: that leak is not copied.)
+try:
+    begin(0, graph)
+    raise SystemExit("a nested begin did not raise")
+except RuntimeError as e:
+    assert "already recording" in str(e), e
+assert uc(graph) == 1, uc(graph)
+x = malloc(64 * MiB, 0, None)           # the capture's tensor
+lib.vmmalloc_free(x, 0, 0, None)
+end(0, graph)                           # capture_end
+release(0, graph)                       # the graph released (CUDAGraph::reset)
+assert uc(graph) in (0, -1), uc(graph)  # no user left (-1: already gone)
+y = malloc(64 * MiB, 0, None)           # the released pool's memory serves it
+lib.vmmalloc_free(y, 0, 0, None)
+
+# torch.cuda.MemPool: its constructor's call (none before 2.6), then
+# use_mem_pool (torch/cuda/memory.py: releasePool at its exit from 2.6),
+# then ~MemPool's releasePool (from 2.6).
+mine = 1 if TORCH >= (2, 6) else 0
+releases = "_cuda_releasePool" in inspect.getsource(torch.cuda.use_mem_pool)
+assert releases == (TORCH >= (2, 6)), inspect.getsource(torch.cuda.use_mem_pool)
+pool = (0, 99)                          # not an id MemPool() hands out below
+assert comp.vmmalloc_companion_mempool_ctor_for_tests(0, *pool, err, len(err)) == 0, err.value
+assert uc(pool) == (1 if mine else -1), uc(pool)
+begin(0, pool)
+assert uc(pool) == mine + 1, uc(pool)
+end(0, pool)
+if releases:
+    release(0, pool)
+assert uc(pool) == 1, uc(pool)          # 2.5: use_mem_pool's use (kept); 2.6+: the MemPool's own
+if TORCH >= (2, 6):
+    assert comp.vmmalloc_companion_test_pool_use_count(*pool) == 1   # MemPool.use_count()
+    release(0, pool)                    # ~MemPool
+    assert uc(pool) in (0, -1), uc(pool)
+else:
+    # 2.5's MemPool needs no GPU: the real one, as the issue measured it.
+    real = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(real, device=0):
+        pass
+    assert uc(real.id) == 1, uc(real.id)
+print("USE COUNTS OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "USE COUNTS OK" in out.stdout
+
+
 def test_snapshot_settings_and_oom_observers(lib, tmp_path, cache):
     out = run(HOOKS.replace("capacity_gb:1", "capacity_gb:0.25") + '''
-settings = torch._C._cuda_memorySnapshot((0, 0))["allocator_settings"]
+settings = snapshot((0, 0))["allocator_settings"]
 assert settings["garbage_collection_threshold"] == 0.0, settings
 assert settings["max_split_size"] in (-1, (1 << 64) - 1), settings
 assert settings["expandable_segments"] is True, settings
@@ -406,7 +500,7 @@ assert vmmalloc.pool_memory_stats(pool) == st
 # The device's figures include the pool's, as PyTorch's do.
 assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 3 << 20
 # MemPool.snapshot(): only the pool's segments, owned by it.
-snap = torch._C._cuda_memorySnapshot(pool)
+snap = snapshot(pool)
 assert snap["segments"] and all(s["segment_pool_id"] == pool for s in snap["segments"]), snap["segments"]
 live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
 assert [b["address"] for b in live] == [x]
@@ -545,10 +639,11 @@ assert ts == sorted(ts) and abs(ts[-1] / 1e6 - time.time()) < 600, ts[-3:]
 # the live block's frames in the segments
 blocks = {blk["address"]: blk for s in snap["segments"] for blk in s["blocks"]}
 assert "make_activation" in names(blocks[a]["frames"]), blocks[a]
-# _allocation_traceback (getContextForPointer)
-tb = torch.cuda.memory._allocation_traceback(a)
-assert tb and "make_activation" in names(tb), tb
-assert torch.cuda.memory._allocation_traceback(a + 64) is None
+# _allocation_traceback (getContextForPointer, from 2.12)
+if TORCH >= (2, 12):
+    tb = torch.cuda.memory._allocation_traceback(a)
+    assert tb and "make_activation" in names(tb), tb
+    assert torch.cuda.memory._allocation_traceback(a + 64) is None
 # PyTorch's memory_viz reads it
 from torch.cuda import _memory_viz
 assert "segments:" in _memory_viz.segsum(snap)
@@ -689,7 +784,15 @@ def test_what_older_versions_lack_is_named():
     assert _companion.absent_in("2.15.0") == []
     absent = dict(_companion.absent_in("2.5.1"))
     assert absent["getMemoryFraction"] == "2.6" and absent["annotateMemory"] == "2.14"
-    assert "recordHistory" not in absent and "createOrIncrefPool" not in absent
+    assert "recordHistory" not in absent and absent["createOrIncrefPool"] == "2.8"
+    # What --check, enable() and docs/companion-matrix.md say comes from that table (issue 40).
+    features = dict(_companion.absent_features("2.5.1"))
+    assert features["torch.cuda.MemPool(allocator=...) routed to its allocator (createOrIncrefPool)"] == "2.8"
+    assert not any(f.startswith("torch.cuda.MemPool and use_mem_pool") for f in features)
+    warning = _companion.absent_warning("2.5.1")
+    assert warning.startswith("vmmalloc: PyTorch 2.5.1 does not have: ") and len(features) == 9, warning
+    assert "MemPool(allocator=...) routed to its allocator (createOrIncrefPool) (from PyTorch 2.8)" in warning
+    assert len(_companion.absent_features("2.9.1")) == 4 and _companion.absent_warning("2.15.0") is None
     assert dict(_companion.absent_in("2.12.1")) == {"annotateMemory": "2.14"}
     # Every method of the table is one the companion implements under a version guard.
     source = _companion.SOURCE.read_text()
@@ -716,6 +819,7 @@ print("HOT OK")
     assert "HOT OK" in out.stdout
 
 
+@since(2, 8, "torch.cuda.MemPool(allocator=...)")
 def test_mempool_with_its_own_allocator_is_routed_to_it(lib, tmp_path, cache):
     # torch.cuda.MemPool(allocator=...) (vLLM's sleep mode): allocations made
     # into the pool go to its allocator, vmmalloc serves the rest, frees find
@@ -792,6 +896,7 @@ def cur(st, key, kind="all"):
 '''
 
 
+@since(2, 8, "torch.cuda.MemPool(allocator=...)")
 def test_mempool_allocator_gets_pytorchs_segments_and_they_count(lib, tmp_path, cache):
     # The issue's case: 20 x 1000 B + 4 x 3 MiB in a MemPool(allocator=X).
     # PyTorch's DeviceCachingAllocator (c10/cuda/CUDACachingAllocator.cpp)
@@ -869,6 +974,7 @@ print("MEMPOOL X OK")
     assert "MEMPOOL X OK" in out.stdout and "CALLS 2" in out.stdout
 
 
+@since(2, 8, "torch.cuda.MemPool(allocator=...)")
 def test_mempool_allocator_use_counts_are_pytorchs(lib, tmp_path, cache):
     # PyTorch 2.8+: createOrIncrefPool 1; beginAllocateToPool increfs (2
     # inside use_mem_pool), its exit's releasePool decrefs (1 after); the
@@ -922,6 +1028,7 @@ print("USE COUNTS OK")
     assert "USE COUNTS OK" in out.stdout
 
 
+@since(2, 8, "torch.cuda.MemPool(allocator=...)")
 def test_vllm_sleep_mode_sequence_makes_no_more_handles_than_pytorch(lib, tmp_path, cache):
     # vLLM's CuMemAllocator (vllm/device_allocator/cumem.py): use_memory_pool(tag)
     # makes a MemPool(allocator=X) per call and keeps it; each raw_alloc X
@@ -961,6 +1068,43 @@ print("VLLM OK")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "VLLM OK" in out.stdout
     print(out.stdout)
+
+
+@since(2, 8, "torch.cuda.MemPool(use_on_oom=True)")
+def test_mempool_allocator_events_are_in_the_memory_history(lib, tmp_path, cache):
+    # record_trace's entries for a MemPool(allocator=X)'s pool: segment_alloc
+    # (the segment X gave), alloc, free_requested / free_completed, and
+    # segment_free when ~MemPool gives the segment back, each with the pool's
+    # id and the Python frames of the call that caused it.
+    out = run(MEMPOOL_X + '''
+_rec = comp.vmmalloc_companion_record_memory_history_for_tests
+_rec.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
+                 ctypes.c_char_p, ctypes.c_size_t]
+assert _rec(b"all", b"all", b"python", 100000, 0, err, len(err)) == 0, err.value
+pool = Pool((0, 4200))
+
+def load_weights():
+    with use_mem_pool(pool):
+        return alloc(3 * MiB)
+
+def drop_weights(p):
+    free(p)
+
+w = load_weights()
+drop_weights(w)
+pool.destroy()
+trace = torch.cuda.memory._snapshot()["device_traces"][0]
+mine = [e for e in trace if tuple(e.get("pool_id", ())) == pool.id]
+acts = [(e["action"], e["size"]) for e in mine]
+assert acts == [("segment_alloc", 20 * MiB), ("alloc", 3 * MiB), ("free_requested", 3 * MiB),
+                ("free_completed", 3 * MiB), ("segment_free", 20 * MiB)], acts
+assert all(e["addr"] == w for e in mine), mine              # the pool's one segment, its first block
+assert "load_weights" in [f["name"] for f in mine[1]["frames"]], mine[1]["frames"]
+assert "drop_weights" in [f["name"] for f in mine[2]["frames"]], mine[2]["frames"]
+print("POOL HISTORY OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "POOL HISTORY OK" in out.stdout
 
 
 def test_mempool_use_on_oom_lends_the_pools_free_blocks(lib, tmp_path, cache):

@@ -14,7 +14,10 @@
 //   storage deleters using raw_deleter() and the CheckpointDelta we return.
 //
 // No allocator logic lives here: which blocks are live, checkpoints and
-// restores, use counts and statistics are Rust's (pools.rs).
+// restores, use counts and statistics are Rust's (pools.rs). The exception:
+// a torch.cuda.MemPool(allocator=...)'s pool, whose memory is another
+// allocator's, keeps its blocks here as PyTorch's caching allocator does
+// (section "torch.cuda.MemPool(allocator=...)").
 //
 // Versions: PyTorch 2.5 and newer (scripts/companion_matrix.py compiles this
 // file against each minor version's headers). Where the interface changed,
@@ -949,8 +952,10 @@ class VmmallocAllocator : public Base {
   // snapshot(). vmmalloc stays PyTorch's allocator for everything else.
   // Not modelled: roundup_power2_divisions and max_split_size (vmmalloc
   // reports SIZE_MAX, PyTorch's default: no oversize rules), recordStream
-  // on such a block (its free is not deferred), lending the pool's free
-  // blocks for use_on_oom, and history entries for the pool's events.
+  // on such a block (its free is not deferred) and lending the pool's free
+  // blocks for use_on_oom. While memory history is recorded, the pool's
+  // events are recorded as record_trace does (segment_alloc, alloc,
+  // free_requested, free_completed, segment_free, oom; its pool id).
   static constexpr size_t kMinBlockSize = 512;            // all sizes rounded to at least 512 B
   static constexpr size_t kSmallSize = 1048576;           // largest "small" allocation: 1 MiB
   static constexpr size_t kSmallBuffer = 2097152;         // small segments: 2 MiB
@@ -1037,10 +1042,54 @@ class VmmallocAllocator : public Base {
     }
   }
 
+  // The history events of one pool operation, recorded after custom_mu_ is
+  // released (on_event takes history_mu_), on the calling thread (its
+  // gathered context, t_context, goes with them). Empty unless recording.
+  struct PoolEvents {
+    bool on = false;
+    std::vector<TraceEvent> events;
+    void add(int action, const CustomPool& pool, uint64_t addr, uint64_t size, cudaStream_t s) {
+      if (on) {
+        events.push_back(TraceEvent{pool.device, action, addr, size,
+                                    reinterpret_cast<uint64_t>(s), now_us(), pool.id.first,
+                                    pool.id.second});
+      }
+    }
+  };
+  PoolEvents pool_events() {
+    PoolEvents e;
+    e.on = record_history_.load(std::memory_order_relaxed);
+    return e;
+  }
+  void record_pool_events(const PoolEvents& e) {
+    for (const auto& ev : e.events) {
+      try {
+        on_event(ev);
+      } catch (...) {
+      }
+    }
+  }
+  // TraceEntry::Action codes of TraceEvent (action_of).
+  static constexpr int kEvAlloc = 0, kEvFreeRequested = 1, kEvFreeCompleted = 2,
+                       kEvSegmentAlloc = 3, kEvSegmentFree = 4, kEvOom = 8;
+
+  // Whether an open span of such a pool takes stream `s` on `device` now.
+  bool pool_routes(int device, cudaStream_t s) {
+    std::lock_guard<std::mutex> g(custom_mu_);
+    return route_locked(device, s) != nullptr;
+  }
+
+  // Whether `p` is an allocated block of such a pool.
+  bool is_pool_block(void* p) {
+    std::lock_guard<std::mutex> g(custom_mu_);
+    return custom_live_.count(p) != 0;
+  }
+
   // DeviceCachingAllocator::malloc for an allocation routed to a pool with
   // its own allocator: `*routed` when an open span of such a pool takes
   // stream `s` on `device`.
   void* pool_malloc(size_t orig_size, int device, cudaStream_t s, bool* routed) {
+    PoolEvents ev = pool_events();
     std::unique_lock<std::mutex> g(custom_mu_);
     CustomPool* pool = route_locked(device, s);
     if (!pool) return nullptr;
@@ -1080,7 +1129,9 @@ class VmmallocAllocator : public Base {
       if (!p) {
         pool->segments--;
         st.ooms++;  // stats.num_ooms
+        ev.add(kEvOom, *pool, 0, size, s);
         g.unlock();
+        record_pool_events(ev);
         notify_oom(device, alloc_size);
         TORCH_CHECK_WITH(OutOfMemoryError, false, "vmmalloc: the allocator of MemPool (",
                          pool->id.first, ", ", pool->id.second, ") could not allocate ",
@@ -1090,6 +1141,7 @@ class VmmallocAllocator : public Base {
       stat_add(st, kSegment, bp.is_small, 1);
       stat_add(st, kReservedBytes, bp.is_small, static_cast<int64_t>(alloc_size));
       st.device_alloc++;
+      ev.add(kEvSegmentAlloc, *pool, block->ptr, alloc_size, s);
     }
     // should_split (max_split_size is SIZE_MAX) and alloc_found_block.
     const size_t remaining_size = block->size - size;
@@ -1127,13 +1179,17 @@ class VmmallocAllocator : public Base {
     void* out = reinterpret_cast<void*>(block->ptr);
     custom_live_[out] = block;
     g_custom_live.fetch_add(1, std::memory_order_relaxed);
+    ev.add(kEvAlloc, *pool, block->ptr, orig_size, s);
+    g.unlock();
+    record_pool_events(ev);
     return out;
   }
 
   // DeviceCachingAllocator::free + free_block for a block of such a pool:
   // it goes back to its pool, merged with free neighbours; X is not called.
   bool pool_free(void* p) {
-    std::lock_guard<std::mutex> g(custom_mu_);
+    PoolEvents ev = pool_events();
+    std::unique_lock<std::mutex> g(custom_mu_);
     auto it = custom_live_.find(p);
     if (it == custom_live_.end()) return false;
     PoolBlock* block = it->second;
@@ -1146,6 +1202,8 @@ class VmmallocAllocator : public Base {
     PoolStats& st = pool_stats_[device];
     track_peaks(st, v);
     block->allocated = false;
+    ev.add(kEvFreeRequested, *bp.owner, block->ptr, block->requested, block->stream);
+    ev.add(kEvFreeCompleted, *bp.owner, block->ptr, block->requested, block->stream);
     const auto original_size = static_cast<int64_t>(block->size);
     stat_add(st, kAllocation, bp.is_small, -1);
     stat_add(st, kAllocatedBytes, bp.is_small, -original_size);
@@ -1168,6 +1226,8 @@ class VmmallocAllocator : public Base {
     stat_add(st, kActiveBytes, bp.is_small, -original_size);
     stat_add(st, kRequestedBytes, bp.is_small, -static_cast<int64_t>(block->requested));
     track_peaks(st, v);
+    g.unlock();
+    record_pool_events(ev);
     return true;
   }
 
@@ -1194,6 +1254,7 @@ class VmmallocAllocator : public Base {
   // segments back to its allocator (release_blocks, release_block's
   // raw_delete); one left with no segment is forgotten (graph_pools.erase).
   void pool_empty_cache(MempoolId_t id) {
+    PoolEvents ev = pool_events();
     std::vector<std::pair<CCA::CUDAAllocator*, void*>> deletes;
     std::vector<std::shared_ptr<CCA::CUDAAllocator>> keep;  // X outlives its raw_deletes
     {
@@ -1218,6 +1279,7 @@ class VmmallocAllocator : public Base {
             }
             b = bp->blocks.erase(b);
             deletes.emplace_back(pool.allocator, reinterpret_cast<void*>(block->ptr));
+            ev.add(kEvSegmentFree, pool, block->ptr, block->size, block->stream);
             stat_add(st, kSegment, bp->is_small, -1);
             stat_add(st, kReservedBytes, bp->is_small, -static_cast<int64_t>(block->size));
             st.device_free++;
@@ -1234,6 +1296,7 @@ class VmmallocAllocator : public Base {
         }
       }
     }
+    record_pool_events(ev);
     for (auto& [x, p] : deletes) x->raw_delete(p);
   }
 
@@ -1244,7 +1307,10 @@ class VmmallocAllocator : public Base {
 #if !defined(VMM_NO_emptyCache) && VMM_TORCH_AT_LEAST(2, 8)
   void emptyCache(MempoolId_t mempool_id) VMM_OVERRIDE {
     const bool custom = is_custom_pool(mempool_id);
-    pool_empty_cache(mempool_id);
+    {
+      ContextScope scope(gather_at(kAll));  // emptyCache's context (ALL)
+      pool_empty_cache(mempool_id);
+    }
     if (!custom) Base::emptyCache(mempool_id);
   }
 #endif
@@ -1750,14 +1816,24 @@ VmmallocAllocator* current_allocator_for_tests() { return current ? current->get
 
 // companion_malloc's route for pools with their own allocator: `*routed`
 // when an open span of such a pool takes this stream.
+// While history is recorded, the allocation's context (STATE, as malloc)
+// and the free's (ALL) are gathered first, outside the companion's locks.
 void* custom_malloc(size_t n, int device, cudaStream_t s, bool* routed) {
   auto* a = VmmallocAllocator::current_allocator;
-  return a ? a->pool_malloc(n, device, s, routed) : nullptr;
+  if (!a) return nullptr;
+  if (g_when.load(std::memory_order_relaxed) < kState || !a->pool_routes(device, s)) {
+    return a->pool_malloc(n, device, s, routed);
+  }
+  ContextScope scope(gather_at(kState));
+  return a->pool_malloc(n, device, s, routed);
 }
 
 bool custom_free(void* p) {
   auto* a = VmmallocAllocator::current_allocator;
-  return a && a->pool_free(p);
+  if (!a) return false;
+  if (g_when.load(std::memory_order_relaxed) < kAll || !a->is_pool_block(p)) return a->pool_free(p);
+  ContextScope scope(gather_at(kAll));
+  return a->pool_free(p);
 }
 
 template <class F>
@@ -2289,6 +2365,35 @@ extern "C" int vmmalloc_companion_attach_oom_observer_for_tests(void (*fn)(int64
            static_cast<int64_t>(free_bytes));
       });
   return 0;
+}
+
+// torch.cuda.MemPool()'s constructor call into the allocator, as this
+// PyTorch makes it (its constructor needs a GPU): none before 2.6 (the pool
+// is made by use_mem_pool's beginAllocateToPool), ensureExistsAndIncrefPool on
+// 2.6-2.7, createOrIncrefPool (no allocator of its own) from 2.8. For the
+// use-count tests of every version (issue 40). Returns 0, or -1 with the
+// reason in `err`.
+extern "C" int vmmalloc_companion_mempool_ctor_for_tests(int device, uint64_t hi, uint64_t lo,
+                                                          char* err, size_t err_len) {
+  try {
+    auto* a = current_allocator_for_tests();
+    TORCH_CHECK(a, "vmmalloc: the companion is not installed");
+    const MempoolId_t id{hi, lo};
+    const auto d = static_cast<c10::DeviceIndex>(device);
+#if VMM_TORCH_AT_LEAST(2, 8)
+    a->createOrIncrefPool(d, id, nullptr);
+#elif VMM_TORCH_AT_LEAST(2, 6)
+    a->ensureExistsAndIncrefPool(d, id);
+#else
+    (void)a;
+    (void)id;
+    (void)d;
+#endif
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e.what(), err, err_len);
+    return -1;
+  }
 }
 
 // Makes a VmmallocAllocator over the libvmmalloc at `library` (already loaded
