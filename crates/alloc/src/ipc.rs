@@ -11,6 +11,23 @@
 //! the allocator never unmaps, remaps, unpins, spills or pauses them
 //! (unpinning skips them, `pause` of a tag holding one fails naming it).
 //! Freeing the allocation ends the export (as [`crate::Allocator::unexport`]).
+//!
+//! PyTorch's expandable-segments format (`'e'`) names one `segment_size`
+//! for all handles, and PyTorch's consumer (`ExpandableSegment::fromShared`,
+//! c10/cuda/CUDACachingAllocator.cpp) maps handle *i* at `base + i *
+//! segment_size`. [`crate::Allocator::export_equal`] answers chunks of one
+//! size: where the chunks under the allocation differ, the whole chunks
+//! under it are re-backed once, before the export, with equal handles at
+//! the same addresses (the device synchronized first, the bytes copied on
+//! the device, or through host memory when there is no room beside;
+//! `expandable/physical/reback.rs`). The handle size is the largest divisor
+//! of the run's pages not above the largest chunk (`max_chunk`). Refused
+//! while a graph is being captured (the synchronize would invalidate it)
+//! and when a chunk of the run is already exported (its handles are in
+//! other processes' hands). Once exported the chunks stay put as above, so
+//! the run stays equal as long as it is exported; after the export ends,
+//! unpinning, spill or pause may change it again, and the next export
+//! re-backs again.
 
 use vmmalloc_device::PhysHandle;
 
@@ -36,6 +53,9 @@ pub struct ExportedRange {
     /// before `ptr`, they follow each other without gaps, the last ends at
     /// or after `ptr + size`.
     pub chunks: Vec<ExportedChunk>,
+    /// Bytes this call re-backed with equal handles
+    /// ([`crate::Allocator::export_equal`]; 0 when nothing moved).
+    pub rebacked_bytes: u64,
 }
 
 impl ExportedRange {

@@ -158,6 +158,15 @@ pub trait Allocator: Send + Sync {
         )))
     }
 
+    /// IPC in PyTorch's expandable-segments format: as
+    /// [`Allocator::export`], but every chunk under `ptr` has one size
+    /// (PyTorch's consumer maps handle *i* at `base + i * segment_size`).
+    /// Where they do not, the chunks are re-backed once with equal handles
+    /// at the same addresses, the bytes copied (see [`ipc`]).
+    fn export_equal(&self, ptr: u64) -> AllocResult<ipc::ExportedRange> {
+        self.export(ptr)
+    }
+
     /// Ends the export of live allocation `ptr` (freeing it does too).
     fn unexport(&self, ptr: u64) -> AllocResult<()> {
         Err(AllocError::Ipc(format!(
@@ -243,6 +252,9 @@ impl<A: Allocator + ?Sized> Allocator for std::sync::Arc<A> {
     }
     fn export(&self, ptr: u64) -> AllocResult<ipc::ExportedRange> {
         (**self).export(ptr)
+    }
+    fn export_equal(&self, ptr: u64) -> AllocResult<ipc::ExportedRange> {
+        (**self).export_equal(ptr)
     }
     fn unexport(&self, ptr: u64) -> AllocResult<()> {
         (**self).unexport(ptr)

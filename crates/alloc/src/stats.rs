@@ -144,12 +144,20 @@ pub struct Stats {
     /// Ours: live bytes copied (through host memory) by unpinning.
     pub unpin_copied_bytes: u64,
     /// Ours: device-wide synchronizations (`cuCtxSynchronize`) made before
-    /// unpinning; the allocator makes no other.
+    /// unpinning (graph pools count theirs in `num_sync_all_streams`, IPC
+    /// re-backing in `ipc_rebacks`).
     pub unpin_device_syncs: u64,
     /// Ours: allocations that needed unpinning where `unpin:auto` declined
     /// it because another host thread may have been running alongside
     /// (docs/expandable.md, "Unpinning and threads").
     pub unpin_refusals: u64,
+    /// Ours: re-backings of chunks with equal handles begun for IPC exports
+    /// in PyTorch's format, each after one device-wide synchronize (counted
+    /// whether or not it then succeeded; `crate::ipc`,
+    /// `Allocator::export_equal`).
+    pub ipc_rebacks: u64,
+    /// Ours: bytes the re-backings that succeeded moved.
+    pub ipc_rebacked_bytes: u64,
     /// Ours: bytes of host-located chunks mapped now (spill, `spill:true`;
     /// docs/expandable.md, "Spill and pressure").
     pub spilled_bytes: u64,
@@ -244,6 +252,11 @@ impl Stats {
             self.unpin_device_syncs as i64,
         );
         m.insert("vmmalloc.unpin_refusals".into(), self.unpin_refusals as i64);
+        m.insert("vmmalloc.ipc_rebacks".into(), self.ipc_rebacks as i64);
+        m.insert(
+            "vmmalloc.ipc_rebacked_bytes".into(),
+            self.ipc_rebacked_bytes as i64,
+        );
         m.insert("vmmalloc.spilled_bytes".into(), self.spilled_bytes as i64);
         m.insert(
             "vmmalloc.spilled_bytes_peak".into(),

@@ -88,6 +88,7 @@ mod ipc;
 mod ladder;
 mod lock;
 mod pages;
+mod pause;
 mod physical;
 mod pool;
 mod private_pools;
@@ -169,6 +170,8 @@ pub(crate) struct Inner {
     counters: Counters,
     /// Paused tags and their backups ([`sleep`]).
     sleep: sleep::SleepState,
+    /// Host buffers of restored backups, kept for the next pause ([`pause`]).
+    spares: pause::Spares,
     /// Private pools (CUDA graphs, MemPools) and the frees deferred by
     /// captures ([`private_pools`]).
     pools: private_pools::PoolTable,
@@ -285,6 +288,7 @@ impl<D: Device> ExpandableAllocator<D> {
                 stats,
                 counters: Counters::default(),
                 sleep: sleep::SleepState::default(),
+                spares: Default::default(),
                 pools: Default::default(),
             }),
         })
@@ -482,6 +486,10 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
 
     fn export(&self, ptr: u64) -> AllocResult<crate::ipc::ExportedRange> {
         self.call("export", |i, _| i.export_block(ptr))
+    }
+
+    fn export_equal(&self, ptr: u64) -> AllocResult<crate::ipc::ExportedRange> {
+        self.call("export_equal", |i, d| i.export_block_equal(d, ptr))
     }
 
     fn unexport(&self, ptr: u64) -> AllocResult<()> {

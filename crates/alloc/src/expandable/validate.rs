@@ -492,16 +492,20 @@ impl Inner {
             &st.inactive_split_bytes,
             rc.inactive_split_bytes,
         )?;
-        // Device-wide synchronizes: before unpinning, and (counted as
+        // Device-wide synchronizes: before unpinning, (counted as
         // PyTorch's `num_sync_all_streams`) before a graph pool's pages go
-        // back or are paused (`private_pools.rs`).
-        if st.driver_calls.get(Call::DeviceSync) != st.unpin_device_syncs + st.num_sync_all_streams
+        // back or are paused (`private_pools.rs`), and before an IPC export
+        // re-backs chunks (`ipc.rs`).
+        if st.driver_calls.get(Call::DeviceSync)
+            != st.unpin_device_syncs + st.num_sync_all_streams + st.ipc_rebacks
         {
             return Err(format!(
-                "{} device-wide synchronizes, {} of them before unpinning and {} for graph pools",
+                "{} device-wide synchronizes, {} of them before unpinning, {} for graph pools \
+                 and {} before IPC re-backing",
                 st.driver_calls.get(Call::DeviceSync),
                 st.unpin_device_syncs,
-                st.num_sync_all_streams
+                st.num_sync_all_streams,
+                st.ipc_rebacks
             ));
         }
         Ok(())

@@ -54,12 +54,14 @@ mod drain;
 pub(crate) mod mappings;
 mod moves;
 pub(crate) mod observe;
+mod reback;
 mod regions;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use arena::Arenas;
 pub(crate) use moves::Move;
+pub(crate) use reback::{equal_handle_pages, padded_handle_pages};
 pub(crate) use regions::{Region, RegionRecount};
 
 use super::chunks::{Chunk, ChunkTable};

@@ -104,7 +104,7 @@ impl Physical {
     /// size, else new ones within the limit (releasing pooled handles for
     /// room). `None` when the limit has no room for them; every handle
     /// obtained is pooled again then.
-    fn room_handles<D: Device + ?Sized>(
+    pub(super) fn room_handles<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         p: &Move,
@@ -336,7 +336,7 @@ impl Physical {
     /// Maps `handles` at `p`'s live runs, makes them accessible and copies
     /// `saved` (when the bytes went through the host) back. On failure
     /// unmaps what it mapped (the handles stay the caller's).
-    fn map_live<D: Device + ?Sized>(
+    pub(super) fn map_live<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         p: &Move,
