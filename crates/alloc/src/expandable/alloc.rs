@@ -62,7 +62,7 @@ impl Inner {
     }
 
     /// Allocates `size` bytes on `stream` in the segments of tag `tag` and
-    /// private pool `pool` (0: the main pool; see `private_pools.rs`).
+    /// private pool `pool` (0: the main pool; see `private_pools/`).
     pub(super) fn malloc_owned<D: Device + ?Sized>(
         &mut self,
         dev: &D,

@@ -36,7 +36,7 @@ pub(crate) struct ChunkTable {
     /// Number of mapped pages.
     mapped_pages: u64,
     /// Whether the pages must stay where they are: a private pool's
-    /// segment while a CUDA graph may replay it (`private_pools.rs`). The
+    /// segment while a CUDA graph may replay it (`private_pools/`). The
     /// physical layer refuses to unmap or move them.
     pinned: bool,
 }

@@ -125,4 +125,15 @@ impl Inner {
         }
         first_err.map_or(Ok(()), Err)
     }
+
+    /// `cuCtxSynchronize`, counted; every stream counts as waited for.
+    pub(super) fn synchronize_device<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<()> {
+        self.phys.sync_device(dev)?;
+        self.stats.num_sync_all_streams += 1;
+        let tick = self.tick;
+        for e in &mut self.streams {
+            e.synced_at = tick;
+        }
+        Ok(())
+    }
 }

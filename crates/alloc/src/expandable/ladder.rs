@@ -219,7 +219,7 @@ impl Inner {
             self.reclaimable(exclude, lack)
         };
         // Freeable graph pools (no users left) give their free pages back
-        // after one device synchronize (`private_pools.rs`), as PyTorch
+        // after one device synchronize (`private_pools/lifecycle.rs`), as PyTorch
         // releases freeable pools when an allocation fails.
         if reclaimable < lack && !last && self.unpin_freeable_pools(dev) {
             reclaimable = self.reclaimable(exclude, lack);

@@ -82,7 +82,7 @@ pub(crate) struct StreamEntry {
     /// The tag of the blocks in this entry's segments (0 = the default tag;
     /// always 0 in a private pool's entries: pools ignore tags).
     pub tag: u32,
-    /// The private pool owning this entry's segments (`private_pools.rs`):
+    /// The private pool owning this entry's segments (`private_pools/`):
     /// 0 for the main pool, else the pool's slot + 1.
     pub pool: u32,
     /// Allocator tick of the last wait on this stream: blocks freed at or

@@ -69,7 +69,7 @@ impl Inner {
             self.flush_deferred(dev);
         }
         // Freeable graph pools: one device synchronize, then their free
-        // pages go back with the rest (`private_pools.rs`).
+        // pages go back with the rest (`private_pools/`).
         self.unpin_freeable_pools(dev);
         if let Err(e) = self.sync_pending(dev) {
             first_err.get_or_insert(e);
