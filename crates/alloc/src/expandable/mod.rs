@@ -488,6 +488,10 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
         self.call("export", |i, _| i.export_block(ptr))
     }
 
+    fn export_equal(&self, ptr: u64) -> AllocResult<crate::ipc::ExportedRange> {
+        self.call("export_equal", |i, d| i.export_block_equal(d, ptr))
+    }
+
     fn unexport(&self, ptr: u64) -> AllocResult<()> {
         self.call("unexport", |i, _| i.unexport_block(ptr))
     }
