@@ -556,6 +556,31 @@ print(vmmalloc.check())
     assert "checkPoolLiveAllocations" in out.stdout
 
 
+def test_check_and_enable_say_what_this_pytorch_lacks_from_one_table(lib, tmp_path, cache):
+    # Issue 40: --check, enable()'s warning and docs/companion-matrix.md all
+    # come from _companion.NOT_IN_VERSION (2.5: MemPool(allocator=...) is not
+    # routed there, so --check must not say it is).
+    out = run('''
+import warnings, torch, vmmalloc
+from vmmalloc import _companion
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    vmmalloc.enable("device:host,capacity_gb:1,log:off,backend:expandable")
+said = [str(w.message) for w in caught if "does not have" in str(w.message)]
+expected = _companion.absent_warning(torch.__version__)
+assert said == ([expected] if expected else []), said
+report = str(vmmalloc.check())
+for feature, first in _companion.absent_features(torch.__version__):
+    assert f"{feature}: not in PyTorch {torch.__version__} (its allocator interface has it from {first})" in report, feature
+routed = "torch.cuda.MemPool(allocator=...) routed to its allocator (createOrIncrefPool): "
+line = next(l for l in report.splitlines() if routed in l)
+assert ("not in PyTorch" in line) == (_companion.version_tuple(torch.__version__) < (2, 8)), line
+print("TABLE OK", len(_companion.absent_features(torch.__version__)))
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "TABLE OK" in out.stdout
+
+
 # PyTorch's memory debugging tools through the companion: _record_memory_history
 # (via a test entry that does what torch/csrc/cuda/memory_snapshot.cpp does,
 # minus its lazy CUDA init), allocations on PyTorch's own allocation path
@@ -931,6 +956,14 @@ for key, want in {"segment": (2, 1, 1), "reserved_bytes": (22 * MiB, 2 * MiB, 20
     assert got == want, (key, got, want)
 assert st["reserved_bytes"]["all"]["peak"] == cur(st0, "reserved_bytes") + 22 * MiB, st["reserved_bytes"]
 assert st["num_device_alloc"] - st0["num_device_alloc"] == 2, st["num_device_alloc"]
+# torch.cuda.memory_stats() as enable() answers it (vmmalloc._torch) has the same figures.
+flat = torch.cuda.memory_stats(0)
+for key in ("segment", "reserved_bytes", "allocation", "allocated_bytes", "requested_bytes", "inactive_split_bytes"):
+    for kind in ("all", "small_pool", "large_pool"):
+        for field in ("current", "peak", "allocated", "freed"):
+            assert flat[f"{key}.{kind}.{field}"] == st[key][kind][field], (key, kind, field, flat, st[key])
+assert flat["num_device_alloc"] == st["num_device_alloc"]
+assert torch.cuda.memory_reserved(0) == cur(st0, "reserved_bytes") + 22 * MiB
 # MemPool.snapshot(): the pool's two segments, their blocks.
 segs = torch._C._cuda_memorySnapshot(pool.id)["segments"]
 assert sorted((s["segment_type"], s["total_size"]) for s in segs) == [("large", 20 * MiB), ("small", 2 * MiB)], segs
@@ -960,6 +993,8 @@ assert pool.counts()["raw_delete"] == 0, pool.counts()
 torch._C._cuda_resetPeakMemoryStats(0)
 st = torch._C._cuda_memoryStats(0)
 assert st["reserved_bytes"]["all"]["peak"] == st["reserved_bytes"]["all"]["current"], st["reserved_bytes"]
+torch.cuda.reset_peak_memory_stats(0)                        # vmmalloc._torch's
+assert torch.cuda.max_memory_reserved(0) == torch.cuda.memory_reserved(0) == cur(st0, "reserved_bytes") + 22 * MiB
 pool.destroy()                                               # ~MemPool
 c = pool.counts()
 assert c["raw_delete"] == 2 and c["live"] == 0, c
@@ -1070,7 +1105,7 @@ print("VLLM OK")
     print(out.stdout)
 
 
-@since(2, 8, "torch.cuda.MemPool(use_on_oom=True)")
+@since(2, 8, "torch.cuda.MemPool(allocator=...)")
 def test_mempool_allocator_events_are_in_the_memory_history(lib, tmp_path, cache):
     # record_trace's entries for a MemPool(allocator=X)'s pool: segment_alloc
     # (the segment X gave), alloc, free_requested / free_completed, and
@@ -1107,6 +1142,7 @@ print("POOL HISTORY OK")
     assert "POOL HISTORY OK" in out.stdout
 
 
+@since(2, 8, "torch.cuda.MemPool(use_on_oom=True)")
 def test_mempool_use_on_oom_lends_the_pools_free_blocks(lib, tmp_path, cache):
     # torch.cuda.MemPool(use_on_oom=True): an allocation outside the pool
     # that would run out of memory gets the pool's free block (PyTorch's

@@ -45,8 +45,12 @@ FEATURES = (
     ("checkPoolLiveAllocations", "torch.compile(mode='reduce-overhead') (CUDA graph trees: checkPoolLiveAllocations)"),
     ("getCheckpointState", "CUDA graph trees' checkpoints (getCheckpointState)"),
     ("setCheckpointPoolState", "CUDA graph trees' path divergence (setCheckpointPoolState)"),
-    ("createOrIncrefPool", "torch.cuda.MemPool while vmmalloc is the allocator, MemPool(allocator=...) "
-                           "routed to its allocator (createOrIncrefPool)"),
+    ("beginAllocateToPool", "torch.cuda.MemPool and use_mem_pool while vmmalloc is the allocator "
+                            "(beginAllocateToPool; the MemPool's own use by createOrIncrefPool from 2.8, "
+                            "ensureExistsAndIncrefPool on 2.6 and 2.7)"),
+    ("createOrIncrefPool", "torch.cuda.MemPool(allocator=...) routed to its allocator (createOrIncrefPool)"),
+    ("setUseOnOOM", "torch.cuda.MemPool(use_on_oom=True) (setUseOnOOM)"),
+    ("setNoSplit", "torch.cuda.MemPool(no_split=True) (setNoSplit)"),
     ("getPoolUseCount", "torch.cuda.MemPool.use_count() (getPoolUseCount)"),
     ("snapshot", "snapshot() for NCCL's initNCCLComm / register_mem_pool and MemPool.snapshot()"),
     ("getDeviceStats", "torch._C._cuda_memoryStats (getDeviceStats; torch.cuda.memory_stats is answered anyway)"),
@@ -70,15 +74,20 @@ FEATURES = (
 # (c10/cuda/CUDACachingAllocator.h of each version; scripts/companion_matrix.py
 # checks every minor version): method -> (major, minor) of the first version
 # with it. Under an older PyTorch the feature does not exist there at all (the
-# Python function is missing too); --check names it. createOrIncrefPool is
-# not listed: before 2.8 the companion creates pools in beginAllocateToPool,
-# as those versions' native allocator does.
+# Python function is missing too). This is the one table of what each
+# version offers: ``python -m vmmalloc --check``, the warning of enable()
+# (absent_features) and docs/companion-matrix.md (scripts/companion_matrix.py)
+# are all written from it. Before 2.8 a MemPool has no allocator of its own
+# (createOrIncrefPool takes it from 2.8): plain MemPools and use_mem_pool work
+# there through beginAllocateToPool (and ensureExistsAndIncrefPool on 2.6-2.7).
 NOT_IN_VERSION = {
     "getMemoryFraction": (2, 6),
     "getPoolUseCount": (2, 6),
+    "createOrIncrefPool": (2, 8),
     "setUseOnOOM": (2, 8),
     "pushCompileContext": (2, 8),
     "setUserMetadata": (2, 10),
+    "setNoSplit": (2, 10),
     "getContextForPointer": (2, 12),
     "annotateMemory": (2, 14),
 }
@@ -89,6 +98,23 @@ def absent_in(version):
     version predates."""
     v = version_tuple(version)
     return [(m, f"{a}.{b}") for m, (a, b) in NOT_IN_VERSION.items() if v < (a, b)]
+
+
+def absent_features(version):
+    """[(feature, first version string)]: the FEATURES this PyTorch version
+    does not offer at all (NOT_IN_VERSION); what --check and enable() say."""
+    absent = dict(absent_in(version))
+    return [(f, absent[m]) for m, f in FEATURES if m in absent]
+
+
+def absent_warning(version):
+    """The one line enable() warns with under a PyTorch that lacks FEATURES
+    (None for one that has them all)."""
+    absent = absent_features(version)
+    if not absent:
+        return None
+    return (f"vmmalloc: PyTorch {version} does not have: "
+            + "; ".join(f"{f} (from PyTorch {v})" for f, v in absent))
 
 
 _loaded = None  # the companion CDLL, kept for the life of the process
@@ -362,3 +388,48 @@ def install(torch):
         return "torch.cuda.OutOfMemoryError", str(lib.path)
     except Exception as e:  # any failure leaves the std::runtime_error path
         return "RuntimeError", str(e)
+
+
+# vmmalloc_device_stats' layout (crates/capi/src/torch_abi.rs): 9 stats x
+# (all, small_pool, large_pool) x (current, peak, allocated, freed), then
+# num_alloc_retries, num_ooms, oversize_allocations (4), oversize_segments
+# (4), num_sync_all_streams, num_device_alloc, num_device_free, max_split_size.
+_STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+               "active_bytes", "inactive_split_bytes", "requested_bytes")
+_STATS_LEN = 9 * 3 * 4 + 2 + 4 + 4 + 4
+_COUNTS = (("num_ooms", 109), ("num_device_alloc", 119), ("num_device_free", 120))
+
+
+def add_pool_figures(stats, device):
+    """Adds to ``stats`` (a memory_stats() dict of libvmmalloc's figures for
+    ``device``) the figures of the torch.cuda.MemPool(allocator=...) pools,
+    whose blocks the companion keeps (PyTorch's memory_stats() counts every
+    pool). Returns ``stats``; unchanged without the companion."""
+    fn = getattr(_loaded, "vmmalloc_companion_pool_figures", None) if _installed else None
+    if fn is None:
+        return stats
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]
+    out = (ctypes.c_int64 * _STATS_LEN)()
+    if fn(device, out, _STATS_LEN) != _STATS_LEN:
+        return stats
+    i = 0
+    for name in _STAT_NAMES:
+        for kind in ("all", "small_pool", "large_pool"):
+            for field in ("current", "peak", "allocated", "freed"):
+                key = f"{name}.{kind}.{field}"
+                if out[i] and key in stats:
+                    stats[key] += out[i]
+                i += 1
+    for key, i in _COUNTS:
+        if out[i] and key in stats:
+            stats[key] += out[i]
+    return stats
+
+
+def reset_pool_peaks(device):
+    """reset_peak_memory_stats()'s part for those pools (after libvmmalloc's)."""
+    fn = getattr(_loaded, "vmmalloc_companion_reset_pool_peaks", None) if _installed else None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int]
+        fn(device)

@@ -62,7 +62,10 @@ def _device_index(device):
 def memory_stats(device=None):
     """torch.cuda.memory_stats(): PyTorch's keys (sorted, as PyTorch returns
     them) plus vmmalloc's, from vmmalloc."""
-    stats = _lib.memory_stats(_device_index(device))
+    from . import _companion
+
+    index = _device_index(device)
+    stats = _companion.add_pool_figures(_lib.memory_stats(index), index)  # MemPool(allocator=...)
     return OrderedDict(sorted(stats.items()))
 
 
@@ -105,7 +108,11 @@ def max_memory_reserved(device=None):
 
 def reset_peak_memory_stats(device=None):
     """torch.cuda.reset_peak_memory_stats()."""
-    _lib.reset_peak_memory_stats(_device_index(device))
+    from . import _companion
+
+    index = _device_index(device)
+    _lib.reset_peak_memory_stats(index)
+    _companion.reset_pool_peaks(index)
 
 
 def memory_summary(device=None, abbreviated=False):
@@ -213,6 +220,9 @@ def install_allocator(torch, path, warn):
         if lost:
             warn("vmmalloc: this PyTorch's allocator interface lacks methods the torch companion implements; "
                  "not available: " + "; ".join(lost))
+        absent = _companion.absent_warning(torch.__version__)  # an older PyTorch: issue 40
+        if absent:
+            warn(absent)
         return torch.cuda.memory._get_current_allocator(), lost
     if "already initialized" in why or "Can't swap" in why:
         raise RuntimeError(why)

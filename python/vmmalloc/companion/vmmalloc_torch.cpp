@@ -1342,6 +1342,35 @@ class VmmallocAllocator : public Base {
     s.num_device_free += st.device_free;
   }
 
+  // The pools' part of getDeviceStats in vmmalloc_device_stats' layout
+  // (`out`, kStatsLen entries): current, allocated and freed are the pools'
+  // own, peak is the combined peak less vmmalloc's. 0 when no such pool was
+  // used on `device`, else kStatsLen.
+  int pool_figures(int device, int64_t* out) {
+    std::lock_guard<std::mutex> g(custom_mu_);
+    auto it = pool_stats_.find(device);
+    if (it == pool_stats_.end()) return 0;
+    PoolStats& st = it->second;
+    int64_t v[kStatsLen];
+    vmmalloc_figures(device, v);
+    track_peaks(st, v);
+    std::fill(out, out + kStatsLen, 0);
+    for (int k = 0; k < 9; ++k) {
+      for (int t = 0; t < 3; ++t) {
+        int64_t* o = out + (k * 3 + t) * 4;
+        const auto& mine = st.st[k][t];
+        o[0] = mine.current;
+        o[1] = std::max<int64_t>(0, st.track[k][t].combined - v[(k * 3 + t) * 4 + 1]);
+        o[2] = mine.allocated;
+        o[3] = mine.freed;
+      }
+    }
+    out[9 * 3 * 4 + 1] = st.ooms;          // num_ooms (torch_abi.rs layout)
+    out[9 * 3 * 4 + 11] = st.device_alloc;  // num_device_alloc
+    out[9 * 3 * 4 + 12] = st.device_free;   // num_device_free
+    return static_cast<int>(kStatsLen);
+  }
+
   // resetPeakStats' part for the pools (after vmmalloc's own reset).
   void reset_pool_peaks(int device) {
     std::lock_guard<std::mutex> g(custom_mu_);
@@ -2392,6 +2421,37 @@ extern "C" int vmmalloc_companion_mempool_ctor_for_tests(int device, uint64_t hi
     return 0;
   } catch (const std::exception& e) {
     copy_error(e.what(), err, err_len);
+    return -1;
+  }
+}
+
+// The torch.cuda.MemPool(allocator=...) pools' part of device `device`'s
+// figures, for torch.cuda.memory_stats() as vmmalloc answers it
+// (vmmalloc._torch, which reads libvmmalloc's own figures): n must be
+// vmmalloc_device_stats' length; `out` gets what getDeviceStats adds to
+// libvmmalloc's figures in that layout (the pools' current, allocated and
+// freed; the combined peak less libvmmalloc's). Returns n, 0 when no such
+// pool was used on the device, -1 when n is not that length or the
+// companion is not installed.
+extern "C" int vmmalloc_companion_pool_figures(int device, int64_t* out, size_t n) {
+  auto* a = current_allocator_for_tests();
+  if (!a || !out || n != kStatsLen) return -1;
+  try {
+    return a->pool_figures(device, out);
+  } catch (...) {
+    return -1;
+  }
+}
+
+// torch.cuda.reset_peak_memory_stats()'s part for those pools, after
+// libvmmalloc's own reset. Returns 0, or -1 when the companion is not installed.
+extern "C" int vmmalloc_companion_reset_pool_peaks(int device) {
+  auto* a = current_allocator_for_tests();
+  if (!a) return -1;
+  try {
+    a->reset_pool_peaks(device);
+    return 0;
+  } catch (...) {
     return -1;
   }
 }
