@@ -581,6 +581,41 @@ print("TABLE OK", len(_companion.absent_features(torch.__version__)))
     assert "TABLE OK" in out.stdout
 
 
+def test_raw_delete_and_memory_fraction_refuse_what_pytorch_refuses(lib, tmp_path, cache):
+    # Issue 40: PyTorch's raw_delete of a pointer that is not a live
+    # allocation raises "invalid device pointer: <ptr>" (CUDACachingAllocator.cpp
+    # free); its setMemoryFraction refuses a fraction outside [0, 1] or NaN
+    # ("invalid fraction:<f>. Please set within [0, 1]."). Both changed nothing.
+    out = run(PRELUDE + '''
+raw_delete = torch._C._cuda_cudaCachingAllocator_raw_delete
+out = ctypes.c_void_p()
+assert lib.vmmalloc_try_malloc(1 << 20, 0, None, ctypes.byref(out)) == 0
+p = out.value
+raw_delete(p)                                   # a live allocation: freed
+assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 0
+for bad in (p, p + 4096, 0x1234000):            # freed already, inside nothing, never allocated
+    try:
+        raw_delete(bad)
+        raise SystemExit(f"raw_delete({hex(bad)}) did not raise")
+    except RuntimeError as e:
+        assert f"invalid device pointer: {hex(bad)}" in str(e), e
+raw_delete(0)                                   # NULL: nothing, as PyTorch
+set_fraction = torch._C._cuda_setMemoryFraction
+set_fraction(0.5, 0)
+for bad, text in ((1.5, "1.5"), (-0.25, "-0.25"), (float("nan"), "nan")):
+    try:
+        set_fraction(bad, 0)
+        raise SystemExit(f"fraction {bad} accepted")
+    except RuntimeError as e:
+        assert f"invalid fraction:{text}. Please set within [0, 1]." in str(e), e
+if hasattr(torch._C, "_cuda_getMemoryFraction"):   # 2.6+
+    assert torch._C._cuda_getMemoryFraction(0) == 0.5
+print("REFUSED OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "REFUSED OK" in out.stdout
+
+
 # PyTorch's memory debugging tools through the companion: _record_memory_history
 # (via a test entry that does what torch/csrc/cuda/memory_snapshot.cpp does,
 # minus its lazy CUDA init), allocations on PyTorch's own allocation path

@@ -555,8 +555,37 @@ pub extern "C" fn vmmalloc_pool_release(device: c_int, pool_hi: u64, pool_lo: u6
 #[no_mangle]
 pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     entry("vmmalloc_free", (), || {
+        free_ptr(ptr, size, device, stream);
+    })
+}
+
+/// [`vmmalloc_free`] that says whether it freed: 0 (freed, or NULL), -1 for
+/// a pointer that is not a live allocation (never allocated here, already
+/// freed) or a failed device, with the reason in `vmmalloc_last_error()`.
+/// The torch companion's `raw_delete` raises on -1, as PyTorch's
+/// (CUDACachingAllocator.cpp `free`: "invalid device pointer"); issue 40.
+#[no_mangle]
+pub extern "C" fn vmmalloc_try_free(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> c_int {
+    entry("vmmalloc_try_free", -1, || {
+        if free_ptr(ptr, size, device, stream) {
+            0
+        } else {
+            -1
+        }
+    })
+}
+
+/// The body of [`vmmalloc_free`]: true when freed (or NULL), false with the
+/// failure reported (last error, one log line) and nothing changed.
+fn free_ptr(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) -> bool {
+    {
         if ptr.is_null() {
-            return;
+            return true;
         }
         let rt = runtime::runtime();
         let p = addr(ptr);
@@ -566,14 +595,18 @@ pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, st
         // The hot path: the device named owns the pointer; builds no text.
         if let Some(d) = rt.ready(device) {
             match d.free(p) {
-                Ok(()) => return,
+                Ok(()) => return true,
                 // Another device may own it: the general path asks them all.
                 Err(AllocError::InvalidPointer { .. }) => {}
-                Err(e) => return fail(&rt, LError, format!("{}: {}", call(), d.error(e))),
+                Err(e) => {
+                    fail(&rt, LError, format!("{}: {}", call(), d.error(e)));
+                    return false;
+                }
             }
         }
         if let Err(m) = rt.config() {
-            return fail(&rt, LError, format!("{}: {m}", call()));
+            fail(&rt, LError, format!("{}: {m}", call()));
+            return false;
         }
         let hint = rt.check_ordinal(device).ok().and_then(|o| rt.existing(o));
         let candidates = hint.into_iter().chain(
@@ -597,14 +630,18 @@ pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, st
                             &format!("{}: pointer belongs to device {}", call(), d.ordinal),
                         );
                     }
-                    return;
+                    return true;
                 }
                 Err(AllocError::InvalidPointer { .. }) => continue,
-                Err(e) => return fail(&rt, LError, format!("{}: {}", call(), d.error(e))),
+                Err(e) => {
+                    fail(&rt, LError, format!("{}: {}", call(), d.error(e)));
+                    return false;
+                }
             }
         }
         if let Some(e) = failed {
-            return fail(&rt, LError, format!("{}: {e}", call()));
+            fail(&rt, LError, format!("{}: {e}", call()));
+            return false;
         }
         fail(
             &rt,
@@ -614,7 +651,8 @@ pub extern "C" fn vmmalloc_free(ptr: *mut c_void, size: usize, device: c_int, st
                 call()
             ),
         );
-    })
+        false
+    }
 }
 
 /// PyTorch's init hook: called when CUDA is initialised with the number of

@@ -109,6 +109,7 @@ constexpr size_t kStatsLen = 9 * 3 * 4 + 2 + 4 + 4 + 4;  // torch_abi.rs VMMALLO
 struct Lib {
   void* (*malloc)(size_t, int, void*);
   void (*free)(void*, size_t, int, void*);
+  int (*try_free)(void*, size_t, int, void*);  // optional: raw_delete raises with it
   void (*init)(int);
   void (*empty_cache)();
   void (*set_memory_fraction)(double, int);
@@ -363,7 +364,24 @@ class VmmallocAllocator : public Base {
     return companion_malloc(nbytes, device, stream);
   }
 
-  void raw_delete(void* ptr) VMM_OVERRIDE { companion_free(ptr, 0, current_device_hint(), nullptr); }
+  // As the native raw_delete (CUDACachingAllocator.cpp free: no allocated
+  // block -> TORCH_CHECK(false, "invalid device pointer: ", ptr)), a pointer
+  // that is not a live allocation (never allocated, freed already) raises
+  // and changes nothing (issue 40); NULL does nothing. A libvmmalloc without
+  // vmmalloc_try_free only logs it.
+  void raw_delete(void* ptr) VMM_OVERRIDE {
+    if (!ptr) return;
+    if (!lib.try_free) return companion_free(ptr, 0, current_device_hint(), nullptr);
+    if (g_custom_live.load(std::memory_order_relaxed) > 0 && custom_free(ptr)) return;
+    int rc = 0;
+    if (g_when.load(std::memory_order_relaxed) < kAll) {
+      rc = lib.try_free(ptr, 0, current_device_hint(), nullptr);
+    } else {
+      ContextScope scope(gather_at(kAll));
+      rc = lib.try_free(ptr, 0, current_device_hint(), nullptr);
+    }
+    TORCH_CHECK(rc == 0, "invalid device pointer: ", ptr);
+  }
 
   // The DataPtr of `ptr` on `device` (what allocate returns).
   static c10::DataPtr data_ptr_of(void* ptr, c10::DeviceIndex device) {
@@ -632,6 +650,10 @@ class VmmallocAllocator : public Base {
 
 #ifndef VMM_NO_setMemoryFraction
   void setMemoryFraction(double fraction, c10::DeviceIndex device) VMM_OVERRIDE {
+    // DeviceCachingAllocator::setMemoryFraction's check, in its words (older
+    // versions assert the same range); NaN fails it too. Issue 40.
+    TORCH_CHECK(0 <= fraction && fraction <= 1, "invalid fraction:", fraction,
+                ". Please set within [0, 1].");
     Base::setMemoryFraction(fraction, device);
     std::lock_guard<std::mutex> g(mu_);
     fractions_[device] = fraction;
@@ -2509,6 +2531,7 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
       resolve(h, "vmmalloc_ipc_close_on", lib.ipc_close_on, later);
     }
     resolve(h, "vmmalloc_set_oom_handler", lib.set_oom_handler, later);
+    resolve(h, "vmmalloc_try_free", lib.try_free, later);
     resolve(h, "vmmalloc_mem_get_info", lib.mem_get_info, later);
     resolve(h, "vmmalloc_settings", lib.settings, later);
     resolve(h, "vmmalloc_free_string", lib.free_string, later);
