@@ -470,6 +470,30 @@ try:
     raise SystemExit("unknown pool did not raise")
 except vmmalloc.VmmallocError as e:
     assert "unknown pool (0, 99)" in str(e), e
+# Issue 40: while the pool is paused, replay() of a graph on it raises
+# (CUDAGraph needs a GPU to construct: a stand-in with its pool(), through the
+# class's replay as cudagraph trees call it); once resumed it replays.
+class Graph:
+    def pool(self):
+        return pool
+vmmalloc.pause_pool(pool, keep=True)
+try:
+    torch.cuda.CUDAGraph.replay(Graph())
+    raise SystemExit("replay of a paused pool's graph did not raise")
+except vmmalloc.VmmallocError as e:
+    assert "pool (0, 8) is paused" in str(e) and "resume_pool" in str(e), e
+class Other:
+    def pool(self):
+        return (0, 9)
+for g in (Other(), Graph()):   # another pool, then this one resumed: PyTorch's own replay runs
+    if isinstance(g, Graph):
+        vmmalloc.resume_pool(pool)
+    try:
+        torch.cuda.CUDAGraph.replay(g)
+    except vmmalloc.VmmallocError as e:
+        raise SystemExit(f"guard refused a graph it should pass: {e}")
+    except (TypeError, AttributeError):
+        pass                   # PyTorch's replay: the stand-in is not a graph
 lib.vmmalloc_free(a, 0, 0, None)
 release(0, pool)
 print("PAUSE OK")

@@ -21,10 +21,18 @@ without recapture: the graph replays at the same addresses once resumed.
     ...                                 # the trainer uses the memory
     vmmalloc.resume_pool(g)             # mapped again, contents copied back
     g.replay()                          # bitwise the output it gave before
+
+While a pool is paused (through pause_pool), ``torch.cuda.CUDAGraph.replay``
+of a graph on that pool (and so CUDA graph trees' replays, which call it)
+raises VmmallocError instead of running kernels on unmapped memory. What
+cannot be guarded: a kernel launched by hand on a tensor of the paused pool
+(any torch op on it), and a pool paused through the C ABI directly.
 """
 
 import ctypes
 import json
+import sys
+import threading
 
 from . import _lib
 
@@ -142,6 +150,39 @@ def _device(device):
     return 0 if index is None else int(index)
 
 
+# (device, hi, lo) of the pools pause_pool paused and resume_pool has not
+# resumed yet: what the replay guard checks (a set lookup per replay).
+_paused_pools = set()
+_paused_lock = threading.Lock()
+
+
+def _guard_replay():
+    """Wraps torch.cuda.CUDAGraph.replay (once) so that a graph whose pool
+    is paused raises instead of replaying on unmapped memory (issue 40)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(getattr(torch, "cuda", None), "CUDAGraph"):
+        return
+    cls = torch.cuda.CUDAGraph
+    if getattr(cls.replay, "_vmmalloc_guard", False):
+        return
+    replay = cls.replay
+
+    def guarded_replay(self, *args, **kwargs):
+        if _paused_pools:
+            hi, lo = (int(x) for x in self.pool())
+            paused = [d for d, h, lw in list(_paused_pools) if (h, lw) == (hi, lo)]
+            if paused:
+                raise _lib.VmmallocError(
+                    f"vmmalloc: this CUDA graph's pool ({hi}, {lo}) is paused (device {paused[0]}); "
+                    f"call vmmalloc.resume_pool(graph) before replay(): its kernels would run on "
+                    f"unmapped memory")
+        return replay(self, *args, **kwargs)
+
+    guarded_replay._vmmalloc_guard = True
+    guarded_replay.__doc__ = replay.__doc__
+    cls.replay = guarded_replay
+
+
 def pause_pool(pool, keep=True, device=None):
     """Pauses a CUDA graph's or MemPool's private pool in place: waits for
     the device, copies the pool's live blocks to host memory (``keep=True``;
@@ -151,9 +192,12 @@ def pause_pool(pool, keep=True, device=None):
     Raises VmmallocError (unknown pool, paused already, a capture underway,
     a backend without pools; nothing changed)."""
     hi, lo = _pool_id(pool)
+    _guard_replay()
     n = _load().vmmalloc_pool_pause(_device(device), hi, lo, 1 if keep else 0)
     if n < 0:
         raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_pool_pause failed")
+    with _paused_lock:
+        _paused_pools.add((_device(device), hi, lo))
     return n
 
 
@@ -166,4 +210,6 @@ def resume_pool(pool, device=None):
     n = _load().vmmalloc_pool_resume(_device(device), hi, lo)
     if n < 0:
         raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_pool_resume failed")
+    with _paused_lock:
+        _paused_pools.discard((_device(device), hi, lo))
     return n
