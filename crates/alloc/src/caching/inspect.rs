@@ -283,97 +283,37 @@ impl State {
 
     /// Checks every invariant; the first broken one is described.
     pub fn validate<D: Device>(&self, dev: &D) -> Result<(), String> {
+        let mut rc = Recount::default();
         // 1. Segments do not overlap; each is tiled by its blocks.
+        self.check_segments(&mut rc)?;
+        // 2. Pool sets match block states; stats recount.
+        self.check_blocks(&mut rc)?;
+        self.check_stats(&rc)?;
+        self.check_call_counter()?;
+        // 3. The device agrees.
+        self.check_device(dev)
+    }
+
+    /// Segments do not overlap, each is tiled by its blocks, expandable
+    /// segments hold handles for exactly their mapped pages, and every block
+    /// lies in a segment; counts segments and reserved bytes into `rc`.
+    fn check_segments(&self, rc: &mut Recount) -> Result<(), String> {
         let (by_ptr, shared) = self.slab.by_ptr();
         if let Some(p) = shared {
             return Err(format!("two blocks start at {p:#x}"));
         }
-        let ranges = self.segment_ranges();
         let mut end = 0;
         let mut seen = 0usize;
-        let mut rc = Recount::default();
-        for &(start, size, pool, stream, expandable) in &ranges {
+        for (start, size, pool, stream, expandable) in self.segment_ranges() {
             if start < end {
                 return Err(format!("segment {start:#x} overlaps the previous one"));
             }
             end = start + size;
             let ids = self.walk(&by_ptr, start);
-            let mut cursor = start;
-            let mut prev: Option<BlockId> = None;
-            for &id in &ids {
-                let b = self.slab.get(id);
-                if b.ptr != cursor {
-                    return Err(format!(
-                        "segment {start:#x}: block at {:#x}, expected {cursor:#x}",
-                        b.ptr
-                    ));
-                }
-                if b.prev != prev {
-                    return Err(format!("block {:#x}: prev link broken", b.ptr));
-                }
-                if b.size == 0 {
-                    return Err(format!("block {:#x} is empty", b.ptr));
-                }
-                if b.pool != pool || b.stream != stream || b.segment.is_some() != expandable {
-                    return Err(format!(
-                        "block {:#x} disagrees with its segment (pool/stream/kind)",
-                        b.ptr
-                    ));
-                }
-                if let (Some(p), true) = (prev, b.is_allocatable()) {
-                    let pb = self.slab.get(p);
-                    if pb.is_allocatable() && pb.mapped == b.mapped {
-                        return Err(format!(
-                            "free neighbours {:#x} and {:#x} were not merged",
-                            pb.ptr, b.ptr
-                        ));
-                    }
-                }
-                cursor += b.size;
-                prev = Some(id);
-            }
-            if cursor != end {
-                return Err(format!(
-                    "segment {start:#x}: blocks cover {:#x} of {size:#x} bytes",
-                    cursor - start
-                ));
-            }
+            self.check_tiling(&ids, (start, size, pool, stream, expandable))?;
             seen += ids.len();
             if expandable {
-                // Pages with a handle are exactly the pages under mapped blocks.
-                let es = self
-                    .expandable_segments
-                    .values()
-                    .find(|e| e.ptr == start)
-                    .ok_or("expandable segment vanished")?;
-                let pages = es.max_handles as usize;
-                let mut want = vec![false; pages];
-                for &id in &ids {
-                    let b = self.slab.get(id);
-                    if !b.mapped {
-                        if !(b.ptr - start).is_multiple_of(es.segment_size)
-                            || !b.size.is_multiple_of(es.segment_size)
-                        {
-                            return Err(format!("unmapped block {:#x} is not page-aligned", b.ptr));
-                        }
-                        continue;
-                    }
-                    let first = ((b.ptr - start) / es.segment_size) as usize;
-                    let last = ((b.ptr + b.size - 1 - start) / es.segment_size) as usize;
-                    want[first..=last].iter_mut().for_each(|w| *w = true);
-                    add(&mut rc.reserved_bytes, pool, b.size as i64);
-                }
-                for (i, w) in want.iter().enumerate() {
-                    let has = es.handles.get(i).is_some_and(|h| h.is_some());
-                    if has != *w {
-                        return Err(format!(
-                            "segment {start:#x} page {i}: handle {has}, mapped blocks {w}"
-                        ));
-                    }
-                }
-                if matches!(es.handles.last(), Some(None)) {
-                    return Err(format!("segment {start:#x}: handles not trimmed"));
-                }
+                self.check_expandable_pages(start, pool, &ids, rc)?;
             } else {
                 add(&mut rc.segment, pool, 1);
                 add(&mut rc.reserved_bytes, pool, size as i64);
@@ -388,8 +328,110 @@ impl State {
                 self.slab.len()
             ));
         }
+        Ok(())
+    }
 
-        // 2. Pool sets match block states; stats recount.
+    /// The blocks `ids` of the segment `(start, size, pool, stream,
+    /// expandable)` follow one another without gaps, agree with it and with
+    /// their links, and free neighbours were merged.
+    fn check_tiling(
+        &self,
+        ids: &[BlockId],
+        (start, size, pool, stream, expandable): (u64, u64, PoolKind, Stream, bool),
+    ) -> Result<(), String> {
+        let mut cursor = start;
+        let mut prev: Option<BlockId> = None;
+        for &id in ids {
+            let b = self.slab.get(id);
+            if b.ptr != cursor {
+                return Err(format!(
+                    "segment {start:#x}: block at {:#x}, expected {cursor:#x}",
+                    b.ptr
+                ));
+            }
+            if b.prev != prev {
+                return Err(format!("block {:#x}: prev link broken", b.ptr));
+            }
+            if b.size == 0 {
+                return Err(format!("block {:#x} is empty", b.ptr));
+            }
+            if b.pool != pool || b.stream != stream || b.segment.is_some() != expandable {
+                return Err(format!(
+                    "block {:#x} disagrees with its segment (pool/stream/kind)",
+                    b.ptr
+                ));
+            }
+            if let (Some(p), true) = (prev, b.is_allocatable()) {
+                let pb = self.slab.get(p);
+                if pb.is_allocatable() && pb.mapped == b.mapped {
+                    return Err(format!(
+                        "free neighbours {:#x} and {:#x} were not merged",
+                        pb.ptr, b.ptr
+                    ));
+                }
+            }
+            cursor += b.size;
+            prev = Some(id);
+        }
+        if cursor != start + size {
+            return Err(format!(
+                "segment {start:#x}: blocks cover {:#x} of {size:#x} bytes",
+                cursor - start
+            ));
+        }
+        Ok(())
+    }
+
+    /// Pages with a handle are exactly the pages under mapped blocks of the
+    /// expandable segment at `start` (unmapped blocks are page-aligned, the
+    /// handle list is trimmed); counts the mapped bytes into `rc`.
+    fn check_expandable_pages(
+        &self,
+        start: u64,
+        pool: PoolKind,
+        ids: &[BlockId],
+        rc: &mut Recount,
+    ) -> Result<(), String> {
+        let es = self
+            .expandable_segments
+            .values()
+            .find(|e| e.ptr == start)
+            .ok_or("expandable segment vanished")?;
+        let pages = es.max_handles as usize;
+        let mut want = vec![false; pages];
+        for &id in ids {
+            let b = self.slab.get(id);
+            if !b.mapped {
+                if !(b.ptr - start).is_multiple_of(es.segment_size)
+                    || !b.size.is_multiple_of(es.segment_size)
+                {
+                    return Err(format!("unmapped block {:#x} is not page-aligned", b.ptr));
+                }
+                continue;
+            }
+            let first = ((b.ptr - start) / es.segment_size) as usize;
+            let last = ((b.ptr + b.size - 1 - start) / es.segment_size) as usize;
+            want[first..=last].iter_mut().for_each(|w| *w = true);
+            add(&mut rc.reserved_bytes, pool, b.size as i64);
+        }
+        for (i, w) in want.iter().enumerate() {
+            let has = es.handles.get(i).is_some_and(|h| h.is_some());
+            if has != *w {
+                return Err(format!(
+                    "segment {start:#x} page {i}: handle {has}, mapped blocks {w}"
+                ));
+            }
+        }
+        if matches!(es.handles.last(), Some(None)) {
+            return Err(format!("segment {start:#x}: handles not trimmed"));
+        }
+        Ok(())
+    }
+
+    /// Each block is filed in the pool sets its state says, agrees with the
+    /// pointer table and the event queues; the pool sets list nothing else;
+    /// counts the block stats into `rc`.
+    fn check_blocks(&self, rc: &mut Recount) -> Result<(), String> {
         let mut events: HashMap<BlockId, u32> = HashMap::new();
         for q in self.cuda_events.values() {
             for &(_, id) in q {
@@ -472,6 +514,12 @@ impl State {
         if self.allocated_blocks.len() as i64 != rc.allocation[0] {
             return Err("the pointer table holds stale entries".into());
         }
+        Ok(())
+    }
+
+    /// The stats of current state equal the recount `rc`; no empty event
+    /// queue is kept.
+    fn check_stats(&self, rc: &Recount) -> Result<(), String> {
         let s = &self.stats;
         let arrays: [(&str, &crate::stats::StatArray, &[i64; 3]); 9] = [
             ("allocation", &s.allocation, &rc.allocation),
@@ -519,9 +567,12 @@ impl State {
                 return Err("an empty event queue was kept".into());
             }
         }
+        Ok(())
+    }
 
-        // The driver-call counter agrees: every page handle created and not
-        // released is mapped in a segment, or an orphan.
+    /// The driver-call counter agrees: every page handle created and not
+    /// released is mapped in a segment, or an orphan.
+    fn check_call_counter(&self) -> Result<(), String> {
         let c = self.calls.counter();
         let (pages, page_bytes) = self.expandable_segments.values().fold((0, 0), |(n, b), e| {
             (n + e.mapped_pages(), b + e.mapped_pages() * e.segment_size)
@@ -535,38 +586,43 @@ impl State {
                 c.handles_alive, c.device_bytes_alive
             ));
         }
+        Ok(())
+    }
 
-        // 3. The device agrees.
-        if let Some(i) = dev.introspect() {
-            for (_, b) in self.slab.iter() {
-                if b.mapped && !i.is_accessible(b.ptr, b.size) {
-                    return Err(format!(
-                        "block {:#x} (+{:#x}) is not accessible on the device",
-                        b.ptr, b.size
-                    ));
-                }
-            }
-            let live = i.live();
-            let pages: u64 = self
-                .expandable_segments
-                .values()
-                .map(|e| e.mapped_pages())
-                .sum();
-            if live.plain_allocs < self.segments.len()
-                || live.reservations < self.expandable_segments.len()
-                || (live.handles as u64) < pages
-                || (live.mappings as u64) < pages
-                || live.physical_bytes < self.total_allocated_memory
-            {
+    /// The device (where it can be introspected) holds at least what the
+    /// allocator thinks it mapped, and its own checks pass.
+    fn check_device<D: Device>(&self, dev: &D) -> Result<(), String> {
+        let Some(i) = dev.introspect() else {
+            return Ok(());
+        };
+        for (_, b) in self.slab.iter() {
+            if b.mapped && !i.is_accessible(b.ptr, b.size) {
                 return Err(format!(
-                    "device holds {live:?}, allocator {} segments, {} expandable segments, {pages} pages, {} bytes",
-                    self.segments.len(),
-                    self.expandable_segments.len(),
-                    self.total_allocated_memory
+                    "block {:#x} (+{:#x}) is not accessible on the device",
+                    b.ptr, b.size
                 ));
             }
-            i.check()?;
         }
+        let live = i.live();
+        let pages: u64 = self
+            .expandable_segments
+            .values()
+            .map(|e| e.mapped_pages())
+            .sum();
+        if live.plain_allocs < self.segments.len()
+            || live.reservations < self.expandable_segments.len()
+            || (live.handles as u64) < pages
+            || (live.mappings as u64) < pages
+            || live.physical_bytes < self.total_allocated_memory
+        {
+            return Err(format!(
+                "device holds {live:?}, allocator {} segments, {} expandable segments, {pages} pages, {} bytes",
+                self.segments.len(),
+                self.expandable_segments.len(),
+                self.total_allocated_memory
+            ));
+        }
+        i.check()?;
         Ok(())
     }
 
