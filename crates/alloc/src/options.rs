@@ -6,8 +6,10 @@
 //! [`crate::PolicySpec`] (the CLI's `--policy`/`--policies`), the C ABI's
 //! configuration (`crates/capi/src/config.rs`, `VMMALLOC_CONF` and
 //! `vmmalloc_configure`) and, through the C ABI's `vmmalloc_config_json`,
-//! the Python package. Adding an option is one entry here plus its effect
-//! in the allocator (issue 36).
+//! the Python package. The C ABI's key table (`vmmalloc_capi::config::keys`)
+//! is generated from this one, so adding an option is one entry here plus
+//! its field and effect in the allocator, and its row in docs/pytorch.md and
+//! mention in docs/guide.md (tests check both) (issues 36, 42).
 
 use crate::expandable::{ExpandableConfig, UnpinMode};
 use crate::policy::parse_size;
@@ -53,7 +55,12 @@ pub struct OptionDef {
     pub conf: Option<(&'static str, u64)>,
     /// How the value is written.
     pub kind: Kind,
-    /// What it means (one line; details in [`ExpandableConfig`]'s field).
+    /// The default, as the user would write it (or a description of it).
+    pub default: &'static str,
+    /// What it means, written once for every reader: the C ABI's key table
+    /// (`vmmalloc_capi::config::keys`, which adds the unit of the
+    /// `VMMALLOC_CONF` name) and the docs (details in [`ExpandableConfig`]'s
+    /// field).
     pub doc: &'static str,
     /// Stores a parsed value in the field.
     pub set: fn(&mut ExpandableConfig, Value),
@@ -71,7 +78,9 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "page_size",
         conf: Some(("page_size_mb", MIB)),
         kind: Kind::Size,
-        doc: "bytes of one physical page, one cuMemCreate handle (default: the device's granularity)",
+        default: "the device granularity (2 MiB)",
+        doc: "page size: the unit of address arithmetic and the smallest physical chunk, one \
+              cuMemCreate handle",
         set: |c, v| {
             if let Value::Bytes(b) = v {
                 c.page_size = b
@@ -83,7 +92,8 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "arena_size",
         conf: Some(("arena_gb", GIB)),
         kind: Kind::Size,
-        doc: "virtual address space reserved per arena (default: 4 x device memory)",
+        default: "4 × device memory",
+        doc: "virtual address space reserved per arena (more arenas are reserved when one runs out)",
         set: |c, v| {
             if let Value::Bytes(b) = v {
                 c.arena_size = b
@@ -95,7 +105,8 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "max_chunk",
         conf: Some(("max_chunk_mb", MIB)),
         kind: Kind::Size,
-        doc: "largest physical chunk, one handle (default: adaptive, at most 1/8 of the device)",
+        default: "adaptive: 1 GiB, at most 1/8 of device memory",
+        doc: "largest physical chunk (one cuMemCreate handle); a multiple of the page size",
         set: |c, v| {
             if let Value::Bytes(b) = v {
                 c.max_chunk = b
@@ -107,7 +118,9 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "split_threshold",
         conf: Some(("split_threshold", 1)),
         kind: Kind::Fraction,
-        doc: "live fraction of the limit above which a partly covered free chunk is split, not pinned",
+        default: "1 (never split: unpin instead)",
+        doc: "live bytes, as a fraction of the limit in [0, 1], above which a free chunk a new block \
+              covers only in part is split instead of pinned (1: never, 0: always)",
         set: |c, v| {
             if let Value::Number(f) = v {
                 c.split_threshold = f
@@ -119,7 +132,10 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "split_slack",
         conf: Some(("split_slack_mb", MIB)),
         kind: Kind::SizeOrZero,
-        doc: "bytes a partly covered free chunk may leave uncovered and still be reused whole",
+        default: "4 MiB",
+        doc: "bytes a partly covered free chunk may leave uncovered and still be reused whole \
+              (pinned) instead of split when memory is tight (and the longest run whose shared edge \
+              page gets no chunk of its own); 0 splits every partly covered chunk",
         set: |c, v| {
             if let Value::Bytes(Some(b)) = v {
                 c.split_slack = b
@@ -131,7 +147,8 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "release_threshold",
         conf: Some(("release_threshold_mb", MIB)),
         kind: Kind::SizeOrZero,
-        doc: "bytes of unmapped pages kept in the pool; above it they go back to the driver",
+        default: "unlimited (pooled pages are kept until empty_cache)",
+        doc: "bytes of unmapped chunks kept in the pool; chunks above it are released to the driver",
         set: |c, v| {
             if let Value::Bytes(Some(b)) = v {
                 c.release_threshold = b
@@ -143,7 +160,10 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "spill",
         conf: Some(("spill", 1)),
         kind: Kind::Bool,
-        doc: "back requests with host memory when the device is full",
+        default: "false",
+        doc: "when device memory is exhausted after reclaim, back the request with host-located \
+              chunks (cuMemCreate on the host NUMA node, CUDA 12.2+) mapped at the same addresses; \
+              they move back at a quiet point (empty_cache). Stats: vmmalloc.spilled_bytes",
         set: |c, v| {
             if let Value::Bool(b) = v {
                 c.spill = b
@@ -155,7 +175,15 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "unpin",
         conf: Some(("unpin", 1)),
         kind: Kind::Unpin,
-        doc: "give back the free pages of partly live chunks when memory runs short",
+        default: "auto",
+        doc: "when an allocation still lacks memory after reclaim, give back the free pages of \
+              chunks that live tensors hold in part: after one device synchronize, the live pages \
+              move to chunks of their own at the same addresses (bytes copied on the device where it \
+              has room for the new chunks, else through host memory). Tensors used on other streams \
+              (record_stream) never move. auto: only while no other host thread may be launching \
+              work alongside the allocating call (a thread allocating only on streams of its own, or \
+              calls that overlapped or interleaved lately; docs/expandable.md); always (or true): \
+              whenever needed; false: never. Stats: vmmalloc.chunk_unpins, vmmalloc.unpin_refusals",
         set: |c, v| {
             if let Value::Unpin(u) = v {
                 c.unpin = u
@@ -167,7 +195,10 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "grow_granule",
         conf: Some(("grow_mb", MIB)),
         kind: Kind::SizeOrZero,
-        doc: "a growing segment tail is mapped ahead to multiples of this (0: exactly what is needed)",
+        default: "20 MiB",
+        doc: "a segment's tail grows to multiples of this at a time while mapped + pooled memory is \
+              under 4/5 of the limit (PyTorch's 20 MiB large-pool page); 0 maps exactly what each \
+              block needs",
         set: |c, v| {
             if let Value::Bytes(Some(b)) = v {
                 c.grow_granule = b
@@ -179,6 +210,7 @@ pub const OPTIONS: [OptionDef; 10] = [
         name: "memory_fraction",
         conf: None,
         kind: Kind::Fraction,
+        default: "1 (the whole device)",
         doc: "fraction of device memory the allocator may hold",
         set: |c, v| {
             if let Value::Number(f) = v {
@@ -343,7 +375,7 @@ mod tests {
                 assert!(set(&mut d, conf, &want).unwrap());
                 assert_eq!(d, c, "{conf}");
             }
-            assert!(!o.doc.is_empty());
+            assert!(!o.doc.is_empty() && !o.default.is_empty());
         }
         assert_eq!(
             set(&mut ExpandableConfig::default(), "colour", "1"),

@@ -9,9 +9,11 @@
 //!
 //! An unknown key or a bad value is a [`ConfigError`] that names the key and
 //! lists what is valid; nothing ever falls back silently to a default.
-//! [`KEYS`] is the single list of keys, defaults and meanings that the error
-//! messages and docs/pytorch.md are written from.
+//! [`keys`] is the single list of keys, defaults and meanings that the error
+//! messages and docs/pytorch.md are written from; the `expandable` keys in it
+//! come from the allocator's one option table ([`vmmalloc_alloc::options`]).
 
+use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 use vmmalloc_alloc::caching::CachingConfig;
@@ -24,168 +26,143 @@ use vmmalloc_device::{GIB, MIB};
 pub const ENV_VAR: &str = "VMMALLOC_CONF";
 
 /// One configuration key: its name, default and meaning.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyDoc {
     /// The key as written in `VMMALLOC_CONF`.
     pub name: &'static str,
     /// The default, as the user would write it (or a description of it).
     pub default: &'static str,
     /// What it does, one sentence.
-    pub meaning: &'static str,
+    pub meaning: Cow<'static, str>,
 }
 
-/// Every key `VMMALLOC_CONF` accepts, in documentation order.
-pub const KEYS: [KeyDoc; 24] = [
+/// Every key `VMMALLOC_CONF` accepts, in documentation order: `backend` and
+/// `device`, then the `expandable` allocator's options from the one option
+/// table ([`vmmalloc_alloc::options::OPTIONS`], in its order, documented
+/// there), then the keys only the C ABI has ([`OWN_KEYS`]).
+pub fn keys() -> Vec<KeyDoc> {
+    let (head, tail) = OWN_KEYS.split_at(2);
+    head.iter()
+        .cloned()
+        .chain(
+            vmmalloc_alloc::options::OPTIONS
+                .iter()
+                .filter_map(option_key),
+        )
+        .chain(tail.iter().cloned())
+        .collect()
+}
+
+/// The `VMMALLOC_CONF` key of an `expandable` option (none for options that
+/// are not keys), its meaning the table's with the unit of its values.
+fn option_key(o: &vmmalloc_alloc::options::OptionDef) -> Option<KeyDoc> {
+    let (name, unit) = o.conf?;
+    let unit = match unit {
+        MIB => " (a whole number of MiB)",
+        GIB => " (a whole number of GiB)",
+        _ => "",
+    };
+    Some(KeyDoc {
+        name,
+        default: o.default,
+        meaning: Cow::Owned(format!("expandable: {}{unit}", o.doc)),
+    })
+}
+
+/// The keys only the C ABI has, in documentation order (`backend` and
+/// `device` first; [`keys`] puts the `expandable` options after them).
+pub const OWN_KEYS: [KeyDoc; 15] = [
     KeyDoc {
         name: "backend",
         default: "expandable",
-        meaning: "allocation policy: expandable (ours) | caching (PyTorch's caching allocator) | \
-                  torch-es (PyTorch's expandable_segments:True) | native (one driver allocation per request)",
+        meaning: Cow::Borrowed("allocation policy: expandable (ours) | caching (PyTorch's caching allocator) | \
+                  torch-es (PyTorch's expandable_segments:True) | native (one driver allocation per request)"),
     },
     KeyDoc {
         name: "device",
         default: "cuda",
-        meaning: "device backend: cuda (a real GPU) | host (CPU memory with the driver's rules, for tests) | \
-                  sim (bookkeeping only, no memory behind the pointers)",
-    },
-    KeyDoc {
-        name: "page_size_mb",
-        default: "the device granularity (2 MiB)",
-        meaning: "expandable: page size (the unit of address arithmetic and the smallest physical chunk), in MiB",
-    },
-    KeyDoc {
-        name: "arena_gb",
-        default: "4 × device memory",
-        meaning: "expandable: virtual address space reserved per arena (more arenas are reserved when one runs \
-                  out), in GiB",
-    },
-    KeyDoc {
-        name: "max_chunk_mb",
-        default: "adaptive: 1 GiB, at most 1/8 of device memory",
-        meaning: "expandable: largest physical chunk (one cuMemCreate handle) in MiB; a multiple of the page size",
-    },
-    KeyDoc {
-        name: "split_threshold",
-        default: "1 (never split: unpin instead)",
-        meaning: "expandable: live bytes, as a fraction of the limit in [0, 1], above which a free chunk a new \
-                  block covers only in part is split instead of pinned (1: never, 0: always)",
-    },
-    KeyDoc {
-        name: "split_slack_mb",
-        default: "4",
-        meaning: "expandable: MiB a partly covered free chunk may leave uncovered and still be reused whole \
-                  (pinned) instead of split when memory is tight (and the longest run whose shared edge page \
-                  gets no chunk of its own); 0 splits every partly covered chunk",
-    },
-    KeyDoc {
-        name: "spill",
-        default: "false",
-        meaning: "expandable: when device memory is exhausted after reclaim, back the request with host-located \
-                  chunks (cuMemCreate on the host NUMA node, CUDA 12.2+) mapped at the same addresses; they move \
-                  back at a quiet point (empty_cache). Stats: vmmalloc.spilled_bytes",
-    },
-    KeyDoc {
-        name: "unpin",
-        default: "auto",
-        meaning: "expandable: when an allocation still lacks memory after reclaim, give back the free pages of \
-                  chunks that live tensors hold in part: after one device synchronize, the live pages move to \
-                  chunks of their own at the same addresses (bytes copied on the device where it has room for \
-                  the new chunks, else through host memory). Tensors used on other streams (record_stream) never \
-                  move. auto: only while no other host thread may be launching work alongside the allocating call \
-                  (a thread allocating only on streams of its own, or calls that overlapped or interleaved lately; \
-                  docs/expandable.md); always (or true): whenever needed; false: never. Stats: \
-                  vmmalloc.chunk_unpins, vmmalloc.unpin_refusals",
-    },
-    KeyDoc {
-        name: "grow_mb",
-        default: "20",
-        meaning: "expandable: MiB to which a segment's tail grows at a time while mapped + pooled memory is \
-                  under 4/5 of the limit (PyTorch's 20 MiB large-pool page); 0 maps exactly what each block needs",
-    },
-    KeyDoc {
-        name: "release_threshold_mb",
-        default: "unlimited (pooled pages are kept until empty_cache)",
-        meaning: "expandable: MiB of unmapped chunks kept in the pool; chunks above it are released to the driver",
+        meaning: Cow::Borrowed("device backend: cuda (a real GPU) | host (CPU memory with the driver's rules, for tests) | \
+                  sim (bookkeeping only, no memory behind the pointers)"),
     },
     KeyDoc {
         name: "capacity_gb",
         default: "4 (host), 80 (sim)",
-        meaning: "host and sim only: device memory in GiB (decimals allowed); an error with device:cuda",
+        meaning: Cow::Borrowed("host and sim only: device memory in GiB (decimals allowed); an error with device:cuda"),
     },
     KeyDoc {
         name: "device_count",
         default: "1",
-        meaning: "host and sim only: number of device ordinals (0 .. device_count-1)",
+        meaning: Cow::Borrowed("host and sim only: number of device ordinals (0 .. device_count-1)"),
     },
     KeyDoc {
         name: "record_history",
         default: "False",
-        meaning: "True: record alloc/free/segment events per device for vmmalloc_dump_snapshot's device_traces",
+        meaning: Cow::Borrowed("True: record alloc/free/segment events per device for vmmalloc_dump_snapshot's device_traces"),
     },
     KeyDoc {
         name: "max_entries",
         default: "100000",
-        meaning: "history ring buffer size per device: the oldest events are dropped beyond it",
+        meaning: Cow::Borrowed("history ring buffer size per device: the oldest events are dropped beyond it"),
     },
     KeyDoc {
         name: "log",
         default: "error",
-        meaning: "stderr logging: off | error (one line per failure) | info (also allocator creation and hooks)",
+        meaning: Cow::Borrowed("stderr logging: off | error (one line per failure) | info (also allocator creation and hooks)"),
     },
     KeyDoc {
         name: "on_oom",
         default: "raise",
-        meaning: "raise: vmmalloc_malloc throws a C++ exception whose message starts with `CUDA out of memory.` \
+        meaning: Cow::Borrowed("raise: vmmalloc_malloc throws a C++ exception whose message starts with `CUDA out of memory.` \
                   (PyTorch turns it into a Python exception; it does not check a pluggable allocator's NULL) | \
-                  null: malloc returns NULL on failure (the C contract; opt-in) | abort: log the report and abort",
+                  null: malloc returns NULL on failure (the C contract; opt-in) | abort: log the report and abort"),
     },
     KeyDoc {
         name: "max_split_size_mb",
         default: "unlimited",
-        meaning: "caching, torch-es: PyTorch's max_split_size_mb (blocks at least this large are not split)",
+        meaning: Cow::Borrowed("caching, torch-es: PyTorch's max_split_size_mb (blocks at least this large are not split)"),
     },
     KeyDoc {
         name: "roundup_power2_divisions",
         default: "0 (off)",
-        meaning: "caching, torch-es: PyTorch's roundup_power2_divisions (a number or a [size:div,...] list)",
+        meaning: Cow::Borrowed("caching, torch-es: PyTorch's roundup_power2_divisions (a number or a [size:div,...] list)"),
     },
     KeyDoc {
         name: "garbage_collection_threshold",
         default: "0 (off)",
-        meaning: "caching, torch-es: PyTorch's garbage_collection_threshold, a fraction in (0, 1)",
+        meaning: Cow::Borrowed("caching, torch-es: PyTorch's garbage_collection_threshold, a fraction in (0, 1)"),
     },
     KeyDoc {
         name: "expandable_segments",
         default: "False",
-        meaning: "caching only: accepted for PYTORCH_CUDA_ALLOC_CONF compatibility; use backend:torch-es instead",
+        meaning: Cow::Borrowed("caching only: accepted for PYTORCH_CUDA_ALLOC_CONF compatibility; use backend:torch-es instead"),
     },
     KeyDoc {
         name: "peers",
         default: "auto",
-        meaning: "cuda: devices granted read-write access to every mapping: auto (every device with \
+        meaning: Cow::Borrowed("cuda: devices granted read-write access to every mapping: auto (every device with \
                   cuDeviceCanAccessPeer = 1) | none | ordinals joined by + (e.g. 1+2; each must exist and be \
-                  peer-capable)",
+                  peer-capable)"),
     },
     KeyDoc {
         name: "ipc",
         default: "auto",
-        meaning: "cuda: request CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR on every cuMemCreate so memory can be \
+        meaning: Cow::Borrowed("cuda: request CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR on every cuMemCreate so memory can be \
                   shared with other processes (IPC): auto (where the device supports it) | True (opening fails \
-                  where it does not) | False (export fails with an error)",
+                  where it does not) | False (export fails with an error)"),
     },
     KeyDoc {
         name: "share",
         default: "none (this process's limit alone)",
-        meaning: "expandable: join the shared budget NAME on each device (created on first use with the \
+        meaning: Cow::Borrowed("expandable: join the shared budget NAME on each device (created on first use with the \
                   device's memory as its total): every process of the group charges it before it creates \
                   memory, so together they never hold more than its total; caps are set with `vmmalloc share \
-                  NAME` (docs/share.md)",
+                  NAME` (docs/share.md)"),
     },
 ];
 
-/// The names in [`KEYS`], comma-separated, for error messages.
+/// The names in [`keys`], comma-separated, for error messages.
 pub fn key_names() -> String {
-    KEYS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
+    keys().iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
 }
 
 /// A configuration error. Its message names the key and what is valid.
@@ -854,7 +831,7 @@ mod tests {
             "max_split_size_mb" => "64",
             _ => "1",
         };
-        for k in KEYS {
+        for k in keys() {
             let text = format!("device:sim,{}:{}", k.name, sample(k.name));
             Config::parse(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
         }
@@ -954,7 +931,10 @@ mod tests {
                 assert!(Config::parse(&format!("{}:0.5", o.name)).is_err());
                 continue;
             };
-            assert!(KEYS.iter().any(|k| k.name == conf), "{conf} is not in KEYS");
+            assert!(
+                keys().iter().any(|k| k.name == conf),
+                "{conf} is not in keys()"
+            );
             let value = match o.kind {
                 vmmalloc_alloc::options::Kind::Bool => "true".to_string(),
                 vmmalloc_alloc::options::Kind::Unpin => "false".to_string(),
@@ -977,9 +957,41 @@ mod tests {
     }
 
     #[test]
+    fn the_expandable_keys_are_written_once_in_the_option_table() {
+        // keys() takes each expandable key's default and meaning from
+        // vmmalloc_alloc::options::OPTIONS; no key is listed twice, and the
+        // C ABI's own keys name no option of that table.
+        let all = keys();
+        for (i, k) in all.iter().enumerate() {
+            assert!(
+                all[..i].iter().all(|o| o.name != k.name),
+                "{} twice",
+                k.name
+            );
+        }
+        for o in &vmmalloc_alloc::options::OPTIONS {
+            let Some((conf, _)) = o.conf else { continue };
+            assert!(OWN_KEYS.iter().all(|k| k.name != conf), "{conf} twice");
+            let k = all.iter().find(|k| k.name == conf).unwrap();
+            assert_eq!(k.default, o.default, "{conf}");
+            assert!(k.meaning.starts_with("expandable: "), "{conf}");
+            assert!(k.meaning.contains(o.doc), "{conf}");
+        }
+        assert_eq!(
+            all.len(),
+            OWN_KEYS.len()
+                + vmmalloc_alloc::options::OPTIONS
+                    .iter()
+                    .filter(|o| o.conf.is_some())
+                    .count()
+        );
+        assert_eq!(&all[..2], &OWN_KEYS[..2], "backend and device first");
+    }
+
+    #[test]
     fn docs_describe_every_key() {
         let doc = include_str!("../../../docs/pytorch.md");
-        for k in KEYS {
+        for k in keys() {
             let row = format!("| `{}` |", k.name);
             assert!(
                 doc.contains(&row),
@@ -1034,7 +1046,7 @@ mod tests {
         assert_eq!(e.key.as_deref(), Some("colour"));
         let m = e.to_string();
         assert!(m.starts_with("VMMALLOC_CONF: unknown key `colour`"), "{m}");
-        for k in KEYS {
+        for k in keys() {
             assert!(m.contains(k.name), "{m} lacks {}", k.name);
         }
     }

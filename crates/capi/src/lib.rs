@@ -91,6 +91,7 @@
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+pub mod accumulated;
 mod checkpoints;
 pub mod config;
 mod devices;
@@ -108,7 +109,7 @@ pub mod share;
 pub mod sleep;
 pub mod torch_abi;
 
-pub use config::{Config, ConfigError, DeviceKind, LogLevel, OnOom, KEYS};
+pub use config::{keys, Config, ConfigError, DeviceKind, LogLevel, OnOom};
 #[doc(hidden)]
 pub use devices::{wrap_devices_for_tests, DeviceWrapper};
 pub use error::{Error, ErrorKind};
@@ -784,7 +785,11 @@ fn stats_of(rt: &Runtime, device: c_int) -> Result<(u32, Stats), Error> {
     }
     let stats = rt
         .existing(ordinal)
-        .map(|d| d.allocator.stats())
+        .map(|d| {
+            let mut s = d.allocator.stats();
+            accumulated::apply(d, &mut s);
+            s
+        })
         .unwrap_or_default();
     Ok((ordinal, stats))
 }
