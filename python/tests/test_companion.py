@@ -640,6 +640,42 @@ print("REFUSED OK")
     assert "REFUSED OK" in out.stdout
 
 
+def test_reset_accumulated_memory_stats_zeroes_what_pytorchs_does(lib, tmp_path, cache):
+    # Issue 40: PyTorch's resetAccumulatedStats (CUDACachingAllocator.cpp)
+    # zeroes every stat's allocated/freed, oversize_*'s, num_alloc_retries,
+    # num_ooms, num_sync_all_streams, num_device_alloc/free; current and
+    # peak stay. The pluggable allocator raised ("does not yet support").
+    out = run(PRELUDE.replace("capacity_gb:1", "capacity_gb:0.25") + '''
+out = ctypes.c_void_p()
+ptrs = []
+for n in (3 << 20, 700, 5 << 20):
+    assert lib.vmmalloc_try_malloc(n, 0, None, ctypes.byref(out)) == 0
+    ptrs.append(out.value)
+lib.vmmalloc_free(ptrs.pop(), 0, 0, None)
+assert lib.vmmalloc_try_malloc(1 << 40, 0, None, ctypes.byref(out)) != 0   # one out-of-memory
+before = torch._C._cuda_memoryStats(0)
+assert before["allocation"]["all"]["allocated"] == 3 and before["num_ooms"] == 1, before
+torch.cuda.reset_accumulated_memory_stats(0)
+for after in (torch._C._cuda_memoryStats(0), torch.cuda.memory_stats_as_nested_dict(0)):
+    for key in ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+                "active_bytes", "inactive_split_bytes", "requested_bytes"):
+        for kind in ("all", "small_pool", "large_pool"):
+            a, b = after[key][kind], before[key][kind]
+            assert a["allocated"] == 0 and a["freed"] == 0, (key, kind, a)
+            assert (a["current"], a["peak"]) == (b["current"], b["peak"]), (key, kind, a, b)
+    for key in ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free"):
+        assert after[key] == 0, (key, after[key])
+# Counting goes on from zero.
+lib.vmmalloc_free(ptrs.pop(), 0, 0, None)
+st = torch.cuda.memory_stats(0)
+assert st["allocation.all.allocated"] == 0 and st["allocation.all.freed"] == 1, st
+assert st["allocation.all.current"] == 1
+print("ACCUMULATED OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ACCUMULATED OK" in out.stdout
+
+
 # PyTorch's memory debugging tools through the companion: _record_memory_history
 # (via a test entry that does what torch/csrc/cuda/memory_snapshot.cpp does,
 # minus its lazy CUDA init), allocations on PyTorch's own allocation path

@@ -55,6 +55,7 @@ FEATURES = (
     ("snapshot", "snapshot() for NCCL's initNCCLComm / register_mem_pool and MemPool.snapshot()"),
     ("getDeviceStats", "torch._C._cuda_memoryStats (getDeviceStats; torch.cuda.memory_stats is answered anyway)"),
     ("resetPeakStats", "torch._C._cuda_resetPeakMemoryStats (resetPeakStats)"),
+    ("resetAccumulatedStats", "torch.cuda.reset_accumulated_memory_stats (resetAccumulatedStats)"),
     ("attachOutOfMemoryObserver", "out-of-memory observers (attachOutOfMemoryObserver)"),
     ("getMemoryFraction", "torch.cuda.get_per_process_memory_fraction (getMemoryFraction)"),
     ("shareIpcHandle", "CUDA tensors through torch.multiprocessing (shareIpcHandle / getIpcDevPtr over "

@@ -421,7 +421,11 @@ pub unsafe extern "C" fn vmmalloc_device_stats(device: c_int, out: *mut i64, n: 
         };
         let stats = rt
             .existing(ordinal)
-            .map(|d| d.allocator.stats())
+            .map(|d| {
+                let mut s = d.allocator.stats();
+                crate::accumulated::apply(d, &mut s);
+                s
+            })
             .unwrap_or_default();
         let values = stats_values(&stats);
         let k = values.len().min(n);

@@ -110,6 +110,7 @@ struct Lib {
   void* (*malloc)(size_t, int, void*);
   void (*free)(void*, size_t, int, void*);
   int (*try_free)(void*, size_t, int, void*);  // optional: raw_delete raises with it
+  int (*reset_accumulated_stats)(int);         // optional: resetAccumulatedStats
   void (*init)(int);
   void (*empty_cache)();
   void (*set_memory_fraction)(double, int);
@@ -689,6 +690,19 @@ class VmmallocAllocator : public Base {
     s.max_split_size = v[i++];
     add_pool_stats(device, v, s);  // MemPool(allocator=...)'s blocks
     return s;
+  }
+#endif
+
+  // torch.cuda.reset_accumulated_memory_stats (issue 40): as the native
+  // resetAccumulatedStats, every stat's allocated/freed and the counts it
+  // zeroes read 0 from now on (libvmmalloc: vmmalloc_reset_accumulated_stats,
+  // crates/capi/src/accumulated.rs; the pools with their own allocator here).
+#ifndef VMM_NO_resetAccumulatedStats
+  void resetAccumulatedStats(c10::DeviceIndex device) VMM_OVERRIDE {
+    TORCH_CHECK(lib.reset_accumulated_stats, "vmmalloc: this libvmmalloc has no "
+                "vmmalloc_reset_accumulated_stats (resetAccumulatedStats)");
+    TORCH_CHECK(lib.reset_accumulated_stats(device) == 0, "vmmalloc: ", last_error());
+    reset_pool_accumulated(device);
   }
 #endif
 
@@ -2532,6 +2546,7 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
     }
     resolve(h, "vmmalloc_set_oom_handler", lib.set_oom_handler, later);
     resolve(h, "vmmalloc_try_free", lib.try_free, later);
+    resolve(h, "vmmalloc_reset_accumulated_stats", lib.reset_accumulated_stats, later);
     resolve(h, "vmmalloc_mem_get_info", lib.mem_get_info, later);
     resolve(h, "vmmalloc_settings", lib.settings, later);
     resolve(h, "vmmalloc_free_string", lib.free_string, later);
