@@ -11,6 +11,8 @@
 //! // The same without exceptions: 0 ok, else a VMMALLOC_E_* code: 1 out of memory,
 //! // 2 invalid argument, 3 driver error, 4 allocator failed, 5 unsupported (error.rs).
 //! int   vmmalloc_try_malloc(size_t size, int device, void* stream, void** out);
+//! // vmmalloc_free saying whether it freed: 0, or -1 (not a live allocation; last error).
+//! int   vmmalloc_try_free(void* ptr, size_t size, int device, void* stream);
 //! // Region mode (region.rs): a torch.cuda.MemPool's allocator; NULL on failure, never throws.
 //! void* vmmalloc_region_malloc(size_t size, int device, void* stream);
 //! // CUDA graph pools (PyTorch's hooks are the shim's C++ vmmalloc_begin_allocate_to_pool,
@@ -30,6 +32,7 @@
 //! char* vmmalloc_memory_summary(int device);      // PyTorch's memory_summary() table, plus ours
 //! int   vmmalloc_dump_snapshot(const char* path); // PyTorch's snapshot pickle; 0 = ok
 //! int   vmmalloc_reset_peak_stats(int device);
+//! int   vmmalloc_reset_accumulated_stats(int device); // PyTorch's resetAccumulatedStats (accumulated.rs)
 //! int   vmmalloc_validate(int device);            // checks the allocator's invariants; 0 = ok
 //! // Sleep and wake (src/sleep.rs): tags, pause, resume.
 //! int     vmmalloc_set_tag(const char* tag);            // this thread's tag; "" = default
