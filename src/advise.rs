@@ -348,29 +348,47 @@ fn ms(v: Option<f64>) -> String {
 /// Runs `vmmalloc advise`.
 pub fn run(args: AdviseArgs) -> Result<()> {
     let base = args.sim.base_config()?;
-    let gpu = match &args.gpu {
-        Some(s) => {
-            // A GPU is the size it is: rounded down to whole granules.
-            let b = crate::device_size::parse_capacity("--gpu", s, 1)?;
-            let r = b / base.granularity * base.granularity;
-            if r == 0 {
-                bail!(
-                    "--gpu {s}: smaller than one {} MiB granule",
-                    base.granularity >> 20
-                );
-            }
-            Some(r)
-        }
-        None => None,
-    };
+    let gpu = gpu_size(args.gpu.as_deref(), &base)?;
     let trace = crate::input::load_input(&args.input)?;
     let devices: Vec<&DeviceTrace> = trace.devices.iter().collect();
     let gpus = gpu_sizes(&trace.name, &devices, gpu, base.granularity)?;
-    for (dt, cap) in devices.iter().zip(&gpus) {
+    print_devices(&trace.name, &devices, &gpus, gpu);
+    let verdicts = evaluate(&devices, &gpus, &base)?;
+    println!();
+    print_table(&verdicts);
+    println!();
+    print_legend(&base);
+    // Headroom within 1 % of the GPU (at least one granule) is a tie.
+    let gpu_ref = gpus.iter().copied().max().unwrap_or(0);
+    let tie = (gpu_ref / 100).max(base.granularity);
+    println!();
+    print_pytorch_choice(&verdicts, tie);
+    print_best(&verdicts, tie, gpu_ref)
+}
+
+/// `--gpu SIZE`: a GPU is the size it is, rounded down to whole granules.
+fn gpu_size(gpu: Option<&str>, base: &ReplayConfig) -> Result<Option<u64>> {
+    let Some(s) = gpu else {
+        return Ok(None);
+    };
+    let b = crate::device_size::parse_capacity("--gpu", s, 1)?;
+    let r = b / base.granularity * base.granularity;
+    if r == 0 {
+        bail!(
+            "--gpu {s}: smaller than one {} MiB granule",
+            base.granularity >> 20
+        );
+    }
+    Ok(Some(r))
+}
+
+/// One line per device: its events, peak and the GPU it is judged on.
+fn print_devices(name: &str, devices: &[&DeviceTrace], gpus: &[u64], gpu: Option<u64>) {
+    for (dt, cap) in devices.iter().zip(gpus) {
         let peak = dt.peak_live_bytes();
         let head = format!(
             "{} device {}: {} events, peak live {}; judged on {}",
-            trace.name,
+            name,
             dt.device(),
             dt.events().len(),
             format_bytes(peak),
@@ -384,8 +402,10 @@ pub fn run(args: AdviseArgs) -> Result<()> {
         );
         print!("{}", crate::compare::wrap_hanging(&head, 0, 2));
     }
-    let verdicts = evaluate(&devices, &gpus, &base)?;
-    println!();
+}
+
+/// The table of settings, fitted to the terminal width.
+fn print_table(verdicts: &[Verdict]) {
     let header = [
         "setting (replayed as)",
         "fits",
@@ -441,7 +461,10 @@ pub fn run(args: AdviseArgs) -> Result<()> {
     for r in &rows {
         line([&r[0], &r[1], &r[2], &r[3], &r[4], &r[5]]);
     }
-    println!();
+}
+
+/// What the table's columns mean and how the best is chosen.
+fn print_legend(base: &ReplayConfig) {
     print!(
         "{}",
         crate::compare::wrap(
@@ -455,37 +478,38 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                 base.granularity >> 20,
                 base.cost_label
             ),
-            width
+            crate::compare::TERMINAL_WIDTH
         )
     );
-    // Headroom within 1 % of the GPU (at least one granule) is a tie.
-    let gpu_ref = gpus.iter().copied().max().unwrap_or(0);
-    let tie = (gpu_ref / 100).max(base.granularity);
-    let say = |who: &str, v: &Verdict| {
-        print!(
-            "{}",
-            crate::compare::wrap(
-                &format!(
-                    "{who}: {} — headroom {}, driver time {:.1} ms cold, {} ms per further pass.",
-                    v.candidate.spec,
-                    v.headroom.map_or("-".into(), format_bytes),
-                    v.cold_ms,
-                    ms(v.steady_ms)
-                ),
-                width
-            )
-        );
-    };
-    // An indented paragraph, wrapped to the width.
-    let indented = |text: &str| {
-        for l in crate::compare::wrap(text, width - 2).lines() {
-            println!("  {l}");
-        }
-    };
-    let pytorch = best(verdicts.iter().filter(|v| v.candidate.pytorch), tie);
-    let overall = recommend(&verdicts, tie);
-    println!();
-    match pytorch {
+}
+
+/// `who: setting — headroom, driver time.`, wrapped to the width.
+fn say(who: &str, v: &Verdict) {
+    print!(
+        "{}",
+        crate::compare::wrap(
+            &format!(
+                "{who}: {} — headroom {}, driver time {:.1} ms cold, {} ms per further pass.",
+                v.candidate.spec,
+                v.headroom.map_or("-".into(), format_bytes),
+                v.cold_ms,
+                ms(v.steady_ms)
+            ),
+            crate::compare::TERMINAL_WIDTH
+        )
+    );
+}
+
+/// An indented paragraph, wrapped to the width.
+fn indented(text: &str) {
+    for l in crate::compare::wrap(text, crate::compare::TERMINAL_WIDTH - 2).lines() {
+        println!("  {l}");
+    }
+}
+
+/// PyTorch's best setting (or the closest to fitting, or that none fits).
+fn print_pytorch_choice(verdicts: &[Verdict], tie: u64) {
+    match best(verdicts.iter().filter(|v| v.candidate.pytorch), tie) {
         Some(v) => {
             say("Keeping PyTorch's allocator", v);
             println!(
@@ -512,58 +536,60 @@ pub fn run(args: AdviseArgs) -> Result<()> {
                         v.candidate.spec,
                         format_bytes(m)
                     ),
-                    width
+                    crate::compare::TERMINAL_WIDTH
                 )
             ),
             None => println!("Keeping PyTorch's allocator: no setting of it fits."),
         },
     }
-    match overall {
-        Some((v, tied)) => {
-            say("Best", v);
-            if tied {
-                let plugin = best(verdicts.iter(), tie).expect("a best exists");
-                indented(&format!(
-                    "{} ties with it (headroom {}, {} ms per further pass): staying with PyTorch's own allocator \
-                     needs no plug-in and keeps everything PyTorch supports.",
-                    plugin.candidate.spec,
-                    plugin.headroom.map_or("-".into(), format_bytes),
-                    ms(plugin.steady_ms)
-                ));
-            }
-            if !v.candidate.also.is_empty() {
-                indented(v.candidate.also);
-            }
-            if !v.candidate.pytorch {
-                println!("  What the plug-in needs, and its limits (docs/pytorch.md, \"Limits\"):");
-                for l in plugin_limits() {
-                    for (i, part) in crate::compare::wrap(&l, width - 4).lines().enumerate() {
-                        println!("  {} {part}", if i == 0 { "-" } else { " " });
-                    }
-                }
-            }
-            println!("{}", v.candidate.env);
-            Ok(())
+}
+
+/// The recommendation and its environment line (with the plug-in's limits
+/// where it is the plug-in), or the error that nothing fits.
+fn print_best(verdicts: &[Verdict], tie: u64, gpu_ref: u64) -> Result<()> {
+    let width = crate::compare::TERMINAL_WIDTH;
+    let Some((v, tied)) = recommend(verdicts, tie) else {
+        let closest = verdicts
+            .iter()
+            .filter_map(|v| Some((v.min_capacity?, v)))
+            .min_by_key(|(m, _)| *m);
+        match closest {
+            Some((m, v)) => bail!(
+                "nothing fits on {}; the closest, {}, needs {}",
+                format_bytes(gpu_ref),
+                v.candidate.spec,
+                format_bytes(m)
+            ),
+            None => bail!(
+                "nothing fits on {}, nor on any device up to 8 x peak live",
+                format_bytes(gpu_ref)
+            ),
         }
-        None => {
-            let closest = verdicts
-                .iter()
-                .filter_map(|v| Some((v.min_capacity?, v)))
-                .min_by_key(|(m, _)| *m);
-            match closest {
-                Some((m, v)) => bail!(
-                    "nothing fits on {}; the closest, {}, needs {}",
-                    format_bytes(gpu_ref),
-                    v.candidate.spec,
-                    format_bytes(m)
-                ),
-                None => bail!(
-                    "nothing fits on {}, nor on any device up to 8 x peak live",
-                    format_bytes(gpu_ref)
-                ),
+    };
+    say("Best", v);
+    if tied {
+        let plugin = best(verdicts.iter(), tie).expect("a best exists");
+        indented(&format!(
+            "{} ties with it (headroom {}, {} ms per further pass): staying with PyTorch's own allocator \
+             needs no plug-in and keeps everything PyTorch supports.",
+            plugin.candidate.spec,
+            plugin.headroom.map_or("-".into(), format_bytes),
+            ms(plugin.steady_ms)
+        ));
+    }
+    if !v.candidate.also.is_empty() {
+        indented(v.candidate.also);
+    }
+    if !v.candidate.pytorch {
+        println!("  What the plug-in needs, and its limits (docs/pytorch.md, \"Limits\"):");
+        for l in plugin_limits() {
+            for (i, part) in crate::compare::wrap(&l, width - 4).lines().enumerate() {
+                println!("  {} {part}", if i == 0 { "-" } else { " " });
             }
         }
     }
+    println!("{}", v.candidate.env);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use vmmalloc_device::{round_up, Call, CallCounts, GIB, MIB};
 use vmmalloc_trace::replay::{
     check_config, min_capacity, replay, ReplayConfig, ReplayResult, SteadyResult,
 };
-use vmmalloc_trace::DeviceTrace;
+use vmmalloc_trace::{DeviceTrace, Trace};
 
 /// Arguments of `vmmalloc compare`.
 #[derive(clap::Args, Debug)]
@@ -782,50 +782,14 @@ pub const UNLIMITED_LEGEND: &str = "unlimited = a device of 8 x peak live, at le
 
 /// Runs `vmmalloc compare`.
 pub fn run(args: CompareArgs) -> Result<()> {
-    // No output over an input.
-    let input_files =
-        crate::output_path::input_files(&args.inputs, &[args.sim.cost_file.as_deref()]);
-    if let Some(dir) = &args.out {
-        crate::output_path::refuse_inputs_in_dir("--out", dir, &input_files)?;
-    }
-    if let Some(j) = args.json.as_deref().filter(|j| *j != "-") {
-        crate::output_path::refuse_inputs("--json", std::path::Path::new(j), &input_files)?;
-    }
+    refuse_outputs_over_inputs(&args)?;
     let policies = parse_policy_specs(&args.policies)?;
     let base = args.sim.base_config()?;
-    let tight = match (&args.capacity, &args.tight_factor) {
-        (Some(c), _) => {
-            crate::device_size::parse_capacity("--capacity", c, base.granularity)?;
-            TightCapacity::Fixed(crate::replay_cmd::parse_size(c)?)
-        }
-        (None, Some(f)) => {
-            TightCapacity::Factor(crate::device_size::parse_factor("--tight-factor", f)?)
-        }
-        (None, None) => TightCapacity::default(),
-    };
+    let tight = tight_capacity(&args, &base)?;
     // Where the results go, before anything runs.
-    let mkdir = args.mkdir.mkdir;
-    if let Some(dir) = &args.out {
-        crate::output_path::prepare_dir("--out", dir, mkdir)?;
-    }
-    if let Some(j) = args.json.as_deref().filter(|j| *j != "-") {
-        crate::output_path::prepare_file("--json", std::path::Path::new(j), mkdir)?;
-    }
+    prepare_outputs(&args)?;
     let traces = load_inputs(&args.inputs)?;
-    // Every device size and every policy's options, before anything runs.
-    for t in &traces {
-        for dt in &t.devices {
-            let cap = tight.bytes(&t.name, dt.peak_live_bytes(), base.granularity)?;
-            for spec in &policies {
-                let mut cfg = base.clone();
-                cfg.policy = spec.policy;
-                cfg.options = spec.options.clone();
-                cfg.capacity = cap;
-                check_config(&cfg)
-                    .map_err(|e| anyhow::anyhow!("--policies {}: {e}", spec.label))?;
-            }
-        }
-    }
+    check_every_config(&traces, &policies, &base, tight)?;
     for t in &traces {
         for dt in &t.devices {
             print_reader_warnings(&t.name, dt);
@@ -836,6 +800,102 @@ pub fn run(args: CompareArgs) -> Result<()> {
         &traces.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
         &policies,
     )?;
+    let rows = measure_all(&traces, &policies, &base, tight)?;
+    let json_to_stdout = args.json.as_deref() == Some("-");
+    if !json_to_stdout {
+        print_tables(&args, &rows, &base, tight, &sleep_section);
+    }
+    if let Some(j) = &args.json {
+        write_json(j, &args.inputs, &rows, &base, tight)?;
+    }
+    if let Some(dir) = &args.out {
+        report::write(dir, &rows, &base, &sleep_section)
+            .with_context(|| format!("writing the report to {}", dir.display()))?;
+        if !json_to_stdout {
+            println!(
+                "report written to {} and {}",
+                dir.join("report.md").display(),
+                dir.join("report.html").display()
+            );
+        }
+    }
+    let failures = failures(&rows, args.fail_on_oom);
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
+    Ok(())
+}
+
+/// No output over an input: `--out` and `--json` refuse to overwrite one.
+fn refuse_outputs_over_inputs(args: &CompareArgs) -> Result<()> {
+    let input_files =
+        crate::output_path::input_files(&args.inputs, &[args.sim.cost_file.as_deref()]);
+    if let Some(dir) = &args.out {
+        crate::output_path::refuse_inputs_in_dir("--out", dir, &input_files)?;
+    }
+    if let Some(j) = args.json.as_deref().filter(|j| *j != "-") {
+        crate::output_path::refuse_inputs("--json", std::path::Path::new(j), &input_files)?;
+    }
+    Ok(())
+}
+
+/// The tight device: `--capacity`, `--tight-factor` or the default.
+fn tight_capacity(args: &CompareArgs, base: &ReplayConfig) -> Result<TightCapacity> {
+    Ok(match (&args.capacity, &args.tight_factor) {
+        (Some(c), _) => {
+            crate::device_size::parse_capacity("--capacity", c, base.granularity)?;
+            TightCapacity::Fixed(crate::replay_cmd::parse_size(c)?)
+        }
+        (None, Some(f)) => {
+            TightCapacity::Factor(crate::device_size::parse_factor("--tight-factor", f)?)
+        }
+        (None, None) => TightCapacity::default(),
+    })
+}
+
+/// Creates (with `--mkdir`) or checks the `--out` folder and `--json` file.
+fn prepare_outputs(args: &CompareArgs) -> Result<()> {
+    let mkdir = args.mkdir.mkdir;
+    if let Some(dir) = &args.out {
+        crate::output_path::prepare_dir("--out", dir, mkdir)?;
+    }
+    if let Some(j) = args.json.as_deref().filter(|j| *j != "-") {
+        crate::output_path::prepare_file("--json", std::path::Path::new(j), mkdir)?;
+    }
+    Ok(())
+}
+
+/// Every device size and every policy's options, before anything runs.
+fn check_every_config(
+    traces: &[Trace],
+    policies: &[PolicySpec],
+    base: &ReplayConfig,
+    tight: TightCapacity,
+) -> Result<()> {
+    for t in traces {
+        for dt in &t.devices {
+            let cap = tight.bytes(&t.name, dt.peak_live_bytes(), base.granularity)?;
+            for spec in policies {
+                let mut cfg = base.clone();
+                cfg.policy = spec.policy;
+                cfg.options = spec.options.clone();
+                cfg.capacity = cap;
+                check_config(&cfg)
+                    .map_err(|e| anyhow::anyhow!("--policies {}: {e}", spec.label))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every policy on every device of every trace, with a progress bar shown
+/// once the work takes over a second.
+fn measure_all(
+    traces: &[Trace],
+    policies: &[PolicySpec],
+    base: &ReplayConfig,
+    tight: TightCapacity,
+) -> Result<Vec<TraceRow>> {
     let total: u64 =
         traces.iter().map(|t| t.devices.len() as u64).sum::<u64>() * policies.len() as u64;
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
@@ -855,91 +915,103 @@ pub fn run(args: CompareArgs) -> Result<()> {
         }
     };
     let mut rows = Vec::new();
-    for t in &traces {
+    for t in traces {
         for dt in &t.devices {
             bar.set_message(format!("{} (device {})", t.name, dt.device()));
-            rows.push(measure(&t.name, dt, &policies, &base, tight, &tick)?);
+            rows.push(measure(&t.name, dt, policies, base, tight, &tick)?);
         }
     }
     bar.finish_and_clear();
-    let json_to_stdout = args.json.as_deref() == Some("-");
-    if !json_to_stdout {
-        let rule = format!(
-            "{}, rounded up to the {} MiB granularity",
-            tight.describe(base.granularity),
-            base.granularity / MIB
+    Ok(rows)
+}
+
+/// The table (narrow or `--wide`), its notes, the sleep section and the
+/// conclusion, on stdout.
+fn print_tables(
+    args: &CompareArgs,
+    rows: &[TraceRow],
+    base: &ReplayConfig,
+    tight: TightCapacity,
+    sleep_section: &str,
+) {
+    let rule = format!(
+        "{}, rounded up to the {} MiB granularity",
+        tight.describe(base.granularity),
+        base.granularity / MIB
+    );
+    let second = second_preset(&base.cost_label);
+    if args.wide {
+        print!("{}", table(rows));
+        println!(
+            "cost model: {}. {MIN_CAP_LEGEND}; overhead = min capacity / peak live; memory calls ({CALLS_LEGEND}), modeled driver time and syncs at the tight capacity \
+             ({rule}): cold = first replay, steady = second replay after freeing what the first left live \
+             (what every later iteration pays); cold ms {second} = the cold calls priced by the {second} preset; teardown excluded; \
+             {SYNCS_LEGEND}; {UNLIMITED_LEGEND}.",
+            base.cost_label,
         );
-        let second = second_preset(&base.cost_label);
-        if args.wide {
-            print!("{}", table(&rows));
-            println!(
-                "cost model: {}. {MIN_CAP_LEGEND}; overhead = min capacity / peak live; memory calls ({CALLS_LEGEND}), modeled driver time and syncs at the tight capacity \
-                 ({rule}): cold = first replay, steady = second replay after freeing what the first left live \
-                 (what every later iteration pays); cold ms {second} = the cold calls priced by the {second} preset; teardown excluded; \
-                 {SYNCS_LEGEND}; {UNLIMITED_LEGEND}.",
-                base.cost_label,
-            );
-        } else {
-            print!("{}", narrow_table(&rows));
-            println!();
-            print!(
-                "{}",
-                wrap(
-                    &format!(
-                        "cost model: {}. {MIN_CAP_LEGEND}; overhead = min cap / peak live. tight: the device the \
-                         calls, driver ms and syncs were measured on ({rule}): ok, or no (out-of-memory errors of \
-                         the cold / steady replay). calls = {CALLS_LEGEND}. cold = first replay, steady = second \
-                         replay after freeing what the first left live (what every later iteration pays); teardown \
-                         excluded; syncs = stream/event waits + device-wide synchronizations (cuCtxSynchronize and \
-                         every cuMemFree); {UNLIMITED_LEGEND}. --wide prints every column (syncs by kind, the cold \
-                         calls priced by the {second} preset).",
-                        base.cost_label
-                    ),
-                    TERMINAL_WIDTH
-                )
-            );
-        }
-        print!("{sleep_section}");
-        let c = crate::conclusion::conclusion(&rows);
-        if !c.is_empty() {
-            println!();
-            print!(
-                "{}",
-                if args.wide {
-                    format!("{c}\n")
-                } else {
-                    wrap(&c, TERMINAL_WIDTH)
-                }
-            );
-        }
+    } else {
+        print!("{}", narrow_table(rows));
+        println!();
+        print!(
+            "{}",
+            wrap(
+                &format!(
+                    "cost model: {}. {MIN_CAP_LEGEND}; overhead = min cap / peak live. tight: the device the \
+                     calls, driver ms and syncs were measured on ({rule}): ok, or no (out-of-memory errors of \
+                     the cold / steady replay). calls = {CALLS_LEGEND}. cold = first replay, steady = second \
+                     replay after freeing what the first left live (what every later iteration pays); teardown \
+                     excluded; syncs = stream/event waits + device-wide synchronizations (cuCtxSynchronize and \
+                     every cuMemFree); {UNLIMITED_LEGEND}. --wide prints every column (syncs by kind, the cold \
+                     calls priced by the {second} preset).",
+                    base.cost_label
+                ),
+                TERMINAL_WIDTH
+            )
+        );
     }
-    if let Some(j) = &args.json {
-        let mut doc = to_json(&rows, &base.cost_label);
-        if let Value::Object(m) = &mut doc {
-            for (k, v) in metadata_json(&args.inputs, &base, tight) {
-                m.insert(k, v);
+    print!("{sleep_section}");
+    let c = crate::conclusion::conclusion(rows);
+    if !c.is_empty() {
+        println!();
+        print!(
+            "{}",
+            if args.wide {
+                format!("{c}\n")
+            } else {
+                wrap(&c, TERMINAL_WIDTH)
             }
-        }
-        let text = serde_json::to_string_pretty(&doc)?;
-        if j == "-" {
-            println!("{text}");
-        } else {
-            crate::output_path::write_file(std::path::Path::new(j), (text + "\n").as_bytes())?;
+        );
+    }
+}
+
+/// The JSON document (rows and the run's metadata) to `j` (`-`: stdout).
+fn write_json(
+    j: &str,
+    inputs: &[String],
+    rows: &[TraceRow],
+    base: &ReplayConfig,
+    tight: TightCapacity,
+) -> Result<()> {
+    let mut doc = to_json(rows, &base.cost_label);
+    if let Value::Object(m) = &mut doc {
+        for (k, v) in metadata_json(inputs, base, tight) {
+            m.insert(k, v);
         }
     }
-    if let Some(dir) = &args.out {
-        report::write(dir, &rows, &base, &sleep_section)
-            .with_context(|| format!("writing the report to {}", dir.display()))?;
-        if !json_to_stdout {
-            println!(
-                "report written to {} and {}",
-                dir.join("report.md").display(),
-                dir.join("report.html").display()
-            );
-        }
+    let text = serde_json::to_string_pretty(&doc)?;
+    if j == "-" {
+        println!("{text}");
+    } else {
+        crate::output_path::write_file(std::path::Path::new(j), (text + "\n").as_bytes())?;
     }
+    Ok(())
+}
+
+/// The replays that stopped early (each also on stderr) and, with
+/// `--fail-on-oom`, those with out-of-memory errors at the tight device.
+fn failures(rows: &[TraceRow], fail_on_oom: bool) -> Vec<String> {
     let mut failures: Vec<String> = Vec::new();
-    for t in &rows {
+    for t in rows {
         for p in &t.policies {
             let steady_error = |r: &ReplayResult| r.steady.as_ref().and_then(|s| s.error.clone());
             if let Some(e) = p
@@ -954,7 +1026,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
                 failures.push(format!("{} on {} stopped early: {e}", p.label(), t.name));
             }
             let ooms = p.tight.ooms + p.tight.steady.as_ref().map_or(0, |st| st.ooms);
-            if args.fail_on_oom && ooms > 0 {
+            if fail_on_oom && ooms > 0 {
                 failures.push(format!(
                     "{} on {} device {}: {ooms} out-of-memory errors at {} (--fail-on-oom)",
                     p.label(),
@@ -965,10 +1037,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
             }
         }
     }
-    if !failures.is_empty() {
-        bail!("{}", failures.join("\n"));
-    }
-    Ok(())
+    failures
 }
 
 /// The run's metadata for the JSON document: the tool and its version, the

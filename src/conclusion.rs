@@ -150,6 +150,33 @@ pub fn sentences(traces: &[PrintedTrace]) -> Vec<String> {
         return out;
     }
     // 1. Where nothing fits, the smallest device that would.
+    let nothing_fits = fit_sentence(traces, &mut out);
+    // The traces with a plain expandable row and a plain PyTorch one.
+    let pairs: Vec<&PrintedTrace> = traces
+        .iter()
+        .filter(|t| {
+            t.plain(Policy::Expandable).is_some() && PYTORCH.iter().any(|&q| t.plain(q).is_some())
+        })
+        .collect();
+    if pairs.is_empty() {
+        return out;
+    }
+    // 2. Memory: the smallest device each needs.
+    let (memory, smallest) = memory_sentence(&pairs);
+    out.push(memory);
+    if nothing_fits {
+        return out;
+    }
+    // 3. Driver time, only where both fit.
+    let shared = driver_time_sentences(&pairs, &mut out);
+    // 4. The advice that follows from the sentences above.
+    out.push(advice(&pairs, &shared, smallest));
+    out
+}
+
+/// The sentence on the traces where no policy fits the tight device (none
+/// when every trace has a fit), pushed to `out`; whether nothing fits at all.
+fn fit_sentence(traces: &[PrintedTrace], out: &mut Vec<String>) -> bool {
     let none_fit: Vec<&PrintedTrace> = traces
         .iter()
         .filter(|t| t.rows.iter().all(|r| !r.fits))
@@ -198,21 +225,16 @@ pub fn sentences(traces: &[PrintedTrace]) -> Vec<String> {
                 .join("; ")
         ));
     }
-    // The traces with a plain expandable row and a plain PyTorch one.
-    let pairs: Vec<&PrintedTrace> = traces
-        .iter()
-        .filter(|t| {
-            t.plain(Policy::Expandable).is_some() && PYTORCH.iter().any(|&q| t.plain(q).is_some())
-        })
-        .collect();
-    if pairs.is_empty() {
-        return out;
-    }
-    // 2. Memory: the smallest device each needs.
+    nothing_fits
+}
+
+/// The memory sentence over `pairs`, and on how many traces expandable needs
+/// no more than PyTorch's allocators.
+fn memory_sentence(pairs: &[&PrintedTrace]) -> (String, usize) {
     let mut smallest = 0usize;
     let mut best_gain: Option<(f64, &str, &str)> = None;
     let mut no_device: Vec<String> = Vec::new();
-    for t in &pairs {
+    for t in pairs {
         let e = t.plain(Policy::Expandable).expect("filtered");
         let mut least = e.min_cap_gib.is_some();
         for q in PYTORCH.iter().filter_map(|&q| t.plain(q)) {
@@ -245,12 +267,15 @@ pub fn sentences(traces: &[PrintedTrace]) -> Vec<String> {
         s.push_str(&format!("; no device fits {}", list(&no_device)));
     }
     s.push('.');
-    out.push(s);
-    if nothing_fits {
-        return out;
-    }
-    // 3. Driver time, only where both fit.
-    let mut shared: Vec<(&str, Shared)> = Vec::new();
+    (s, smallest)
+}
+
+/// The driver-time sentences over `pairs` (summed where both fit, and the
+/// policies out of memory), pushed to `out`; the sums per PyTorch allocator.
+fn driver_time_sentences(
+    pairs: &[&PrintedTrace],
+    out: &mut Vec<String>,
+) -> Vec<(&'static str, Shared)> {
     let mut misfits: Vec<(String, Vec<String>)> = Vec::new();
     for p in std::iter::once(Policy::Expandable).chain(PYTORCH) {
         let names: Vec<String> = pairs
@@ -262,26 +287,7 @@ pub fn sentences(traces: &[PrintedTrace]) -> Vec<String> {
             misfits.push((p.name().to_string(), names));
         }
     }
-    for q in PYTORCH {
-        let mut sh = Shared::default();
-        let mut present = false;
-        for t in &pairs {
-            let (Some(e), Some(r)) = (t.plain(Policy::Expandable), t.plain(q)) else {
-                continue;
-            };
-            present = true;
-            if e.fits && r.fits {
-                sh.traces += 1;
-                sh.e_cold += e.cold_ms;
-                sh.q_cold += r.cold_ms;
-                sh.e_steady += e.steady_ms.unwrap_or(0.0);
-                sh.q_steady += r.steady_ms.unwrap_or(0.0);
-            }
-        }
-        if present {
-            shared.push((q.name(), sh));
-        }
-    }
+    let shared = shared_driver_time(pairs);
     let compared: Vec<String> = shared
         .iter()
         .map(|(q, sh)| {
@@ -313,7 +319,39 @@ pub fn sentences(traces: &[PrintedTrace]) -> Vec<String> {
                 .join("; ")
         ));
     }
-    // 4. The advice that follows from the sentences above.
+    shared
+}
+
+/// Per PyTorch allocator present in `pairs`: expandable's and its driver
+/// time summed over the traces where both fit.
+fn shared_driver_time(pairs: &[&PrintedTrace]) -> Vec<(&'static str, Shared)> {
+    let mut shared = Vec::new();
+    for q in PYTORCH {
+        let mut sh = Shared::default();
+        let mut present = false;
+        for t in pairs {
+            let (Some(e), Some(r)) = (t.plain(Policy::Expandable), t.plain(q)) else {
+                continue;
+            };
+            present = true;
+            if e.fits && r.fits {
+                sh.traces += 1;
+                sh.e_cold += e.cold_ms;
+                sh.q_cold += r.cold_ms;
+                sh.e_steady += e.steady_ms.unwrap_or(0.0);
+                sh.q_steady += r.steady_ms.unwrap_or(0.0);
+            }
+        }
+        if present {
+            shared.push((q.name(), sh));
+        }
+    }
+    shared
+}
+
+/// The advice that follows from the memory and driver-time sentences
+/// (`smallest`: the traces where expandable needs the least memory).
+fn advice(pairs: &[&PrintedTrace], shared: &[(&str, Shared)], smallest: usize) -> String {
     let e_fits_wherever_any = pairs.iter().all(|t| {
         t.plain(Policy::Expandable).is_some_and(|e| e.fits) || t.rows.iter().all(|r| !r.fits)
     });
@@ -324,27 +362,7 @@ pub fn sentences(traces: &[PrintedTrace]) -> Vec<String> {
         })
         .map(|(q, _)| *q)
         .collect();
-    // A PyTorch allocator that fits every trace with as little memory
-    // (within 1 %) as expandable and no more driver time per further pass.
-    let keep = PYTORCH.into_iter().find(|&q| {
-        let cheap = shared.iter().any(|(n, sh)| {
-            *n == q.name() && (sh.q_steady <= sh.e_steady || steady_ties(sh.e_steady, sh.q_steady))
-        });
-        cheap
-            && pairs
-                .iter()
-                .all(|t| match (t.plain(Policy::Expandable), t.plain(q)) {
-                    (Some(e), Some(r)) => {
-                        r.fits
-                            && match (e.min_cap_gib, r.min_cap_gib) {
-                                (Some(ec), Some(qc)) => (ec - qc).abs() <= ec.min(qc) * MEMORY_TIE,
-                                _ => false,
-                            }
-                    }
-                    _ => false,
-                })
-    });
-    let advice = match keep {
+    match pytorch_to_keep(pairs, shared) {
         Some(q) => format!(
             "Memory does not decide here: {q} fits every trace in as little (within 1 %) and spends no more \
              driver time per further pass, so keep PyTorch's allocator (`vmmalloc advise` checks your trace \
@@ -366,9 +384,30 @@ pub fn sentences(traces: &[PrintedTrace]) -> Vec<String> {
         _ => "Neither wins everywhere: `vmmalloc advise` weighs memory and driver time for your \
               trace and GPU."
             .to_string(),
-    };
-    out.push(advice);
-    out
+    }
+}
+
+/// A PyTorch allocator that fits every trace with as little memory
+/// (within 1 %) as expandable and no more driver time per further pass.
+fn pytorch_to_keep(pairs: &[&PrintedTrace], shared: &[(&str, Shared)]) -> Option<Policy> {
+    PYTORCH.into_iter().find(|&q| {
+        let cheap = shared.iter().any(|(n, sh)| {
+            *n == q.name() && (sh.q_steady <= sh.e_steady || steady_ties(sh.e_steady, sh.q_steady))
+        });
+        cheap
+            && pairs
+                .iter()
+                .all(|t| match (t.plain(Policy::Expandable), t.plain(q)) {
+                    (Some(e), Some(r)) => {
+                        r.fits
+                            && match (e.min_cap_gib, r.min_cap_gib) {
+                                (Some(ec), Some(qc)) => (ec - qc).abs() <= ec.min(qc) * MEMORY_TIE,
+                                _ => false,
+                            }
+                    }
+                    _ => false,
+                })
+    })
 }
 
 impl PolicyRow {
