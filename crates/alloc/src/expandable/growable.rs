@@ -172,8 +172,10 @@ impl Inner {
             let g = self.phys.region(ptr).expect("region exists");
             (g.mapped_pages, g.stream)
         };
-        if pages > self.phys.limit_pages() && !self.phys.spill_enabled() {
-            let lack = pages - self.phys.limit_pages();
+        // One read of the limit (a shared budget's may change between two).
+        let limit = self.phys.limit_pages();
+        if pages > limit && !self.phys.spill_enabled() {
+            let lack = pages - limit;
             return Err(self.oom(dev, bytes, pages * page, stream, lack));
         }
         let (plan, handles) = match self.acquire(dev, &[(first, pages)], Need::Now, None) {

@@ -189,8 +189,11 @@ impl Inner {
             return Ok(());
         }
         let pages: u64 = runs.iter().map(|r| r.1).sum();
-        if pages > self.phys.limit_pages() {
-            return Err(Backing::Short(pages - self.phys.limit_pages()));
+        // One read: a shared budget's limit may change between two
+        // (another member's cap), and the difference must not underflow.
+        let limit = self.phys.limit_pages();
+        if pages > limit {
+            return Err(Backing::Short(pages - limit));
         }
         self.acquire_and_map(dev, seg, &runs, need, Some((seg, p0, p1)))
     }

@@ -222,8 +222,9 @@ impl Inner {
         let over = |me: &Self| me.phys.over_limit(me.mapped_pages(), c.pages);
         let mut pooled = self.phys.take_pooled(c.pages);
         if pooled.is_none() && over(self) {
-            let lack =
-                self.mapped_pages() + self.phys.pool().pages() + c.pages - self.phys.limit_pages();
+            // Saturating: a shared budget's limit may have moved since `over`.
+            let lack = (self.mapped_pages() + self.phys.pool().pages() + c.pages)
+                .saturating_sub(self.phys.limit_pages());
             self.reclaim(dev, lack, Some((seg, f, f + c.pages - 1)));
             pooled = self.phys.take_pooled(c.pages);
             while pooled.is_none() && over(self) {
