@@ -46,7 +46,8 @@
 //! memory for a 4 MiB request that fit the device, `tests/spill.rs`,
 //! `pages_mapped_ahead_of_need_never_spill`).
 
-use super::pages::{Backing, Planned};
+use super::pages::Backing;
+use super::physical::Planned;
 use super::reclaim::Exclude;
 use super::Inner;
 use vmmalloc_device::{Device, DeviceError, PhysHandle};
@@ -161,7 +162,7 @@ impl Inner {
     /// largest pooled chunk that fits the rest of the run, else one new chunk
     /// for the rest (split at `max_chunk`).
     fn plan(&self, runs: &[(u64, u64)]) -> Vec<Planned> {
-        let mut view = super::pool::PoolView::of(self.phys.pool());
+        let mut view = super::physical::PoolView::of(self.phys.pool());
         let max = self.layout.max_chunk_pages;
         let mut plan = Vec::new();
         for &(a, n) in runs {

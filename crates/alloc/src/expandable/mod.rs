@@ -12,7 +12,7 @@
 //!   Pools: small (requests ≤ 1 MiB) and large. A segment grows by mapping
 //!   physical **chunks** (one `cuMemCreate` handle of one or more pages, up to
 //!   `max_chunk`) where its blocks need them (`pages.rs`); which pages are
-//!   mapped, and by which handle, is its chunk table (`chunks.rs`, a bit
+//!   mapped, and by which handle, is its chunk table (`physical/chunks.rs`, a bit
 //!   vector beside a map of chunks), held by the physical layer.
 //! - The **ladder of sources** (`ladder.rs`): the memory for those chunks
 //!   comes from the pool, then new handles within the limit, then released
@@ -21,7 +21,7 @@
 //!   says how far down a request may go.
 //! - **Blocks** (`blocks.rs`) split and merge at 512 B inside a segment; best fit
 //!   by `(size, addr)` among the free blocks of the request's (stream, pool).
-//! - A **chunk pool** (`pool.rs`): chunks unmapped from free space keep their
+//! - A **chunk pool** (`physical/pool.rs`): chunks unmapped from free space keep their
 //!   handle and are mapped again without `release`/`create`; handles go back
 //!   to the driver above `release_threshold` or on `empty_cache`.
 //! - The **physical layer** (`physical/`, `Physical`): every handle and
@@ -78,7 +78,6 @@
 
 mod alloc;
 mod blocks;
-mod chunks;
 mod config;
 mod counters;
 mod events;
@@ -90,7 +89,6 @@ mod lock;
 mod pages;
 mod pause;
 mod physical;
-mod pool;
 mod private_pools;
 mod reclaim;
 mod report;
@@ -198,7 +196,7 @@ impl Inner {
 
     /// The chunk table of segment `i` (the physical layer's).
     #[inline]
-    fn table(&self, i: u32) -> &chunks::ChunkTable {
+    fn table(&self, i: u32) -> &physical::ChunkTable {
         self.phys.table(i)
     }
 

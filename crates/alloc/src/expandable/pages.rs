@@ -58,9 +58,8 @@
 //! `stats.pages_pooled` and the handle counts equal recounts; mapped chunks are
 //! accessible unless listed in `unready`.
 
-use super::chunks::Chunk;
 use super::ladder::Need;
-use super::physical::Physical;
+use super::physical::{Chunk, Physical, Planned};
 use super::reclaim::Exclude;
 use super::Inner;
 use crate::AllocError;
@@ -73,18 +72,6 @@ pub(crate) enum Backing {
     Short(u64),
     /// A device call failed (not out-of-memory); the operation was rolled back.
     Fail(AllocError),
-}
-
-/// One chunk of a plan: pages `[first, first + pages)` of the segment, backed
-/// by a pooled handle of that size or by a new one.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Planned {
-    /// First page of the chunk (in the caller's page numbering).
-    pub first: u64,
-    /// Pages of the chunk.
-    pub pages: u64,
-    /// Whether a pooled handle backs it (else a new one).
-    pub pooled: bool,
 }
 
 impl Inner {

@@ -3,7 +3,7 @@
 //! A segment covers `[base, base + len)` of an arena; its blocks tile that
 //! range. Page `i` covers `[base + i·page, base + (i+1)·page)`. Which pages
 //! are mapped, and by which handle, is the physical layer's chunk table of
-//! the segment (`chunks.rs`, held by the physical layer, `physical/`).
+//! the segment (`physical/chunks.rs`, held by the physical layer).
 //! Invariants (checked by `validate`):
 //! - every page that overlaps an allocated or pending-free block is mapped;
 //! - `active_blocks`, `active_bytes`, `free_blocks` equal a recount of the

@@ -4,7 +4,7 @@
 //! `inactive`, unmapped parts `unmapped`.
 
 use super::blocks::BlockState as B;
-use super::chunks::ChunkTable;
+use super::physical::ChunkTable;
 use super::Inner;
 use crate::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 

@@ -18,36 +18,16 @@
 //!   chunk, map the device chunk at the same address, give access, copy the
 //!   bytes back. A failure puts the host chunk back where it was.
 //!
-//! The spill state lives in the physical layer (`physical/`), which makes
-//! the host creates and does the accounting (`create_on_host`,
-//! `note_mapping`, `give_back`, `release_host_free`); this file holds the
-//! decisions.
-//!
-//! Invariants (checked by `validate`): `spilled_pages` is the sum of the
-//! mapped chunks whose handle is in `host`; every handle in `host` is mapped
-//! or in `host_free`; no host handle is pooled.
+//! The spill state lives in the physical layer (`physical/spilled.rs`, with
+//! its invariants), which makes the host creates and does the accounting
+//! (`create_on_host`, `note_mapping`, `give_back`, `release_host_free`);
+//! this file holds the decisions.
 
-use super::chunks::Chunk;
 use super::ladder::Need;
-use super::pages::{Backing, Planned};
+use super::pages::Backing;
+use super::physical::{Chunk, Planned};
 use super::Inner;
-use std::collections::HashSet;
 use vmmalloc_device::{Device, DeviceError, PhysHandle};
-
-/// Spill state of one allocator.
-#[derive(Debug, Default)]
-pub(crate) struct SpillState {
-    /// `spill:true`.
-    pub enabled: bool,
-    /// Host-located handles alive (mapped, or waiting in `host_free`).
-    pub host: HashSet<u64>,
-    /// Unmapped host handles to release.
-    pub host_free: Vec<PhysHandle>,
-    /// Pages of mapped host chunks (segments and growable regions).
-    pub spilled_pages: u64,
-    /// The most bytes of host chunks mapped at once (`spilled_bytes_peak`).
-    pub spilled_peak_bytes: u64,
-}
 
 impl Inner {
     /// With `spill:true`, after the device lacked `lacking` pages for `runs`:

@@ -115,7 +115,7 @@ impl Inner {
         self.validate_model(model, &g, &mapped)
     }
 
-    /// Chunks: every chunk table is sound ([`super::chunks::ChunkTable::validate`]),
+    /// Chunks: every chunk table is sound ([`super::physical::ChunkTable::validate`]),
     /// a retired segment's is empty, and no handle is mapped twice
     /// (`handles` collects them). Recounts the reserved bytes and segments.
     fn validate_chunks(

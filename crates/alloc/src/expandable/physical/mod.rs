@@ -12,7 +12,8 @@
 //! - the chunk **pool** (`pool.rs`), the **budget** it charges before every
 //!   create and credits on every release (`budget.rs`: the memory fraction
 //!   today, a budget shared between processes next), chunks left unready,
-//!   spill's host-located handles and the chunks IPC export pins.
+//!   spill's host-located handles (`spilled.rs`) and the chunks IPC export
+//!   pins.
 //!
 //! # What it does
 //!
@@ -50,31 +51,47 @@
 mod arena;
 pub(crate) mod budget;
 mod calls;
+mod chunks;
 mod drain;
 pub(crate) mod mappings;
 mod moves;
 pub(crate) mod observe;
+mod pool;
 mod reback;
 mod regions;
+mod spilled;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use arena::Arenas;
+pub(crate) use chunks::{Chunk, ChunkTable};
 pub(crate) use moves::Move;
+pub(crate) use pool::{ChunkPool, PoolView};
 pub(crate) use reback::{equal_handle_pages, padded_handle_pages};
 pub(crate) use regions::{Region, RegionRecount};
+use spilled::SpillState;
 
-use super::chunks::{Chunk, ChunkTable};
 use super::config::Layout;
 use super::ipc::ExportState;
-use super::pool::ChunkPool;
-use super::spill::SpillState;
 use crate::ipc::ExportedChunk;
 use crate::Stats;
 use budget::{Budget, LocalBudget};
 use observe::{Observer, Observers, Owner};
 use std::collections::BTreeMap;
 use vmmalloc_device::{Device, DeviceError, PhysHandle};
+
+/// One chunk of a plan (the block layer's ladder makes plans, this layer
+/// maps them): pages `[first, first + pages)` of the segment, backed
+/// by a pooled handle of that size or by a new one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Planned {
+    /// First page of the chunk (in the caller's page numbering).
+    pub first: u64,
+    /// Pages of the chunk.
+    pub pages: u64,
+    /// Whether a pooled handle backs it (else a new one).
+    pub pooled: bool,
+}
 
 /// Physical state of one allocator (see the module docs).
 #[derive(Debug)]
@@ -93,7 +110,7 @@ pub(crate) struct Physical {
     /// Chunks that are mapped but not yet accessible, `(segment, first
     /// page)`: only after a `set_access` failed and the rollback unmap failed too.
     unready: Vec<(u32, u64)>,
-    /// Host-located chunks (`spill:true`, `spill.rs`).
+    /// Host-located chunks (`spill:true`, `spilled.rs`).
     spill: SpillState,
     /// Blocks exported to other processes and the chunks they pin (`ipc.rs`).
     exported: ExportState,

@@ -24,9 +24,9 @@
 //! neither be unmapped nor remapped; hence new handles for the live runs.
 
 use super::budget::Charge;
+use super::chunks::Chunk;
 use super::observe::Owner;
 use super::Physical;
-use crate::expandable::chunks::Chunk;
 use vmmalloc_device::{Call, Device, DeviceError, HostBuffer, PhysHandle};
 
 /// One chunk to unpin: a chunk partly under live blocks.

@@ -35,10 +35,10 @@
 //! whole chunks and every page of it is copied.
 
 use super::budget::Charge;
+use super::chunks::Chunk;
 use super::moves::Move;
 use super::observe::Owner;
 use super::Physical;
-use crate::expandable::chunks::Chunk;
 use vmmalloc_device::{Call, Device, DeviceError, HostBuffer, PhysHandle};
 
 /// The handle size, in pages, for a run of `pages` pages re-backed with

@@ -17,7 +17,7 @@
 
 use super::observe::Owner;
 use super::Physical;
-use crate::expandable::pages::Planned;
+use super::Planned;
 use std::collections::HashSet;
 use vmmalloc_device::{Device, DeviceError, DeviceResult, PhysHandle, Stream};
 

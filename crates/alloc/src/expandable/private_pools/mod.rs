@@ -27,7 +27,7 @@
 //! A CUDA graph replays at the addresses it captured, the blocks it freed
 //! during capture included, and a replay may be running on any stream. So
 //! while a pool has users, or until the device was synchronized after its
-//! last user left, its segments are *pinned* ([`super::chunks::ChunkTable::pinned`]):
+//! last user left, its segments are *pinned* ([`super::physical::ChunkTable::pinned`]):
 //! reclaim, splits, unpinning, spill and `empty_cache` never choose their
 //! pages. A freeable pool (use count 0) is unpinned after one device
 //! synchronize, at `empty_cache` or when the ladder needs memory

@@ -4,7 +4,7 @@
 //! Physical memory is mapped in **chunks**: one handle of one or more whole
 //! pages, mapped at its first page. Page `i` of a segment covers
 //! `[base + i·page, base + (i+1)·page)`. The tables belong to the physical
-//! layer ([`super::physical::Physical`]), which maps and unmaps through the
+//! layer ([`super::Physical`]), which maps and unmaps through the
 //! driver and records it here; the rest of the allocator reads them.
 //!
 //! Invariants (checked by [`ChunkTable::validate`]): chunks do not overlap
