@@ -78,10 +78,28 @@ pub struct Context<'a> {
 
 /// The summary text.
 pub fn summary(stats: &Stats, ctx: &Context<'_>) -> String {
+    let mut lines: Vec<String> = Vec::new();
+    pytorch_rows(stats, ctx, &mut lines);
+    vmmalloc_rows(stats, ctx, &mut lines);
+    let mut out = String::new();
+    for l in lines {
+        out.push('|');
+        out.push_str(&l);
+        out.push_str("|\n");
+    }
+    out
+}
+
+/// A rule of `c` across the summary.
+fn rule(c: char) -> String {
+    c.to_string().repeat(WIDTH)
+}
+
+/// The rows of PyTorch's `memory_summary`: the title, the OOM and retry
+/// counts, the stat metrics by pool.
+fn pytorch_rows(stats: &Stats, ctx: &Context<'_>, lines: &mut Vec<String>) {
     let m: BTreeMap<String, i64> = stats.to_map();
     let get = |k: &str| m.get(k).copied().unwrap_or(0);
-    let mut lines: Vec<String> = Vec::new();
-    let rule = |c: char| c.to_string().repeat(WIDTH);
     lines.push(rule('='));
     lines.push(fit(format!(
         " {:16} vmmalloc CUDA memory summary, device ID {:<16} ",
@@ -152,8 +170,11 @@ pub fn summary(stats: &Stats, ctx: &Context<'_>) -> String {
         ));
     }
     lines.push(rule('='));
+}
 
-    // vmmalloc's own rows.
+/// vmmalloc's own rows: the backend and device, pages, reclaims, syncs,
+/// device allocations, dropped history and the driver calls.
+fn vmmalloc_rows(stats: &Stats, ctx: &Context<'_>, lines: &mut Vec<String>) {
     let page = ctx
         .page_size
         .or(ctx.caps.map(|c| c.granularity))
@@ -242,13 +263,6 @@ pub fn summary(stats: &Stats, ctx: &Context<'_>) -> String {
         }
     }
     lines.push(rule('='));
-    let mut out = String::new();
-    for l in lines {
-        out.push('|');
-        out.push_str(&l);
-        out.push_str("|\n");
-    }
-    out
 }
 
 #[cfg(test)]

@@ -517,13 +517,42 @@ pub fn write_snapshot<W: Write>(out: W, cfg: &SynthConfig) -> io::Result<SynthSu
     let steps = ((cfg.target_bytes / devices + per_step / 2) / per_step).max(1);
     let code = code();
     let mut p = Pickler::new(io::BufWriter::with_capacity(1 << 20, out), cfg.protocol)?;
-    let mut keys = Shared::default();
-    let mut frame_ids: Vec<Option<u32>> = vec![None; code.frames.len()];
-    let mut summary = SynthSummary {
-        steps,
-        ..SynthSummary::default()
+    let mut w = Graph {
+        cfg,
+        layers,
+        devices,
+        code: &code,
+        keys: Shared::default(),
+        frame_ids: vec![None; code.frames.len()],
     };
-    // Weights and optimizer state: per layer four matrices and two Adam moments each.
+    let weights = weights(cfg, layers, devices);
+    let (mut summary, top_peaks) = w.count(steps, &weights);
+    let events_total = summary.events;
+    p.container(true, 4, |p, k| match k {
+        0 => {
+            w.keys.put(p, "segments")?;
+            w.segments(p, &weights, &top_peaks)
+        }
+        1 => {
+            w.keys.put(p, "device_traces")?;
+            w.device_traces(p, events_total)
+        }
+        2 => {
+            w.keys.put(p, "allocator_settings")?;
+            w.allocator_settings(p)
+        }
+        _ => {
+            w.keys.put(p, "external_annotations")?;
+            p.container(false, 0, |_, _| Ok(())).map(drop)
+        }
+    })?;
+    summary.bytes = p.finish()?;
+    Ok(summary)
+}
+
+/// Weights and optimizer state of each device: per layer four matrices and
+/// two Adam moments each, `(address, requested size)`.
+fn weights(cfg: &SynthConfig, layers: u64, devices: u64) -> Vec<Vec<(u64, u64)>> {
     let mut weights: Vec<Vec<(u64, u64)>> = Vec::new();
     for d in 0..devices {
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (d << 32));
@@ -537,283 +566,340 @@ pub fn write_snapshot<W: Write>(out: W, cfg: &SynthConfig) -> io::Result<SynthSu
         }
         weights.push(w);
     }
-    let act_base = |d: u64| 0x7f80_0000_0000u64 + (d << 40);
+    weights
+}
 
-    let step_events = |d: u64, s: u64| -> Step { step(cfg, layers, act_base(d), d, s) };
-    let site = |name: &str| -> &[usize] {
+/// The base address of device `d`'s activation arena.
+fn act_base(d: u64) -> u64 {
+    0x7f80_0000_0000u64 + (d << 40)
+}
+
+impl Code {
+    /// The stack of allocation (or free) site `name`.
+    fn site(&self, name: &str) -> &[usize] {
         match name {
-            "fwd0" => &code.fwd[0],
-            "fwd1" => &code.fwd[1],
-            "fwd2" => &code.fwd[2],
-            "bwd" => &code.bwd,
-            "opt" => &code.opt,
-            "init" => &code.init,
-            _ => &code.free,
+            "fwd0" => &self.fwd[0],
+            "fwd1" => &self.fwd[1],
+            "fwd2" => &self.fwd[2],
+            "bwd" => &self.bwd,
+            "opt" => &self.opt,
+            "init" => &self.init,
+            _ => &self.free,
         }
-    };
-    // A stack: a new list of shared frame dicts.
-    let mut write_stack =
-        |p: &mut Pickler<_>, keys: &mut Shared, frames: &[usize]| -> io::Result<()> {
-            p.container(false, frames.len(), |p, i| {
-                let f = frames[i];
-                if let Some(id) = frame_ids[f] {
-                    return p.get(id);
-                }
-                let (file, line, name) = &code.frames[f];
-                let id = p.container(true, 3, |p, k| match k {
-                    0 => {
-                        keys.put(p, "name")?;
-                        p.str(name).map(drop)
-                    }
-                    1 => {
-                        keys.put(p, "filename")?;
-                        p.str(file).map(drop)
-                    }
-                    _ => {
-                        keys.put(p, "line")?;
-                        p.int(*line)
-                    }
-                })?;
-                frame_ids[f] = Some(id);
-                Ok(())
-            })
-            .map(drop)
-        };
-
-    // Steps' peaks, device by device (a first pass; the events are regenerated when written).
-    let mut top_peaks = Vec::new();
-    for d in 0..devices {
-        let (mut lp, mut tp) = (0, 0);
-        for s in 0..steps {
-            let st = step_events(d, s);
-            lp = u64::max(lp, st.live_peak);
-            tp = u64::max(tp, st.top_peak);
-            summary.events += st.events.len() as u64;
-            summary.allocs += st.events.iter().filter(|e| e.action == "alloc").count() as u64;
-        }
-        if d == 0 {
-            summary.peak_live = weights[0].iter().map(|w| w.1).sum::<u64>() + lp;
-        }
-        top_peaks.push(tp.max(1).div_ceil(2 << 20) * (2 << 20));
     }
-    summary.pre_trace = weights[0].len() as u64;
+}
 
-    let events_total = summary.events;
-    let n_segments = weights.iter().map(Vec::len).sum::<usize>() + devices as usize;
-    p.container(true, 4, |p, k| match k {
-        0 => {
-            keys.put(p, "segments")?;
-            p.container(false, n_segments, |p, i| {
-                // Segment i: a weight, or a device's activation arena.
-                let mut left = i;
-                let mut d = 0;
-                while left > weights[d].len() {
-                    left -= weights[d].len() + 1;
-                    d += 1;
-                }
-                let (address, total, requested, state) = if left < weights[d].len() {
-                    let (a, s) = weights[d][left];
-                    (a, s.div_ceil(2 << 20) * (2 << 20), s, "active_allocated")
-                } else {
-                    (act_base(d as u64), top_peaks[d], 0, "inactive")
-                };
-                let active = if requested > 0 { total } else { 0 };
-                p.container(true, 12, |p, k| match k {
-                    0 => {
-                        keys.put(p, "device")?;
-                        p.int(d as i64)
-                    }
-                    1 => {
-                        keys.put(p, "address")?;
-                        p.int(address as i64)
-                    }
-                    2 => {
-                        keys.put(p, "total_size")?;
-                        p.int(total as i64)
-                    }
-                    3 => {
-                        keys.put(p, "allocated_size")?;
-                        p.int(active as i64)
-                    }
-                    4 => {
-                        keys.put(p, "active_size")?;
-                        p.int(active as i64)
-                    }
-                    5 => {
-                        keys.put(p, "requested_size")?;
-                        p.int(requested as i64)
-                    }
-                    6 => {
-                        keys.put(p, "stream")?;
-                        p.int(0)
-                    }
-                    7 => {
-                        keys.put(p, "segment_type")?;
-                        keys.put(p, "large")
-                    }
-                    8 => {
-                        keys.put(p, "segment_pool_id")?;
-                        p.tuple2(0, 0)
-                    }
-                    9 => {
-                        keys.put(p, "is_expandable")?;
-                        p.bool(false)
-                    }
-                    10 => {
-                        keys.put(p, "frames")?;
-                        p.container(false, 0, |_, _| Ok(())).map(drop)
-                    }
-                    _ => {
-                        keys.put(p, "blocks")?;
-                        p.container(false, 1, |p, _| {
-                            p.container(true, 5, |p, k| match k {
-                                0 => {
-                                    keys.put(p, "address")?;
-                                    p.int(address as i64)
-                                }
-                                1 => {
-                                    keys.put(p, "size")?;
-                                    p.int(total as i64)
-                                }
-                                2 => {
-                                    keys.put(p, "requested_size")?;
-                                    p.int(requested as i64)
-                                }
-                                3 => {
-                                    keys.put(p, "state")?;
-                                    keys.put(p, state)
-                                }
-                                _ => {
-                                    keys.put(p, "frames")?;
-                                    let st: &[usize] =
-                                        if requested > 0 { site("init") } else { &[] };
-                                    write_stack(p, &mut keys, st)
-                                }
-                            })
-                            .map(drop)
-                        })
-                        .map(drop)
-                    }
-                })
-                .map(drop)
-            })
-            .map(drop)
+/// What the parts of the object graph are written with: the configuration,
+/// the frames, and the strings and frame dicts already written (memo ids).
+struct Graph<'a> {
+    cfg: &'a SynthConfig,
+    layers: u64,
+    devices: u64,
+    code: &'a Code,
+    keys: Shared,
+    frame_ids: Vec<Option<u32>>,
+}
+
+impl Graph<'_> {
+    /// Step `s` of device `d`.
+    fn step_events(&self, d: u64, s: u64) -> Step {
+        step(self.cfg, self.layers, act_base(d), d, s)
+    }
+
+    /// The summary (events, allocations, peaks of device 0) and each device's
+    /// activation arena size (a first pass over the steps; their events are
+    /// regenerated when written).
+    fn count(&self, steps: u64, weights: &[Vec<(u64, u64)>]) -> (SynthSummary, Vec<u64>) {
+        let mut summary = SynthSummary {
+            steps,
+            ..SynthSummary::default()
+        };
+        let mut top_peaks = Vec::new();
+        for d in 0..self.devices {
+            let (mut lp, mut tp) = (0, 0);
+            for s in 0..steps {
+                let st = self.step_events(d, s);
+                lp = u64::max(lp, st.live_peak);
+                tp = u64::max(tp, st.top_peak);
+                summary.events += st.events.len() as u64;
+                summary.allocs += st.events.iter().filter(|e| e.action == "alloc").count() as u64;
+            }
+            if d == 0 {
+                summary.peak_live = weights[0].iter().map(|w| w.1).sum::<u64>() + lp;
+            }
+            top_peaks.push(tp.max(1).div_ceil(2 << 20) * (2 << 20));
         }
-        1 => {
-            keys.put(p, "device_traces")?;
-            let mut time = 1_765_000_000_000_000i64;
-            p.container(false, devices as usize, |p, d| {
-                let n = (events_total / devices) as usize;
-                let mut cur: Option<(u64, std::vec::IntoIter<Ev>)> = None;
-                p.container(false, n, |p, _| {
-                    let e = loop {
-                        if let Some((_, it)) = cur.as_mut() {
-                            if let Some(e) = it.next() {
-                                break e;
-                            }
-                        }
-                        let s = cur.as_ref().map_or(0, |c| c.0 + 1);
-                        cur = Some((s, step_events(d as u64, s).events.into_iter()));
-                    };
-                    time += 7;
-                    p.container(true, 8, |p, k| match k {
-                        0 => {
-                            keys.put(p, "action")?;
-                            keys.put(p, e.action)
-                        }
-                        1 => {
-                            keys.put(p, "addr")?;
-                            p.int(e.addr as i64)
-                        }
-                        2 => {
-                            keys.put(p, "size")?;
-                            p.int(e.size as i64)
-                        }
-                        3 => {
-                            keys.put(p, "stream")?;
-                            p.int(0)
-                        }
-                        4 => {
-                            keys.put(p, "time_us")?;
-                            p.int(time)
-                        }
-                        5 => {
-                            keys.put(p, "compile_context")?;
-                            p.str("N/A").map(drop)
-                        }
-                        6 => {
-                            keys.put(p, "user_metadata")?;
-                            keys.put(p, "")
-                        }
-                        _ => {
-                            keys.put(p, "frames")?;
-                            let st: &[usize] = e.stack.map_or(&[], site);
-                            write_stack(p, &mut keys, st)
-                        }
-                    })
-                    .map(drop)
-                })
-                .map(drop)
-            })
-            .map(drop)
-        }
-        2 => {
-            keys.put(p, "allocator_settings")?;
-            p.container(true, 9, |p, k| match k {
+        summary.pre_trace = weights[0].len() as u64;
+        (summary, top_peaks)
+    }
+
+    /// A stack: a new list of shared frame dicts.
+    fn stack<W: Write>(&mut self, p: &mut Pickler<W>, frames: &[usize]) -> io::Result<()> {
+        p.container(false, frames.len(), |p, i| {
+            let f = frames[i];
+            if let Some(id) = self.frame_ids[f] {
+                return p.get(id);
+            }
+            let (file, line, name) = &self.code.frames[f];
+            let keys = &mut self.keys;
+            let id = p.container(true, 3, |p, k| match k {
                 0 => {
-                    keys.put(p, "PYTORCH_CUDA_ALLOC_CONF")?;
-                    keys.put(p, "")
+                    keys.put(p, "name")?;
+                    p.str(name).map(drop)
                 }
                 1 => {
-                    keys.put(p, "max_split_size")?;
-                    p.int(-1)
-                }
-                2 => {
-                    keys.put(p, "garbage_collection_threshold")?;
-                    p.float(0.0)
-                }
-                3 => {
-                    keys.put(p, "expandable_segments")?;
-                    p.bool(false)
-                }
-                4 => {
-                    keys.put(p, "pinned_num_register_threads")?;
-                    p.int(1)
-                }
-                5 => {
-                    keys.put(p, "release_lock_on_cudamalloc")?;
-                    p.bool(false)
-                }
-                6 => {
-                    keys.put(p, "pinned_use_cuda_host_register")?;
-                    p.bool(false)
-                }
-                7 => {
-                    keys.put(p, "graph_capture_record_stream_reuse")?;
-                    p.bool(false)
+                    keys.put(p, "filename")?;
+                    p.str(file).map(drop)
                 }
                 _ => {
-                    keys.put(p, "roundup_power2_divisions")?;
-                    const POW: [&str; 16] = [
-                        "1", "2", "4", "8", "16", "32", "64", "128", "256", "512", "1024", "2048",
-                        "4096", "8192", "16384", "32768",
-                    ];
-                    p.container(true, POW.len(), |p, i| {
-                        keys.put(p, POW[i])?;
-                        p.int(0)
+                    keys.put(p, "line")?;
+                    p.int(*line)
+                }
+            })?;
+            self.frame_ids[f] = Some(id);
+            Ok(())
+        })
+        .map(drop)
+    }
+
+    /// `segments`: one per weight (active) and one activation arena per
+    /// device (inactive).
+    fn segments<W: Write>(
+        &mut self,
+        p: &mut Pickler<W>,
+        weights: &[Vec<(u64, u64)>],
+        top_peaks: &[u64],
+    ) -> io::Result<()> {
+        let n_segments = weights.iter().map(Vec::len).sum::<usize>() + self.devices as usize;
+        p.container(false, n_segments, |p, i| {
+            // Segment i: a weight, or a device's activation arena.
+            let mut left = i;
+            let mut d = 0;
+            while left > weights[d].len() {
+                left -= weights[d].len() + 1;
+                d += 1;
+            }
+            let seg = if left < weights[d].len() {
+                let (a, s) = weights[d][left];
+                (a, s.div_ceil(2 << 20) * (2 << 20), s, "active_allocated")
+            } else {
+                (act_base(d as u64), top_peaks[d], 0, "inactive")
+            };
+            self.segment(p, d, seg)
+        })
+        .map(drop)
+    }
+
+    /// One segment of device `d` holding one block: `(address, total size,
+    /// requested size, block state)`.
+    fn segment<W: Write>(
+        &mut self,
+        p: &mut Pickler<W>,
+        d: usize,
+        (address, total, requested, state): (u64, u64, u64, &'static str),
+    ) -> io::Result<()> {
+        let active = if requested > 0 { total } else { 0 };
+        p.container(true, 12, |p, k| match k {
+            0 => {
+                self.keys.put(p, "device")?;
+                p.int(d as i64)
+            }
+            1 => {
+                self.keys.put(p, "address")?;
+                p.int(address as i64)
+            }
+            2 => {
+                self.keys.put(p, "total_size")?;
+                p.int(total as i64)
+            }
+            3 => {
+                self.keys.put(p, "allocated_size")?;
+                p.int(active as i64)
+            }
+            4 => {
+                self.keys.put(p, "active_size")?;
+                p.int(active as i64)
+            }
+            5 => {
+                self.keys.put(p, "requested_size")?;
+                p.int(requested as i64)
+            }
+            6 => {
+                self.keys.put(p, "stream")?;
+                p.int(0)
+            }
+            7 => {
+                self.keys.put(p, "segment_type")?;
+                self.keys.put(p, "large")
+            }
+            8 => {
+                self.keys.put(p, "segment_pool_id")?;
+                p.tuple2(0, 0)
+            }
+            9 => {
+                self.keys.put(p, "is_expandable")?;
+                p.bool(false)
+            }
+            10 => {
+                self.keys.put(p, "frames")?;
+                p.container(false, 0, |_, _| Ok(())).map(drop)
+            }
+            _ => {
+                self.keys.put(p, "blocks")?;
+                p.container(false, 1, |p, _| {
+                    p.container(true, 5, |p, k| match k {
+                        0 => {
+                            self.keys.put(p, "address")?;
+                            p.int(address as i64)
+                        }
+                        1 => {
+                            self.keys.put(p, "size")?;
+                            p.int(total as i64)
+                        }
+                        2 => {
+                            self.keys.put(p, "requested_size")?;
+                            p.int(requested as i64)
+                        }
+                        3 => {
+                            self.keys.put(p, "state")?;
+                            self.keys.put(p, state)
+                        }
+                        _ => {
+                            self.keys.put(p, "frames")?;
+                            let code = self.code;
+                            let st: &[usize] = if requested > 0 {
+                                code.site("init")
+                            } else {
+                                &[]
+                            };
+                            self.stack(p, st)
+                        }
                     })
                     .map(drop)
-                }
+                })
+                .map(drop)
+            }
+        })
+        .map(drop)
+    }
+
+    /// `device_traces`: per device, its steps' events one after another.
+    fn device_traces<W: Write>(&mut self, p: &mut Pickler<W>, events_total: u64) -> io::Result<()> {
+        let mut time = 1_765_000_000_000_000i64;
+        let devices = self.devices;
+        p.container(false, devices as usize, |p, d| {
+            let n = (events_total / devices) as usize;
+            let mut cur: Option<(u64, std::vec::IntoIter<Ev>)> = None;
+            p.container(false, n, |p, _| {
+                let e = loop {
+                    if let Some((_, it)) = cur.as_mut() {
+                        if let Some(e) = it.next() {
+                            break e;
+                        }
+                    }
+                    let s = cur.as_ref().map_or(0, |c| c.0 + 1);
+                    cur = Some((s, self.step_events(d as u64, s).events.into_iter()));
+                };
+                time += 7;
+                self.event(p, &e, time)
             })
             .map(drop)
-        }
-        _ => {
-            keys.put(p, "external_annotations")?;
-            p.container(false, 0, |_, _| Ok(())).map(drop)
-        }
-    })?;
-    summary.bytes = p.finish()?;
-    Ok(summary)
+        })
+        .map(drop)
+    }
+
+    /// One event dict at `time` (µs).
+    fn event<W: Write>(&mut self, p: &mut Pickler<W>, e: &Ev, time: i64) -> io::Result<()> {
+        p.container(true, 8, |p, k| match k {
+            0 => {
+                self.keys.put(p, "action")?;
+                self.keys.put(p, e.action)
+            }
+            1 => {
+                self.keys.put(p, "addr")?;
+                p.int(e.addr as i64)
+            }
+            2 => {
+                self.keys.put(p, "size")?;
+                p.int(e.size as i64)
+            }
+            3 => {
+                self.keys.put(p, "stream")?;
+                p.int(0)
+            }
+            4 => {
+                self.keys.put(p, "time_us")?;
+                p.int(time)
+            }
+            5 => {
+                self.keys.put(p, "compile_context")?;
+                p.str("N/A").map(drop)
+            }
+            6 => {
+                self.keys.put(p, "user_metadata")?;
+                self.keys.put(p, "")
+            }
+            _ => {
+                self.keys.put(p, "frames")?;
+                let code = self.code;
+                let st: &[usize] = e.stack.map_or(&[], |s| code.site(s));
+                self.stack(p, st)
+            }
+        })
+        .map(drop)
+    }
+
+    /// `allocator_settings` as PyTorch's defaults show them.
+    fn allocator_settings<W: Write>(&mut self, p: &mut Pickler<W>) -> io::Result<()> {
+        let keys = &mut self.keys;
+        p.container(true, 9, |p, k| match k {
+            0 => {
+                keys.put(p, "PYTORCH_CUDA_ALLOC_CONF")?;
+                keys.put(p, "")
+            }
+            1 => {
+                keys.put(p, "max_split_size")?;
+                p.int(-1)
+            }
+            2 => {
+                keys.put(p, "garbage_collection_threshold")?;
+                p.float(0.0)
+            }
+            3 => {
+                keys.put(p, "expandable_segments")?;
+                p.bool(false)
+            }
+            4 => {
+                keys.put(p, "pinned_num_register_threads")?;
+                p.int(1)
+            }
+            5 => {
+                keys.put(p, "release_lock_on_cudamalloc")?;
+                p.bool(false)
+            }
+            6 => {
+                keys.put(p, "pinned_use_cuda_host_register")?;
+                p.bool(false)
+            }
+            7 => {
+                keys.put(p, "graph_capture_record_stream_reuse")?;
+                p.bool(false)
+            }
+            _ => {
+                keys.put(p, "roundup_power2_divisions")?;
+                const POW: [&str; 16] = [
+                    "1", "2", "4", "8", "16", "32", "64", "128", "256", "512", "1024", "2048",
+                    "4096", "8192", "16384", "32768",
+                ];
+                p.container(true, POW.len(), |p, i| {
+                    keys.put(p, POW[i])?;
+                    p.int(0)
+                })
+                .map(drop)
+            }
+        })
+        .map(drop)
+    }
 }
 
 #[cfg(test)]
