@@ -40,6 +40,10 @@ Checks (GPU mode):
   it everywhere. Both directions are probed first (``pidfd_probe``); a check
   that needs a refused direction is a SKIP that names the environment (EPERM
   is the box, not vmmalloc).
+- ``torch_stock_2gib_vmmalloc_to_stock``: a 2 GiB tensor to the stock
+  PyTorch process (expandable round), bitwise both ways; the detail gives
+  the bytes re-backed with equal handles for PyTorch's format (issue 40,
+  item 2) and the send time, the re-backing included.
 - ``torch_native_handle``: a handle from PyTorch's own allocator
   (expandable_segments:True, ``storage._share_cuda_()``) imported by
   vmmalloc.ipc_import in a vmmalloc process: the bytes read, a write seen by
@@ -57,6 +61,7 @@ import traceback
 import torch_common
 
 MIB = 1 << 20
+PIECE = 256 * MIB  # fill / holds on the GPU work in pieces of this many bytes
 HOST = "--host" in sys.argv
 FAILED = []
 
@@ -176,7 +181,9 @@ def fill(ptr, n, gen):
     import torch
 
     t = torch.as_tensor(_CAI(ptr, n), device="cuda")
-    t.copy_(((torch.arange(n, device="cuda") + gen * 31) % 251).to(torch.uint8))
+    for off in range(0, n, PIECE):  # pieces: arange of 2 GiB would take 16 GiB
+        m = min(PIECE, n - off)
+        t[off:off + m].copy_(((torch.arange(off, off + m, device="cuda") + gen * 31) % 251).to(torch.uint8))
     torch.cuda.synchronize()
 
 
@@ -186,8 +193,11 @@ def holds(ptr, n, gen):
     import torch
 
     t = torch.as_tensor(_CAI(ptr, n), device="cuda")
-    want = ((torch.arange(n, device="cuda") + gen * 31) % 251).to(torch.uint8)
-    ok = bool(torch.equal(t, want))
+    ok = True
+    for off in range(0, n, PIECE):
+        m = min(PIECE, n - off)
+        want = ((torch.arange(off, off + m, device="cuda") + gen * 31) % 251).to(torch.uint8)
+        ok = ok and bool(torch.equal(t[off:off + m], want))
     torch.cuda.synchronize()
     return ok
 
@@ -628,6 +638,39 @@ def main():
                 return "FAIL", f"the torch companion is installed, yet: {e}"
             return "SKIP", f"the pluggable allocator cannot share (needs the torch companion): {e}"
 
+        def big_to_stock(get_child, who):
+            """Issue 40, item 2: a 2 GiB tensor (a flattened weight bucket)
+            sent to a stock PyTorch process, read there bitwise, written
+            back; the export re-backs its chunks with equal handles once
+            (PyTorch's 'e' format), timed here."""
+
+            def go():
+                c = get_child()
+                n = 2 << 30
+                t = torch.empty(n, dtype=torch.uint8, device="cuda")
+                fill(t.data_ptr(), n, 1)
+                before = vm.memory_stats(0)
+                t0 = time.monotonic()
+                try:
+                    c.conn.send(("torch_recv", t))  # pickling exports it
+                except Exception as e:
+                    return "FAIL", f"sending 2 GiB: {type(e).__name__}: {e}"
+                sent = time.monotonic() - t0
+                after = vm.memory_stats(0)
+                _, good = c.ask(timeout=torch_common.child_timeout(120))
+                if not good:
+                    return "FAIL", f"{who} did not see the 2 GiB tensor's bytes"
+                if not holds(t.data_ptr(), n, 2):
+                    return "FAIL", f"{who}'s write to the 2 GiB tensor is not seen here"
+                key = "vmmalloc.ipc_rebacked_bytes"
+                moved = after.get(key, 0) - before.get(key, 0)
+                rebacks = after.get("vmmalloc.ipc_rebacks", 0) - before.get("vmmalloc.ipc_rebacks", 0)
+                return "ok", (f"2 GiB to {who}, bitwise both ways; re-backed {moved >> 20} MiB "
+                              f"({rebacks} re-backing), send incl. export {sent * 1e3:.1f} ms "
+                              f"({sent * 1e3 / 2:.1f} ms/GiB)")
+
+            return go
+
         torch_to_child = torch_to(lambda: child, "the vmmalloc child")
         torch_from_child = torch_from(lambda: child, "the vmmalloc child")
 
@@ -693,6 +736,9 @@ def main():
             try:
                 run_check(f"torch_stock_{label}_vmmalloc_to_stock", to_stock)
                 run_check(f"torch_stock_{label}_stock_to_vmmalloc", from_stock)
+                if label == "expandable":
+                    run_check("torch_stock_2gib_vmmalloc_to_stock",
+                              needs("child_from_parent", big_to_stock(start, who)))
             finally:
                 if stock is not None:
                     stock.stop()

@@ -104,7 +104,9 @@ def test_import_in_the_same_process_and_close(lib, fresh):
 
 
 def pattern(gen, n):
-    return bytes((i * 31 + gen * 101) % 256 for i in range(n))
+    # Byte i is (i * 31 + gen * 101) % 256: period 256, built from one period.
+    cycle = bytes((i * 31 + gen * 101) % 256 for i in range(256))
+    return (cycle * (n // 256 + 1))[:n]
 
 
 def parse_like_pytorch(h):
@@ -174,9 +176,11 @@ def write(at, data):
         take = min(len(data), seg - o)
         maps[m][o:o + take] = data[:take]
         at += take; data = data[take:]
-want = bytes((i * 31 + 101) % 256 for i in range(n))
-assert read(off, n) == want, "the producer's bytes differ"
-write(off, bytes((i * 31 + 202) % 256 for i in range(n)))
+def pattern(gen):  # byte i: (i * 31 + gen * 101) % 256, period 256
+    cycle = bytes((i * 31 + gen * 101) % 256 for i in range(256))
+    return (cycle * (n // 256 + 1))[:n]
+assert read(off, n) == pattern(1), "the producer's bytes differ"
+write(off, pattern(2))
 print("OK")
 """
 
@@ -254,4 +258,27 @@ def test_format_choice_is_named(lib, fresh, monkeypatch):
     monkeypatch.setenv("VMMALLOC_IPC_FORMAT", "nope")
     with pytest.raises(vmmalloc.VmmallocError, match="auto, torch, vmmalloc"):
         ipc_export_torch(p, "2.15")
+    a.free(p)
+
+
+def test_large_tensors_are_rebacked_for_pytorchs_format(lib, fresh):
+    """Issue 40, item 2: a 300 MiB tensor on a 1 GiB device (largest chunk
+    128 MiB) lies on chunks of different sizes; exported for PyTorch 2.15 it
+    is re-backed with equal handles once and read by the reader without
+    vmmalloc (RAW_CONSUMER, PyTorch's fromShared layout)."""
+    a = fresh(HOST)
+    a.malloc(1000)
+    n = 300 * MIB + 4096
+    p = a.malloc(n)
+    a.write(p, pattern(1, n))
+    h, off = ipc_export_torch(p, "2.15")
+    v, pid, seg, fds = parse_like_pytorch(h)
+    assert v == 3 and pid == os.getpid()
+    assert off < seg and off + n <= seg * len(fds)
+    assert run_py(RAW_CONSUMER, h.hex(), off, n) == "OK"
+    assert a.read(p, n) == pattern(2, n)
+    assert ipc_export_torch(p, "2.15") == (h, off), "the same handle again"
+    stats = vmmalloc.memory_stats(0)
+    assert stats["vmmalloc.ipc_rebacks"] == 1
+    assert stats["vmmalloc.ipc_rebacked_bytes"] >= n
     a.free(p)

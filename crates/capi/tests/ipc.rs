@@ -348,6 +348,7 @@ fn scenario(
 ) {
     match std::env::var(ROLE).as_deref() {
         Ok("consumer") => consumer(&api(), backend),
+        Ok("stock") => stock_consumer(backend),
         Ok("producer") => producer(&api(), test, backend, extra),
         _ => {
             let mut env = backend_env(backend);
@@ -956,4 +957,211 @@ fn fake_cuda_imports_legacy_cuda_ipc_handles() {
         return consumer(&api(), "host");
     }
     scenario(test, "fake", &[], producer_legacy);
+}
+
+/// A consumer without vmmalloc that reads a `'e'` handle exactly as stock
+/// PyTorch 2.15 does (`ExpandableSegment::fromShared`, reached from
+/// `getIpcDevPtr`, c10/cuda/CUDACachingAllocator.cpp): the header
+/// ([`read_like_pytorch`]), one descriptor per handle taken with
+/// `pidfd_open` + `pidfd_getfd`, a fresh reservation of `segment_size *
+/// num_handles`, handle *i* mapped at `base + i * segment_size`, the tensor
+/// at `base + OFFSET`. On the fake libcuda through its `cuMem*` calls
+/// (`cuMemImportFromShareableHandle`, `cuMemMap`, `cuMemSetAccess`), on
+/// `host` with `mmap` of the memfds. Checks the producer's bytes, then
+/// writes its own.
+fn stock_consumer(backend: &str) {
+    let h = unhex(&std::env::var(HANDLE).unwrap());
+    let size: usize = std::env::var(SIZE).unwrap().parse().unwrap();
+    let offset: usize = std::env::var(OFFSET).unwrap().parse().unwrap();
+    let (version, pid, seg, fds) = read_like_pytorch(&h);
+    assert_eq!(version, 3);
+    let seg = seg as usize;
+    let n = fds.len();
+    // SAFETY: plain syscalls on integers.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0) };
+    assert!(
+        pidfd >= 0,
+        "pidfd_open: {}",
+        std::io::Error::last_os_error()
+    );
+    let mine: Vec<i32> = fds
+        .iter()
+        .map(|&fd| {
+            // SAFETY: as above.
+            let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd as libc::c_long, 0) };
+            assert!(r >= 0, "pidfd_getfd: {}", std::io::Error::last_os_error());
+            r as i32
+        })
+        .collect();
+    let base: *mut u8 = if backend == "host" {
+        // SAFETY: a fresh anonymous reservation.
+        let b = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                seg * n,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(b, libc::MAP_FAILED);
+        for (i, &fd) in mine.iter().enumerate() {
+            // SAFETY: MAP_FIXED inside the reservation; `fd` is one handle's memfd.
+            let p = unsafe {
+                libc::mmap(
+                    b.cast::<u8>().add(i * seg).cast(),
+                    seg,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    fd,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+        }
+        b.cast()
+    } else {
+        type Cu = libc::c_int;
+        let path = std::env::var(vmmalloc_test_support::FAKE_LIBRARY_ENV).unwrap();
+        // SAFETY: the fake libcuda; its initializers are plain.
+        let lib = Box::leak(Box::new(unsafe { Library::new(path) }.unwrap()));
+        macro_rules! f {
+            ($name:literal, $t:ty) => {
+                // SAFETY: the signature is cuda.h's.
+                *unsafe { lib.get::<$t>($name) }.unwrap()
+            };
+        }
+        let init = f!(b"cuInit", unsafe extern "C" fn(u32) -> Cu);
+        let retain = f!(
+            b"cuDevicePrimaryCtxRetain",
+            unsafe extern "C" fn(*mut *mut c_void, Cu) -> Cu
+        );
+        let set = f!(b"cuCtxSetCurrent", unsafe extern "C" fn(*mut c_void) -> Cu);
+        let reserve = f!(
+            b"cuMemAddressReserve",
+            unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> Cu
+        );
+        let import = f!(
+            b"cuMemImportFromShareableHandle",
+            unsafe extern "C" fn(*mut u64, *mut c_void, Cu) -> Cu
+        );
+        let map = f!(
+            b"cuMemMap",
+            unsafe extern "C" fn(u64, usize, usize, u64, u64) -> Cu
+        );
+        let access = f!(
+            b"cuMemSetAccess",
+            unsafe extern "C" fn(u64, usize, *const [i32; 3], usize) -> Cu
+        );
+        let mut ctx = std::ptr::null_mut();
+        let mut b = 0u64;
+        // SAFETY: cuda.h's calls with valid out-pointers; CU_MEM_HANDLE_TYPE_
+        // POSIX_FILE_DESCRIPTOR (1) takes the descriptor as the pointer's value;
+        // CUmemAccessDesc {location {DEVICE (1), 0}, PROT_READWRITE (3)}.
+        unsafe {
+            assert_eq!(init(0), 0);
+            assert_eq!(retain(&mut ctx, 0), 0);
+            assert_eq!(set(ctx), 0);
+            assert_eq!(reserve(&mut b, seg * n, 0, 0, 0), 0);
+            for (i, &fd) in mine.iter().enumerate() {
+                let mut hd = 0u64;
+                assert_eq!(import(&mut hd, fd as usize as *mut c_void, 1), 0);
+                libc::close(fd);
+                assert_eq!(map(b + (i * seg) as u64, seg, 0, hd, 0), 0);
+            }
+            assert_eq!(access(b, seg * n, &[1, 0, 3], 1), 0);
+        }
+        b as *mut u8
+    };
+    // SAFETY: the tensor lies inside the mapping made above.
+    let p = unsafe { base.add(offset) };
+    holds(p, size, 1).expect("the producer's bytes, read as stock PyTorch reads them");
+    fill(p, size, 2);
+}
+
+/// Sizes from 1 B to 300 MiB, fresh and (on `host`) after fragmentation
+/// (freed blocks between live ones, new ones carved from the holes), on a
+/// 1 GiB device
+/// whose largest chunk is 128 MiB: every one exported for PyTorch 2.15
+/// (re-backed where its chunks differ) is read by [`stock_consumer`] with the
+/// producer's bytes, and the consumer's writes are seen here.
+fn producer_stock_sizes(a: &Api, test: &str, backend: &str, _extra: &[(&str, String)]) {
+    a.configure(conf(backend));
+    let _first = a.malloc(1000);
+    let mut keep = Vec::new();
+    let sizes = [
+        1,
+        4096,
+        3 * MIB + 100,
+        46 * MIB,
+        130 * MIB,
+        300 * MIB + 4096,
+    ];
+    // The fake libcuda's copies are slow (about 5 minutes for both rounds):
+    // the fresh round there, both on `host`.
+    let rounds = if backend == "host" { 2 } else { 1 };
+    for round in 0..rounds {
+        for &n in &sizes {
+            let p = a.malloc(n);
+            fill(p, n, 1);
+            let (h, off) = a.export_torch(p, 2, 15).unwrap();
+            let mut env = backend_env(backend);
+            env.push((ROLE, "stock".into()));
+            env.push((HANDLE, hex(&h)));
+            env.push((SIZE, n.to_string()));
+            env.push((OFFSET, off.to_string()));
+            check_ok(
+                &format!("stock consumer of {n} bytes"),
+                &run_self(test, &env),
+            );
+            holds(p, n, 2).expect("the consumer's write, seen by the producer");
+            if round == 0 && n > 4096 {
+                keep.push(a.malloc(5 * MIB + n / 7));
+            }
+            a.free(p);
+        }
+    }
+    for p in keep {
+        a.free(p);
+    }
+    // Some of them needed re-backing (the 300 MiB block lies on chunks of
+    // 128, 128 and 44 MiB in a fresh allocator).
+    type Stats = unsafe extern "C" fn(c_int) -> *mut c_char;
+    // SAFETY: the library's own symbol, `char* vmmalloc_memory_stats_json(int)`.
+    let stats = unsafe { a._lib.get::<Stats>(b"vmmalloc_memory_stats_json") }.unwrap();
+    // SAFETY: a NUL-terminated string the library returned (leaked here).
+    let json = unsafe { CStr::from_ptr(stats(0)) }
+        .to_string_lossy()
+        .into_owned();
+    let key = "\"vmmalloc.ipc_rebacks\"";
+    let at = json.find(key).expect("the stat") + key.len();
+    let n: u64 = json[at..]
+        .trim_start_matches([':', ' '])
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(n >= 1, "re-backings: {n} ({json})");
+}
+
+#[test]
+fn host_stock_pytorch_consumer_reads_every_size() {
+    scenario(
+        "host_stock_pytorch_consumer_reads_every_size",
+        "host",
+        &[],
+        producer_stock_sizes,
+    );
+}
+
+#[test]
+fn fake_cuda_stock_pytorch_consumer_reads_every_size() {
+    scenario(
+        "fake_cuda_stock_pytorch_consumer_reads_every_size",
+        "fake",
+        &[],
+        producer_stock_sizes,
+    );
 }

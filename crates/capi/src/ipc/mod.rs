@@ -53,14 +53,17 @@
 //!
 //! - A vmmalloc producer inside PyTorch writes PyTorch's own `'e'` handle of
 //!   the PyTorch it runs in ([`format::torch_handle_version`]: version 3 for
-//!   2.13–2.15, 2 for 2.11–2.12) when the allocation's chunks all have one
-//!   size (PyTorch's `ShareHeader` has one `segment_size`), so that a stock
-//!   PyTorch consumer, with no vmmalloc, imports it
-//!   (`ExpandableSegment::fromShared`). Otherwise, and for other PyTorch
-//!   versions, it writes vmmalloc's format (`VMMALLOC_IPC_FORMAT`: `auto`,
-//!   the default, as described; `torch` fails instead of falling back;
-//!   `vmmalloc` always writes vmmalloc's, e.g. when both sides run vmmalloc
-//!   and `pidfd_getfd` is denied, since only vmmalloc's has the socket).
+//!   2.13–2.15, 2 for 2.11–2.12), so that a stock PyTorch consumer, with no
+//!   vmmalloc, imports it (`ExpandableSegment::fromShared`). PyTorch's
+//!   `ShareHeader` has one `segment_size`, so the allocation's chunks are
+//!   re-backed once with equal handles where they differ
+//!   ([`vmmalloc_alloc::Allocator::export_equal`]); where that cannot be done
+//!   the export fails naming why, never silently writing a format the stock
+//!   consumer refuses. For other PyTorch versions it writes vmmalloc's format
+//!   (`VMMALLOC_IPC_FORMAT`: `auto`, the default, as described; `torch`
+//!   fails for unknown versions too; `vmmalloc` always writes vmmalloc's,
+//!   e.g. when both sides run vmmalloc and `pidfd_getfd` is denied, since
+//!   only vmmalloc's has the socket).
 //! - A vmmalloc consumer reads PyTorch's `'e'` handles of versions 2 and 3
 //!   (descriptors taken with `pidfd_getfd`, as PyTorch's consumer does) and
 //!   its legacy `'c'` / bare 64-byte `cudaIpcMemHandle_t` handles (through
@@ -341,8 +344,15 @@ pub(super) fn backend_of(kind: DeviceKind) -> Result<Backend, String> {
     }
 }
 
-/// Exports `ptr` (or finds its live export) and answers `f` of it.
-fn with_export<T>(ptr: u64, f: impl FnOnce(&Exports, u64, &Export) -> T) -> Result<T, String> {
+/// Exports `ptr` (or finds its live export) and answers `f` of it. With
+/// `equal`, a new export's chunks all have one size
+/// ([`vmmalloc_alloc::Allocator::export_equal`]: re-backed once where they
+/// did not), as PyTorch's `'e'` format needs.
+fn with_export<T>(
+    ptr: u64,
+    equal: bool,
+    f: impl FnOnce(&Exports, u64, &Export) -> T,
+) -> Result<T, String> {
     let rt = runtime::runtime();
     let config = rt.config().map_err(|e| e.to_string())?;
     let backend = backend_of(config.device)?;
@@ -360,7 +370,30 @@ fn with_export<T>(ptr: u64, f: impl FnOnce(&Exports, u64, &Export) -> T) -> Resu
     }
     let mut found: Option<(&Arc<DeviceState>, vmmalloc_alloc::ipc::ExportedRange)> = None;
     for d in rt.active_devices() {
-        match d.allocator.export(ptr) {
+        let got = if equal {
+            let t = std::time::Instant::now();
+            let r = d.allocator.export_equal(ptr);
+            if let Ok(r) = &r {
+                if r.rebacked_bytes > 0 {
+                    crate::diag::log(
+                        rt.log_level(),
+                        crate::config::LogLevel::Info,
+                        &format!(
+                            "IPC: {ptr:#x}: re-backed {} MiB with {} equal handles of {} MiB \
+                             for PyTorch's format in {:.1} ms",
+                            r.rebacked_bytes >> 20,
+                            r.chunks.len(),
+                            r.chunks[0].size >> 20,
+                            t.elapsed().as_secs_f64() * 1e3
+                        ),
+                    );
+                }
+            }
+            r
+        } else {
+            d.allocator.export(ptr)
+        };
+        match got {
             Ok(r) => {
                 found = Some((d, r));
                 break;
@@ -462,7 +495,7 @@ fn with_export<T>(ptr: u64, f: impl FnOnce(&Exports, u64, &Export) -> T) -> Resu
 
 /// Exports `ptr` in vmmalloc's format; returns the handle's bytes.
 pub(super) fn export(ptr: u64) -> Result<Vec<u8>, String> {
-    with_export(ptr, |ex, id, e| ex.vmmalloc_bytes(id, e))
+    with_export(ptr, false, |ex, id, e| ex.vmmalloc_bytes(id, e))
 }
 
 /// Exports `ptr` for a producer inside PyTorch `major.minor` (see the module
@@ -471,36 +504,33 @@ pub(super) fn export(ptr: u64) -> Result<Vec<u8>, String> {
 pub(super) fn export_for_torch(ptr: u64, major: u32, minor: u32) -> Result<(Vec<u8>, u64), String> {
     let format = Format::from_env()?;
     let version = format::torch_handle_version(major, minor);
-    let rt = runtime::runtime();
-    with_export(ptr, |ex, id, e| {
-        let vmm = || (ex.vmmalloc_bytes(id, e), 0);
-        match (format, version) {
-            (Format::Vmmalloc, _) => Ok(vmm()),
-            (Format::Torch, None) => Err(format!(
-                "{FORMAT_ENV}=torch: vmmalloc does not know the expandable-segments handle of \
-                 PyTorch {major}.{minor} (it writes versions 2 for 2.11-2.12 and 3 for \
-                 2.13-2.15)"
-            )),
-            (Format::Torch, Some(v)) => torch_bytes(e, v).map(|b| (b, e.offset)).map_err(|m| {
-                format!("{FORMAT_ENV}=torch: {m}; unset it to fall back on vmmalloc's format")
-            }),
-            (Format::Auto, None) => Ok(vmm()),
-            (Format::Auto, Some(v)) => Ok(match torch_bytes(e, v) {
-                Ok(b) => (b, e.offset),
-                Err(m) => {
-                    crate::diag::log(
-                        rt.log_level(),
-                        crate::config::LogLevel::Info,
-                        &format!(
-                            "IPC: {m}: writing vmmalloc's format instead (a stock PyTorch \
-                             consumer cannot read it)"
-                        ),
-                    );
-                    vmm()
-                }
-            }),
+    match (format, version) {
+        (Format::Vmmalloc, _) | (Format::Auto, None) => {
+            with_export(ptr, false, |ex, id, e| (ex.vmmalloc_bytes(id, e), 0))
         }
-    })?
+        (Format::Torch, None) => Err(format!(
+            "{FORMAT_ENV}=torch: vmmalloc does not know the expandable-segments handle of \
+             PyTorch {major}.{minor} (it writes versions 2 for 2.11-2.12 and 3 for \
+             2.13-2.15)"
+        )),
+        // A stock consumer of this PyTorch may read the handle: PyTorch's
+        // format or an error, never vmmalloc's (which it refuses as "from a
+        // future version of torch").
+        (format, Some(v)) => with_export(ptr, true, |_, _, e| {
+            torch_bytes(e, v).map(|b| (b, e.offset))
+        })
+        .and_then(|r| r)
+        .map_err(|m| match format {
+            Format::Torch => {
+                format!("{FORMAT_ENV}=torch: {m}; unset it to fall back on vmmalloc's format")
+            }
+            _ => format!(
+                "{m}. PyTorch {major}.{minor}'s own format cannot carry it, and a stock \
+                         PyTorch consumer cannot read vmmalloc's; where both sides run vmmalloc, \
+                         set {FORMAT_ENV}=vmmalloc"
+            ),
+        }),
+    }
 }
 
 /// Ends every export and closes every import (`vmmalloc_reset_for_tests`).
