@@ -219,6 +219,17 @@ pub(super) struct MappedBack {
     pub bytes: u64,
 }
 
+/// The mapped runs of each segment of `segs` (what [`Inner::give_back`]
+/// unmaps).
+pub(super) fn mapped_runs(phys: &Physical, segs: &[u32]) -> SegRuns {
+    segs.iter()
+        .map(|&s| {
+            let len = phys.table(s).len();
+            (s, phys.table(s).mapped_runs(0, len))
+        })
+        .collect()
+}
+
 impl Inner {
     /// Live segments whose stream entry satisfies `owns`, in index order.
     pub(super) fn owned_segments(&self, owns: impl Fn(&StreamEntry) -> bool) -> Vec<u32> {
@@ -227,16 +238,6 @@ impl Inner {
                 self.segments[i as usize]
                     .as_ref()
                     .is_some_and(|s| owns(&self.streams[s.owner as usize]))
-            })
-            .collect()
-    }
-
-    /// The mapped runs of each segment of `segs`.
-    pub(super) fn mapped_runs(&self, segs: &[u32]) -> SegRuns {
-        segs.iter()
-            .map(|&s| {
-                let len = self.table(s).len();
-                (s, self.table(s).mapped_runs(0, len))
             })
             .collect()
     }

@@ -31,7 +31,7 @@
 //! buffers are kept for the next pause ([`super::pause::Spares`]).
 
 use super::blocks::BlockState;
-use super::pause::{MappedBack, Owner, Paused, Wait};
+use super::pause::{mapped_runs, MappedBack, Owner, Paused, Wait};
 use super::tags;
 use super::Inner;
 use crate::{AllocError, AllocResult};
@@ -188,7 +188,7 @@ impl Inner {
         // did not reuse are dropped.
         self.spares.clear();
         self.sleep.paused.extend(saved);
-        let runs = self.mapped_runs(&segs);
+        let runs = mapped_runs(&self.phys, &segs);
         let given = self.give_back(dev, &runs);
         let mut released = given.bytes;
         // Host-located (spilled) chunks under the tags go back too (spill.rs).

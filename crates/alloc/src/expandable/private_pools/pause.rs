@@ -9,7 +9,7 @@
 //! pool stays paused. The pool's segments are unpinned while it is paused
 //! (nothing is mapped to pin) and pinned again as the pool is on resume.
 
-use super::super::pause::{MappedBack, Owner, Paused, Wait};
+use super::super::pause::{mapped_runs, MappedBack, Owner, Paused, Wait};
 use super::super::Inner;
 use super::err;
 use crate::pools::{pool_name, PoolId};
@@ -47,7 +47,7 @@ impl Inner {
                 self.back_up(dev, s, &mut saved, owner)?;
             }
         }
-        saved.runs = self.mapped_runs(&segs);
+        saved.runs = mapped_runs(&self.phys, &segs);
         let runs = saved.runs.clone();
         // Commit: from here on the pool is paused.
         self.pool_mut(p).paused = Some(saved);
