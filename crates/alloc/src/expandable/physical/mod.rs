@@ -24,7 +24,8 @@
 //! built-in counter is the allocator's only count of driver calls, and the
 //! mapping log (`mappings.rs`), which the C ABI's history ring drains for
 //! PyTorch's `segment_map` / `segment_unmap` trace entries, attaches when
-//! asked; an NCCL registrar would attach the same way. Unpinning's and spill's moves of one chunk (`moves.rs`), the
+//! asked; an NCCL registrar would attach the same way. Unpinning's and spill's moves of one chunk (`moves.rs`), IPC's
+//! re-backing of a run of chunks with equal handles (`reback.rs`), the
 //! regions' growth and shrink (`regions.rs`) and teardown (`drain.rs`, the
 //! layer's drain) are its operations.
 //!
