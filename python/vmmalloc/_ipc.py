@@ -94,9 +94,12 @@ def ipc_export_torch(ptr, torch_version=None):
     """``(handle, offset)`` a producer inside PyTorch ``torch_version``
     (default: the installed one) shares for live allocation ``ptr``: PyTorch's
     own expandable-segments handle of that version (``'e'``; version 3 for
-    2.13-2.15, 2 for 2.11-2.12), which a stock PyTorch consumer imports, when
-    the allocation's chunks fit it; otherwise vmmalloc's handle with offset 0.
-    ``VMMALLOC_IPC_FORMAT`` (``auto``, ``torch``, ``vmmalloc``) chooses.
+    2.13-2.15, 2 for 2.11-2.12), which a stock PyTorch consumer imports, at
+    every size: where the chunks under the allocation differ in size they are
+    re-backed once with equal handles (PyTorch's header has one
+    segment_size), and where that cannot be done VmmallocError says why. For
+    other versions vmmalloc's handle with offset 0. ``VMMALLOC_IPC_FORMAT``
+    (``auto``, ``torch``, ``vmmalloc``) chooses (docs/pytorch.md, "IPC").
     ``offset`` is the pointer's offset in the shared range (PyTorch's
     ``ShareableHandle::offset``)."""
     lib = _load()

@@ -64,10 +64,12 @@ unsafe fn hand_out(bytes: &[u8], buf: *mut c_void, cap: usize, len: *mut usize) 
 /// `int vmmalloc_ipc_export_torch(void* ptr, int major, int minor, void* buf,
 /// size_t cap, size_t* len, size_t* offset)`: the handle a producer inside
 /// PyTorch `major.minor` shares for live allocation `ptr` (the companion's
-/// `shareIpcHandle`): PyTorch's own expandable-segments handle of that
-/// version (`'e'`, readable by a stock PyTorch consumer) when it can carry the
-/// allocation, else vmmalloc's; [`FORMAT_ENV`] (`auto`, `torch`, `vmmalloc`)
-/// chooses (module docs). `*offset` is the pointer's offset in the shared
+/// `shareIpcHandle`): for PyTorch 2.11–2.15 its own expandable-segments
+/// handle of that version (`'e'`, readable by a stock PyTorch consumer) at
+/// every size, the chunks re-backed once with equal handles where they
+/// differ (or -1 saying why that cannot be done); vmmalloc's for other
+/// versions; [`FORMAT_ENV`] (`auto`, `torch`, `vmmalloc`) chooses (module
+/// docs). `*offset` is the pointer's offset in the shared
 /// range (0 for vmmalloc's format), PyTorch's `ShareableHandle::offset`.
 /// Buffer protocol as [`vmmalloc_ipc_export`]. Returns 0, or -1 with the
 /// reason in `vmmalloc_last_error()`.

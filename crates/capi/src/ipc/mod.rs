@@ -8,8 +8,9 @@
 //! // on failure.
 //! int vmmalloc_ipc_export(void* ptr, void* buf, size_t cap, size_t* len);
 //! // Producer inside PyTorch `major.minor` (the companion's shareIpcHandle):
-//! // PyTorch's own expandable-segments handle of that PyTorch when it can
-//! // carry the allocation, else vmmalloc's (VMMALLOC_IPC_FORMAT chooses);
+//! // PyTorch's own expandable-segments handle of that PyTorch (2.11-2.15; the
+//! // chunks re-backed once with equal handles where they differ), vmmalloc's
+//! // for other versions (VMMALLOC_IPC_FORMAT chooses);
 //! // *offset = the pointer's offset in the shared range (0 for vmmalloc's).
 //! int vmmalloc_ipc_export_torch(void* ptr, int major, int minor, void* buf,
 //!                               size_t cap, size_t* len, size_t* offset);
