@@ -670,6 +670,10 @@ lib.vmmalloc_free(ptrs.pop(), 0, 0, None)
 st = torch.cuda.memory_stats(0)
 assert st["allocation.all.allocated"] == 0 and st["allocation.all.freed"] == 1, st
 assert st["allocation.all.current"] == 1
+# PyTorch's own keys, as this version names them (num_oom_rejections from 2.12).
+native = torch._C._cuda_memoryStats(0)
+assert ("num_oom_rejections" in native) == ("num_oom_rejections" in st) == (TORCH >= (2, 12)), sorted(native)
+assert st.get("num_oom_rejections", 0) == native.get("num_oom_rejections", 0) == 0
 print("ACCUMULATED OK")
 ''', tmp_path, cache)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -11,6 +11,7 @@ alike, by ones that read vmmalloc's figures (same keys, same meanings).
 """
 
 import os
+import sys
 import pickle
 import tempfile
 from collections import OrderedDict
@@ -66,6 +67,13 @@ def memory_stats(device=None):
 
     index = _device_index(device)
     stats = _companion.add_pool_figures(_lib.memory_stats(index), index)  # MemPool(allocator=...)
+    # From 2.12 PyTorch counts the allocations its out-of-memory preemption
+    # (throw_on_cudamalloc_oom with a memory fraction) rejected
+    # (c10/core/CachingDeviceAllocator.h num_oom_rejections); vmmalloc has no
+    # such policy and rejects none (issue 40).
+    torch = sys.modules.get("torch")
+    if torch is not None and _companion.version_tuple(torch.__version__) >= (2, 12):
+        stats.setdefault("num_oom_rejections", 0)
     return OrderedDict(sorted(stats.items()))
 
 
