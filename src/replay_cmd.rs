@@ -4,8 +4,9 @@ use crate::compare::print_reader_warnings;
 use crate::input::load_inputs;
 use anyhow::{bail, Result};
 use vmmalloc_alloc::PolicySpec;
-use vmmalloc_device::Call;
-use vmmalloc_trace::replay::{check_config, replay, ReplayConfig};
+use vmmalloc_device::{Call, CallCounts};
+use vmmalloc_trace::replay::{check_config, replay, ReplayConfig, ReplayResult, SteadyResult};
+use vmmalloc_trace::DeviceTrace;
 
 /// Arguments of `vmmalloc replay`.
 #[derive(clap::Args, Debug)]
@@ -129,7 +130,6 @@ pub use vmmalloc_alloc::summary::format_bytes;
 pub fn run(cmd: ReplayCmdArgs) -> Result<()> {
     let (args, steady) = (cmd.replay, cmd.steady);
     let cfg = args.config()?;
-    let policy = cfg.policy;
     let traces = load_inputs(std::slice::from_ref(&args.input))?;
     args.check_device(&traces)?;
     let mut any = false;
@@ -141,143 +141,7 @@ pub fn run(cmd: ReplayCmdArgs) -> Result<()> {
             let mut cfg = cfg.clone();
             cfg.steady = steady;
             cfg.pre_trace_ops = dt.pre_trace().len();
-            let ops = dt.replay_ops();
-            let r = replay(ops, &crate::point::with_frames(&cfg, dt));
-            let what = format!("{} device {}", t.name, dt.device());
-            println!(
-                "{what} — policy {} on a {} simulated device",
-                policy,
-                format_bytes(cfg.capacity)
-            );
-            if let Some(note) = args.capacity_note(&cfg) {
-                print!(
-                    "{}",
-                    crate::compare::wrap_hanging(&format!("note: {note}"), 2, 4)
-                );
-            }
-            let result = match (&r.error, r.ooms) {
-                (Some(_), _) => format!(
-                    "STOPPED after {} of {} ops ({} out-of-memory errors before the stop)",
-                    r.ops,
-                    ops.len(),
-                    r.ooms
-                ),
-                (None, 0) => "ok".into(),
-                (None, n) => format!("{n} out-of-memory errors (failed allocations skipped)"),
-            };
-            let rows: Vec<(&str, String)> = vec![
-                ("result", result),
-                ("events", dt.events().len().to_string()),
-                ("ops replayed", format!("{} of {}", r.ops, ops.len())),
-                (
-                    "peak live (trace)",
-                    format!(
-                        "{} ({} bytes)",
-                        format_bytes(dt.peak_live_bytes()),
-                        dt.peak_live_bytes()
-                    ),
-                ),
-                ("peak live (replayed)", format_bytes(r.peak_live)),
-                ("peak reserved", format_bytes(r.peak_reserved)),
-                ("retries", r.retries.to_string()),
-                ("syncs", r.driver_calls.syncs_cell()),
-                (
-                    "modeled driver time",
-                    format!(
-                        "{:.3} ms (cost model {})",
-                        r.modeled_driver_us / 1000.0,
-                        cfg.cost_label
-                    ),
-                ),
-                (
-                    "teardown (excluded)",
-                    format!(
-                        "{} calls, {:.3} ms when the allocator is dropped",
-                        r.teardown_calls.total(),
-                        r.teardown_driver_us / 1000.0
-                    ),
-                ),
-                (
-                    "replay CPU time",
-                    format!("{:.3} ms", r.cpu_time.as_secs_f64() * 1000.0),
-                ),
-                (
-                    "replay rate",
-                    format!(
-                        "{:.2} M ops/s",
-                        r.ops as f64 / r.cpu_time.as_secs_f64().max(1e-9) / 1e6
-                    ),
-                ),
-            ];
-            for (k, v) in rows {
-                println!("  {k:<22} {v}");
-            }
-            println!("  driver calls:");
-            for c in Call::ALL {
-                let n = r.driver_calls.get(c);
-                if n > 0 {
-                    println!("    {:<20} {n}", c.driver_symbol());
-                }
-            }
-            if let Some(st) = &r.steady {
-                let line = format!(
-                    "steady state (2nd pass): {}, {} trace allocations freed before it, {} memory calls, {:.3} ms modeled, syncs {}",
-                    if st.ok {
-                        "ok".to_string()
-                    } else {
-                        format!("{} out-of-memory errors", st.ooms)
-                    },
-                    st.freed_between,
-                    st.memory_calls(),
-                    st.modeled_driver_us / 1000.0,
-                    st.driver_calls.syncs_cell()
-                );
-                print!("{}", crate::compare::wrap_hanging(&line, 2, 4));
-                for c in Call::ALL {
-                    let n = st.driver_calls.get(c);
-                    if n > 0 {
-                        println!("    {:<20} {n}", c.driver_symbol());
-                    }
-                }
-                if let Some(e) = &st.error {
-                    print!(
-                        "{}",
-                        crate::compare::wrap_hanging(&format!("steady error: {e}"), 2, 4)
-                    );
-                    failures.push(format!("{what}: the steady pass stopped early: {e}"));
-                }
-            }
-            if let Some(m) = &r.oom_message {
-                print!(
-                    "{}",
-                    crate::compare::wrap_hanging(
-                        &format!(
-                            "first out-of-memory (event {}): {m}",
-                            r.first_oom.unwrap_or(0)
-                        ),
-                        2,
-                        4
-                    )
-                );
-            }
-            if let Some(e) = &r.error {
-                print!(
-                    "{}",
-                    crate::compare::wrap_hanging(&format!("error: {e}"), 2, 4)
-                );
-                failures.push(format!(
-                    "{what}: the replay stopped after {} of {} ops: {e}",
-                    r.ops,
-                    ops.len()
-                ));
-            }
-            let ooms = r.ooms + r.steady.as_ref().map_or(0, |st| st.ooms);
-            if args.fail_on_oom && ooms > 0 {
-                failures.push(format!(
-                    "{what}: {ooms} out-of-memory errors with policy {policy} on a {} device (--fail-on-oom)",
-                    format_bytes(cfg.capacity)
-                ));
-            }
+            replay_device(&args, &cfg, &t.name, dt, &mut failures);
         }
     }
     if !any {
@@ -287,6 +151,167 @@ pub fn run(cmd: ReplayCmdArgs) -> Result<()> {
         bail!("{}", failures.join("\n"));
     }
     Ok(())
+}
+
+/// Replays device `dt` of trace `name` and prints its figures; what makes
+/// the command fail goes to `failures`.
+fn replay_device(
+    args: &ReplayArgs,
+    cfg: &ReplayConfig,
+    name: &str,
+    dt: &DeviceTrace,
+    failures: &mut Vec<String>,
+) {
+    let policy = cfg.policy;
+    let ops = dt.replay_ops();
+    let r = replay(ops, &crate::point::with_frames(cfg, dt));
+    let what = format!("{} device {}", name, dt.device());
+    println!(
+        "{what} — policy {} on a {} simulated device",
+        policy,
+        format_bytes(cfg.capacity)
+    );
+    if let Some(note) = args.capacity_note(cfg) {
+        print!(
+            "{}",
+            crate::compare::wrap_hanging(&format!("note: {note}"), 2, 4)
+        );
+    }
+    for (k, v) in figures(dt, &r, ops.len(), cfg) {
+        println!("  {k:<22} {v}");
+    }
+    println!("  driver calls:");
+    print_calls(&r.driver_calls);
+    if let Some(st) = &r.steady {
+        print_steady(st, &what, failures);
+    }
+    if let Some(m) = &r.oom_message {
+        print!(
+            "{}",
+            crate::compare::wrap_hanging(
+                &format!(
+                    "first out-of-memory (event {}): {m}",
+                    r.first_oom.unwrap_or(0)
+                ),
+                2,
+                4
+            )
+        );
+    }
+    if let Some(e) = &r.error {
+        print!(
+            "{}",
+            crate::compare::wrap_hanging(&format!("error: {e}"), 2, 4)
+        );
+        failures.push(format!(
+            "{what}: the replay stopped after {} of {} ops: {e}",
+            r.ops,
+            ops.len()
+        ));
+    }
+    let ooms = r.ooms + r.steady.as_ref().map_or(0, |st| st.ooms);
+    if args.fail_on_oom && ooms > 0 {
+        failures.push(format!(
+            "{what}: {ooms} out-of-memory errors with policy {policy} on a {} device (--fail-on-oom)",
+            format_bytes(cfg.capacity)
+        ));
+    }
+}
+
+/// The figures of replay `r` of `dt` (`n_ops` ops), one (name, value) a line.
+fn figures(
+    dt: &DeviceTrace,
+    r: &ReplayResult,
+    n_ops: usize,
+    cfg: &ReplayConfig,
+) -> Vec<(&'static str, String)> {
+    let result = match (&r.error, r.ooms) {
+        (Some(_), _) => format!(
+            "STOPPED after {} of {} ops ({} out-of-memory errors before the stop)",
+            r.ops, n_ops, r.ooms
+        ),
+        (None, 0) => "ok".into(),
+        (None, n) => format!("{n} out-of-memory errors (failed allocations skipped)"),
+    };
+    vec![
+        ("result", result),
+        ("events", dt.events().len().to_string()),
+        ("ops replayed", format!("{} of {}", r.ops, n_ops)),
+        (
+            "peak live (trace)",
+            format!(
+                "{} ({} bytes)",
+                format_bytes(dt.peak_live_bytes()),
+                dt.peak_live_bytes()
+            ),
+        ),
+        ("peak live (replayed)", format_bytes(r.peak_live)),
+        ("peak reserved", format_bytes(r.peak_reserved)),
+        ("retries", r.retries.to_string()),
+        ("syncs", r.driver_calls.syncs_cell()),
+        (
+            "modeled driver time",
+            format!(
+                "{:.3} ms (cost model {})",
+                r.modeled_driver_us / 1000.0,
+                cfg.cost_label
+            ),
+        ),
+        (
+            "teardown (excluded)",
+            format!(
+                "{} calls, {:.3} ms when the allocator is dropped",
+                r.teardown_calls.total(),
+                r.teardown_driver_us / 1000.0
+            ),
+        ),
+        (
+            "replay CPU time",
+            format!("{:.3} ms", r.cpu_time.as_secs_f64() * 1000.0),
+        ),
+        (
+            "replay rate",
+            format!(
+                "{:.2} M ops/s",
+                r.ops as f64 / r.cpu_time.as_secs_f64().max(1e-9) / 1e6
+            ),
+        ),
+    ]
+}
+
+/// The driver calls made, one symbol a line (none for calls never made).
+fn print_calls(calls: &CallCounts) {
+    for c in Call::ALL {
+        let n = calls.get(c);
+        if n > 0 {
+            println!("    {:<20} {n}", c.driver_symbol());
+        }
+    }
+}
+
+/// The steady pass's line and calls; its error goes to `failures`.
+fn print_steady(st: &SteadyResult, what: &str, failures: &mut Vec<String>) {
+    let line = format!(
+        "steady state (2nd pass): {}, {} trace allocations freed before it, {} memory calls, {:.3} ms modeled, syncs {}",
+        if st.ok {
+            "ok".to_string()
+        } else {
+            format!("{} out-of-memory errors", st.ooms)
+        },
+        st.freed_between,
+        st.memory_calls(),
+        st.modeled_driver_us / 1000.0,
+        st.driver_calls.syncs_cell()
+    );
+    print!("{}", crate::compare::wrap_hanging(&line, 2, 4));
+    print_calls(&st.driver_calls);
+    if let Some(e) = &st.error {
+        print!(
+            "{}",
+            crate::compare::wrap_hanging(&format!("steady error: {e}"), 2, 4)
+        );
+        failures.push(format!("{what}: the steady pass stopped early: {e}"));
+    }
 }
 
 #[cfg(test)]
