@@ -1245,6 +1245,7 @@ fn run_src<R: Read, S: Sink>(vm: &mut Vm, mut src: Src<R>, sink: &mut S) -> Resu
 }
 
 /// Every opcode pushes at most one value: room for it is charged here.
+#[inline(always)]
 fn reserve_stack_slot(vm: &mut Vm) -> Result<()> {
     if vm.stack.len() == vm.stack.capacity() {
         let add = vm.stack.capacity().max(256);
@@ -1255,6 +1256,8 @@ fn reserve_stack_slot(vm: &mut Vm) -> Result<()> {
 }
 
 /// The error for an input that ends inside the operand of `code`.
+#[cold]
+#[inline(never)]
 fn truncated(vm: &Vm, code: u8) -> TraceError {
     vm.pickle_err(format!(
         "truncated: the input ends inside {}",
@@ -1263,6 +1266,7 @@ fn truncated(vm: &Vm, code: u8) -> TraceError {
 }
 
 /// The next `n` bytes of `code`'s operand.
+#[inline(always)]
 fn operand<'s, R: Read>(vm: &Vm, src: &'s mut Src<R>, code: u8, n: usize) -> Result<&'s [u8]> {
     match src.take(n)? {
         Some(b) => Ok(b),
@@ -1271,11 +1275,13 @@ fn operand<'s, R: Read>(vm: &Vm, src: &'s mut Src<R>, code: u8, n: usize) -> Res
 }
 
 /// A little-endian operand of `N` bytes.
+#[inline(always)]
 fn operand_le<const N: usize, R: Read>(vm: &Vm, src: &mut Src<R>, code: u8) -> Result<[u8; N]> {
     Ok(operand(vm, src, code, N)?.try_into().expect("N bytes"))
 }
 
 /// An operand of `n` bytes too long for the reader's buffer.
+#[inline(always)]
 fn operand_vec<R: Read>(vm: &Vm, src: &mut Src<R>, code: u8, n: u64) -> Result<Vec<u8>> {
     match src.take_vec(n)? {
         Some(b) => Ok(b),
@@ -1284,6 +1290,7 @@ fn operand_vec<R: Read>(vm: &Vm, src: &mut Src<R>, code: u8, n: u64) -> Result<V
 }
 
 /// The newline-terminated operand of a text opcode (protocol 0).
+#[inline(always)]
 fn operand_line<R: Read>(vm: &Vm, src: &mut Src<R>, code: u8) -> Result<Vec<u8>> {
     match src.line()? {
         Some(l) => Ok(l),
@@ -1301,6 +1308,7 @@ fn text_index<R: Read>(vm: &Vm, src: &mut Src<R>, code: u8, what: &str) -> Resul
 }
 
 /// `b` as an interned string value (`code`'s operand).
+#[inline(always)]
 fn utf8_val(vm: &mut Vm, b: &[u8], code: u8) -> Result<Val> {
     match std::str::from_utf8(b) {
         Ok(s) => Ok(Val::Str(vm.intern(s)?)),
@@ -1309,6 +1317,7 @@ fn utf8_val(vm: &mut Vm, b: &[u8], code: u8) -> Result<Val> {
 }
 
 /// Executes one opcode; the value the pickle returns at `STOP`.
+#[inline(always)]
 fn step<R: Read, S: Sink>(
     vm: &mut Vm,
     src: &mut Src<R>,
@@ -1358,6 +1367,7 @@ fn step<R: Read, S: Sink>(
 }
 
 /// `STOP`: the value on top, and nothing may follow.
+#[inline(always)]
 fn stop<R: Read>(vm: &mut Vm, src: &mut Src<R>) -> Result<Val> {
     let v = vm.pop()?;
     if src.byte()?.is_some() {
@@ -1368,6 +1378,7 @@ fn stop<R: Read>(vm: &mut Vm, src: &mut Src<R>) -> Result<Val> {
 }
 
 /// `MARK`, `POP`, `POP_MARK`, `DUP`.
+#[inline(always)]
 fn stack_op(vm: &mut Vm, code: u8) -> Result<()> {
     use op::*;
     match code {
@@ -1401,6 +1412,7 @@ fn stack_op(vm: &mut Vm, code: u8) -> Result<()> {
 }
 
 /// `PUT`, `BINPUT`, `LONG_BINPUT`, `MEMOIZE`: the top value into the memo.
+#[inline(always)]
 fn memo_put<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<()> {
     use op::*;
     let id = match code {
@@ -1427,6 +1439,7 @@ fn memo_put<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<()> {
 }
 
 /// `GET`, `BINGET`, `LONG_BINGET`: a memo entry onto the stack.
+#[inline(always)]
 fn memo_get<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<()> {
     use op::*;
     let id = match code {
@@ -1444,6 +1457,7 @@ fn memo_get<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<()> {
 }
 
 /// The value of a `None`, bool, int or float opcode.
+#[inline(always)]
 fn scalar<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<Val> {
     use op::*;
     Ok(match code {
@@ -1499,6 +1513,7 @@ fn scalar<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<Val> {
 }
 
 /// The value of a string or bytes opcode.
+#[inline(always)]
 fn string<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<Val> {
     use op::*;
     match code {
@@ -1547,6 +1562,7 @@ fn string<R: Read>(vm: &mut Vm, src: &mut Src<R>, code: u8) -> Result<Val> {
 }
 
 /// A tuple, list, set, frozenset or dict built by one opcode.
+#[inline(always)]
 fn container<S: Sink>(vm: &mut Vm, sink: &mut S, code: u8) -> Result<u32> {
     use op::*;
     Ok(match code {
@@ -1604,6 +1620,7 @@ fn container<S: Sink>(vm: &mut Vm, sink: &mut S, code: u8) -> Result<u32> {
 }
 
 /// `APPEND`, `SETITEM`: one item (or key and value) into the container below.
+#[inline(always)]
 fn add_one<S: Sink>(vm: &mut Vm, sink: &mut S, code: u8) -> Result<()> {
     use op::*;
     let n = if code == APPEND { 1 } else { 2 };
@@ -1631,6 +1648,7 @@ fn add_one<S: Sink>(vm: &mut Vm, sink: &mut S, code: u8) -> Result<()> {
 
 /// `APPENDS`, `SETITEMS`, `ADDITEMS`: the items above the mark into the
 /// container below it.
+#[inline(always)]
 fn add_marked<S: Sink>(vm: &mut Vm, sink: &mut S, code: u8) -> Result<()> {
     use op::*;
     let m = vm.pop_mark()?;
