@@ -34,6 +34,7 @@
 
 use super::blocks::{BlockState, NIL};
 use super::physical::RegionRecount;
+use super::segment::Segment;
 use super::Inner;
 use crate::stats::StatArray;
 use std::collections::HashSet;
@@ -209,74 +210,16 @@ impl Inner {
                 }
                 match b.state {
                     BlockState::Free => {
-                        if prev_free && !self.owner_no_split(s.owner) {
-                            return Err(format!(
-                                "free block {:#x} was not merged with its free neighbour",
-                                b.addr
-                            ));
-                        }
-                        let indexed = owner.pools[k].free.contains(b.size, b.addr, i);
-                        let last = b.next == NIL;
-                        if last != (s.tail == i) {
-                            return Err(format!(
-                                "segment {si}: tail is {} but the last free block is {i}",
-                                s.tail
-                            ));
-                        }
-                        if indexed == last {
-                            return Err(format!(
-                                "free block {:#x} (last: {last}) is {} the free index",
-                                b.addr,
-                                if indexed { "in" } else { "missing from" }
-                            ));
-                        }
-                        if b.pending_events != 0 || b.streams.is_some() || b.requested != 0 {
-                            return Err(format!(
-                                "free block {:#x} carries allocation state",
-                                b.addr
-                            ));
-                        }
                         free_blocks += 1;
-                        if !last {
+                        if self.check_free_block(si, s, i, prev_free)? {
                             free_seen[s.owner as usize][k] += 1;
                         }
                     }
                     BlockState::Allocated | BlockState::PendingFree => {
                         active_blocks += 1;
                         active_bytes += b.size;
-                        rc.active[k] += 1;
-                        rc.active_bytes[k] += b.size as i64;
-                        if b.state == BlockState::Allocated {
-                            if self.live.get(&b.addr) != Some(&i) {
-                                return Err(format!(
-                                    "allocated block {:#x} is missing from the live map",
-                                    b.addr
-                                ));
-                            }
-                            if b.requested == 0 || b.requested > b.size || b.pending_events != 0 {
-                                return Err(format!(
-                                    "allocated block {:#x} has bad sizes or events",
-                                    b.addr
-                                ));
-                            }
+                        if self.check_active_block(k, i, rc)? {
                             allocated_seen += 1;
-                            rc.allocation[k] += 1;
-                            rc.allocated_bytes[k] += b.size as i64;
-                            rc.requested_bytes[k] += b.requested as i64;
-                        } else {
-                            // A block freed during a capture waits with no
-                            // event (`private_pools.rs`, deferred).
-                            let n = self.events.pending.iter().filter(|p| p.block == i).count();
-                            let deferred =
-                                b.pending_events == 0 && self.pools.deferred.contains(&i);
-                            if (b.pending_events == 0 && !deferred)
-                                || n != b.pending_events as usize
-                            {
-                                return Err(format!(
-                                    "pending block {:#x}: {} events counted, {n} pending",
-                                    b.addr, b.pending_events
-                                ));
-                            }
                         }
                     }
                 }
@@ -323,6 +266,90 @@ impl Inner {
             ));
         }
         Ok(free_seen)
+    }
+
+    /// One free block `i` of segment `si` (for [`Inner::validate_blocks`]):
+    /// merged with a free neighbour before it (unless its pool does not
+    /// split), the segment's tail exactly when it is the last block, in
+    /// its pool's free index exactly when it is not the tail, and carrying
+    /// no allocation state. Returns whether it is a free block that is not
+    /// the tail (those the free index must hold).
+    fn check_free_block(
+        &self,
+        si: u32,
+        s: &Segment,
+        i: u32,
+        prev_free: bool,
+    ) -> Result<bool, String> {
+        let b = &self.slab[i];
+        let k = s.kind as usize;
+        if prev_free && !self.owner_no_split(s.owner) {
+            return Err(format!(
+                "free block {:#x} was not merged with its free neighbour",
+                b.addr
+            ));
+        }
+        let indexed = self.streams[s.owner as usize].pools[k]
+            .free
+            .contains(b.size, b.addr, i);
+        let last = b.next == NIL;
+        if last != (s.tail == i) {
+            return Err(format!(
+                "segment {si}: tail is {} but the last free block is {i}",
+                s.tail
+            ));
+        }
+        if indexed == last {
+            return Err(format!(
+                "free block {:#x} (last: {last}) is {} the free index",
+                b.addr,
+                if indexed { "in" } else { "missing from" }
+            ));
+        }
+        if b.pending_events != 0 || b.streams.is_some() || b.requested != 0 {
+            return Err(format!("free block {:#x} carries allocation state", b.addr));
+        }
+        Ok(!last)
+    }
+
+    /// One active block `i` of a segment of kind `k` (for
+    /// [`Inner::validate_blocks`]), counted into `rc`: an allocated block is
+    /// in the live map with sane sizes and no events; a pending-free block
+    /// counts exactly its pending events (or waits, deferred, for a
+    /// capture's end). Returns whether it is allocated.
+    fn check_active_block(&self, k: usize, i: u32, rc: &mut Recount) -> Result<bool, String> {
+        let b = &self.slab[i];
+        rc.active[k] += 1;
+        rc.active_bytes[k] += b.size as i64;
+        if b.state != BlockState::Allocated {
+            // A block freed during a capture waits with no event
+            // (`private_pools/`, deferred).
+            let n = self.events.pending.iter().filter(|p| p.block == i).count();
+            let deferred = b.pending_events == 0 && self.pools.deferred.contains(&i);
+            if (b.pending_events == 0 && !deferred) || n != b.pending_events as usize {
+                return Err(format!(
+                    "pending block {:#x}: {} events counted, {n} pending",
+                    b.addr, b.pending_events
+                ));
+            }
+            return Ok(false);
+        }
+        if self.live.get(&b.addr) != Some(&i) {
+            return Err(format!(
+                "allocated block {:#x} is missing from the live map",
+                b.addr
+            ));
+        }
+        if b.requested == 0 || b.requested > b.size || b.pending_events != 0 {
+            return Err(format!(
+                "allocated block {:#x} has bad sizes or events",
+                b.addr
+            ));
+        }
+        rc.allocation[k] += 1;
+        rc.allocated_bytes[k] += b.size as i64;
+        rc.requested_bytes[k] += b.requested as i64;
+        Ok(true)
     }
 
     /// Mapping: every active block (allocated or pending free) lies on
