@@ -10,7 +10,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::{set_thread_tag, Allocator, Stream};
+use vmmalloc_alloc::{set_thread_tag, Allocator, Sleep, Stream};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::{Device, GIB};
 

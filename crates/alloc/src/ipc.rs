@@ -1,6 +1,6 @@
 //! Exporting the physical memory under an allocation (IPC).
 //!
-//! [`crate::Allocator::export`] answers "which physical chunks lie under
+//! [`crate::Export::export`] answers "which physical chunks lie under
 //! this allocation, and where": an allocation may span several chunks (one
 //! `cuMemCreate` handle each), and its pointer may start anywhere inside the
 //! first one. The caller (the C ABI's IPC module) exports each chunk's
@@ -10,12 +10,12 @@
 //! While an allocation is exported its chunks stay exactly where they are:
 //! the allocator never unmaps, remaps, unpins, spills or pauses them
 //! (unpinning skips them, `pause` of a tag holding one fails naming it).
-//! Freeing the allocation ends the export (as [`crate::Allocator::unexport`]).
+//! Freeing the allocation ends the export (as [`crate::Export::unexport`]).
 //!
 //! PyTorch's expandable-segments format (`'e'`) names one `segment_size`
 //! for all handles, and PyTorch's consumer (`ExpandableSegment::fromShared`,
 //! c10/cuda/CUDACachingAllocator.cpp) maps handle *i* at `base + i *
-//! segment_size`. [`crate::Allocator::export_equal`] answers chunks of one
+//! segment_size`. [`crate::Export::export_equal`] answers chunks of one
 //! size: where the chunks under the allocation differ, the whole chunks
 //! under it are re-backed once, before the export, with equal handles at
 //! the same addresses (the device synchronized first, the bytes copied on
@@ -54,7 +54,7 @@ pub struct ExportedRange {
     /// or after `ptr + size`.
     pub chunks: Vec<ExportedChunk>,
     /// Bytes this call re-backed with equal handles
-    /// ([`crate::Allocator::export_equal`]; 0 when nothing moved).
+    /// ([`crate::Export::export_equal`]; 0 when nothing moved).
     pub rebacked_bytes: u64,
 }
 

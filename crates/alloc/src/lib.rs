@@ -26,6 +26,7 @@ pub mod summary;
 
 pub mod bench;
 pub mod caching;
+pub mod capabilities;
 pub mod expandable;
 pub mod growable;
 pub mod ipc;
@@ -36,6 +37,7 @@ pub mod share;
 #[doc(hidden)]
 pub mod torch_es;
 
+pub use capabilities::{export_of, sleep_of, tag_stats_of, Export, MappingLog, Sleep};
 pub use error::{AllocError, AllocResult, CachingCause, OomReport, Pin, StreamUsage};
 pub use expandable::tags::{is_known_tag, parse_tag_list, set_thread_tag, thread_tag, MAX_TAG_LEN};
 pub use expandable::TagStats;
@@ -63,7 +65,7 @@ pub struct Allocation {
 
 /// Device memory mapped or unmapped under a policy's addresses: what
 /// PyTorch's memory history records as `segment_map` / `segment_unmap` for
-/// expandable segments (see [`Allocator::take_mappings`]).
+/// expandable segments (see [`MappingLog::take_mappings`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MappingChange {
     /// Mapped (true) or unmapped (false).
@@ -110,33 +112,12 @@ pub trait Allocator: Send + Sync {
         None
     }
 
-    /// Sleep: gives the physical memory of the blocks tagged `tags` (none:
-    /// every non-default tag) back to the driver, keeping their addresses;
-    /// with `backup` their bytes are copied to host memory first. Returns the
-    /// bytes released. Only `expandable` can sleep; the others return
-    /// [`AllocError::Sleep`]. See docs/expandable.md, "Sleep and wake".
-    fn pause(&self, tags: &[String], backup: bool) -> AllocResult<u64> {
-        let _ = (tags, backup);
-        Err(AllocError::Sleep(format!(
-            "the {} policy cannot pause memory (only expandable can)",
-            self.name()
-        )))
-    }
-
-    /// Wake: maps physical memory again under the paused blocks of `tags`
-    /// (none: every paused tag) at the same addresses and restores their
-    /// backups; on failure the tags stay paused. Returns the bytes mapped.
-    fn resume(&self, tags: &[String]) -> AllocResult<u64> {
-        let _ = tags;
-        Err(AllocError::Sleep(format!(
-            "the {} policy cannot resume memory (only expandable can)",
-            self.name()
-        )))
-    }
-
-    /// Memory per tag (empty for policies without tags).
-    fn tag_stats(&self) -> Vec<TagStats> {
-        Vec::new()
+    /// The sleep capability ([`Sleep`]: pause and resume tagged memory,
+    /// memory per tag), if the policy has it (only `expandable` does);
+    /// `None` by default. [`capabilities::sleep_of`] gives the error for
+    /// a policy without it.
+    fn as_sleep(&self) -> Option<&dyn Sleep> {
+        None
     }
 
     /// Growable regions ([`growable::Growable`]), if the policy offers them
@@ -145,52 +126,19 @@ pub trait Allocator: Send + Sync {
         None
     }
 
-    /// IPC: the physical chunks under live allocation `ptr` (its exact
-    /// pointer), marked exported so that they are never unmapped, remapped,
-    /// unpinned, spilled or paused until [`Allocator::unexport`] or `free`
-    /// (see [`ipc`]). Only `expandable` can export; the others return
-    /// [`AllocError::Ipc`].
-    fn export(&self, ptr: u64) -> AllocResult<ipc::ExportedRange> {
-        Err(AllocError::Ipc(format!(
-            "cannot export {ptr:#x}: the {} policy cannot share memory with other processes \
-             (only expandable can)",
-            self.name()
-        )))
+    /// The IPC export capability ([`Export`], see [`ipc`]), if the policy
+    /// has it (only `expandable` does); `None` by default.
+    /// [`capabilities::export_of`] gives the error for a policy without it.
+    fn as_export(&self) -> Option<&dyn Export> {
+        None
     }
 
-    /// IPC in PyTorch's expandable-segments format: as
-    /// [`Allocator::export`], but every chunk under `ptr` has one size
-    /// (PyTorch's consumer maps handle *i* at `base + i * segment_size`).
-    /// Where they do not, the chunks are re-backed once with equal handles
-    /// at the same addresses, the bytes copied (see [`ipc`]).
-    fn export_equal(&self, ptr: u64) -> AllocResult<ipc::ExportedRange> {
-        self.export(ptr)
-    }
-
-    /// Ends the export of live allocation `ptr` (freeing it does too).
-    fn unexport(&self, ptr: u64) -> AllocResult<()> {
-        Err(AllocError::Ipc(format!(
-            "{ptr:#x} is not exported (the {} policy cannot export)",
-            self.name()
-        )))
-    }
-
-    /// Starts (`true`) or stops keeping the [`MappingChange`]s of this
-    /// allocator's physical layer, for [`Allocator::take_mappings`]. Returns
-    /// whether the policy reports them (only `expandable`, whose physical
-    /// layer sees every map and unmap; the others return false and a
-    /// caller compares snapshots instead).
-    fn log_mappings(&self, on: bool) -> bool {
-        let _ = on;
-        false
-    }
-
-    /// Appends to `out` the mappings made and undone since the last call,
-    /// oldest first, while [`Allocator::log_mappings`] is on. A chunk that
-    /// moved (unpinning, spill) appears as an unmap and a map of the same
-    /// range.
-    fn take_mappings(&self, out: &mut Vec<MappingChange>) {
-        let _ = out;
+    /// The mapping log ([`MappingLog`]: every map and unmap under the
+    /// policy's addresses), if the policy keeps one (only `expandable`,
+    /// whose physical layer sees every map and unmap); `None` by default,
+    /// and a caller compares snapshots instead.
+    fn as_mapping_log(&self) -> Option<&dyn MappingLog> {
+        None
     }
 
     /// The private pools of CUDA graphs and `torch.cuda.MemPool`s
@@ -238,34 +186,19 @@ impl<A: Allocator + ?Sized> Allocator for std::sync::Arc<A> {
     fn failure(&self) -> Option<&str> {
         (**self).failure()
     }
-    fn pause(&self, tags: &[String], backup: bool) -> AllocResult<u64> {
-        (**self).pause(tags, backup)
-    }
-    fn resume(&self, tags: &[String]) -> AllocResult<u64> {
-        (**self).resume(tags)
-    }
-    fn tag_stats(&self) -> Vec<TagStats> {
-        (**self).tag_stats()
+    fn as_sleep(&self) -> Option<&dyn Sleep> {
+        (**self).as_sleep()
     }
     fn as_growable(&self) -> Option<&dyn growable::Growable> {
         (**self).as_growable()
     }
-    fn export(&self, ptr: u64) -> AllocResult<ipc::ExportedRange> {
-        (**self).export(ptr)
-    }
-    fn export_equal(&self, ptr: u64) -> AllocResult<ipc::ExportedRange> {
-        (**self).export_equal(ptr)
-    }
-    fn unexport(&self, ptr: u64) -> AllocResult<()> {
-        (**self).unexport(ptr)
+    fn as_export(&self) -> Option<&dyn Export> {
+        (**self).as_export()
     }
     fn pools(&self) -> Option<&dyn pools::PrivatePools> {
         (**self).pools()
     }
-    fn log_mappings(&self, on: bool) -> bool {
-        (**self).log_mappings(on)
-    }
-    fn take_mappings(&self, out: &mut Vec<MappingChange>) {
-        (**self).take_mappings(out)
+    fn as_mapping_log(&self) -> Option<&dyn MappingLog> {
+        (**self).as_mapping_log()
     }
 }

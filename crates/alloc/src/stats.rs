@@ -154,7 +154,7 @@ pub struct Stats {
     /// Ours: re-backings of chunks with equal handles begun for IPC exports
     /// in PyTorch's format, each after one device-wide synchronize (counted
     /// whether or not it then succeeded; `crate::ipc`,
-    /// `Allocator::export_equal`).
+    /// `Export::export_equal` (`Allocator::as_export`)).
     pub ipc_rebacks: u64,
     /// Ours: bytes the re-backings that succeeded moved.
     pub ipc_rebacked_bytes: u64,

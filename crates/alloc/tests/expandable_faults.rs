@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::{AllocError, Allocator, Stream};
+use vmmalloc_alloc::{AllocError, Allocator, Sleep, Stream};
 use vmmalloc_alloc_harness::{Harness, Op};
 use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
 use vmmalloc_device::sim::SimDevice;

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::{Allocator, Stream};
+use vmmalloc_alloc::{Allocator, Sleep, Stream};
 use vmmalloc_alloc_harness::{pattern_check, pattern_fill, tagged};
 use vmmalloc_device::host::{HostConfig, HostDevice};
 use vmmalloc_device::{Introspect, MIB};

@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::{set_thread_tag, AllocError, Allocation, Allocator, Stream, TagStats};
+use vmmalloc_alloc::{
+    set_thread_tag, tag_stats_of, AllocError, Allocation, Allocator, Sleep, Stream, TagStats,
+};
 use vmmalloc_alloc_harness::{pattern_check, pattern_fill, tagged};
 use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
 use vmmalloc_device::host::{HostConfig, HostDevice};
@@ -20,7 +22,7 @@ fn tags(list: &[&str]) -> Vec<String> {
 }
 
 fn tag_of<A: Allocator>(a: &A, tag: &str) -> TagStats {
-    a.tag_stats()
+    tag_stats_of(a)
         .into_iter()
         .find(|t| t.tag == tag)
         .unwrap_or_else(|| panic!("no stats for tag {tag:?}"))

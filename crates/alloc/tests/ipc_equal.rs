@@ -1,5 +1,5 @@
 //! IPC export in PyTorch's expandable-segments layout (issue 40, item 2):
-//! [`Allocator::export_equal`] answers chunks of one size at every size and
+//! [`Export::export_equal`](vmmalloc_alloc::Export::export_equal) answers chunks of one size at every size and
 //! layout, re-backing them once with equal handles at the same addresses,
 //! and the bytes a reader sees when it maps them the way PyTorch's consumer
 //! does equal the producer's.
@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
 use vmmalloc_alloc::ipc::ExportedRange;
-use vmmalloc_alloc::{AllocError, Allocation, Allocator, Stream};
+use vmmalloc_alloc::{AllocError, Allocation, Allocator, Export, Sleep, Stream};
 use vmmalloc_alloc_harness::{pattern_bytes, pattern_check, pattern_fill, pattern_ranges, tagged};
 use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
 use vmmalloc_device::host::{HostConfig, HostDevice};
@@ -97,13 +97,14 @@ fn read_like_pytorch(dev: &dyn Device, r: &ExportedRange, id: u64, len: u64) -> 
 /// Exports `b` (pattern `id`) in PyTorch's layout, checks it and reads it
 /// back like PyTorch; returns the range.
 fn export_and_read(dev: &dyn Device, a: &dyn Allocator, b: &Allocation, id: u64) -> ExportedRange {
-    let r = a.export_equal(b.ptr).unwrap();
+    let x = a.as_export().expect("expandable can export");
+    let r = x.export_equal(b.ptr).unwrap();
     a.validate().unwrap();
     assert_equal(&r);
     read_like_pytorch(dev, &r, id, b.requested).unwrap();
     pattern_check(dev, id, b.ptr, b.requested).unwrap();
     assert_eq!(
-        a.export_equal(b.ptr).unwrap().chunks,
+        x.export_equal(b.ptr).unwrap().chunks,
         r.chunks,
         "a second export answers the same handles, re-backing nothing"
     );

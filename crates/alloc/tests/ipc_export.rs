@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::{build, AllocError, Allocator, Policy, PolicyOptions};
+use vmmalloc_alloc::{build, export_of, AllocError, Allocator, Export, Policy, PolicyOptions};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Device, MIB};
 
@@ -118,9 +118,15 @@ fn other_policies_refuse_to_export_naming_themselves() {
         let a = build(policy, dev.clone(), &PolicyOptions::default()).unwrap();
         let s = dev.create_stream().unwrap();
         let x = a.malloc(MIB, s).unwrap();
-        let e = a.export(x.ptr).unwrap_err();
         assert!(
-            matches!(e, AllocError::Ipc(_)) && e.to_string().contains("only expandable"),
+            a.as_export().is_none(),
+            "{policy:?} has no export capability"
+        );
+        let e = export_of(&*a, x.ptr).err().expect("export_of refuses");
+        assert!(
+            matches!(e, AllocError::Ipc(_))
+                && e.to_string().contains(a.name())
+                && e.to_string().contains("no export capability"),
             "{e}"
         );
         a.free(x.ptr).unwrap();

@@ -1,4 +1,4 @@
-//! The mapping log (`Allocator::log_mappings` / `take_mappings`, issue 33):
+//! The mapping log (`MappingLog::log_mappings` / `take_mappings`, reached by `Allocator::as_mapping_log`, issue 33):
 //! the physical layer's observer reports every table map and unmap, so that
 //! replaying the reported changes in order gives exactly the memory the
 //! allocator's snapshot shows mapped, after any operation — unpinning's
@@ -9,7 +9,9 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
-use vmmalloc_alloc::{set_thread_tag, Allocator, BlockState, MappingChange, Stream};
+use vmmalloc_alloc::{
+    set_thread_tag, Allocator, BlockState, MappingChange, MappingLog, Sleep, Stream,
+};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Device, MIB};
 
@@ -74,7 +76,9 @@ fn mapped_pages(a: &dyn Allocator) -> BTreeSet<u64> {
 /// Takes the log, applies it and checks it against the snapshot.
 fn check(a: &dyn Allocator, model: &mut Model, what: &str) -> Vec<MappingChange> {
     let mut changes = Vec::new();
-    a.take_mappings(&mut changes);
+    a.as_mapping_log()
+        .expect("expandable keeps a mapping log")
+        .take_mappings(&mut changes);
     model.apply(&changes, what);
     assert_eq!(
         model.pages,
@@ -97,7 +101,7 @@ fn the_log_follows_an_unpinning_move() {
         ..ExpandableConfig::default()
     };
     let a = ExpandableAllocator::new(dev.clone(), cfg).unwrap();
-    assert!(a.log_mappings(true));
+    a.log_mappings(true);
     let mut model = Model::default();
     let s = dev.create_stream().unwrap();
     let live: Vec<_> = (0..6).map(|_| a.malloc(128 * MIB, s).unwrap()).collect();
@@ -135,7 +139,7 @@ fn the_log_follows_an_unpinning_move() {
     assert!(model.pages.is_empty());
 
     // Off: nothing is kept.
-    assert!(a.log_mappings(false));
+    a.log_mappings(false);
     let z = a.malloc(64 * MIB, s).unwrap();
     let mut none = Vec::new();
     a.take_mappings(&mut none);
@@ -155,7 +159,7 @@ fn the_log_replays_to_the_snapshot_after_every_operation() {
         let mut model = Model::default();
         // Some memory before the log starts: the model starts from the snapshot.
         let early = a.malloc(40 * MIB, Stream(0)).unwrap();
-        assert!(a.log_mappings(true));
+        a.log_mappings(true);
         model.pages = mapped_pages(&a);
         let streams = [
             Stream(0),

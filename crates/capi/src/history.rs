@@ -9,7 +9,7 @@
 //! memory is made:
 //! - under `expandable`, from its physical layer: an observer there logs
 //!   every map and unmap of a table as it happens
-//!   ([`Allocator::log_mappings`], `expandable/physical/mappings.rs`), and the
+//!   ([`vmmalloc_alloc::MappingLog::log_mappings`], `expandable/physical/mappings.rs`), and the
 //!   ring turns what an operation changed in the end ([`net_mappings`]: a
 //!   chunk that unpinning or spill moved is unmapped and mapped again at the
 //!   same addresses, which changes nothing) into `segment_unmap` /
@@ -119,7 +119,7 @@ pub struct Ring {
     keep: bool,
     entries: VecDeque<TraceEntry>,
     /// Whether the allocator reports its mappings as they happen
-    /// ([`Allocator::log_mappings`]: `expandable`, its physical layer's
+    /// ([`vmmalloc_alloc::MappingLog::log_mappings`]: `expandable`, its physical layer's
     /// observer); otherwise segment events come from comparing snapshots.
     observed: bool,
     /// The mappings taken from the allocator, reused between looks.
@@ -216,14 +216,24 @@ impl History {
         if how.enabled && !was_on {
             // The log first, then the baseline: what is mapped meanwhile is
             // in the baseline, and the log's copy of it is dropped.
-            ring.observed = allocator.log_mappings(true);
+            ring.observed = match allocator.as_mapping_log() {
+                Some(log) => {
+                    log.log_mappings(true);
+                    true
+                }
+                None => false,
+            };
             ring.baseline(allocator);
             let mut changes = std::mem::take(&mut ring.changes);
-            allocator.take_mappings(&mut changes);
+            if let Some(log) = allocator.as_mapping_log() {
+                log.take_mappings(&mut changes);
+            }
             changes.clear();
             ring.changes = changes;
         } else if !how.enabled && was_on && ring.observed {
-            allocator.log_mappings(false);
+            if let Some(log) = allocator.as_mapping_log() {
+                log.log_mappings(false);
+            }
             ring.observed = false;
         }
     }
@@ -377,7 +387,9 @@ impl Ring {
     fn mapping_events(&mut self, allocator: &dyn Allocator) {
         let mut changes = std::mem::take(&mut self.changes);
         changes.clear();
-        allocator.take_mappings(&mut changes);
+        if let Some(log) = allocator.as_mapping_log() {
+            log.take_mappings(&mut changes);
+        }
         if !changes.is_empty() {
             let time_us = now_us();
             for c in net_mappings(&changes) {
@@ -552,7 +564,7 @@ fn difference(a: &[(u64, u64)], b: &[(u64, u64)]) -> Ranges {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vmmalloc_alloc::Stream;
+    use vmmalloc_alloc::{Sleep, Stream};
 
     #[test]
     fn difference_of_ranges() {

@@ -101,7 +101,7 @@ pub unsafe extern "C" fn vmmalloc_pause(tags: *const c_char, backup: c_int) -> i
     // SAFETY: the caller's contract.
     let list = unsafe { text(tags, "tags") };
     run("vmmalloc_pause", list, |names, d| {
-        d.allocator.pause(names, backup != 0)
+        vmmalloc_alloc::sleep_of(&*d.allocator).and_then(|s| s.pause(names, backup != 0))
     })
 }
 
@@ -118,7 +118,7 @@ pub unsafe extern "C" fn vmmalloc_resume(tags: *const c_char) -> i64 {
     // SAFETY: the caller's contract.
     let list = unsafe { text(tags, "tags") };
     run("vmmalloc_resume", list, |names, d| {
-        d.allocator.resume(names)
+        vmmalloc_alloc::sleep_of(&*d.allocator).and_then(|s| s.resume(names))
     })
 }
 
@@ -243,7 +243,7 @@ pub extern "C" fn vmmalloc_tag_stats_json(device: c_int) -> *mut c_char {
             let stats = match rt.existing(o) {
                 Some(d) => {
                     d.check()?;
-                    d.allocator.tag_stats()
+                    vmmalloc_alloc::tag_stats_of(&*d.allocator)
                 }
                 None => Vec::new(),
             };
@@ -270,7 +270,9 @@ pub(crate) fn add_stats(
     m: &mut serde_json::Map<String, serde_json::Value>,
     d: Option<&std::sync::Arc<runtime::DeviceState>>,
 ) {
-    let stats = d.map(|d| d.allocator.tag_stats()).unwrap_or_default();
+    let stats = d
+        .map(|d| vmmalloc_alloc::tag_stats_of(&*d.allocator))
+        .unwrap_or_default();
     let (mut paused, mut backup) = (0u64, 0u64);
     for t in &stats {
         let name = if t.tag.is_empty() { "default" } else { &t.tag };
@@ -290,7 +292,9 @@ pub(crate) fn add_stats(
 /// Rows appended to `memory_summary`: one line per tag, saying what is
 /// paused and where memory went ("why is memory low?").
 pub(crate) fn summary_rows(d: Option<&std::sync::Arc<runtime::DeviceState>>) -> String {
-    let stats = d.map(|d| d.allocator.tag_stats()).unwrap_or_default();
+    let stats = d
+        .map(|d| vmmalloc_alloc::tag_stats_of(&*d.allocator))
+        .unwrap_or_default();
     if stats.iter().all(|t| t.tag.is_empty() && !t.paused) {
         return String::new();
     }

@@ -246,7 +246,7 @@ impl Inner {
 pub struct ExpandableAllocator<D: Device> {
     device: D,
     inner: Lock<Inner>,
-    /// The mapping log ([`Allocator::log_mappings`]), attached to the
+    /// The mapping log ([`crate::MappingLog::log_mappings`]), attached to the
     /// physical layer the first time it is turned on.
     mappings: std::sync::OnceLock<std::sync::Arc<physical::mappings::MappingLog>>,
 }
@@ -460,6 +460,34 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
         }
     }
 
+    /// Set by a panic under the lock (`lock.rs`).
+    fn failure(&self) -> Option<&str> {
+        self.inner.failure()
+    }
+
+    fn as_growable(&self) -> Option<&dyn crate::growable::Growable> {
+        Some(self)
+    }
+
+    fn as_sleep(&self) -> Option<&dyn crate::Sleep> {
+        Some(self)
+    }
+
+    fn as_export(&self) -> Option<&dyn crate::Export> {
+        Some(self)
+    }
+
+    fn as_mapping_log(&self) -> Option<&dyn crate::MappingLog> {
+        Some(self)
+    }
+
+    fn pools(&self) -> Option<&dyn PrivatePools> {
+        Some(self)
+    }
+}
+
+/// Sleep and wake (`sleep.rs`, `pause.rs`).
+impl<D: Device> crate::Sleep for ExpandableAllocator<D> {
     fn pause(&self, tags: &[String], backup: bool) -> AllocResult<u64> {
         self.call("pause", |i, d| i.pause(d, tags, backup))
     }
@@ -472,16 +500,10 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
     fn tag_stats(&self) -> Vec<TagStats> {
         self.read("tag_stats", Inner::tag_stats)
     }
+}
 
-    /// Set by a panic under the lock (`lock.rs`).
-    fn failure(&self) -> Option<&str> {
-        self.inner.failure()
-    }
-
-    fn as_growable(&self) -> Option<&dyn crate::growable::Growable> {
-        Some(self)
-    }
-
+/// IPC export (`ipc.rs`, `physical/reback.rs`).
+impl<D: Device> crate::Export for ExpandableAllocator<D> {
     fn export(&self, ptr: u64) -> AllocResult<crate::ipc::ExportedRange> {
         self.call("export", |i, _| i.export_block(ptr))
     }
@@ -493,12 +515,11 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
     fn unexport(&self, ptr: u64) -> AllocResult<()> {
         self.call("unexport", |i, _| i.unexport_block(ptr))
     }
+}
 
-    fn pools(&self) -> Option<&dyn PrivatePools> {
-        Some(self)
-    }
-
-    fn log_mappings(&self, on: bool) -> bool {
+/// The physical layer's mapping log (`physical/mappings.rs`).
+impl<D: Device> crate::MappingLog for ExpandableAllocator<D> {
+    fn log_mappings(&self, on: bool) {
         use physical::mappings::{MappingLog, MappingObserver};
         let log = self.mappings.get_or_init(|| {
             let log = std::sync::Arc::new(MappingLog::default());
@@ -511,7 +532,6 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
             log
         });
         log.set_on(on);
-        true
     }
 
     fn take_mappings(&self, out: &mut Vec<crate::MappingChange>) {

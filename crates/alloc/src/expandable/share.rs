@@ -224,7 +224,7 @@ impl<D: Device> GiveBack for AllocatorGiveBack<D> {
             }
         }
         if a.over_budget() > 0 && !self.sleep_tags.is_empty() {
-            match a.pause(&self.sleep_tags, self.sleep_backup) {
+            match crate::Sleep::pause(&*a, &self.sleep_tags, self.sleep_backup) {
                 Ok(b) => freed += b,
                 Err(e) => log("pausing the opted-in tags", e),
             }

@@ -58,7 +58,7 @@
 //!   vmmalloc, imports it (`ExpandableSegment::fromShared`). PyTorch's
 //!   `ShareHeader` has one `segment_size`, so the allocation's chunks are
 //!   re-backed once with equal handles where they differ
-//!   ([`vmmalloc_alloc::Allocator::export_equal`]); where that cannot be done
+//!   ([`vmmalloc_alloc::Export::export_equal`]); where that cannot be done
 //!   the export fails naming why, never silently writing a format the stock
 //!   consumer refuses. For other PyTorch versions it writes vmmalloc's format
 //!   (`VMMALLOC_IPC_FORMAT`: `auto`, the default, as described; `torch`
@@ -347,7 +347,7 @@ pub(super) fn backend_of(kind: DeviceKind) -> Result<Backend, String> {
 
 /// Exports `ptr` (or finds its live export) and answers `f` of it. With
 /// `equal`, a new export's chunks all have one size
-/// ([`vmmalloc_alloc::Allocator::export_equal`]: re-backed once where they
+/// ([`vmmalloc_alloc::Export::export_equal`]: re-backed once where they
 /// did not), as PyTorch's `'e'` format needs.
 fn with_export<T>(
     ptr: u64,
@@ -373,7 +373,7 @@ fn with_export<T>(
     for d in rt.active_devices() {
         let got = if equal {
             let t = std::time::Instant::now();
-            let r = d.allocator.export_equal(ptr);
+            let r = vmmalloc_alloc::export_of(&*d.allocator, ptr).and_then(|x| x.export_equal(ptr));
             if let Ok(r) = &r {
                 if r.rebacked_bytes > 0 {
                     crate::diag::log(
@@ -392,7 +392,7 @@ fn with_export<T>(
             }
             r
         } else {
-            d.allocator.export(ptr)
+            vmmalloc_alloc::export_of(&*d.allocator, ptr).and_then(|x| x.export(ptr))
         };
         match got {
             Ok(r) => {
@@ -426,7 +426,9 @@ fn with_export<T>(
         match Exports::new() {
             Ok(x) => *g = Some(x),
             Err(m) => {
-                let _ = d.allocator.unexport(ptr);
+                if let Some(x) = d.allocator.as_export() {
+                    let _ = x.unexport(ptr);
+                }
                 return Err(m);
             }
         }
@@ -445,7 +447,9 @@ fn with_export<T>(
         for c in chunks {
             ex.release(d.ordinal, c.handle);
         }
-        let _ = d.allocator.unexport(ptr);
+        if let Some(x) = d.allocator.as_export() {
+            let _ = x.unexport(ptr);
+        }
         why
     };
     for c in &range.chunks {

@@ -287,11 +287,15 @@ fn run_plan(
                     // The sim holds no bytes: a backup is host memory, not
                     // device memory, so the figures do not depend on it.
                     let _ = backup;
-                    a.pause(&t, false).map_err(sleep_err)?;
+                    vmmalloc_alloc::sleep_of(&*a)
+                        .and_then(|s| s.pause(&t, false))
+                        .map_err(sleep_err)?;
                 }
                 RlOp::Resume(tags) if sleep => {
                     let t: Vec<String> = tags.iter().map(|s| s.to_string()).collect();
-                    a.resume(&t).map_err(sleep_err)?;
+                    vmmalloc_alloc::sleep_of(&*a)
+                        .and_then(|s| s.resume(&t))
+                        .map_err(sleep_err)?;
                 }
                 RlOp::Pause(..) | RlOp::Resume(..) => {}
             }

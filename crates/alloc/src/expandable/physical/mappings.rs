@@ -4,7 +4,7 @@
 //! expandable segments (`ExpandableSegment::mapAndSetAccess` / `unmapHandles`
 //! call `trace_hook_` with `SEGMENT_MAP` / `SEGMENT_UNMAP`,
 //! c10/cuda/CUDACachingAllocator.cpp). The C ABI's history ring drains it
-//! ([`crate::Allocator::take_mappings`]) instead of comparing the
+//! ([`crate::MappingLog::take_mappings`]) instead of comparing the
 //! allocator's state before and after each call (issue 33).
 //!
 //! Only successful maps and unmaps of tables (segments and growable regions)
