@@ -27,6 +27,12 @@ Usage:
     python scripts/companion_matrix.py --versions 2.5.1 2.15.0 --installed
     python scripts/companion_matrix.py --markdown docs/companion-matrix.md
     python scripts/companion_matrix.py --versions 2.5.1 --installed --runtime 2.5.1   # CI
+    python scripts/companion_matrix.py --prepare --runtime 2.5.1   # CI, first: downloads only
+
+``--prepare`` only makes the run-time environments of the ``--runtime``
+versions (wheel, headers, nvidia libraries, virtual environment) and exits:
+CI runs it in the background while Rust builds, so that the downloads cost no
+time of their own (issue 42 item 7); the later run finds them made.
 
 Exit status 0 when every version compiled with nothing left out, 1 otherwise.
 """
@@ -186,7 +192,15 @@ def main():
     ap.add_argument("--runtime", nargs="*", metavar="VERSION",
                     help="also run the companion's tests under each version (or only those named; "
                          "see the module docs)")
+    ap.add_argument("--prepare", action="store_true",
+                    help="only make the run-time environments of the --runtime versions, then exit")
     args = ap.parse_args()
+    if args.prepare:
+        for version in args.runtime or []:
+            _companion.check_supported(version)
+            _, secs = runtime_env(version, args.cache)
+            print(f"{version}: run-time environment ready ({secs:.0f} s)", flush=True)
+        return 0
     rows, failed = [], False
     runtime = {}  # label -> "N passed, N failed, N skipped (S s)"
     jobs = [(v, None) for v in args.versions]
