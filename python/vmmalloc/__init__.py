@@ -222,6 +222,7 @@ def enable(conf=None):
             warnings.warn(message, stacklevel=2)
     _torch.patch_memory_functions(torch, companion_snapshots=_companion.snapshots_supported())
     _oom = _companion.install(torch)
+    _torch.start_conf_history(torch, warn=warnings.warn)  # record_history:True reaches torch.cuda.memory._snapshot()
     if _oom[0] != "torch.cuda.OutOfMemoryError":
         warnings.warn(f"vmmalloc: out-of-memory raises RuntimeError, not torch.cuda.OutOfMemoryError "
                       f"(the torch companion is unavailable: {_oom[1]}); its message starts with "

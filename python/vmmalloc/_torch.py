@@ -197,6 +197,32 @@ def install_hooks(native, warn):
 NCCL_HOOK_ENV = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
 
 
+def start_conf_history(torch, conf=None, warn=None):
+    """``record_history:True`` in the configuration (``conf``, else the one
+    in effect: VMMALLOC_CONF) starts PyTorch's recording as
+    ``torch.cuda.memory._record_memory_history(max_entries=N)`` does, N being
+    the configuration's ``max_entries``, when the torch companion records
+    history: its ring (with stack frames) is what ``torch.cuda.memory._snapshot()``
+    reads, not vmmalloc's own (issue 40). PyTorch's other defaults
+    (enabled/context/stacks "all") are kept, as a bare call keeps them
+    (torch/cuda/memory.py, _record_memory_history_impl). Returns True when it
+    started recording. PyTorch's call initialises CUDA; where that fails (no
+    GPU) it warns (through ``warn``) and vmmalloc runs without the history."""
+    from . import _companion, _lib
+
+    settings = _lib.config(conf)
+    if str(settings.get("record_history")) != "True" or not _companion.snapshots_supported():
+        return False
+    try:
+        torch.cuda.memory._record_memory_history(max_entries=int(settings["max_entries"]))
+    except RuntimeError as e:
+        if warn is None:
+            raise
+        warn(f"vmmalloc: record_history:True could not start PyTorch's memory history ({e})")
+        return False
+    return True
+
+
 def refuse_nccl_register_hook(warn, env=None):
     """Turns off NCCL's register hook if it was asked for (PyTorch reads the
     variable when a NCCL process group is created), with a warning naming

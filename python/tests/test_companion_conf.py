@@ -1,0 +1,85 @@
+"""VMMALLOC_CONF keys that reach PyTorch's own functions through the torch
+companion (issue 40 item 4): record_history:True starts the recording that
+torch.cuda.memory._snapshot() reads, as _record_memory_history() does.
+Built against the real PyTorch wheel on the `host` backend (no GPU), as
+test_companion.py is."""
+
+import pytest
+
+from conftest import require_torch
+
+require_torch()
+
+from test_companion import run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One companion build for the module."""
+    return tmp_path_factory.mktemp("companion-conf-cache")
+
+
+# PyTorch's _record_memory_history initialises CUDA first, which needs a GPU;
+# the harness's entry point does the rest of it (the same recorders and
+# options). Patched before enable(), so enable()'s call goes through it.
+PRELUDE = '''
+import ctypes, sys, warnings
+import torch, vmmalloc
+from vmmalloc import _companion
+calls = []
+
+def record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                          clear_history=False, **kw):
+    calls.append((enabled, context, stacks, max_entries, clear_history, kw))
+    err = ctypes.create_string_buffer(2000)
+    enc = lambda s: None if s is None else s.encode()
+    rc = _companion._loaded.vmmalloc_companion_record_memory_history_for_tests(
+        enc(enabled), enc(context), enc(stacks), ctypes.c_size_t(max_entries), int(clear_history), err, len(err))
+    if rc != 0:
+        raise RuntimeError(err.value.decode())
+
+torch.cuda.memory._record_memory_history = record_memory_history
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    vmmalloc.enable(CONF)
+comp = _companion._loaded
+comp.vmmalloc_companion_alloc_for_tests.restype = ctypes.c_void_p
+comp.vmmalloc_companion_alloc_for_tests.argtypes = [ctypes.c_size_t, ctypes.c_int]
+comp.vmmalloc_companion_free_for_tests.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+'''
+
+
+def test_conf_record_history_reaches_pytorchs_snapshot(lib, tmp_path, cache):
+    out = run('CONF = "device:host,capacity_gb:1,log:off,backend:expandable,record_history:True,max_entries:5"'
+              + PRELUDE + '''
+# one call, as a bare _record_memory_history(max_entries=N) makes it
+assert calls == [("all", "all", "all", 5, False, {})], calls
+assert torch._C._cuda_isHistoryEnabled()
+
+def make_activation():
+    return comp.vmmalloc_companion_alloc_for_tests(1 << 20, 0)
+
+p = make_activation()
+trace = torch.cuda.memory._snapshot()["device_traces"][0]
+allocs = [e for e in trace if e["action"] == "alloc" and e["addr"] == p]
+assert len(allocs) == 1, trace
+assert "make_activation" in [f["name"] for f in allocs[0]["frames"]], allocs
+# max_entries bounds PyTorch's ring, as it bounds _record_memory_history's
+for i in range(8):
+    comp.vmmalloc_companion_free_for_tests(comp.vmmalloc_companion_alloc_for_tests(4096, 0), 4096, 0)
+assert len(torch.cuda.memory._snapshot()["device_traces"][0]) == 5
+print("CONF HISTORY OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "CONF HISTORY OK" in out.stdout
+
+
+def test_without_record_history_nothing_is_recorded(lib, tmp_path, cache):
+    out = run('CONF = "device:host,capacity_gb:1,log:off,backend:expandable"' + PRELUDE + '''
+assert calls == [] and not torch._C._cuda_isHistoryEnabled(), calls
+comp.vmmalloc_companion_alloc_for_tests(1 << 20, 0)
+assert all(t == [] for t in torch.cuda.memory._snapshot()["device_traces"])
+print("NO HISTORY OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "NO HISTORY OK" in out.stdout
