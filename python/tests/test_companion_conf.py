@@ -1,6 +1,8 @@
 """VMMALLOC_CONF keys that reach PyTorch's own functions through the torch
 companion (issue 40 item 4): record_history:True starts the recording that
-torch.cuda.memory._snapshot() reads, as _record_memory_history() does.
+torch.cuda.memory._snapshot() reads, as _record_memory_history() does;
+and torch.accelerator's memory functions (2.9+), which PyTorch routes to its
+own, never-initialised caching allocator, answer from vmmalloc.
 Built against the real PyTorch wheel on the `host` backend (no GPU), as
 test_companion.py is."""
 
@@ -10,7 +12,7 @@ from conftest import require_torch
 
 require_torch()
 
-from test_companion import run  # noqa: E402
+from test_companion import run, since  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +85,46 @@ print("NO HISTORY OK")
 ''', tmp_path, cache)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "NO HISTORY OK" in out.stdout
+
+
+# The keys PyTorch's torch.accelerator.memory_stats() has: the flattened
+# dict of torch/csrc/DeviceAccelerator.cpp's _accelerator_getDeviceStats.
+ACCEL_KEYS = (
+    [f"{stat}.{pool}.{metric}"
+     for stat in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes", "allocation",
+                  "segment", "active", "inactive_split", "inactive_split_bytes")
+     for pool in ("all", "small_pool", "large_pool")
+     for metric in ("current", "peak", "allocated", "freed")]
+    + [f"{stat}.{metric}" for stat in ("oversize_allocations", "oversize_segments")
+       for metric in ("current", "peak", "allocated", "freed")]
+    + ["num_alloc_retries", "num_ooms", "max_split_size", "num_sync_all_streams", "num_device_alloc",
+       "num_device_free"])
+
+
+@since(2, 9, "torch.accelerator.memory_stats")
+def test_accelerator_memory_functions_answer_from_vmmalloc(lib, tmp_path, cache):
+    out = run('CONF = "device:host,capacity_gb:1,log:off,backend:expandable"' + PRELUDE + f"ACCEL_KEYS = {ACCEL_KEYS!r}" + '''
+import torch.accelerator.memory as am
+MiB = 1 << 20
+p = comp.vmmalloc_companion_alloc_for_tests(3 * MiB, 0)
+st = torch.accelerator.memory_stats(0)
+assert st, "empty: PyTorch's own allocator answered"
+missing = [k for k in ACCEL_KEYS if k not in st]
+assert not missing, missing
+assert st["allocated_bytes.all.current"] == 3 * MiB == torch.cuda.memory_stats(0)["allocated_bytes.all.current"], st
+assert list(st) == sorted(st), "sorted, as PyTorch sorts them"
+assert torch.accelerator.memory_allocated(0) == 3 * MiB == am.memory_allocated(0)
+assert torch.accelerator.max_memory_allocated(0) == 3 * MiB
+assert torch.accelerator.memory_reserved(0) >= 3 * MiB
+assert torch.accelerator.max_memory_reserved(0) >= torch.accelerator.memory_reserved(0)
+comp.vmmalloc_companion_free_for_tests(p, 3 * MiB, 0)
+assert torch.accelerator.memory_allocated(0) == 0 and torch.accelerator.max_memory_allocated(0) == 3 * MiB
+torch.accelerator.reset_peak_memory_stats(0)
+assert torch.accelerator.max_memory_allocated(0) == 0
+torch.accelerator.reset_accumulated_memory_stats(0)
+assert torch.accelerator.memory_stats(0)["allocated_bytes.all.allocated"] == 0
+torch.accelerator.empty_cache()   # torch.cuda.empty_cache: nothing to do before CUDA initialises
+print("ACCEL OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ACCEL OK" in out.stdout

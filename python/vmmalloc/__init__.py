@@ -221,6 +221,7 @@ def enable(conf=None):
         if message:
             warnings.warn(message, stacklevel=2)
     _torch.patch_memory_functions(torch, companion_snapshots=_companion.snapshots_supported())
+    _torch.patch_accelerator_functions(torch)  # torch.accelerator.memory_stats & co. (2.9+)
     _oom = _companion.install(torch)
     _torch.start_conf_history(torch, warn=warnings.warn)  # record_history:True reaches torch.cuda.memory._snapshot()
     if _oom[0] != "torch.cuda.OutOfMemoryError":

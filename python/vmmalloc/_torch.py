@@ -173,6 +173,65 @@ def patch_memory_functions(torch, companion_snapshots=False):
     return done
 
 
+# torch.accelerator's memory functions (PyTorch 2.9+, torch/accelerator/memory.py)
+# reach the allocator through torch._C._accelerator_*, i.e.
+# at::getDeviceAllocator(CUDA) = c10::GetAllocator(CUDA): the allocator
+# registered with c10::SetAllocator, which is PyTorch's own caching allocator
+# (c10/cuda/CUDACachingAllocator.cpp registers it at start-up), not the one
+# CUDAPluggableAllocator's changeCurrentAllocator installs (that one stores
+# CUDACachingAllocator::allocator only). Under vmmalloc that native allocator
+# is never initialised, so memory_stats() returns {} and every figure built on
+# it 0, and empty_cache()/reset_*() do nothing. These answer from
+# torch.cuda's functions instead (issue 40 item 4); memory_allocated,
+# max_memory_allocated, memory_reserved and max_memory_reserved read
+# memory_stats through the module, so they follow.
+ACCELERATOR_PATCHED = {
+    "memory_stats": "memory_stats",
+    "reset_peak_memory_stats": "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats": "reset_accumulated_memory_stats",
+    "empty_cache": "empty_cache",
+}
+
+
+def patch_accelerator_functions(torch):
+    """Makes torch.accelerator's memory functions (``torch.accelerator.X``
+    and ``torch.accelerator.memory.X``) answer from ``torch.cuda.X`` when the
+    accelerator is CUDA; nothing on a PyTorch without them (before 2.9).
+    Returns the names patched."""
+    accelerator = getattr(torch, "accelerator", None)
+    memory = getattr(accelerator, "memory", None)
+    if memory is None or not hasattr(memory, "memory_stats"):
+        return []
+    try:
+        current = torch._C._accelerator_getAccelerator()
+    except (AttributeError, RuntimeError):
+        return []
+    if current is None or current.type != "cuda":
+        return []
+
+    def route(cuda_name):
+        def through_cuda(device_index=None, /):
+            return getattr(torch.cuda, cuda_name)(device_index)
+        through_cuda.__name__ = cuda_name
+        through_cuda.__doc__ = f"torch.cuda.{cuda_name} (vmmalloc: torch.accelerator reads PyTorch's own allocator)"
+        return through_cuda
+
+    done = []
+    for name, cuda_name in ACCELERATOR_PATCHED.items():
+        if cuda_name == "empty_cache":  # takes no device, as torch.cuda.empty_cache
+            def fn():
+                return torch.cuda.empty_cache()
+            fn.__doc__ = "torch.cuda.empty_cache (vmmalloc: torch.accelerator reads PyTorch's own allocator)"
+        else:
+            fn = route(cuda_name)
+        for module in (memory, accelerator):
+            if hasattr(module, name):
+                originals.setdefault((module.__name__, name), getattr(module, name))
+                setattr(module, name, fn)
+                done.append(f"{module.__name__}.{name}")
+    return done
+
+
 def install_hooks(native, warn):
     """Installs every hook the pluggable allocator object has; warns (once
     each) about those this PyTorch lacks. Returns the setters used."""
