@@ -128,3 +128,45 @@ print("ACCEL OK")
 ''', tmp_path, cache)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ACCEL OK" in out.stdout
+
+
+def test_paused_pools_blocks_leave_the_snapshot_as_unmapped_pages_do(lib, tmp_path, cache):
+    from test_companion import HOOKS
+    out = run(HOOKS + '''
+from torch.cuda import _memory_viz
+pool = (0, 8)
+begin(0, pool)
+a = malloc(32 * MiB, 0, None)
+end(0, pool)
+b = malloc(3 * MiB, 0, None)   # the main allocator's, stays mapped
+
+def seg_total(snap):
+    return sum(s["total_size"] for s in snap["segments"])
+
+def pool_blocks(snap):
+    return [blk for s in snap["segments"] if tuple(s["segment_pool_id"]) == pool for blk in s["blocks"]]
+
+snap = torch.cuda.memory._snapshot()
+assert seg_total(snap) == reserved(), (seg_total(snap), reserved())
+assert any(blk["state"] == "active_allocated" and blk["size"] >= 32 * MiB for blk in pool_blocks(snap))
+vmmalloc.pause_pool(pool, keep=True)
+snap = torch.cuda.memory._snapshot()
+# PyTorch's invariant: the segments are the reserved (mapped) memory; a paused
+# pool holds none, so none of its blocks is shown (as unmapped pages of an
+# expandable segment are not), and the main allocator's block still is.
+assert seg_total(snap) == reserved(), (seg_total(snap), reserved())
+assert pool_blocks(snap) == [], pool_blocks(snap)
+assert any(blk["state"] == "active_allocated" and blk["size"] >= 3 * MiB
+           for s in snap["segments"] for blk in s["blocks"]), snap["segments"]
+assert "segments:" in _memory_viz.segsum(snap)
+assert "<html" in _memory_viz.segment_plot(snap).lower()
+vmmalloc.resume_pool(pool)
+snap = torch.cuda.memory._snapshot()
+assert seg_total(snap) == reserved() and pool_blocks(snap), snap["segments"]
+lib.vmmalloc_free(a, 0, 0, None)
+lib.vmmalloc_free(b, 0, 0, None)
+release(0, pool)
+print("PAUSED SNAPSHOT OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PAUSED SNAPSHOT OK" in out.stdout

@@ -453,13 +453,19 @@ fn visit(
         // blocks of an expandable segment are not part of any
         // (CUDACachingAllocator.cpp, snapshot()). Its Python side computes
         // each block's address from the segment's and the sizes before it.
+        // A paused pool's blocks have no physical memory behind them either
+        // (its reserved bytes are 0): they are left out as unmapped pages
+        // are, so the segments' total_size adds up to reserved_bytes as in
+        // PyTorch's snapshot, which has no state for a live block without
+        // memory (Module.cpp writes only active_allocated,
+        // active_pending_free, inactive); issue 40, docs/pytorch.md.
         let mut runs: Vec<Vec<VmmallocBlock>> = vec![Vec::new()];
         for b in &seg.blocks {
-            if b.state == BlockState::Unmapped {
+            if matches!(b.state, BlockState::Unmapped | BlockState::Paused) {
                 runs.push(Vec::new());
                 continue;
             }
-            let allocated = matches!(b.state, BlockState::ActiveAllocated | BlockState::Paused);
+            let allocated = b.state == BlockState::ActiveAllocated;
             runs.last_mut().expect("never empty").push(VmmallocBlock {
                 address: b.address,
                 size: b.size,
