@@ -12,7 +12,8 @@ about 60 MB, in ``--cache``); compiling needs no GPU and links nothing
 here, as ``vmmalloc.enable()`` does.
 
 ``--runtime`` (issue 40) also runs the companion's tests (python/tests/
-test_companion.py, test_check.py, test_torch.py on the host backend, no GPU)
+test_companion.py, test_companion_conf.py, test_check.py, test_torch.py on
+the host backend, no GPU)
 under each version: the same wheel is installed, with only the nvidia CUDA
 library wheels its own Requires-Dist names (``--no-deps``: no triton, no
 Python packages), into a virtual environment over this Python's site-packages
@@ -161,7 +162,8 @@ def runtime_env(version, cache):
     return py, time.time() - t
 
 
-RUNTIME_TESTS = ("python/tests/test_companion.py", "python/tests/test_check.py", "python/tests/test_torch.py")
+RUNTIME_TESTS = ("python/tests/test_companion.py", "python/tests/test_companion_conf.py", "python/tests/test_check.py",
+                 "python/tests/test_torch.py")
 
 
 def run_tests(python):
