@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--size", type=int, default=1 << 20)
     args = ap.parse_args()
     os.environ.setdefault("VMMALLOC_LIBRARY", str(ROOT / "target" / "release" / "libvmmalloc.so"))
+    # The bench entry points are test-only: the companion built with the test harness.
+    os.environ.setdefault("VMMALLOC_COMPANION_SOURCE", str(ROOT / "python" / "tests" / "companion_test_harness.cpp"))
     sys.path.insert(0, str(ROOT / "python"))
     import torch  # noqa: F401
     import vmmalloc

@@ -16,6 +16,9 @@ import pytest
 PYTHON_DIR = Path(__file__).resolve().parent.parent
 REPO = PYTHON_DIR.parent
 INSTALLED = os.environ.get("VMMALLOC_TEST_INSTALLED") == "1"
+# The companion the tests build (here and in their subprocesses): the shipped
+# one plus its test-only entry points (companion_test_harness.cpp).
+os.environ["VMMALLOC_COMPANION_SOURCE"] = str(Path(__file__).resolve().parent / "companion_test_harness.cpp")
 if not INSTALLED and str(PYTHON_DIR) not in sys.path:
     sys.path.insert(0, str(PYTHON_DIR))
 

@@ -109,13 +109,16 @@ def test_companion_builds_against_the_real_wheel_with_every_method(tmp_path):
 def test_a_method_this_pytorch_lacks_is_left_out_and_reported(tmp_path, monkeypatch):
     import torch
 
-    # A copy of the source with one override PyTorch has no virtual for.
-    src = tmp_path / "vmmalloc_torch.cpp"
-    text = _companion.SOURCE.read_text()
+    # A copy of the sources with one override PyTorch has no virtual for (the
+    # copy's parts are included before the package's: quoted includes).
+    for part in _companion.source_files(_companion.COMPANION_DIR / "vmmalloc_torch.cpp"):
+        (tmp_path / part.name).write_bytes(part.read_bytes())
+    src, adaptor = tmp_path / "vmmalloc_torch.cpp", tmp_path / "allocator.h"
+    text = adaptor.read_text()
     marker = "  std::string name() VMM_OVERRIDE"
     assert marker in text
-    src.write_text(text.replace(marker, "#ifndef VMM_NO_noSuchHook\n  void noSuchHook() VMM_OVERRIDE {}\n"
-                                        "#endif\n" + marker))
+    adaptor.write_text(text.replace(marker, "#ifndef VMM_NO_noSuchHook\n  void noSuchHook() VMM_OVERRIDE {}\n"
+                                            "#endif\n" + marker))
     monkeypatch.setattr(_companion, "SOURCE", src)
     path = _companion.build(torch, tmp_path / "companion.so")
     assert _companion.lost_methods(path) == ["noSuchHook"]
@@ -919,7 +922,7 @@ def test_what_older_versions_lack_is_named():
     assert len(_companion.absent_features("2.9.1")) == 4 and _companion.absent_warning("2.15.0") is None
     assert dict(_companion.absent_in("2.12.1")) == {"annotateMemory": "2.14"}
     # Every method of the table is one the companion implements under a version guard.
-    source = _companion.SOURCE.read_text()
+    source = _companion.source_text()
     for method, (major, minor) in _companion.NOT_IN_VERSION.items():
         assert f"VMM_NO_{method})" in source and f"VMM_TORCH_AT_LEAST({major}, {minor})" in source, method
 

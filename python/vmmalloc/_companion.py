@@ -35,7 +35,32 @@ from . import _lib
 
 ENV = "VMMALLOC_COMPANION"
 CACHE_ENV = "VMMALLOC_CACHE"
-SOURCE = Path(__file__).resolve().parent / "companion" / "vmmalloc_torch.cpp"
+# The companion's sources: vmmalloc_torch.cpp, one translation unit that
+# #includes the parts beside it (abi.h, history.h, allocator.h,
+# entry_points.h). The tests build python/tests/companion_test_harness.cpp
+# instead ($VMMALLOC_COMPANION_SOURCE, set by python/tests/conftest.py): it
+# #includes vmmalloc_torch.cpp and adds the test-only entry points, which the
+# shipped companion does not carry.
+COMPANION_DIR = Path(__file__).resolve().parent / "companion"
+SOURCE = Path(os.environ.get("VMMALLOC_COMPANION_SOURCE") or COMPANION_DIR / "vmmalloc_torch.cpp")
+
+
+def source_files(source=None):
+    """The files a companion build of `source` (default SOURCE) reads:
+    `source` and every part in COMPANION_DIR, and, for a source outside it
+    (a patched copy, the test harness), the parts beside that source."""
+    source = Path(source or SOURCE)
+    dirs = [COMPANION_DIR] if source.parent == COMPANION_DIR else [source.parent, COMPANION_DIR]
+    files = [source]
+    for d in dirs:
+        files += sorted(f for f in d.glob("*") if f.suffix in (".h", ".cpp") and f not in files
+                        and (d == COMPANION_DIR or f.suffix == ".h"))
+    return files
+
+
+def source_text(source=None):
+    """The text of source_files(source), concatenated."""
+    return "\n".join(f.read_text() for f in source_files(source))
 
 # What the companion adds to the plain pluggable allocator, by the C++ method
 # that provides it: (method, feature). A feature is lost when its method is
@@ -138,7 +163,10 @@ def _abi(torch):
 def companion_path(torch):
     """The cached companion for this PyTorch version, C++ ABI and source."""
     tag = re.sub(r"[^A-Za-z0-9_.+-]", "_", torch.__version__)
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+    h = hashlib.sha256()
+    for f in source_files():
+        h.update(f.read_bytes())
+    digest = h.hexdigest()[:10]
     return cache_dir() / f"libvmmalloc_torch-{tag}-abi{_abi(torch)}-{digest}.so"
 
 
@@ -201,7 +229,7 @@ def compile_command_for(root, version, abi, source, output, shared=True, disable
     version = str(version).replace("\\", "").replace('"', "")
     cmd = [cxx, "-std=c++20", "-O1", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(abi)}",
            f'-DVMMALLOC_TORCH_VERSION="{version}"', f"-I{include}",
-           f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}"]
+           f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{COMPANION_DIR}"]
     cmd += [f"-I{d}" for d in cuda]
     cmd += [f"-DVMM_NO_{name}" for name in disabled]
     if not link:
