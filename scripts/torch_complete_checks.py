@@ -133,6 +133,29 @@ def check_oom_observer(torch, vmmalloc):
     assert device == 0 and total == torch.cuda.get_device_properties(0).total_memory, seen
 
 
+def check_empty_cache_hole(torch, vmmalloc):
+    """Issue 40 item 1: 2 MiB, 1 GiB, 2 MiB; the 1 GiB freed and
+    empty_cache(): the driver's free memory (cuMemGetInfo) rises by at least
+    1 GiB - 40 MiB (PyTorch's expandable segments keep one 20 MiB page per
+    live block; vmmalloc kept 1040 MiB before)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    a = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    free0, _ = torch.cuda.mem_get_info()
+    del big
+    torch.cuda.empty_cache()
+    free1, _ = torch.cuda.mem_get_info()
+    gain = free1 - free0
+    reserved = torch.cuda.memory_reserved()
+    del a, b
+    torch.cuda.empty_cache()
+    assert gain >= (1 << 30) - (40 << 20), f"empty_cache returned {gain >> 20} MiB of the 1 GiB hole"
+    print(f"RESULT empty-cache-hole: free +{gain >> 20} MiB, reserved after {reserved >> 20} MiB")
+
+
 def check_mempool(torch, vmmalloc):
     pool = torch.cuda.MemPool()
     assert pool.use_count() == 1, pool.use_count()
@@ -382,6 +405,7 @@ def main():
     report("compile-reduce-overhead", lambda: check_compile(torch, vmmalloc))
     report("mempool", lambda: check_mempool(torch, vmmalloc))
     report("mempool-allocator", lambda: check_mempool_allocator(torch, vmmalloc))
+    report("empty-cache-hole", lambda: check_empty_cache_hole(torch, vmmalloc))
     report("oom-observer", lambda: check_oom_observer(torch, vmmalloc))
     report("ipc", lambda: check_ipc(torch, vmmalloc))
     report("nccl", lambda: check_nccl(torch, vmmalloc, hook=False))

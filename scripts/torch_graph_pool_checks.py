@@ -114,6 +114,15 @@ def child_pause():
     released = vmmalloc.pause_pool(g, keep=True)
     pause_s = time.perf_counter() - t
     free1, _ = torch.cuda.mem_get_info()
+    # Replaying while the pool is paused would run kernels on unmapped
+    # memory: it raises instead (issue 40 item 4).
+    try:
+        g.replay()
+    except vmmalloc.VmmallocError:
+        replay_refused = True
+    else:
+        torch.cuda.synchronize()
+        replay_refused = False
     # Another tensor uses the memory, then goes.
     filler = torch.full((max(released // 4, 1),), 7.0, device="cuda")
     torch.cuda.synchronize()
@@ -135,7 +144,7 @@ def child_pause():
     recapture_s = time.perf_counter() - t
     del g2
     print(json.dumps({"pool_bytes": pool_bytes, "released": released, "free_gain": free1 - free0,
-                      "restored": restored, "same": same, "pause_s": pause_s, "wake_s": wake_s,
+                      "restored": restored, "same": same, "replay_refused": replay_refused, "pause_s": pause_s, "wake_s": wake_s,
                       "recapture_s": recapture_s}))
 
 
@@ -183,6 +192,7 @@ def check_pause():
                          "allocator": "vmmalloc:expandable", **r})
     assert r["restored"], "after resume (keep=True), before any replay, the pool's output differs"
     assert r["same"], "the replay after resume differs from the one before the pause"
+    assert r["replay_refused"], "replay() of a graph whose pool is paused did not raise"
     assert r["released"] >= r["pool_bytes"] > 0, r
     assert r["free_gain"] >= 0.9 * r["pool_bytes"], f"free rose by {r['free_gain']}, pool {r['pool_bytes']}"
     return (f"contents restored, replay equal; pool {r['pool_bytes']} B, free +{r['free_gain']} B; "
