@@ -71,8 +71,10 @@ def memory_stats(device=None):
     # (throw_on_cudamalloc_oom with a memory fraction) rejected
     # (c10/core/CachingDeviceAllocator.h num_oom_rejections); vmmalloc has no
     # such policy and rejects none (issue 40).
-    torch = sys.modules.get("torch")
-    if torch is not None and _companion.version_tuple(torch.__version__) >= (2, 12):
+    # A stand-in torch module without __version__ (tests, a partial import)
+    # gets no version-dependent keys.
+    version = getattr(sys.modules.get("torch"), "__version__", None)
+    if version and _companion.version_tuple(version) >= (2, 12):
         stats.setdefault("num_oom_rejections", 0)
     return OrderedDict(sorted(stats.items()))
 
