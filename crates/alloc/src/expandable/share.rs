@@ -109,8 +109,15 @@ impl Budget for SharedBudget {
     }
 
     fn recheck(&mut self) -> bool {
-        // An error is the member's to log (once per change, `share/member.rs`).
-        self.member.reap_dead().is_ok_and(|n| n > 0)
+        // The plan may have used a view up to `VIEW_FRESH` old (1 ms,
+        // `share/mod.rs`): another member may have given back since. The
+        // reap reads the file again whether or not anyone died, so the
+        // limit is worth another plan when it grew (or dead members' bytes
+        // came back). An error is the member's to log (once per change,
+        // `share/member.rs`).
+        let before = self.member.limit_as_read();
+        let reaped = self.member.reap_dead().is_ok_and(|n| n > 0);
+        reaped || self.member.limit_as_read() > before
     }
 }
 
@@ -326,6 +333,43 @@ mod tests {
         // Without a keep, a replacement is charged (never refused).
         b.charge(1, PAGE, Charge::Replace).unwrap();
         assert_eq!(member.used(), 8 * PAGE);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A view read less than 1 ms ago is used as it is; when another
+    /// member gave back in between, the check made before an out-of-memory
+    /// reads the group again and asks for another plan (the race behind a
+    /// CI failure of share_procs: P1 gave back, P2's view was still fresh).
+    #[test]
+    fn a_give_back_within_the_fresh_view_is_seen_by_the_recheck() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = std::env::temp_dir().join(format!("vmmalloc-recheck-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let p = d.join("recheck");
+        let _ = std::fs::remove_file(&p);
+        let opts = JoinOptions {
+            total: 64 * PAGE,
+            cap: NO_CAP,
+            poll: DEFAULT_POLL,
+        };
+        let member = Member::join_path("g", &p, opts.clone()).unwrap();
+        let other = Member::join_path("g", &p, opts).unwrap();
+        let mut b = SharedBudget {
+            local: LocalBudget::new(1.0, 64),
+            member: Arc::clone(&member),
+            page: PAGE,
+            kept: None,
+        };
+        other.charge(64 * PAGE, true).unwrap();
+        member.refresh().unwrap();
+        assert_eq!(member.limit_as_read(), 0);
+        other.credit(32 * PAGE);
+        assert_eq!(member.limit_as_read(), 0, "the view is as last read");
+        assert!(b.recheck(), "the limit grew: plan again");
+        assert_eq!(b.limit_pages(), 32);
+        assert!(!b.recheck(), "nothing changed since");
+        b.charge(32, PAGE, Charge::Grow).unwrap();
         let _ = std::fs::remove_dir_all(&d);
     }
 }

@@ -338,6 +338,15 @@ impl Member {
         self.limit.load(Ordering::Relaxed)
     }
 
+    /// [`Self::limit`] as last read, without reading the file again (what
+    /// the allocator planned with when its view was fresh).
+    pub fn limit_as_read(&self) -> u64 {
+        if self.lost_now() {
+            return self.local.lock().used;
+        }
+        self.limit.load(Ordering::Relaxed)
+    }
+
     /// Reads the file again. When the group looks full (its free room
     /// under 1/8 of the total), dead members' bytes are taken back first.
     /// Nothing is read once the member is lost.
