@@ -1,5 +1,6 @@
 //! IPC export of live blocks (see [`crate::ipc`]): which chunks lie under a
-//! block, and the marks that keep them in place while exported.
+//! block, and re-backing a block with equal handles. The marks that keep
+//! exported chunks in place are the physical layer's (`physical/exports.rs`).
 //!
 //! Invariants (checked by `validate_ipc`): every exported block is
 //! allocated and in the live map; `chunks` counts, for each chunk
@@ -14,70 +15,16 @@ use crate::{AllocError, AllocResult};
 use std::collections::HashMap;
 use vmmalloc_device::{Device, Stream};
 
-/// Exported blocks and the chunks they pin.
-#[derive(Debug, Default)]
-pub(crate) struct ExportState {
-    /// Block address -> the chunks `(segment, first page)` under it.
-    blocks: HashMap<u64, Vec<(u32, u64)>>,
-    /// Chunk `(segment, first page)` -> exported blocks on it.
-    chunks: HashMap<(u32, u64), u32>,
-}
-
-impl ExportState {
-    /// Whether the chunk at page `first` of segment `seg` is under an exported block.
-    #[inline]
-    pub fn pins(&self, seg: u32, first: u64) -> bool {
-        !self.chunks.is_empty() && self.chunks.contains_key(&(seg, first))
-    }
-
-    /// Marks block `addr` exported, lying on chunks `keys` (no-op when it
-    /// already is).
-    pub fn mark(&mut self, addr: u64, keys: Vec<(u32, u64)>) {
-        if self.blocks.contains_key(&addr) {
-            return;
-        }
-        for &k in &keys {
-            *self.chunks.entry(k).or_default() += 1;
-        }
-        self.blocks.insert(addr, keys);
-    }
-
-    /// Drops the export of block `addr` (no-op if not exported); returns
-    /// whether it was exported. Every `free` asks: with nothing exported
-    /// that is one inlined test.
-    #[inline]
-    pub fn forget(&mut self, addr: u64) -> bool {
-        !self.blocks.is_empty() && self.forget_exported(addr)
-    }
-
-    /// [`ExportState::forget`] while some block is exported.
-    #[cold]
-    fn forget_exported(&mut self, addr: u64) -> bool {
-        let Some(list) = self.blocks.remove(&addr) else {
-            return false;
-        };
-        for key in list {
-            if let Some(n) = self.chunks.get_mut(&key) {
-                *n -= 1;
-                if *n == 0 {
-                    self.chunks.remove(&key);
-                }
-            }
-        }
-        true
-    }
-}
-
 impl Inner {
     /// Refuses to pause segments `segs` while a block in them is exported.
     pub(super) fn check_not_exported(&self, segs: &[u32]) -> AllocResult<()> {
-        if self.phys.exports().blocks.is_empty() {
+        if self.phys.exports().blocks().is_empty() {
             return Ok(());
         }
         let held: Vec<String> = self
             .phys
             .exports()
-            .blocks
+            .blocks()
             .iter()
             .filter(|(_, keys)| keys.iter().any(|(s, _)| segs.contains(s)))
             .map(|(a, _)| format!("{a:#x}"))
@@ -268,7 +215,7 @@ impl Inner {
     /// Checks the export marks against the blocks and chunks.
     pub(super) fn validate_ipc(&self) -> Result<(), String> {
         let mut recount: HashMap<(u32, u64), u32> = HashMap::new();
-        for (&addr, keys) in &self.phys.exports().blocks {
+        for (&addr, keys) in self.phys.exports().blocks() {
             let Some(&idx) = self.live.get(&addr) else {
                 return Err(format!("exported block {addr:#x} is not live"));
             };
@@ -285,10 +232,10 @@ impl Inner {
                 *recount.entry((s, f)).or_default() += 1;
             }
         }
-        if recount != self.phys.exports().chunks {
+        if &recount != self.phys.exports().chunks() {
             return Err(format!(
                 "exported chunk counts {:?} != recount {recount:?}",
-                self.phys.exports().chunks
+                self.phys.exports().chunks()
             ));
         }
         Ok(())

@@ -118,10 +118,10 @@ pub(crate) use physical::observe;
 use crate::pools::{PoolBlock, PoolId, PoolStats, PrivatePools, Restored};
 use crate::{AllocResult, Allocation, Allocator, Snapshot, Stats, Stream};
 use blocks::{LiveMap, Slab};
-use config::Layout;
 use counters::Counters;
 use events::Events;
 use lock::Lock;
+use physical::Layout;
 use segment::{Segment, StreamEntry};
 use vmmalloc_device::Device;
 

@@ -43,7 +43,7 @@ pub(crate) struct Segment {
 impl Segment {
     /// The pages `[first, last]` that hold bytes `[addr, addr + len)` (len > 0).
     #[inline]
-    pub fn page_span(&self, layout: &super::config::Layout, addr: u64, len: u64) -> (u64, u64) {
+    pub fn page_span(&self, layout: &super::physical::Layout, addr: u64, len: u64) -> (u64, u64) {
         let off = addr - self.base;
         (layout.page_of(off), layout.page_of(off + len - 1))
     }

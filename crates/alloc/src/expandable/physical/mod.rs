@@ -54,6 +54,8 @@ pub(crate) mod budget;
 mod calls;
 mod chunks;
 mod drain;
+mod exports;
+mod layout;
 pub(crate) mod mappings;
 mod moves;
 pub(crate) mod observe;
@@ -66,14 +68,14 @@ mod tests;
 
 pub(crate) use arena::Arenas;
 pub(crate) use chunks::{Chunk, ChunkTable};
+use exports::ExportState;
+pub(crate) use layout::Layout;
 pub(crate) use moves::Move;
 pub(crate) use pool::{ChunkPool, PoolView};
 pub(crate) use reback::{equal_handle_pages, padded_handle_pages};
 pub(crate) use regions::{Region, RegionRecount};
 use spilled::SpillState;
 
-use super::config::Layout;
-use super::ipc::ExportState;
 use crate::ipc::ExportedChunk;
 use crate::Stats;
 use budget::{Budget, LocalBudget};
@@ -113,7 +115,8 @@ pub(crate) struct Physical {
     unready: Vec<(u32, u64)>,
     /// Host-located chunks (`spill:true`, `spilled.rs`).
     spill: SpillState,
-    /// Blocks exported to other processes and the chunks they pin (`ipc.rs`).
+    /// Blocks exported to other processes and the chunks they pin
+    /// (`exports.rs`).
     exported: ExportState,
     /// The chunk table of each segment slot (empty for a retired slot).
     tables: Vec<ChunkTable>,
@@ -756,12 +759,12 @@ impl Physical {
         Ok(chunks)
     }
 
-    /// The export marks (`ipc.rs`).
+    /// The export marks (`exports.rs`).
     pub fn exports(&self) -> &ExportState {
         &self.exported
     }
 
-    /// The export marks, mutably (`ipc.rs`).
+    /// The export marks, mutably (`exports.rs`).
     pub fn exports_mut(&mut self) -> &mut ExportState {
         &mut self.exported
     }
