@@ -234,36 +234,59 @@ impl Physical {
                 at += n * page;
             }
         }
-        // Take the scratch mappings down: in one call, else run by run.
-        if mapped > 0 {
-            let all = self.raw_unmap(dev, Owner::Scratch, scratch, mapped, mapped_handles);
-            if all.is_err() {
-                let mut at = 0;
-                for &(_, n) in &p.live {
-                    if at >= mapped {
-                        break;
-                    }
-                    let one = self.raw_unmap(dev, Owner::Scratch, scratch + at, n * page, 1);
-                    if let Err(e) = one {
-                        eprintln!(
-                            "vmmalloc: unpinning: unmapping scratch {:#x}: {e}",
-                            scratch + at
-                        );
-                    }
-                    at += n * page;
+        self.release_scratch(
+            dev,
+            (scratch, len),
+            (mapped, mapped_handles),
+            &p.live,
+            "unpinning",
+        );
+        result
+    }
+
+    /// Takes down the scratch reservation `(address, bytes)` of a copy
+    /// beside (unpinning's [`Self::copy_beside`], IPC re-backing's
+    /// `fill_beside`): its first `mapped.0` bytes map `mapped.1` handles, one
+    /// per run of `runs` (pages) in order. Unmaps them in one call, else run
+    /// by run; then frees the reservation, with one retry. Nothing is left to
+    /// roll back, so failures are only reported (as `what`'s).
+    pub(super) fn release_scratch<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        (scratch, len): (u64, u64),
+        (mapped, handles): (u64, u32),
+        runs: &[(u64, u64)],
+        what: &str,
+    ) {
+        let page = self.page();
+        if mapped > 0
+            && self
+                .raw_unmap(dev, Owner::Scratch, scratch, mapped, handles)
+                .is_err()
+        {
+            let mut at = 0;
+            for &(_, n) in runs {
+                if at >= mapped {
+                    break;
                 }
+                if let Err(e) = self.raw_unmap(dev, Owner::Scratch, scratch + at, n * page, 1) {
+                    eprintln!(
+                        "vmmalloc: {what}: unmapping scratch {:#x}: {e}",
+                        scratch + at
+                    );
+                }
+                at += n * page;
             }
         }
         for attempt in 0..2 {
             match self.raw_free_reservation(dev, Owner::Scratch, scratch, len) {
                 Ok(()) => break,
                 Err(e) if attempt == 1 => {
-                    eprintln!("vmmalloc: unpinning: freeing scratch {scratch:#x}: {e}")
+                    eprintln!("vmmalloc: {what}: freeing scratch {scratch:#x}: {e}")
                 }
                 Err(_) => {}
             }
         }
-        result
     }
 
     /// With no room beside it: unmap and release the old chunk, create the

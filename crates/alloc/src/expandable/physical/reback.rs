@@ -209,34 +209,7 @@ impl Physical {
                 Err(e) => result = Err(e),
             }
         }
-        if mapped > 0
-            && self
-                .raw_unmap(dev, Owner::Scratch, scratch, mapped, count)
-                .is_err()
-        {
-            let mut at = 0;
-            for &(_, n) in &mv.live {
-                if at >= mapped {
-                    break;
-                }
-                if let Err(e) = self.raw_unmap(dev, Owner::Scratch, scratch + at, n * page, 1) {
-                    eprintln!(
-                        "vmmalloc: re-backing: unmapping scratch {:#x}: {e}",
-                        scratch + at
-                    );
-                }
-                at += n * page;
-            }
-        }
-        for attempt in 0..2 {
-            match self.raw_free_reservation(dev, Owner::Scratch, scratch, len) {
-                Ok(()) => break,
-                Err(e) if attempt == 1 => {
-                    eprintln!("vmmalloc: re-backing: freeing scratch {scratch:#x}: {e}")
-                }
-                Err(_) => {}
-            }
-        }
+        self.release_scratch(dev, (scratch, len), (mapped, count), &mv.live, "re-backing");
         result
     }
 
