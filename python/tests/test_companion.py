@@ -819,6 +819,60 @@ print("HISTORY OK")
     assert "HISTORY OK" in out.stdout
 
 
+def test_empty_cache_and_checkpoint_restore_entries_carry_the_callers_frames(lib, tmp_path, cache):
+    # As the native allocator: emptyCache gathers a context at ALL for the
+    # segment_unmap/segment_free entries it causes; setCheckpointPoolState one
+    # at STATE for the blocks it allocates again (its frees gather their own
+    # at ALL, else carry the block's).
+    out = run(HISTORY + '''
+record()
+a = alloc(64 * MiB)
+free(a, 64 * MiB)
+
+def give_back():
+    torch._C._cuda_emptyCache()
+
+n = len(torch.cuda.memory._snapshot()["device_traces"][0])
+give_back()
+trace = torch.cuda.memory._snapshot()["device_traces"][0][n:]
+gone = [e for e in trace if e["action"] in ("segment_unmap", "segment_free")]
+assert gone, [e["action"] for e in trace]
+assert all("give_back" in names(e["frames"]) for e in gone), gone
+
+pool = (0, 9)
+assert lib.vmmalloc_pool_begin(0, *pool) == 0
+def record_graph():
+    return pool_malloc(pool, 1 << 20), pool_malloc(pool, 512), pool_malloc(pool, 5 << 20)
+x, y, z = record_graph()
+assert lib.vmmalloc_pool_end(0, *pool) == 0
+state = torch._C._cuda_getCheckpointState(0, pool)
+lib.vmmalloc_free(y, 0, 0, None)
+
+def restore():
+    torch._C._cuda_setCheckpointPoolState(0, state, [], [])
+
+n = len(torch.cuda.memory._snapshot()["device_traces"][0])
+restore()
+trace = torch.cuda.memory._snapshot()["device_traces"][0][n:]
+allocs = [e for e in trace if e["action"] == "alloc"]
+assert sorted(e["addr"] for e in allocs) == sorted([x, y, z]), [(e["action"], e["addr"]) for e in trace]
+assert all("restore" in names(e["frames"]) for e in allocs), allocs
+frees = [e for e in trace if e["action"] == "free_requested"]
+assert frees and all("restore" in names(e["frames"]) for e in frees), frees
+# Below ALL a free carries its block's context, not the call's.
+record(context="alloc", clear=1)
+p = alloc(MiB)
+def drop():
+    free(p, MiB)
+drop()
+e = [e for e in torch.cuda.memory._snapshot()["device_traces"][0] if e["action"] == "free_requested"]
+assert e and "drop" not in names(e[0]["frames"]) and "<module>" in names(e[0]["frames"]), e
+print("FRAMES OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FRAMES OK" in out.stdout
+
+
 def test_dumped_history_replays_with_the_runs_peak(lib, tmp_path, cache):
     from test_capi import cli
 

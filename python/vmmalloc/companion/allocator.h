@@ -297,7 +297,9 @@ class VmmallocAllocator : public Base {
       case TE::FREE_COMPLETED: {
         auto it = live_.find(e.addr);
         if (it != live_.end()) {
-          if (!ctx) ctx = it->second.context;
+          // A free's own context is gathered at ALL (native free()); below
+          // that, or without one, the entry carries the block's.
+          if (!ctx || g_when.load(std::memory_order_relaxed) < kAll) ctx = it->second.context;
           if (*action == TE::FREE_COMPLETED) live_.erase(it);
         }
         break;
@@ -534,8 +536,16 @@ class VmmallocAllocator : public Base {
       } catch (...) {
       }
     };
-    TORCH_CHECK(lib.checkpoint_restore(device, cp->handle, on_freed, on_allocd, &out) == 0,
-                "vmmalloc: ", last_error());
+    // The restore's entries carry the caller's frames, as the native
+    // setCheckpointPoolState gathers one context at STATE for the blocks it
+    // allocates again (its frees gather their own at ALL: the sink gives a
+    // free below ALL its block's context instead, on_event).
+    int rc;
+    {
+      ContextScope scope(gather_at(kState));
+      rc = lib.checkpoint_restore(device, cp->handle, on_freed, on_allocd, &out);
+    }
+    TORCH_CHECK(rc == 0, "vmmalloc: ", last_error());
     CCA::CheckpointDelta delta;
     delta.ptrs_freed = std::move(out.freed);
     for (auto& a : out.allocd) {
@@ -1035,11 +1045,16 @@ class VmmallocAllocator : public Base {
 #if !defined(VMM_NO_emptyCache) && VMM_TORCH_AT_LEAST(2, 8)
   void emptyCache(MempoolId_t mempool_id) VMM_OVERRIDE {
     const bool custom = is_custom_pool(mempool_id);
-    {
-      ContextScope scope(gather_at(kAll));  // emptyCache's context (ALL)
-      pool_empty_cache(mempool_id);
-    }
+    // emptyCache's context (ALL), as the native release_cached_blocks
+    // gathers it: the segment_unmap entries carry the caller's frames.
+    ContextScope scope(gather_at(kAll));
+    pool_empty_cache(mempool_id);
     if (!custom) Base::emptyCache(mempool_id);
+  }
+#elif !defined(VMM_NO_emptyCache)
+  void emptyCache() VMM_OVERRIDE {
+    ContextScope scope(gather_at(kAll));
+    Base::emptyCache();
   }
 #endif
 
