@@ -1,8 +1,7 @@
 //! The fast path: `malloc`, `free`, `record_stream`, block split and merge.
 
 use super::blocks::{Block, BlockState, PoolKind, MIN_BLOCK, NIL};
-use super::ladder::Need;
-use super::pages::Backing;
+use super::ladder::{Backing, Need};
 use super::segment::{Segment, StreamEntry};
 use super::Inner;
 use crate::caching::sizes::K_LARGE_BUFFER;

@@ -16,7 +16,7 @@
 //!
 //! - **Grow** to `n` bytes: the pages `[mapped, ceil(n / page))` are backed by
 //!   chunks from the same chunk pool, limit (memory fraction) and targeted
-//!   reclaim as every block ([`Inner::acquire`]), mapped, and made
+//!   reclaim as every block ([`Inner::back_runs`]), mapped, and made
 //!   accessible by one `set_access` over the new run. Immediate: the new
 //!   pages were not in use by any stream.
 //! - **Shrink** to `n` bytes: the chunks lying wholly at or above page
@@ -39,8 +39,8 @@
 //! `[0, accessible)` are accessible and `accessible ≥ ceil(size / page)`.
 
 use super::blocks::PoolKind;
-use super::ladder::Need;
-use super::pages::Backing;
+use super::ladder::{Backing, Need};
+use super::physical::Target;
 use super::Inner;
 use crate::{AllocError, AllocResult};
 use vmmalloc_device::{round_up, Device, Stream};
@@ -178,22 +178,15 @@ impl Inner {
             let lack = pages - limit;
             return Err(self.oom(dev, bytes, pages * page, stream, lack));
         }
-        let (plan, handles) = match self.acquire(dev, &[(first, pages)], Need::Now, None) {
-            Ok(x) => x,
-            Err(Backing::Fail(e)) => return Err(e),
-            Err(Backing::Short(lack)) => {
-                return Err(self.oom(dev, bytes, pages * page, stream, lack));
-            }
-        };
-        match self.phys.region_map(dev, ptr, &plan, handles) {
-            Ok(pages) => {
-                self.note_growable(pages as i64, 0);
-                Ok(())
-            }
-            Err((e, kept)) => {
-                self.note_growable(kept as i64, 0);
-                Err(AllocError::Device(e))
-            }
+        let target = Target::Region(ptr);
+        let (backed, r) = self.back_runs(dev, target, &[(first, pages)], Need::Now, None);
+        // Pages the region kept: all on success, chunks whose rollback
+        // failed otherwise.
+        self.note_growable(backed.kept as i64, 0);
+        match r {
+            Ok(()) => Ok(()),
+            Err(Backing::Fail(e)) => Err(e),
+            Err(Backing::Short(lack)) => Err(self.oom(dev, bytes, pages * page, stream, lack)),
         }
     }
 

@@ -2,18 +2,23 @@
 //! unmapped pages comes from, rung by rung, each tried only when the ones
 //! above it cannot give enough.
 //!
-//! 1. **Pool** ([`Inner::take_pooled`]): unmapped chunks that kept their
-//!    handle. The plan ([`Inner::plan`]) takes, per run, the largest pooled
-//!    chunk that fits the rest of it: no driver call but the map.
-//! 2. **Create within the limit** ([`Inner::create_planned`]): one new
-//!    handle (`cuMemCreate`, ~193 µs) per planned chunk the pool cannot
-//!    give, while mapped + pooled pages stay within the limit (the memory
-//!    fraction).
-//! 3. **Release spare pooled chunks** ([`Inner::release_spare`]): pooled
-//!    chunks the plan does not use go back to the driver, largest first, to
-//!    make room under the limit for rung 2 (so it runs just before the
-//!    creates it makes room for). A release and a create, but no stream
-//!    wait, and nothing in use is touched.
+//! Rungs 1–3 and 6's host creates are the physical layer's: one call,
+//! [`Physical::back`](super::physical::Physical::back) (`physical/back.rs`),
+//! plans, takes, releases, creates, maps and gives access, or says what is
+//! short. Rungs 4 and 5 and the decision to spill are this layer's: they
+//! touch blocks, streams and cached free pages.
+//!
+//! 1. **Pool**: unmapped chunks that kept their handle. The plan takes, per
+//!    run, the largest pooled chunk that fits the rest of it: no driver
+//!    call but the map.
+//! 2. **Create within the limit**: one new handle (`cuMemCreate`, ~193 µs)
+//!    per planned chunk the pool cannot give, while mapped + pooled pages
+//!    stay within the limit (the memory fraction).
+//! 3. **Release spare pooled chunks**: pooled chunks the plan does not use
+//!    go back to the driver, largest first, to make room under the limit
+//!    for rung 2 (so it runs just before the creates it makes room for). A
+//!    release and a create, but no stream wait, and nothing in use is
+//!    touched.
 //! 4. **Reclaim** ([`Inner::reclaim`], `reclaim.rs`): whole free chunks
 //!    elsewhere, least recently freed first, are unmapped into the pool;
 //!    it may wait for the streams that last used them. The request's own
@@ -22,7 +27,7 @@
 //!    live blocks hold only in part come back; the live pages move to exact
 //!    chunks. A device synchronize and copies: the dearest source on the
 //!    device, so it is asked only for what reclaim cannot give.
-//! 6. **Spill** ([`Inner::acquire_spilling`], `spill.rs`, only with
+//! 6. **Spill** ([`Inner::back_spilling`], `spill.rs`, only with
 //!    `spill:true`): the pages the device still lacks are backed by
 //!    host-located chunks. The program goes on, slower.
 //!
@@ -33,11 +38,12 @@
 //! the device and copies live bytes; spilled memory is slow for as long as
 //! it lives.
 //!
-//! The driver ([`Inner::acquire_device`]) walks rungs 1–5 with a fresh plan
-//! each time: after reclaim or unpinning (whose chunks went to the pool and
-//! change the plan) and after the driver said out of memory (then nothing
-//! more can be created than is released), at most [`MAX_ATTEMPTS`] plans.
-//! [`Inner::acquire`] adds rung 6 when the device part comes up short.
+//! The driver ([`Inner::back_device`]) asks the physical layer once per
+//! attempt, each with a fresh plan: after reclaim or unpinning (whose chunks
+//! went to the pool and change the plan) and after the driver said out of
+//! memory (then nothing more can be created than is released), at most
+//! [`MAX_ATTEMPTS`] attempts. [`Inner::back_runs`] adds rung 6 when the
+//! device part comes up short.
 //!
 //! The mode ([`Need`]) says how far down the ladder a request may go: pages
 //! a block needs now may use every rung; pages mapped ahead of a growing
@@ -46,18 +52,18 @@
 //! memory for a 4 MiB request that fit the device, `tests/spill.rs`,
 //! `pages_mapped_ahead_of_need_never_spill`).
 
-use super::pages::Backing;
-use super::physical::Planned;
+use super::physical::{Ask, Backed, Shortfall, Target};
 use super::reclaim::Exclude;
 use super::Inner;
-use vmmalloc_device::{Device, DeviceError, PhysHandle};
+use crate::AllocError;
+use vmmalloc_device::Device;
 
 /// Plans tried for one request before it counts as out of memory (each after
 /// a reclaim, an unpin or a driver out-of-memory).
 const MAX_ATTEMPTS: u32 = 8;
 
 /// What pages are backed for: the mode [`Inner::back_pages`] passes down
-/// to [`Inner::acquire_device`], which decides which rungs may give them.
+/// to [`Inner::back_device`], which decides which rungs may give them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Need {
     /// Pages a request needs now: every rung (pool, new handles, releasing
@@ -69,136 +75,128 @@ pub(crate) enum Need {
     Ahead,
 }
 
-/// What a plan asks of rungs 2 and 3, in pages.
-#[derive(Debug, Clone, Copy)]
-struct Room {
-    /// Pages of the planned chunks the pool cannot give (rung 2).
-    create: u64,
-    /// Pages the limit has room for (0 once the driver said out of memory).
-    free: u64,
-    /// Pooled pages the plan does not use (rung 3 may release them).
-    spare: u64,
+/// Why pages could not be provided.
+#[derive(Debug)]
+pub(crate) enum Backing {
+    /// Not enough physical memory: this many pages are still lacking.
+    Short(u64),
+    /// A device call failed (not out-of-memory); the operation was rolled back.
+    Fail(AllocError),
 }
 
-impl Room {
-    /// Pages rungs 1–3 cannot give: reclaim or unpinning must find them.
-    fn lacking(&self) -> u64 {
-        self.create.saturating_sub(self.free + self.spare)
+/// How [`Inner::back_device`] ended short.
+pub(super) enum Short {
+    /// The device lacks this many pages.
+    Device(u64),
+    /// The host could not give a spill's runs.
+    Host,
+    /// A device call failed; everything was rolled back.
+    Fail(vmmalloc_device::DeviceError),
+}
+
+impl Short {
+    /// The block layer's error: a spill's host runs that could not be
+    /// backed lack `host_lacking` pages.
+    pub(super) fn into_backing(self, host_lacking: u64) -> Backing {
+        match self {
+            Short::Device(n) => Backing::Short(n),
+            Short::Host => Backing::Short(host_lacking),
+            Short::Fail(e) => Backing::Fail(e.into()),
+        }
     }
 }
 
-/// How rung 2 ended.
-enum Created {
-    /// Every planned chunk has its handle.
-    All,
-    /// The driver said out of memory; the handles created so far are kept.
-    DriverFull,
-}
-
 impl Inner {
-    /// Obtains handles for the unmapped `runs` (`(first, count)`) from the
-    /// ladder (module docs): rungs 1–5 from device memory, then, with
-    /// `spill:true`, rung 6. Returns the plan and one handle per planned
-    /// chunk; nothing is mapped. On failure every handle obtained is pooled.
-    pub(super) fn acquire<D: Device + ?Sized>(
+    /// Backs the unmapped `runs` (`(first, count)`) in `target` from the
+    /// ladder (module docs): rungs 1–5 from device memory, then, unless
+    /// `target` is a pinned segment, with `spill:true` rung 6. Returns what
+    /// the physical layer did to the target's mapped pages (the caller
+    /// updates its counters) and the outcome; on failure every handle
+    /// obtained is pooled and nothing this call mapped stays mapped (but
+    /// chunks whose rollback failed, in [`Backed::kept`]).
+    pub(super) fn back_runs<D: Device + ?Sized>(
         &mut self,
         dev: &D,
+        target: Target,
         runs: &[(u64, u64)],
         need: Need,
         exclude: Exclude,
-    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
-        match self.acquire_device(dev, runs, need, exclude) {
+    ) -> (Backed, Result<(), Backing>) {
+        // A pinned segment (a graph pool's) never spills: its pages stay
+        // device memory for as long as a graph may replay them.
+        let pinned = matches!(target, Target::Segment(seg) if self.table(seg).pinned());
+        let (backed, r) = self.back_device(dev, target, runs, &[], need, exclude);
+        match r {
+            Ok(()) => (backed, Ok(())),
             // Device memory is exhausted after reclaim: spill (spill.rs).
             // Not for pages mapped ahead of need: they are a bet on the next
             // allocation, made only from memory to spare; host memory is
             // slow and spilling may migrate live chunks.
-            Err(Backing::Short(lacking)) if self.phys.spill_enabled() && need == Need::Now => {
-                self.acquire_spilling(dev, runs, need, exclude, lacking)
+            Err(Short::Device(lacking))
+                if !pinned && self.phys.spill_enabled() && need == Need::Now =>
+            {
+                self.back_spilling(dev, target, runs, need, exclude, lacking)
             }
-            r => r,
+            // No host runs were asked for: never `Short::Host`.
+            Err(e) => (backed, Err(e.into_backing(0))),
         }
     }
 
-    /// [`Inner::acquire`] from device memory only: rungs 1–5, planning
-    /// again after every rung that gave memory back.
-    pub(super) fn acquire_device<D: Device + ?Sized>(
+    /// Rungs 1–5 for `runs` (and, after them, new host chunks for `host`):
+    /// asks the physical layer, and when it lacks pages makes room (rungs 4
+    /// and 5) and asks again; after the driver said out of memory, asks
+    /// again with what was created pooled.
+    pub(super) fn back_device<D: Device + ?Sized>(
         &mut self,
         dev: &D,
+        target: Target,
         runs: &[(u64, u64)],
+        host: &[(u64, u64)],
         need: Need,
         exclude: Exclude,
-    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
+    ) -> (Backed, Result<(), Short>) {
         // The driver said out of memory: only released memory can be created again.
         let mut driver_full = false;
         for attempt in 0..MAX_ATTEMPTS {
             let last = attempt + 1 == MAX_ATTEMPTS;
-            let plan = self.plan(runs);
-            let room = self.room_for(&plan, driver_full);
-            if need == Need::Ahead && (room.create > room.free || driver_full) {
+            let ask = Ask {
+                runs,
+                host,
+                ahead: need == Need::Ahead,
+                driver_full,
+            };
+            let (backed, r) = self.phys.back(dev, target, ask);
+            if backed.spilled {
+                self.stats.num_spills += 1;
+            }
+            let short = match r {
+                Ok(()) => return (backed, Ok(())),
                 // Pages mapped ahead of need come only from memory to spare.
-                return Err(Backing::Short(room.create.saturating_sub(room.free).max(1)));
-            }
-            let lack = room.lacking();
-            if lack > 0 {
-                // Rungs 4 and 5, then plan again with what they gave.
-                self.make_room(dev, lack, last, exclude)?;
-                continue;
-            }
-            match self.take_plan(dev, &plan, room)? {
-                Some(handles) => return Ok((plan, handles)),
+                Err(Shortfall::NoSpare(n)) => Short::Device(n),
+                Err(Shortfall::Lack(lack)) => match self.make_room(dev, lack, last, exclude) {
+                    // Rungs 4 and 5 gave memory: plan again with it.
+                    Ok(()) => continue,
+                    Err(n) => Short::Device(n),
+                },
                 // Keep what was created (pooled), and plan again with it.
-                None => driver_full = true,
-            }
+                Err(Shortfall::DriverFull) => {
+                    driver_full = true;
+                    continue;
+                }
+                Err(Shortfall::HostFull) => Short::Host,
+                Err(Shortfall::Fail(e)) => Short::Fail(e),
+            };
+            return (backed, Err(short));
         }
         // Every attempt ended in an out-of-memory from the driver.
         self.phys.trim(dev);
         let short = runs.iter().map(|r| r.1).sum::<u64>();
-        Err(Backing::Short(
-            short.saturating_sub(self.phys.pool().pages()).max(1),
-        ))
-    }
-
-    /// Plans chunks for the unmapped `runs` (`(first, count)`): per run, the
-    /// largest pooled chunk that fits the rest of the run, else one new chunk
-    /// for the rest (split at `max_chunk`).
-    fn plan(&self, runs: &[(u64, u64)]) -> Vec<Planned> {
-        let mut view = super::physical::PoolView::of(self.phys.pool());
-        let max = self.layout.max_chunk_pages;
-        let mut plan = Vec::new();
-        for &(a, n) in runs {
-            let (mut p, end) = (a, a + n);
-            while p < end {
-                let rest = (end - p).min(max);
-                let (pages, pooled) = match view.take_largest_at_most(rest) {
-                    Some(k) => (k, true),
-                    None => (rest, false),
-                };
-                plan.push(Planned {
-                    first: p,
-                    pages,
-                    pooled,
-                });
-                p += pages;
-            }
-        }
-        plan
-    }
-
-    /// What `plan` asks of rungs 2 and 3 and what they have: the pages to
-    /// create, the limit's room (none once `driver_full`), the spare pool.
-    fn room_for(&self, plan: &[Planned], driver_full: bool) -> Room {
-        let create: u64 = plan.iter().filter(|c| !c.pooled).map(|c| c.pages).sum();
-        let used_pool: u64 = plan.iter().filter(|c| c.pooled).map(|c| c.pages).sum();
-        let free = if driver_full {
-            0
-        } else {
-            self.phys.room(self.mapped_pages())
-        };
-        Room {
-            create,
-            free,
-            spare: self.phys.pool().pages() - used_pool,
-        }
+        (
+            Backed::default(),
+            Err(Short::Device(
+                short.saturating_sub(self.phys.pool().pages()).max(1),
+            )),
+        )
     }
 
     /// Rungs 4 and 5 for `lack` pages that rungs 1–3 cannot give: when whole
@@ -213,7 +211,7 @@ impl Inner {
         lack: u64,
         last: bool,
         exclude: Exclude,
-    ) -> Result<(), Backing> {
+    ) -> Result<(), u64> {
         let mut reclaimable = if last {
             0
         } else {
@@ -228,7 +226,7 @@ impl Inner {
         if reclaimable >= lack {
             self.stats.num_alloc_retries += 1;
             if self.reclaim(dev, lack, exclude) == 0 {
-                return Err(Backing::Short(lack));
+                return Err(lack);
             }
             return Ok(());
         }
@@ -247,105 +245,6 @@ impl Inner {
             }
         }
         self.phys.trim(dev);
-        Err(Backing::Short(lack - reclaimable))
-    }
-
-    /// Rungs 1–3 for a plan that fits (`room` lacks nothing): the planned
-    /// pooled chunks out of the pool, spare pooled chunks released while
-    /// the creates exceed the limit's room, then new handles. Returns one
-    /// handle per planned chunk, or `None` when the driver said out of
-    /// memory (the handles obtained are pooled again).
-    fn take_plan<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        plan: &[Planned],
-        room: Room,
-    ) -> Result<Option<Vec<PhysHandle>>, Backing> {
-        // Take the planned pooled chunks out first, so that releasing
-        // spare pool memory cannot take them.
-        let mut handles = self.take_pooled(plan);
-        if let Err(e) = self.release_spare(dev, room.create.saturating_sub(room.free)) {
-            self.pool_back(plan, handles);
-            return Err(Backing::Fail(e.into()));
-        }
-        match self.create_planned(dev, plan, &mut handles) {
-            Ok(Created::All) => Ok(Some(handles.into_iter().flatten().collect())),
-            Ok(Created::DriverFull) => {
-                self.pool_back(plan, handles);
-                Ok(None)
-            }
-            Err(e) => {
-                // Handles created so far stay pooled: they are valid memory.
-                self.pool_back(plan, handles);
-                self.phys.trim(dev);
-                Err(Backing::Fail(e.into()))
-            }
-        }
-    }
-
-    /// Rung 1: takes the plan's pooled chunks out of the pool. Returns one
-    /// entry per planned chunk: its handle, or `None` for a chunk to create.
-    fn take_pooled(&mut self, plan: &[Planned]) -> Vec<Option<PhysHandle>> {
-        let handles = plan
-            .iter()
-            .map(|c| {
-                if c.pooled {
-                    self.phys.take_pooled(c.pages)
-                } else {
-                    None
-                }
-            })
-            .collect();
-        handles
-    }
-
-    /// Rung 3: releases pooled chunks, largest first, until at least `want`
-    /// pages went back to the driver or the pool is empty. Returns the pages
-    /// released; a failed release stops it (that chunk stays pooled).
-    fn release_spare<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        want: u64,
-    ) -> Result<u64, DeviceError> {
-        let mut freed = 0;
-        while freed < want {
-            match self.phys.release_largest(dev)? {
-                0 => break,
-                p => freed += p,
-            }
-        }
-        Ok(freed)
-    }
-
-    /// Rung 2: a new handle for every planned chunk that has none in
-    /// `handles`, in plan order, stopping at the driver's first
-    /// out-of-memory. Another driver error is returned (the handles created
-    /// so far stay in `handles`).
-    fn create_planned<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        plan: &[Planned],
-        handles: &mut [Option<PhysHandle>],
-    ) -> Result<Created, DeviceError> {
-        for (c, h) in plan.iter().zip(handles.iter_mut()) {
-            if h.is_some() {
-                continue;
-            }
-            match self.phys.create(dev, c.pages) {
-                Ok(new) => *h = Some(new),
-                Err(e) if e.is_out_of_memory() => return Ok(Created::DriverFull),
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(Created::All)
-    }
-
-    /// Puts the handles of a plan that were obtained back into the pool.
-    pub(super) fn pool_back(&mut self, plan: &[Planned], handles: Vec<Option<PhysHandle>>) {
-        for (c, h) in plan.iter().zip(handles) {
-            if let Some(h) = h {
-                self.phys.give_back(h, c.pages);
-            }
-        }
+        Err(lack - reclaimable)
     }
 }

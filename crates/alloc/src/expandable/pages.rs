@@ -1,7 +1,8 @@
 //! Physical chunks under blocks: which pages of a block must be backed
-//! (edge pages, splits), mapping the chunks the ladder of sources
-//! (`ladder.rs`: pool, driver, targeted reclaim, unpinning, spill) gives
-//! for them, unmapping runs, and rolling back a half-done mapping.
+//! (edge pages, splits), asking the ladder of sources (`ladder.rs`: pool,
+//! driver, targeted reclaim, unpinning, spill) to back them (the physical
+//! layer maps them and rolls back a half-done mapping, `physical/back.rs`),
+//! unmapping runs, and the block layer's counters for both.
 //!
 //! # Why chunks
 //!
@@ -58,21 +59,11 @@
 //! `stats.pages_pooled` and the handle counts equal recounts; mapped chunks are
 //! accessible unless listed in `unready`.
 
-use super::ladder::Need;
-use super::physical::{Chunk, Physical, Planned};
+use super::ladder::{Backing, Need};
+use super::physical::{Chunk, Physical, Target};
 use super::reclaim::Exclude;
 use super::Inner;
-use crate::AllocError;
-use vmmalloc_device::{Device, DeviceError, PhysHandle};
-
-/// Why pages could not be provided.
-#[derive(Debug)]
-pub(crate) enum Backing {
-    /// Not enough physical memory: this many pages are still lacking.
-    Short(u64),
-    /// A device call failed (not out-of-memory); the operation was rolled back.
-    Fail(AllocError),
-}
+use vmmalloc_device::{Device, DeviceError};
 
 impl Inner {
     /// Updates the block layer's counters after pages of `seg` were mapped
@@ -243,11 +234,13 @@ impl Inner {
         Ok(())
     }
 
-    /// Backs `runs` of `seg` with chunks and maps them. Memory comes from the
-    /// pool first, then from new handles within the limit; when that is not
-    /// enough, pooled chunks the plan cannot use are released, then whole free
-    /// chunks elsewhere are reclaimed (never those overlapping `exclude`) and
-    /// the plan is made again with them (only for [`Need::Now`]).
+    /// Backs `runs` of `seg` with chunks and maps them (the ladder,
+    /// `ladder.rs`): memory comes from the pool first, then from new handles
+    /// within the limit; when that is not enough, pooled chunks the plan
+    /// cannot use are released, then whole free chunks elsewhere are
+    /// reclaimed (never those overlapping `exclude`) and the plan is made
+    /// again with them (only for [`Need::Now`]). On failure every chunk
+    /// this call mapped is unmapped again (handles go to the pool).
     pub(super) fn acquire_and_map<D: Device + ?Sized>(
         &mut self,
         dev: &D,
@@ -256,87 +249,38 @@ impl Inner {
         need: Need,
         exclude: Exclude,
     ) -> Result<(), Backing> {
-        // A pinned segment (a graph pool's) never spills: its pages stay
-        // device memory for as long as a graph may replay them.
-        let (plan, handles) = if self.table(seg).pinned() {
-            self.acquire_device(dev, runs, need, exclude)?
-        } else {
-            self.acquire(dev, runs, need, exclude)?
-        };
-        self.map_chunks(dev, seg, &plan, handles)
-            .map_err(|e| Backing::Fail(e.into()))
+        let (backed, r) = self.back_runs(dev, Target::Segment(seg), runs, need, exclude);
+        // The physical layer mapped up to `peak` pages, then (after a
+        // failure) unmapped all but `kept`: the counters move up, then down,
+        // as they would have page by page, peaks included.
+        let (from, peak) = (backed.from, backed.from + backed.peak);
+        self.note_mapped(seg, from, peak);
+        self.note_mapped(seg, peak, from + backed.kept);
+        r
     }
 
-    /// Maps `handles` as the chunks of `plan` (ascending), one `set_access`
-    /// per contiguous run. On failure, unmaps what it mapped.
-    fn map_chunks<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        seg: u32,
-        plan: &[Planned],
-        handles: Vec<PhysHandle>,
-    ) -> Result<(), DeviceError> {
-        // Chunks are mapped in order, so the ones this call mapped are always
-        // `plan[..done]`.
-        let mut done = 0;
-        let mut i = 0;
-        while i < plan.len() {
-            let mut j = i;
-            while j + 1 < plan.len() && plan[j + 1].first == plan[j].first + plan[j].pages {
-                j += 1;
-            }
-            let before = self.inactive_split(seg);
-            let mut run_pages = 0;
-            for k in i..=j {
-                let c = plan[k];
-                let mapped = self.phys.map_chunk(dev, seg, c.first, handles[k], c.pages);
-                if let Err(e) = mapped {
-                    self.note_pages(seg, run_pages as i64, before);
-                    for (c, &h) in plan[k..].iter().zip(&handles[k..]) {
-                        self.phys.give_back(h, c.pages);
-                    }
-                    return Err(self.undo_mapping(dev, seg, &plan[..done], e));
-                }
-                run_pages += c.pages;
-                done += 1;
-            }
-            self.note_pages(seg, run_pages as i64, before);
-            let access = self.phys.set_access(dev, seg, plan[i].first, run_pages);
-            if let Err(e) = access {
-                for (c, &h) in plan[j + 1..].iter().zip(&handles[j + 1..]) {
-                    self.phys.give_back(h, c.pages);
-                }
-                return Err(self.undo_mapping(dev, seg, &plan[..done], e));
-            }
-            i = j + 1;
+    /// Updates the block layer's counters after the physical layer took
+    /// segment `seg` from `from` to `to` mapped pages: its inactive split
+    /// ([`super::segment::Segment::inactive_split`], a function of the
+    /// mapped pages) and `reserved_bytes`. One update gives the same
+    /// counters, peaks included, as one per page while they move one way.
+    fn note_mapped(&mut self, seg: u32, from: u64, to: u64) {
+        if from == to {
+            return;
         }
-        Ok(())
-    }
-
-    /// Rolls back chunks mapped by a failed [`Inner::map_chunks`]: unmaps
-    /// them (run by run, then chunk by chunk) and pools their handles. A
-    /// chunk that cannot be unmapped stays mapped and is listed as unready
-    /// (mapped, maybe inaccessible). Returns `err`.
-    fn undo_mapping<D: Device + ?Sized>(
-        &mut self,
-        dev: &D,
-        seg: u32,
-        done: &[Planned],
-        err: DeviceError,
-    ) -> DeviceError {
-        let mut i = 0;
-        while i < done.len() {
-            let mut j = i;
-            while j + 1 < done.len() && done[j + 1].first == done[j].first + done[j].pages {
-                j += 1;
-            }
-            let first = done[i].first;
-            let count = done[j].first + done[j].pages - first;
-            let _ = self.unmap_chunks(dev, seg, first, count, true);
-            i = j + 1;
+        let page = self.layout.page;
+        let s = self.seg(seg);
+        let (before, after) = (s.inactive_split(from, page), s.inactive_split(to, page));
+        let k = s.kind as usize;
+        let c = &mut self.counters;
+        if after.0 != before.0 {
+            c.inactive_split_bytes.add(k, after.0 - before.0);
         }
-        self.phys.trim(dev);
-        err
+        if after.1 != before.1 {
+            c.inactive_split.add(k, after.1 - before.1);
+        }
+        c.reserved_bytes
+            .add(k, (to as i64 - from as i64) * page as i64);
     }
 }
 

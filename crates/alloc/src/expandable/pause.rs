@@ -45,8 +45,7 @@
 //!   (`sleep.rs`); a pool's pause leaves them for the next trim.
 
 use super::blocks::BlockState;
-use super::ladder::Need;
-use super::pages::Backing;
+use super::ladder::{Backing, Need};
 use super::physical::Physical;
 use super::segment::StreamEntry;
 use super::tags;

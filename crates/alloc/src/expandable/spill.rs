@@ -19,29 +19,32 @@
 //!   bytes back. A failure puts the host chunk back where it was.
 //!
 //! The spill state lives in the physical layer (`physical/spilled.rs`, with
-//! its invariants), which makes the host creates and does the accounting
-//! (`create_on_host`, `note_mapping`, `give_back`, `release_host_free`);
-//! this file holds the decisions.
+//! its invariants), which makes the host creates (a request's host runs,
+//! [`Ask::host`](super::physical::Ask::host), in `physical/back.rs`) and
+//! does the accounting (`note_mapping`, `give_back`, `release_host_free`);
+//! this file holds the decisions: when to spill, how much, and migrating
+//! back.
 
-use super::ladder::Need;
-use super::pages::Backing;
-use super::physical::{Chunk, Planned};
+use super::ladder::{Backing, Need, Short};
+use super::physical::{Ask, Backed, Chunk, Shortfall, Target};
 use super::Inner;
-use vmmalloc_device::{Device, DeviceError, PhysHandle};
+use vmmalloc_device::{Device, DeviceError};
 
 impl Inner {
-    /// With `spill:true`, after the device lacked `lacking` pages for `runs`:
-    /// the first pages of `runs` from device memory (what it can give), the
-    /// last `lacking` from host memory; all from the host when the device
-    /// part fails after all. The plan is ascending, device chunks first.
-    pub(super) fn acquire_spilling<D: Device + ?Sized>(
+    /// With `spill:true`, after the device lacked `lacking` pages for `runs`
+    /// in `target`: the first pages of `runs` from device memory (what it
+    /// can give), the last `lacking` from host memory; all from the host
+    /// when the device part fails after all. Mapped in ascending order,
+    /// device chunks first.
+    pub(super) fn back_spilling<D: Device + ?Sized>(
         &mut self,
         dev: &D,
+        target: Target,
         runs: &[(u64, u64)],
         need: Need,
         exclude: super::reclaim::Exclude,
         lacking: u64,
-    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
+    ) -> (Backed, Result<(), Backing>) {
         let total: u64 = runs.iter().map(|r| r.1).sum();
         let on_device = total.saturating_sub(lacking);
         let (mut head, mut tail) = (Vec::new(), Vec::new());
@@ -57,72 +60,41 @@ impl Inner {
             }
         }
         if head.is_empty() {
-            return self.acquire_on_host(dev, runs, lacking);
+            return self.back_on_host(dev, target, runs, lacking);
         }
-        let (mut plan, mut handles) = match self.acquire_device(dev, &head, need, exclude) {
-            Ok(x) => x,
-            Err(Backing::Short(_)) => return self.acquire_on_host(dev, runs, lacking),
-            Err(e) => return Err(e),
-        };
-        match self.acquire_on_host(dev, &tail, lacking) {
-            Ok((p, h)) => {
-                plan.extend(p);
-                handles.extend(h);
-                Ok((plan, handles))
-            }
-            Err(e) => {
-                for (c, h) in plan.iter().zip(handles) {
-                    self.phys.give_back(h, c.pages);
-                }
-                Err(e)
-            }
+        match self.back_device(dev, target, &head, &tail, need, exclude) {
+            (_, Err(Short::Device(_))) => self.back_on_host(dev, target, runs, lacking),
+            (backed, r) => (backed, r.map_err(|e| e.into_backing(lacking))),
         }
     }
 
-    /// With `spill:true`, backs `runs` (`(first, count)`, unmapped) with new
-    /// host-located chunks (split at `max_chunk`) after the device said no:
-    /// returns the plan and its handles, or `lacking` again when the host is
-    /// full too (or the backend has no host memory). Created handles are
-    /// released on failure.
-    pub(super) fn acquire_on_host<D: Device + ?Sized>(
+    /// With `spill:true`, backs `runs` (`(first, count)`, unmapped) in
+    /// `target` with new host-located chunks only, after the device said no:
+    /// `lacking` again when the host is full too (or the backend has no host
+    /// memory). Created handles are released on failure.
+    fn back_on_host<D: Device + ?Sized>(
         &mut self,
         dev: &D,
+        target: Target,
         runs: &[(u64, u64)],
         lacking: u64,
-    ) -> Result<(Vec<Planned>, Vec<PhysHandle>), Backing> {
-        let max = self.layout.max_chunk_pages;
-        let mut plan = Vec::new();
-        for &(a, n) in runs {
-            let mut p = a;
-            while p < a + n {
-                let pages = (a + n - p).min(max);
-                plan.push(Planned {
-                    first: p,
-                    pages,
-                    pooled: false,
-                });
-                p += pages;
-            }
+    ) -> (Backed, Result<(), Backing>) {
+        let ask = Ask {
+            runs: &[],
+            host: runs,
+            ahead: false,
+            driver_full: false,
+        };
+        let (backed, r) = self.phys.back(dev, target, ask);
+        if backed.spilled {
+            self.stats.num_spills += 1;
         }
-        let mut handles = Vec::with_capacity(plan.len());
-        for c in &plan {
-            match self.phys.create_on_host(dev, c.pages) {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    for h in handles {
-                        self.phys.drop_host(h);
-                    }
-                    self.phys.release_host_free(dev);
-                    return Err(if e.is_out_of_memory() || e.cuda_code() == 801 {
-                        Backing::Short(lacking)
-                    } else {
-                        Backing::Fail(e.into())
-                    });
-                }
-            }
-        }
-        self.stats.num_spills += 1;
-        Ok((plan, handles))
+        let r = r.map_err(|e| match e {
+            Shortfall::Fail(e) => Backing::Fail(e.into()),
+            // With no device runs only the host can be short.
+            _ => Backing::Short(lacking),
+        });
+        (backed, r)
     }
 
     /// The quiet-point work of spill: releases host chunks in free space,

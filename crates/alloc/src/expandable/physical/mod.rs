@@ -13,7 +13,10 @@
 //!   create and credits on every release (`budget.rs`: the memory fraction
 //!   today, a budget shared between processes next), chunks left unready,
 //!   spill's host-located handles (`spilled.rs`) and the chunks IPC export
-//!   pins.
+//!   pins (`exports.rs`);
+//! - the [`Layout`] (`layout.rs`) pages and chunks are measured in.
+//!
+//! It imports nothing from the block layer (the rest of `expandable`).
 //!
 //! # What it does
 //!
@@ -30,9 +33,14 @@
 //! layer's drain) are its operations.
 //!
 //! The block layer (the rest of `expandable`) decides what to map and keeps
-//! its own counters ([`super::Inner::with_seg_pages`]). It asks [`Physical`]
-//! questions instead of reading its fields: which pages of a segment are
-//! mapped ([`Physical::table`]), how much room the budget has
+//! its own counters ([`super::Inner::with_seg_pages`]). On a cache miss it
+//! asks one question per attempt, [`Physical::back`] (`back.rs`): "back
+//! these page runs; tell me what is short". The layer plans, takes pooled
+//! chunks, releases spare ones, creates within the budget, maps, gives
+//! access and rolls back on failure; the block layer only makes room
+//! (reclaim, unpinning), decides to spill, and asks again. Otherwise it asks
+//! [`Physical`] questions instead of reading its fields: which pages of a
+//! segment are mapped ([`Physical::table`]), how much room the budget has
 //! ([`Physical::room`], [`Physical::over_limit`]), where an unmapped handle
 //! goes ([`Physical::give_back`]), whether a chunk may move
 //! ([`Physical::may_move`]: not host memory, not unready, not exported),
@@ -50,6 +58,7 @@
 //! budget's charge.
 
 mod arena;
+mod back;
 pub(crate) mod budget;
 mod calls;
 mod chunks;
@@ -67,6 +76,7 @@ mod spilled;
 mod tests;
 
 pub(crate) use arena::Arenas;
+pub(crate) use back::{Ask, Backed, Planned, Shortfall, Target};
 pub(crate) use chunks::{Chunk, ChunkTable};
 use exports::ExportState;
 pub(crate) use layout::Layout;
@@ -83,24 +93,13 @@ use observe::{Observer, Observers, Owner};
 use std::collections::BTreeMap;
 use vmmalloc_device::{Device, DeviceError, PhysHandle};
 
-/// One chunk of a plan (the block layer's ladder makes plans, this layer
-/// maps them): pages `[first, first + pages)` of the segment, backed
-/// by a pooled handle of that size or by a new one.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Planned {
-    /// First page of the chunk (in the caller's page numbering).
-    pub first: u64,
-    /// Pages of the chunk.
-    pub pages: u64,
-    /// Whether a pooled handle backs it (else a new one).
-    pub pooled: bool,
-}
-
 /// Physical state of one allocator (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Physical {
     /// Bytes of one page.
     page: u64,
+    /// Pages of the largest chunk a plan makes (`max_chunk`).
+    max_chunk_pages: u64,
     /// How much device memory may be held: charged before every create,
     /// credited on every release (`budget.rs`).
     budget: Box<dyn Budget>,
@@ -136,6 +135,7 @@ impl Physical {
     pub fn new(layout: &Layout, fraction: f64, release_threshold: u64, spill: bool) -> Physical {
         Physical {
             page: layout.page,
+            max_chunk_pages: layout.max_chunk_pages,
             budget: Box::new(LocalBudget::new(fraction, layout.limit_pages(fraction))),
             observers: Observers::default(),
             release_threshold,
@@ -555,8 +555,8 @@ impl Physical {
 
     // --- Handles for the block layer ---------------------------------------
 
-    /// A new handle of `pages` pages of device memory for a plan (the
-    /// ladder's rung 2, spill's migration): charged to the budget first
+    /// A new handle of `pages` pages of device memory (spill's migration;
+    /// a plan's creates are [`Physical::back`]'s): charged to the budget first
     /// (refused as out of memory when it has no room), `cuMemCreate`d,
     /// credited back if the create fails. Not in a table until mapped.
     pub fn create<D: Device + ?Sized>(
