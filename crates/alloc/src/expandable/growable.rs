@@ -40,7 +40,7 @@
 
 use super::blocks::PoolKind;
 use super::ladder::{Backing, Need};
-use super::physical::Target;
+use super::physical::{Pages, Target};
 use super::Inner;
 use crate::{AllocError, AllocResult};
 use vmmalloc_device::{round_up, Device, Stream};
@@ -179,7 +179,8 @@ impl Inner {
             return Err(self.oom(dev, bytes, pages * page, stream, lack));
         }
         let target = Target::Region(ptr);
-        let (backed, r) = self.back_runs(dev, target, &[(first, pages)], Need::Now, None);
+        let runs = [(first, pages)];
+        let (backed, r) = self.back_runs(dev, target, Pages::Runs(&runs), Need::Now, None);
         // Pages the region kept: all on success, chunks whose rollback
         // failed otherwise.
         self.note_growable(backed.kept as i64, 0);

@@ -52,7 +52,7 @@
 //! memory for a 4 MiB request that fit the device, `tests/spill.rs`,
 //! `pages_mapped_ahead_of_need_never_spill`).
 
-use super::physical::{Ask, Backed, Shortfall, Target};
+use super::physical::{Ask, Backed, Pages, Shortfall, Target};
 use super::reclaim::Exclude;
 use super::Inner;
 use crate::AllocError;
@@ -86,6 +86,8 @@ pub(crate) enum Backing {
 
 /// How [`Inner::back_device`] ended short.
 pub(super) enum Short {
+    /// The pages exceed the whole limit by this many: no rung can help.
+    OverLimit(u64),
     /// The device lacks this many pages.
     Device(u64),
     /// The host could not give a spill's runs.
@@ -99,7 +101,7 @@ impl Short {
     /// backed lack `host_lacking` pages.
     pub(super) fn into_backing(self, host_lacking: u64) -> Backing {
         match self {
-            Short::Device(n) => Backing::Short(n),
+            Short::OverLimit(n) | Short::Device(n) => Backing::Short(n),
             Short::Host => Backing::Short(host_lacking),
             Short::Fail(e) => Backing::Fail(e.into()),
         }
@@ -107,25 +109,25 @@ impl Short {
 }
 
 impl Inner {
-    /// Backs the unmapped `runs` (`(first, count)`) in `target` from the
-    /// ladder (module docs): rungs 1–5 from device memory, then, unless
-    /// `target` is a pinned segment, with `spill:true` rung 6. Returns what
-    /// the physical layer did to the target's mapped pages (the caller
-    /// updates its counters) and the outcome; on failure every handle
-    /// obtained is pooled and nothing this call mapped stays mapped (but
-    /// chunks whose rollback failed, in [`Backed::kept`]).
+    /// Backs the unmapped `pages` in `target` from the ladder (module
+    /// docs): rungs 1–5 from device memory, then, unless `target` is a
+    /// pinned segment, with `spill:true` rung 6. Returns what the physical
+    /// layer did to the target's mapped pages (the caller updates its
+    /// counters) and the outcome; on failure every handle obtained is
+    /// pooled and nothing this call mapped stays mapped (but chunks whose
+    /// rollback failed, in [`Backed::kept`]).
     pub(super) fn back_runs<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         target: Target,
-        runs: &[(u64, u64)],
+        pages: Pages<'_>,
         need: Need,
         exclude: Exclude,
     ) -> (Backed, Result<(), Backing>) {
         // A pinned segment (a graph pool's) never spills: its pages stay
         // device memory for as long as a graph may replay them.
         let pinned = matches!(target, Target::Segment(seg) if self.table(seg).pinned());
-        let (backed, r) = self.back_device(dev, target, runs, &[], need, exclude);
+        let (backed, r) = self.back_device(dev, target, pages, &[], need, exclude);
         match r {
             Ok(()) => (backed, Ok(())),
             // Device memory is exhausted after reclaim: spill (spill.rs).
@@ -135,6 +137,11 @@ impl Inner {
             Err(Short::Device(lacking))
                 if !pinned && self.phys.spill_enabled() && need == Need::Now =>
             {
+                let found = backed.runs;
+                let runs = match pages {
+                    Pages::Runs(runs) => runs,
+                    Pages::Span(..) => &found,
+                };
                 self.back_spilling(dev, target, runs, need, exclude, lacking)
             }
             // No host runs were asked for: never `Short::Host`.
@@ -142,45 +149,61 @@ impl Inner {
         }
     }
 
-    /// Rungs 1–5 for `runs` (and, after them, new host chunks for `host`):
+    /// Rungs 1–5 for `pages` (and, after them, new host chunks for `host`):
     /// asks the physical layer, and when it lacks pages makes room (rungs 4
     /// and 5) and asks again; after the driver said out of memory, asks
-    /// again with what was created pooled.
+    /// again with what was created pooled. The runs a [`Pages::Span`] had
+    /// are asked for again as runs, and come back in [`Backed::runs`].
     pub(super) fn back_device<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         target: Target,
-        runs: &[(u64, u64)],
+        pages: Pages<'_>,
         host: &[(u64, u64)],
         need: Need,
         exclude: Exclude,
     ) -> (Backed, Result<(), Short>) {
+        // The runs of a span, once the first ask found them.
+        let is_span = matches!(pages, Pages::Span(..));
+        let mut found: Option<Vec<(u64, u64)>> = None;
         // The driver said out of memory: only released memory can be created again.
         let mut driver_full = false;
         for attempt in 0..MAX_ATTEMPTS {
             let last = attempt + 1 == MAX_ATTEMPTS;
             let ask = Ask {
-                runs,
+                pages: found.as_deref().map_or(pages, Pages::Runs),
                 host,
                 ahead: need == Need::Ahead,
                 driver_full,
             };
-            let (backed, r) = self.phys.back(dev, target, ask);
+            let (mut backed, r) = self.phys.back(dev, target, ask);
+            if let Some(runs) = found.take() {
+                backed.runs = runs;
+            }
             if backed.spilled {
                 self.stats.num_spills += 1;
             }
             let short = match r {
                 Ok(()) => return (backed, Ok(())),
+                Err(Shortfall::OverLimit(n)) => Short::OverLimit(n),
                 // Pages mapped ahead of need come only from memory to spare.
                 Err(Shortfall::NoSpare(n)) => Short::Device(n),
                 Err(Shortfall::Lack(lack)) => match self.make_room(dev, lack, last, exclude) {
                     // Rungs 4 and 5 gave memory: plan again with it.
-                    Ok(()) => continue,
+                    Ok(()) => {
+                        if is_span {
+                            found = Some(backed.runs);
+                        }
+                        continue;
+                    }
                     Err(n) => Short::Device(n),
                 },
                 // Keep what was created (pooled), and plan again with it.
                 Err(Shortfall::DriverFull) => {
                     driver_full = true;
+                    if is_span {
+                        found = Some(backed.runs);
+                    }
                     continue;
                 }
                 Err(Shortfall::HostFull) => Short::Host,
@@ -190,9 +213,18 @@ impl Inner {
         }
         // Every attempt ended in an out-of-memory from the driver.
         self.phys.trim(dev);
-        let short = runs.iter().map(|r| r.1).sum::<u64>();
+        let found = found.unwrap_or_default();
+        let asked = match pages {
+            Pages::Runs(runs) => runs,
+            Pages::Span(..) => &found,
+        };
+        let short = asked.iter().map(|r| r.1).sum::<u64>();
+        let backed = Backed {
+            runs: found,
+            ..Backed::default()
+        };
         (
-            Backed::default(),
+            backed,
             Err(Short::Device(
                 short.saturating_sub(self.phys.pool().pages()).max(1),
             )),

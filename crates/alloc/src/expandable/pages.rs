@@ -60,7 +60,7 @@
 //! accessible unless listed in `unready`.
 
 use super::ladder::{Backing, Need};
-use super::physical::{Chunk, Physical, Target};
+use super::physical::{Chunk, Pages, Physical, Target};
 use super::reclaim::Exclude;
 use super::Inner;
 use vmmalloc_device::{Device, DeviceError};
@@ -137,6 +137,10 @@ impl Inner {
     /// long its neighbours live (see the module docs, "Edge pages"). Not
     /// when the rest of its run is at most `split_slack`: a neighbour could
     /// pin no more than a split would leave pinned.
+    ///
+    /// When memory is not tight (nothing to split, no edge to cut) the
+    /// physical layer finds the unmapped pages itself ([`Pages::Span`]): a
+    /// miss is then one call into it per attempt of the ladder.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn back_pages<D: Device + ?Sized>(
         &mut self,
@@ -149,12 +153,19 @@ impl Inner {
         freed_at: u64,
     ) -> Result<(), Backing> {
         let (p0, p1) = span;
+        let exclude = Some((seg, p0, p1));
+        if !self.tight() {
+            // Nothing to split, no edge to cut: the physical layer finds
+            // the unmapped runs itself (the common miss: one call).
+            return self.acquire_and_map(dev, seg, Pages::Span(p0, p1), need, exclude);
+        }
         self.phys
             .fix_unready(dev, seg, p0, p1)
             .map_err(|e| Backing::Fail(e.into()))?;
         self.split_free_chunks(dev, seg, p0, p1, room, freed_at)
             .map_err(|e| Backing::Fail(e.into()))?;
         let mut runs = self.table(seg).unmapped_runs(p0, p1 + 1);
+        // Tight again: waiting for a stream in the split may have freed blocks.
         if (shared.0 || shared.1) && self.tight() {
             runs = cut_edge_pages(
                 &runs,
@@ -173,7 +184,7 @@ impl Inner {
         if pages > limit {
             return Err(Backing::Short(pages - limit));
         }
-        self.acquire_and_map(dev, seg, &runs, need, Some((seg, p0, p1)))
+        self.acquire_and_map(dev, seg, Pages::Runs(&runs), need, exclude)
     }
 
     /// Whether memory is tight: live bytes exceed `split_threshold` of the
@@ -245,11 +256,11 @@ impl Inner {
         &mut self,
         dev: &D,
         seg: u32,
-        runs: &[(u64, u64)],
+        pages: Pages<'_>,
         need: Need,
         exclude: Exclude,
     ) -> Result<(), Backing> {
-        let (backed, r) = self.back_runs(dev, Target::Segment(seg), runs, need, exclude);
+        let (backed, r) = self.back_runs(dev, Target::Segment(seg), pages, need, exclude);
         // The physical layer mapped up to `peak` pages, then (after a
         // failure) unmapped all but `kept`: the counters move up, then down,
         // as they would have page by page, peaks included.

@@ -46,7 +46,7 @@
 
 use super::blocks::BlockState;
 use super::ladder::{Backing, Need};
-use super::physical::Physical;
+use super::physical::{Pages, Physical};
 use super::segment::StreamEntry;
 use super::tags;
 use super::Inner;
@@ -379,7 +379,7 @@ impl Inner {
     ) -> AllocResult<()> {
         let page = self.layout.page;
         let need: u64 = runs.iter().map(|r| r.1).sum();
-        match self.acquire_and_map(dev, seg, &runs, Need::Now, None) {
+        match self.acquire_and_map(dev, seg, Pages::Runs(&runs), Need::Now, None) {
             Ok(()) => {
                 into.bytes += need * page;
                 into.done.push((seg, runs));

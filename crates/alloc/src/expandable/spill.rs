@@ -26,7 +26,7 @@
 //! back.
 
 use super::ladder::{Backing, Need, Short};
-use super::physical::{Ask, Backed, Chunk, Shortfall, Target};
+use super::physical::{Ask, Backed, Chunk, Pages, Shortfall, Target};
 use super::Inner;
 use vmmalloc_device::{Device, DeviceError};
 
@@ -62,7 +62,7 @@ impl Inner {
         if head.is_empty() {
             return self.back_on_host(dev, target, runs, lacking);
         }
-        match self.back_device(dev, target, &head, &tail, need, exclude) {
+        match self.back_device(dev, target, Pages::Runs(&head), &tail, need, exclude) {
             (_, Err(Short::Device(_))) => self.back_on_host(dev, target, runs, lacking),
             (backed, r) => (backed, r.map_err(|e| e.into_backing(lacking))),
         }
@@ -80,7 +80,7 @@ impl Inner {
         lacking: u64,
     ) -> (Backed, Result<(), Backing>) {
         let ask = Ask {
-            runs: &[],
+            pages: Pages::Runs(&[]),
             host: runs,
             ahead: false,
             driver_full: false,

@@ -1,6 +1,11 @@
 //! Backing page runs: the one question the block layer asks on a miss
 //! ([`Physical::back`]: "back these page runs; tell me what is short").
 //!
+//! The block layer asks with the runs, or (when memory is not tight: no
+//! free chunk to split, no edge page to cut) with the request's page span:
+//! the layer then gives access to unready chunks there, finds the unmapped
+//! runs and checks them against the budget's whole limit itself.
+//!
 //! One call plans chunks for the runs, takes the pooled ones, releases spare
 //! pooled chunks to make room under the budget, creates the rest, creates
 //! the host-located tail of a spill, maps everything into the segment (or at
@@ -40,11 +45,24 @@ pub(crate) enum Target {
     Region(u64),
 }
 
+/// Which pages a request backs with device memory.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Pages<'a> {
+    /// These unmapped runs `(first, count)`.
+    Runs(&'a [(u64, u64)]),
+    /// The unmapped pages of `[first, last]` of the target segment (a
+    /// region has none): unready chunks there are given access first,
+    /// and pages beyond the budget's whole limit are refused
+    /// ([`Shortfall::OverLimit`]) before anything is planned. The runs
+    /// found come back in [`Backed::runs`].
+    Span(u64, u64),
+}
+
 /// One request to [`Physical::back`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Ask<'a> {
-    /// Unmapped runs `(first, count)` to back with device memory.
-    pub runs: &'a [(u64, u64)],
+    /// The pages to back with device memory.
+    pub pages: Pages<'a>,
     /// Unmapped runs to back with new host-located chunks (spill), after
     /// the device runs; empty unless the block layer decided to spill.
     pub host: &'a [(u64, u64)],
@@ -58,7 +76,7 @@ pub(crate) struct Ask<'a> {
 }
 
 /// What [`Physical::back`] did to the target, whether it succeeded or not.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Backed {
     /// Pages the segment had mapped when this call began to map (0 for a
     /// region).
@@ -70,12 +88,18 @@ pub(crate) struct Backed {
     pub kept: u64,
     /// Host-located chunks were created for [`Ask::host`].
     pub spilled: bool,
+    /// For [`Pages::Span`]: the unmapped runs `(first, count)` found there
+    /// (empty for [`Pages::Runs`]).
+    pub runs: Vec<(u64, u64)>,
 }
 
 /// Why [`Physical::back`] did not back the runs. Nothing it obtained is
 /// left with the caller: handles are pooled, host handles released.
 #[derive(Debug)]
 pub(crate) enum Shortfall {
+    /// [`Pages::Span`]: its unmapped pages exceed the budget's whole limit
+    /// by this many pages; nothing was tried.
+    OverLimit(u64),
     /// The pool, new handles within the budget and releasing spare pooled
     /// chunks cannot give this many pages: make room and ask again.
     Lack(u64),
@@ -124,19 +148,58 @@ impl Physical {
         ask: Ask<'_>,
     ) -> (Backed, Result<(), Shortfall>) {
         let mut backed = Backed::default();
-        let r = self.back_inner(dev, target, ask, &mut backed);
+        let r = match ask.pages {
+            Pages::Runs(runs) => self.back_runs(dev, target, runs, ask, &mut backed),
+            Pages::Span(p0, p1) => match self.span_runs(dev, target, p0, p1) {
+                Ok(runs) if runs.is_empty() => Ok(()),
+                Ok(runs) => {
+                    let r = self.back_runs(dev, target, &runs, ask, &mut backed);
+                    backed.runs = runs;
+                    r
+                }
+                Err(e) => Err(e),
+            },
+        };
         (backed, r)
     }
 
-    /// [`Physical::back`], noting what it did in `backed`.
-    fn back_inner<D: Device + ?Sized>(
+    /// The unmapped runs of pages `[p0, p1]` of `target` (a segment; a
+    /// region has none), after giving access to the unready chunks there.
+    /// Refused when they exceed the budget's whole limit.
+    fn span_runs<D: Device + ?Sized>(
         &mut self,
         dev: &D,
         target: Target,
+        p0: u64,
+        p1: u64,
+    ) -> Result<Vec<(u64, u64)>, Shortfall> {
+        let Target::Segment(seg) = target else {
+            return Ok(Vec::new());
+        };
+        self.fix_unready(dev, seg, p0, p1)
+            .map_err(Shortfall::Fail)?;
+        let runs = self.table(seg).unmapped_runs(p0, p1 + 1);
+        let pages: u64 = runs.iter().map(|r| r.1).sum();
+        // One read: a shared budget's limit may change between two
+        // (another member's cap), and the difference must not underflow.
+        let limit = self.limit_pages();
+        if pages > limit {
+            return Err(Shortfall::OverLimit(pages - limit));
+        }
+        Ok(runs)
+    }
+
+    /// [`Physical::back`] for the device runs `runs`, noting what it did in
+    /// `backed`.
+    fn back_runs<D: Device + ?Sized>(
+        &mut self,
+        dev: &D,
+        target: Target,
+        runs: &[(u64, u64)],
         ask: Ask<'_>,
         backed: &mut Backed,
     ) -> Result<(), Shortfall> {
-        let mut plan = self.plan(ask.runs);
+        let mut plan = self.plan(runs);
         let room = self.room_for(&plan, ask.driver_full);
         if ask.ahead && (room.create > room.free || ask.driver_full) {
             return Err(Shortfall::NoSpare(

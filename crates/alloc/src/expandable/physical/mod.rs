@@ -76,7 +76,7 @@ mod spilled;
 mod tests;
 
 pub(crate) use arena::Arenas;
-pub(crate) use back::{Ask, Backed, Planned, Shortfall, Target};
+pub(crate) use back::{Ask, Backed, Pages, Planned, Shortfall, Target};
 pub(crate) use chunks::{Chunk, ChunkTable};
 use exports::ExportState;
 pub(crate) use layout::Layout;
