@@ -242,8 +242,24 @@ for i in range(50):
     lib.vmmalloc_free(t, 0, 0, None)
 assert reserved() == grown, (reserved(), grown)
 assert pool_stats(pool)["reserved_bytes.all.current"] < 2 * 16 * MiB, pool_stats(pool)  # one temporary, not 50
+# 2.13+: the graph pool's own reserved bytes, as PyTorch keys them (the id
+# tuple; memory_stats() flattens it to "0_2"); none before 2.13.
+mine = pool_stats(pool)["reserved_bytes.all.current"]
+if TORCH >= (2, 13):
+    assert stats()["reserved_bytes_by_private_pools"][pool]["all"]["current"] == mine > 0, stats()
+    assert torch.cuda.memory_stats(0)["reserved_bytes_by_private_pools.0_2.all.current"] == mine
+else:
+    assert "reserved_bytes_by_private_pools" not in stats()
 end(0, pool)
 release(0, pool)
+if TORCH >= (2, 13):
+    # Released and given back: the entry stays, current 0, until a reset.
+    torch._C._cuda_emptyCache()
+    e = stats()["reserved_bytes_by_private_pools"][pool]["all"]
+    assert e["current"] == 0 and e["allocated"] == e["freed"] >= mine, e
+    torch._C._cuda_resetAccumulatedMemoryStats(0)
+    e = stats()["reserved_bytes_by_private_pools"][pool]["all"]
+    assert e["allocated"] == e["freed"] == 0 and e["peak"] >= mine, e
 print("REUSE OK")
 ''', tmp_path, cache)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -1120,6 +1136,17 @@ for key in ("segment", "reserved_bytes", "allocation", "allocated_bytes", "reque
             assert flat[f"{key}.{kind}.{field}"] == st[key][kind][field], (key, kind, field, flat, st[key])
 assert flat["num_device_alloc"] == st["num_device_alloc"]
 assert torch.cuda.memory_reserved(0) == cur(st0, "reserved_bytes") + 22 * MiB
+# 2.13+: the pool's own reserved bytes (DeviceStats::reserved_bytes_by_private_pools),
+# keyed by its id; memory_stats() flattens the id as PyTorch does ("4001" after "0_").
+if TORCH >= (2, 13):
+    mine = st["reserved_bytes_by_private_pools"][pool.id]
+    assert tuple(mine[k]["current"] for k in ("all", "small_pool", "large_pool")) == (22 * MiB, 2 * MiB, 20 * MiB), mine
+    assert mine["all"]["peak"] == mine["all"]["allocated"] == 22 * MiB and mine["all"]["freed"] == 0, mine
+    assert flat["reserved_bytes_by_private_pools.0_4001.all.current"] == 22 * MiB, sorted(k for k in flat if "private" in k)
+    assert torch.cuda.memory_stats_as_nested_dict(0)["reserved_bytes_by_private_pools"][pool.id]["large_pool"]["current"] == 20 * MiB
+else:
+    assert "reserved_bytes_by_private_pools" not in st
+    assert not [k for k in torch.cuda.memory_stats(0) if k.startswith("reserved_bytes_by_private_pools")]
 # MemPool.snapshot(): the pool's two segments, their blocks.
 segs = torch._C._cuda_memorySnapshot(pool.id)["segments"]
 assert sorted((s["segment_type"], s["total_size"]) for s in segs) == [("large", 20 * MiB), ("small", 2 * MiB)], segs
@@ -1159,6 +1186,14 @@ st = torch._C._cuda_memoryStats(0)
 assert cur(st, "reserved_bytes") == cur(st0, "reserved_bytes") and cur(st, "segment") == cur(st0, "segment")
 assert st["num_device_free"] - st0["num_device_free"] == 2
 assert not torch._C._cuda_memorySnapshot(pool.id)["segments"]
+if TORCH >= (2, 13):
+    # Gone: current 0, the totals kept until a reset (the native map's entry stays).
+    mine = st["reserved_bytes_by_private_pools"][pool.id]["all"]
+    assert (mine["current"], mine["peak"], mine["allocated"], mine["freed"]) == (0, 22 * MiB, 22 * MiB, 22 * MiB), mine
+    torch._C._cuda_resetPeakMemoryStats(0)
+    torch._C._cuda_resetAccumulatedMemoryStats(0)
+    mine = torch._C._cuda_memoryStats(0)["reserved_bytes_by_private_pools"][pool.id]["all"]
+    assert (mine["current"], mine["peak"], mine["allocated"], mine["freed"]) == (0, 0, 0, 0), mine
 print("MEMPOOL X OK")
 ''', tmp_path, cache)
     assert out.returncode == 0, out.stdout + out.stderr

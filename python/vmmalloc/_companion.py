@@ -456,6 +456,27 @@ def add_pool_figures(stats, device):
     return stats
 
 
+def private_pool_figures(device):
+    """PyTorch 2.13+'s ``reserved_bytes_by_private_pools`` of ``device`` as
+    memory_stats() keys (``reserved_bytes_by_private_pools.0_1.all.current``
+    ...), from the companion's getDeviceStats (libvmmalloc's private pools
+    and those with their own allocator); None without the companion."""
+    if not _installed:
+        return None
+    import torch
+
+    nested = torch._C._cuda_memoryStats(device).get("reserved_bytes_by_private_pools")
+    if nested is None:
+        return None
+    out = {}
+    for pool, by_kind in nested.items():
+        name = "_".join(str(x) for x in pool) if isinstance(pool, tuple) else str(pool)
+        for kind, fields in by_kind.items():
+            for field, value in fields.items():
+                out[f"reserved_bytes_by_private_pools.{name}.{kind}.{field}"] = value
+    return out
+
+
 def reset_pool_peaks(device):
     """reset_peak_memory_stats()'s part for those pools (after libvmmalloc's)."""
     fn = getattr(_loaded, "vmmalloc_companion_reset_pool_peaks", None) if _installed else None

@@ -76,7 +76,31 @@ def memory_stats(device=None):
     version = getattr(sys.modules.get("torch"), "__version__", None)
     if version and _companion.version_tuple(version) >= (2, 12):
         stats.setdefault("num_oom_rejections", 0)
+    # From 2.13 the bytes reserved in each private pool
+    # (DeviceStats::reserved_bytes_by_private_pools), flattened as PyTorch's
+    # memory_stats() flattens them ((0, 1) -> "0_1"). With the companion
+    # they come from its getDeviceStats, which adds the pools with their own
+    # allocator to libvmmalloc's; before 2.13 PyTorch has no such key.
+    if version and _companion.version_tuple(version) >= (2, 13):
+        by_pool = _companion.private_pool_figures(index)
+        if by_pool is not None:
+            stats = {k: v for k, v in stats.items() if not k.startswith(_PRIVATE_POOLS)}
+            stats.update(by_pool)
+    else:
+        stats = {k: v for k, v in stats.items() if not k.startswith(_PRIVATE_POOLS)}
     return OrderedDict(sorted(stats.items()))
+
+
+_PRIVATE_POOLS = "reserved_bytes_by_private_pools."
+
+
+def _pool_key(text):
+    """``"0_1"`` -> ``(0, 1)``: the pool ids of memory_stats_as_nested_dict
+    are tuples, as PyTorch's."""
+    try:
+        return tuple(int(x) for x in text.split("_"))
+    except ValueError:
+        return text
 
 
 def memory_stats_as_nested_dict(device=None):
@@ -84,6 +108,8 @@ def memory_stats_as_nested_dict(device=None):
     nested = {}
     for key, value in memory_stats(device).items():
         *path, last = key.split(".")
+        if key.startswith(_PRIVATE_POOLS) and len(path) > 1:
+            path[1] = _pool_key(path[1])
         d = nested
         for p in path:
             d = d.setdefault(p, {})

@@ -77,7 +77,8 @@ impl StatArray {
     pub fn get(&self, t: StatType) -> &Stat {
         &self.0[t as usize]
     }
-    fn reset_peak(&mut self) {
+    /// Resets every peak to its current value.
+    pub fn reset_peak(&mut self) {
         self.0.iter_mut().for_each(Stat::reset_peak);
     }
 }
@@ -171,6 +172,16 @@ pub struct Stats {
     pub num_stream_syncs: u64,
     /// Ours: device calls made by this allocator, per kind.
     pub driver_calls: CallCounts,
+    /// Bytes reserved (mapped) in each private pool (graph pools and
+    /// `torch.cuda.MemPool`s), by pool id: PyTorch 2.13+'s
+    /// `DeviceStats::reserved_bytes_by_private_pools`
+    /// (c10/core/CachingDeviceAllocator.h: "current drops to 0 when a pool
+    /// is deleted, while peak/allocated/freed are preserved until reset").
+    /// A pool appears once memory was mapped for it. Not serialized (its
+    /// keys are tuples); [`Stats::to_map`] writes it flattened as
+    /// `torch.cuda.memory_stats()` does (`(0, 1)` becomes `"0_1"`).
+    #[serde(skip)]
+    pub reserved_bytes_by_private_pools: BTreeMap<crate::pools::PoolId, StatArray>,
 }
 
 impl Stats {
@@ -191,6 +202,9 @@ impl Stats {
         }
         self.oversize_allocations.reset_peak();
         self.oversize_segments.reset_peak();
+        self.reserved_bytes_by_private_pools
+            .values_mut()
+            .for_each(StatArray::reset_peak);
     }
 
     /// The stats as PyTorch's flat `memory_stats()` dictionary
@@ -218,6 +232,12 @@ impl Stats {
         for (name, arr) in arrays {
             for (i, t) in StatType::NAMES.iter().enumerate() {
                 put(&mut m, format!("{name}.{t}"), &arr.0[i]);
+            }
+        }
+        for ((hi, lo), arr) in &self.reserved_bytes_by_private_pools {
+            for (i, t) in StatType::NAMES.iter().enumerate() {
+                let prefix = format!("reserved_bytes_by_private_pools.{hi}_{lo}.{t}");
+                put(&mut m, prefix, &arr.0[i]);
             }
         }
         put(

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
 use vmmalloc_alloc::pools::{PoolBlock, PoolId, PrivatePools};
-use vmmalloc_alloc::{AllocError, Allocator, BlockState, Policy, PolicyOptions, Stream};
+use vmmalloc_alloc::{AllocError, Allocator, BlockState, Policy, PolicyOptions, StatType, Stream};
 use vmmalloc_alloc_harness::{pattern_check, pattern_fill};
 use vmmalloc_device::adaptors::{FaultInjecting, FaultKind, FaultPlan};
 use vmmalloc_device::host::{HostConfig, HostDevice};
@@ -593,6 +593,80 @@ fn pause_keeps_contents_and_resumes_at_the_same_addresses() {
     assert_eq!(a.pool_stats(id).unwrap().backup_bytes, 0);
     a.resume_pool(id).unwrap();
     assert!(dev.introspect().unwrap().is_accessible(out.ptr, out.size));
+    a.validate().unwrap();
+}
+
+/// PyTorch 2.13+'s `reserved_bytes_by_private_pools`
+/// (c10/core/CachingDeviceAllocator.h): each private pool's mapped bytes by
+/// id, small and large; the main pool has no entry, nor has a pool that never
+/// mapped memory; a pool that has gone keeps its entry with `current` 0 and
+/// its totals until a reset; pause and resume move it as they move the
+/// device's `reserved_bytes`. `validate()` recounts it after every step.
+#[test]
+fn each_private_pool_counts_its_reserved_bytes_and_keeps_its_entry_when_gone() {
+    let (dev, a) = host(256 * MIB);
+    let s = dev.create_stream().unwrap();
+    let (g, m) = ((0, 1), (3, 0));
+    a.begin_allocate_to_pool(g).unwrap();
+    let x = a.pool_malloc(g, 30 * MIB, s).unwrap();
+    let y = a.pool_malloc(g, 1000, s).unwrap();
+    a.end_allocate_to_pool(g).unwrap();
+    a.create_or_incref_pool(m).unwrap();
+    a.create_or_incref_pool((4, 0)).unwrap();
+    let z = a.pool_malloc(m, 8 * MIB, s).unwrap();
+    let main = a.malloc(4 * MIB, s).unwrap();
+    a.validate().unwrap();
+    let st = a.stats();
+    let by = &st.reserved_bytes_by_private_pools;
+    assert_eq!(by.keys().copied().collect::<Vec<_>>(), vec![g, m], "{by:?}");
+    for id in [g, m] {
+        let want = a.pool_stats(id).unwrap().stats.reserved_bytes;
+        assert_eq!(by[&id].0.map(|x| x.current), want.0.map(|x| x.current));
+    }
+    assert!(by[&g].get(StatType::Small).current > 0 && by[&g].get(StatType::Large).current > 0);
+    let total: i64 = by.values().map(|x| x.all().current).sum();
+    assert!(
+        total < st.reserved_bytes.all().current,
+        "the main pool's bytes are not a pool's"
+    );
+    let flat = st.to_map();
+    assert_eq!(
+        flat["reserved_bytes_by_private_pools.3_0.large_pool.current"],
+        by[&m].get(StatType::Large).current
+    );
+    let peak = by[&g].all().current;
+    // Pause: its pages go, the entry follows; resume brings them back.
+    a.pause_pool(m, true).unwrap();
+    a.validate().unwrap();
+    assert_eq!(
+        a.stats().reserved_bytes_by_private_pools[&m].all().current,
+        0
+    );
+    a.resume_pool(m).unwrap();
+    a.validate().unwrap();
+    assert_eq!(
+        a.stats().reserved_bytes_by_private_pools[&m].all().current,
+        by[&m].all().current
+    );
+    // Graph pool g freed, released, given back: gone, its entry kept.
+    a.free(x.ptr).unwrap();
+    a.free(y.ptr).unwrap();
+    a.release_pool(g).unwrap();
+    a.empty_cache().unwrap();
+    a.validate().unwrap();
+    assert!(a.pool_use_count(g).is_err(), "pool g has gone");
+    let e = *a.stats().reserved_bytes_by_private_pools[&g].all();
+    assert_eq!(
+        (e.current, e.peak, e.allocated, e.freed),
+        (0, peak, peak, peak)
+    );
+    a.reset_peak_stats();
+    let st = a.stats();
+    assert_eq!(st.reserved_bytes_by_private_pools[&g].all().peak, 0);
+    let mm = st.reserved_bytes_by_private_pools[&m].all();
+    assert_eq!(mm.peak, mm.current);
+    a.free(z.ptr).unwrap();
+    a.free(main.ptr).unwrap();
     a.validate().unwrap();
 }
 

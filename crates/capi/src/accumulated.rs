@@ -9,7 +9,8 @@
 //! (c10/cuda/CUDACachingAllocator.cpp): every stat array's `allocated` and
 //! `freed`, `oversize_allocations` / `oversize_segments`' too, and
 //! `num_alloc_retries`, `num_ooms`, `num_sync_all_streams`,
-//! `num_device_alloc`, `num_device_free` read 0 afterwards; `current` and
+//! `num_device_alloc`, `num_device_free` (and each private pool's
+//! `reserved_bytes_by_private_pools`' `allocated`/`freed`) read 0 afterwards; `current` and
 //! `peak` are untouched. The allocators keep their counters running (several
 //! derive `freed` from `allocated` and `current`); the values at the reset are
 //! kept here per device and subtracted from every later reading
@@ -65,6 +66,13 @@ pub fn apply(d: &DeviceState, stats: &mut Stats) {
     for (a, b) in arrays(stats).into_iter().zip(arrays(&mut base)) {
         for (s, bs) in a.0.iter_mut().zip(b.0.iter()) {
             sub_stat(s, bs);
+        }
+    }
+    for (id, arr) in stats.reserved_bytes_by_private_pools.iter_mut() {
+        if let Some(b) = base.reserved_bytes_by_private_pools.get(id) {
+            for (s, bs) in arr.0.iter_mut().zip(b.0.iter()) {
+                sub_stat(s, bs);
+            }
         }
     }
     sub_stat(&mut stats.oversize_allocations, &base.oversize_allocations);

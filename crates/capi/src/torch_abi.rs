@@ -435,6 +435,61 @@ pub unsafe extern "C" fn vmmalloc_device_stats(device: c_int, out: *mut i64, n: 
     })
 }
 
+/// Callback of [`vmmalloc_private_pool_stats`]: `(ctx, pool_hi, pool_lo,
+/// values)`, `values` 12 numbers (`all`, `small_pool`, `large_pool`, each
+/// `current`, `peak`, `allocated`, `freed`), valid during the call.
+pub type PrivatePoolStatsFn = Option<unsafe extern "C" fn(*mut c_void, u64, u64, *const i64)>;
+
+/// PyTorch 2.13+'s `DeviceStats::reserved_bytes_by_private_pools`: calls
+/// `cb` once per private pool of `device` that ever had memory mapped (a
+/// released pool stays, its `current` 0, until the allocator is made
+/// again), in pool-id order, with its reserved bytes as
+/// [`PrivatePoolStatsFn`] describes (accumulated totals net of
+/// `vmmalloc_reset_accumulated_stats`). Returns the number of pools, or -1.
+///
+/// # Safety
+///
+/// `cb` is a valid function; `ctx` is passed to it as is.
+#[no_mangle]
+pub unsafe extern "C" fn vmmalloc_private_pool_stats(
+    device: c_int,
+    cb: PrivatePoolStatsFn,
+    ctx: *mut c_void,
+) -> c_int {
+    let Some(cb) = cb else {
+        diag::fail(LError, LError, "vmmalloc_private_pool_stats: cb is NULL");
+        return -1;
+    };
+    entry("vmmalloc_private_pool_stats", -1, || {
+        let rt = runtime::runtime();
+        let ordinal = match rt.check_ordinal(device) {
+            Ok(o) => o,
+            Err(m) => {
+                diag::fail(
+                    rt.log_level(),
+                    LError,
+                    &format!("vmmalloc_private_pool_stats({device}): {m}"),
+                );
+                return -1;
+            }
+        };
+        let Some(d) = rt.existing(ordinal) else {
+            return 0;
+        };
+        let mut stats = d.allocator.stats();
+        crate::accumulated::apply(d, &mut stats);
+        let mut n: c_int = 0;
+        for (&(hi, lo), arr) in &stats.reserved_bytes_by_private_pools {
+            let mut v = Vec::with_capacity(12);
+            push_array(&mut v, arr);
+            // SAFETY: the caller's `cb` reads the 12 values during the call.
+            unsafe { cb(ctx, hi, lo, v.as_ptr()) };
+            n = n.saturating_add(1);
+        }
+        n
+    })
+}
+
 /// Calls `cb` for each mapped run of each segment of `snapshot` (of pool
 /// `only`'s segments when given).
 fn visit(

@@ -48,8 +48,18 @@ using TraceSinkFn = void (*)(const TraceEvent*);
 constexpr int kHistoryClear = 1;     // crates/capi/src/history_abi.rs VMMALLOC_HISTORY_CLEAR
 constexpr int kHistorySinkOnly = 2;  // VMMALLOC_HISTORY_SINK_ONLY
 using FreedFn = void (*)(void*, uint64_t);
+// (ctx, pool_hi, pool_lo, 12 values: all, small_pool, large_pool x current, peak, allocated, freed)
+using PrivatePoolStatsFn = void (*)(void*, uint64_t, uint64_t, const int64_t*);
 using AllocatedFn = void (*)(void*, uint64_t, size_t, uint64_t);
 constexpr size_t kStatsLen = 9 * 3 * 4 + 2 + 4 + 4 + 4;  // torch_abi.rs VMMALLOC_STATS_LEN
+
+// Whether this PyTorch's DeviceStats has reserved_bytes_by_private_pools
+// (c10/core/CachingDeviceAllocator.h, from 2.13).
+template <typename S, typename = void>
+struct HasPrivatePoolStats : std::false_type {};
+template <typename S>
+struct HasPrivatePoolStats<S, std::void_t<decltype(std::declval<S&>().reserved_bytes_by_private_pools)>>
+    : std::true_type {};
 
 struct Lib {
   void* (*malloc)(size_t, int, void*);
@@ -93,6 +103,9 @@ struct Lib {
   int (*record_history)(int, size_t, int);
   void (*set_trace_sink)(TraceSinkFn);
   int (*cache_info)(int, uint64_t*);
+  // Optional (newer libvmmalloc): reserved bytes per private pool
+  // (crates/capi/src/torch_abi.rs vmmalloc_private_pool_stats).
+  int (*private_pool_stats)(int, PrivatePoolStatsFn, void*);
 };
 Lib lib;
 

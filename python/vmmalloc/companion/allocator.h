@@ -383,6 +383,7 @@ class VmmallocAllocator : public Base {
     s.num_device_free = v[i++];
     s.max_split_size = v[i++];
     add_pool_stats(device, v, s);  // MemPool(allocator=...)'s blocks
+    add_private_pools(device, s);
     return s;
   }
 #endif
@@ -620,6 +621,10 @@ class VmmallocAllocator : public Base {
     PoolStat st[9][3];
     PeakTrack track[9][3];
     int64_t ooms = 0, device_alloc = 0, device_free = 0;
+    // Each pool's reserved bytes [AGGREGATE, SMALL_POOL, LARGE_POOL]
+    // (DeviceStats::reserved_bytes_by_private_pools, 2.13+): kept after the
+    // pool is forgotten, current 0, as the native map keeps its entry.
+    std::map<MempoolId_t, std::array<PoolStat, 3>> reserved_by_pool;
   };
 
  public:
@@ -731,19 +736,29 @@ class VmmallocAllocator : public Base {
     return nullptr;
   }
 
+  // Adds `delta` to one Stat (increase_stat / decrease_stat).
+  static void stat_bump(PoolStat& s, int64_t delta) {
+    s.current += delta;
+    if (delta > 0) {
+      s.allocated += delta;
+      s.peak = std::max(s.peak, s.current);
+    } else {
+      s.freed += -delta;
+    }
+  }
+
   // Adds `delta` to stat `kind` of the pool-size class (AGGREGATE and
   // SMALL_POOL or LARGE_POOL, get_stat_types_for_pool).
   static void stat_add(PoolStats& st, int kind, bool small, int64_t delta) {
-    for (int t : {0, small ? 1 : 2}) {
-      auto& s = st.st[kind][t];
-      s.current += delta;
-      if (delta > 0) {
-        s.allocated += delta;
-        s.peak = std::max(s.peak, s.current);
-      } else {
-        s.freed += -delta;
-      }
-    }
+    for (int t : {0, small ? 1 : 2}) stat_bump(st.st[kind][t], delta);
+  }
+
+  // A segment of pool `id` was allocated (delta > 0) or released: its
+  // reserved bytes, in the device's figures and in the pool's own.
+  static void reserved_add(PoolStats& st, MempoolId_t id, bool small, int64_t delta) {
+    stat_add(st, kReservedBytes, small, delta);
+    auto& mine = st.reserved_by_pool[id];
+    for (int t : {0, small ? 1 : 2}) stat_bump(mine[t], delta);
   }
 
   // The peak of a figure PyTorch reports is that of vmmalloc's part plus the
@@ -877,7 +892,7 @@ class VmmallocAllocator : public Base {
       }
       block = new PoolBlock{reinterpret_cast<uintptr_t>(p), alloc_size, 0, s, &bp};
       stat_add(st, kSegment, bp.is_small, 1);
-      stat_add(st, kReservedBytes, bp.is_small, static_cast<int64_t>(alloc_size));
+      reserved_add(st, pool->id, bp.is_small, static_cast<int64_t>(alloc_size));
       st.device_alloc++;
       ev.add(kEvSegmentAlloc, *pool, block->ptr, alloc_size, s);
     }
@@ -1019,7 +1034,7 @@ class VmmallocAllocator : public Base {
             deletes.emplace_back(pool.allocator, reinterpret_cast<void*>(block->ptr));
             ev.add(kEvSegmentFree, pool, block->ptr, block->size, block->stream);
             stat_add(st, kSegment, bp->is_small, -1);
-            stat_add(st, kReservedBytes, bp->is_small, -static_cast<int64_t>(block->size));
+            reserved_add(st, pool.id, bp->is_small, -static_cast<int64_t>(block->size));
             st.device_free++;
             pool.segments--;
             delete block;
@@ -1057,6 +1072,42 @@ class VmmallocAllocator : public Base {
     Base::emptyCache();
   }
 #endif
+
+  // DeviceStats::reserved_bytes_by_private_pools (the field exists from
+  // 2.13; detected, not assumed): vmmalloc's private pools (graph pools,
+  // MemPools it serves), then those with their own allocator.
+  template <typename S>
+  void add_private_pools(int device, S& s) {
+    if constexpr (HasPrivatePoolStats<S>::value) {
+      if (lib.private_pool_stats) {
+        PrivatePoolStatsFn cb = [](void* ctx, uint64_t hi, uint64_t lo, const int64_t* v) {
+          try {
+            auto& out = static_cast<S*>(ctx)->reserved_bytes_by_private_pools[MempoolId_t{hi, lo}];
+            for (int t = 0; t < 3; ++t) {
+              out[t].current = v[t * 4];
+              out[t].peak = v[t * 4 + 1];
+              out[t].allocated = v[t * 4 + 2];
+              out[t].freed = v[t * 4 + 3];
+            }
+          } catch (...) {
+          }
+        };
+        TORCH_CHECK(lib.private_pool_stats(device, cb, &s) >= 0, "vmmalloc: ", last_error());
+      }
+      std::lock_guard<std::mutex> g(custom_mu_);
+      auto it = pool_stats_.find(device);
+      if (it == pool_stats_.end()) return;
+      for (const auto& [id, arr] : it->second.reserved_by_pool) {
+        auto& out = s.reserved_bytes_by_private_pools[id];
+        for (int t = 0; t < 3; ++t) {
+          out[t].current = arr[t].current;
+          out[t].peak = arr[t].peak;
+          out[t].allocated = arr[t].allocated;
+          out[t].freed = arr[t].freed;
+        }
+      }
+    }
+  }
 
   // The pools' figures added to vmmalloc's (`v`, read into `s`), as the
   // native allocator's one DeviceStats counts every pool.
@@ -1129,6 +1180,9 @@ class VmmallocAllocator : public Base {
         it->second.track[k][t] = PeakTrack{r[1], mine.current, r[0] + mine.current};
       }
     }
+    for (auto& [id, arr] : it->second.reserved_by_pool) {
+      for (auto& x : arr) x.peak = x.current;
+    }
   }
 
   // resetAccumulatedStats' part for the pools (allocated/freed and the
@@ -1139,6 +1193,9 @@ class VmmallocAllocator : public Base {
     if (it == pool_stats_.end()) return;
     for (auto& row : it->second.st) {
       for (auto& s : row) s.allocated = s.freed = 0;
+    }
+    for (auto& [id, arr] : it->second.reserved_by_pool) {
+      for (auto& x : arr) x.allocated = x.freed = 0;
     }
     it->second.ooms = it->second.device_alloc = it->second.device_free = 0;
   }

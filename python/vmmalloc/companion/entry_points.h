@@ -110,6 +110,7 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
     resolve(h, "vmmalloc_set_oom_handler", lib.set_oom_handler, later);
     resolve(h, "vmmalloc_try_free", lib.try_free, later);
     resolve(h, "vmmalloc_reset_accumulated_stats", lib.reset_accumulated_stats, later);
+    resolve(h, "vmmalloc_private_pool_stats", lib.private_pool_stats, later);
     resolve(h, "vmmalloc_mem_get_info", lib.mem_get_info, later);
     resolve(h, "vmmalloc_settings", lib.settings, later);
     resolve(h, "vmmalloc_free_string", lib.free_string, later);

@@ -74,9 +74,9 @@ impl Inner {
     pub(super) fn note_pages(&mut self, seg: u32, pages: i64, before: (i64, i64)) {
         self.split_changed(seg, before);
         let k = self.seg(seg).kind as usize;
-        self.counters
-            .reserved_bytes
-            .add(k, pages * self.layout.page as i64);
+        let bytes = pages * self.layout.page as i64;
+        self.counters.reserved_bytes.add(k, bytes);
+        self.note_pool_reserved(seg, bytes);
     }
 
     /// Runs `op` of the physical layer, which may map or unmap pages of
@@ -273,7 +273,7 @@ impl Inner {
     /// Updates the block layer's counters after the physical layer took
     /// segment `seg` from `from` to `to` mapped pages: its inactive split
     /// ([`super::segment::Segment::inactive_split`], a function of the
-    /// mapped pages) and `reserved_bytes`. One update gives the same
+    /// mapped pages) and `reserved_bytes` (its pool's too). One update gives the same
     /// counters, peaks included, as one per page while they move one way.
     fn note_mapped(&mut self, seg: u32, from: u64, to: u64) {
         if from == to {
@@ -290,8 +290,9 @@ impl Inner {
         if after.1 != before.1 {
             c.inactive_split.add(k, after.1 - before.1);
         }
-        c.reserved_bytes
-            .add(k, (to as i64 - from as i64) * page as i64);
+        let bytes = (to as i64 - from as i64) * page as i64;
+        c.reserved_bytes.add(k, bytes);
+        self.note_pool_reserved(seg, bytes);
     }
 }
 

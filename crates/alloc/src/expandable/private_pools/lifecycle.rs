@@ -28,6 +28,7 @@ impl Inner {
             use_on_oom: false,
             no_split: false,
         }));
+        self.pools.ids.push(id);
         self.pools.by_id.insert(id, slot);
         self.pools.gone.remove(&id);
         Ok(slot + 1)

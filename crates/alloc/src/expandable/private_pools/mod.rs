@@ -87,6 +87,11 @@ pub(crate) struct PoolTable {
     pub deferred: Vec<u32>,
     /// Numbers of the pools with `use_on_oom`, in the order it was set.
     oom_pools: Vec<u32>,
+    /// The id of every pool by slot, gone ones included (slots are not
+    /// reused): the pages of a pool's segments may be unmapped after the
+    /// pool has gone, and still count for its id
+    /// ([`Inner::note_pool_reserved`]).
+    ids: Vec<PoolId>,
 }
 
 impl PoolTable {
@@ -118,6 +123,30 @@ fn err(text: String) -> AllocError {
 }
 
 impl Inner {
+    /// Counts `bytes` (negative: unmapped) mapped under segment `seg` for
+    /// its private pool, if it has one: PyTorch 2.13+'s
+    /// `reserved_bytes_by_private_pools` (`Stats`), which keeps a pool's
+    /// entry, `current` 0, after the pool has gone. Called wherever the
+    /// device's `reserved_bytes` moves for a segment (`pages.rs`), with the
+    /// same amounts, so the pool's peaks are the same as per page.
+    pub(super) fn note_pool_reserved(&mut self, seg: u32, bytes: i64) {
+        let s = self.seg(seg);
+        let p = self.streams[s.owner as usize].pool;
+        if p == 0 || bytes == 0 {
+            return;
+        }
+        let t = match s.kind {
+            super::blocks::PoolKind::Small => StatType::Small,
+            super::blocks::PoolKind::Large => StatType::Large,
+        };
+        let id = self.pools.ids[p as usize - 1];
+        self.stats
+            .reserved_bytes_by_private_pools
+            .entry(id)
+            .or_default()
+            .update(t, bytes);
+    }
+
     /// Whether the segments of stream entry `owner` belong to a pinned pool.
     #[inline]
     pub(super) fn owner_pinned(&self, owner: u32) -> bool {

@@ -2,7 +2,8 @@
 
 use super::super::blocks::BlockState;
 use super::super::Inner;
-use crate::pools::pool_name;
+use crate::pools::{pool_name, PoolId};
+use std::collections::BTreeMap;
 
 impl Inner {
     /// The pools' invariants: ids and slots agree; `captures` counts the
@@ -93,6 +94,45 @@ impl Inner {
                 ));
             }
         }
-        Ok(())
+        self.validate_pool_reserved()
+    }
+
+    /// `reserved_bytes_by_private_pools`: each pool id's `current` is what
+    /// its segments map now (small, large, and their sum); an id whose
+    /// pools have gone has 0; every pool that maps memory has an entry.
+    fn validate_pool_reserved(&self) -> Result<(), String> {
+        let mut want: BTreeMap<PoolId, [i64; 2]> = BTreeMap::new();
+        for s in self.owned_segments(|e| e.pool != 0) {
+            let seg = self.seg(s);
+            let p = self.streams[seg.owner as usize].pool;
+            let bytes = self.table(s).mapped_pages() * self.layout.page;
+            want.entry(self.pools.ids[p as usize - 1]).or_default()[seg.kind as usize] +=
+                bytes as i64;
+        }
+        for (id, arr) in &self.stats.reserved_bytes_by_private_pools {
+            let w = want.remove(id).unwrap_or_default();
+            let got = [arr.0[1].current, arr.0[2].current];
+            if got != w || arr.0[0].current != w[0] + w[1] {
+                return Err(format!(
+                    "pool {}: reserved_bytes_by_private_pools says {} (small {}, large {}) \
+                     but its segments map {} (small {}, large {})",
+                    pool_name(*id),
+                    arr.0[0].current,
+                    got[0],
+                    got[1],
+                    w[0] + w[1],
+                    w[0],
+                    w[1]
+                ));
+            }
+        }
+        match want.into_iter().find(|(_, w)| w[0] + w[1] != 0) {
+            Some((id, w)) => Err(format!(
+                "pool {} maps {} bytes but reserved_bytes_by_private_pools has no entry for it",
+                pool_name(id),
+                w[0] + w[1]
+            )),
+            None => Ok(()),
+        }
     }
 }
