@@ -156,6 +156,24 @@ def check_empty_cache_hole(torch, vmmalloc):
     print(f"RESULT empty-cache-hole: free +{gain >> 20} MiB, reserved after {reserved >> 20} MiB")
 
 
+def check_accelerator_stats(torch, vmmalloc):
+    """Issue 40 item 4: PyTorch's device-generic memory API (2.9+) reads
+    at::getDeviceAllocator(kCUDA), which the companion registers: the C++
+    entry itself (not only enable()'s Python routing) sees a 64 MiB tensor
+    and the private pools' map (2.13+)."""
+    get = getattr(torch._C, "_accelerator_getDeviceStats", None)
+    if get is None:
+        print("RESULT accelerator-stats: this PyTorch has no torch.accelerator memory API (before 2.9)")
+        return
+    assert torch._C._accelerator_isAllocatorInitialized()
+    before = get(0)["allocated_bytes"]["all"]["current"]
+    t = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    after = get(0)["allocated_bytes"]["all"]["current"]
+    del t
+    assert after - before == 64 << 20, (before, after)
+    assert torch.accelerator.memory_allocated(0) == torch.cuda.memory_allocated(0)
+
+
 def check_mempool(torch, vmmalloc):
     pool = torch.cuda.MemPool()
     assert pool.use_count() == 1, pool.use_count()
@@ -406,6 +424,7 @@ def main():
     report("mempool", lambda: check_mempool(torch, vmmalloc))
     report("mempool-allocator", lambda: check_mempool_allocator(torch, vmmalloc))
     report("empty-cache-hole", lambda: check_empty_cache_hole(torch, vmmalloc))
+    report("accelerator-stats", lambda: check_accelerator_stats(torch, vmmalloc))
     report("oom-observer", lambda: check_oom_observer(torch, vmmalloc))
     report("ipc", lambda: check_ipc(torch, vmmalloc))
     report("nccl", lambda: check_nccl(torch, vmmalloc, hook=False))

@@ -534,3 +534,12 @@ extern "C" int vmmalloc_companion_mempool_ctor_for_tests(int device, uint64_t hi
     return -1;
   }
 }
+
+// Whether c10's registered CUDA allocator (c10::GetAllocator(kCUDA), what
+// at::getDeviceAllocator and torch.accelerator read) is the installed
+// companion: 1, 0, or -1 (none installed).
+extern "C" int vmmalloc_companion_registered_cuda_allocator_for_tests() {
+  VmmallocAllocator* mine = current_allocator_for_tests();
+  if (!mine) return -1;
+  return c10::GetAllocator(c10::DeviceType::CUDA) == static_cast<c10::Allocator*>(mine) ? 1 : 0;
+}

@@ -128,6 +128,8 @@ def test_enable_installs_the_companion(lib, tmp_path, cache):
     out = run(PRELUDE + '''
 assert torch._C._cuda_getAllocatorBackend() == "vmmalloc"
 assert _companion.installed() and _companion.lost_features(True) == []
+# c10's registered CUDA allocator (at::getDeviceAllocator, torch.accelerator) is the companion too.
+assert _companion._loaded.vmmalloc_companion_registered_cuda_allocator_for_tests() == 1
 assert vmmalloc.oom_exception()[0] == "torch.cuda.OutOfMemoryError"
 # getDeviceStats / resetPeakStats / snapshot() answered by vmmalloc.
 out = ctypes.c_void_p()

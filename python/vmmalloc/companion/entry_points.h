@@ -127,6 +127,15 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
     a->set_release_pool(lib.release_pool);
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
     current = new std::shared_ptr<VmmallocAllocator>(a);
+    // PyTorch's native allocator is both CUDACachingAllocator's current one
+    // and c10's registered CUDA allocator (REGISTER_ALLOCATOR in
+    // c10/cuda/CUDACachingAllocator.cpp), which at::getDeviceAllocator(kCUDA)
+    // returns: torch.accelerator's memory API (2.9+) and whatever asks
+    // c10::GetAllocator(kCUDA). changeCurrentAllocator
+    // (torch/csrc/cuda/CUDAPluggableAllocator.cpp) sets only the first, so
+    // those would read (and initialise) the native allocator beside
+    // vmmalloc: register the companion there too (kept alive by `current`).
+    c10::SetAllocator(c10::DeviceType::CUDA, a.get(), /*priority=*/1);
     VmmallocAllocator::current_allocator = a.get();
     if (lib.set_oom_handler) lib.set_oom_handler(&vmmalloc_companion_on_oom);
     return 0;
