@@ -25,7 +25,14 @@
 # Prints the bundle's size and fails above MAX_MIB (default 60: at most 64 MiB
 # travel with a working tree to the GPU box).
 #
-# Environment: CARGO_FLAGS (e.g. "--offline"), MAX_MIB (default 60).
+# BUNDLE_PROFILE=dev builds with cargo's dev profile instead of release (the
+# manifest says `profile: dev`): the CI dry run's bundle (gpu-dry-run.sh), which
+# reuses what `cargo test --workspace` built instead of building the whole
+# workspace a second time; gpu-check.sh refuses such a bundle on a real GPU
+# (its timings would be a debug build's).
+#
+# Environment: CARGO_FLAGS (e.g. "--offline"), MAX_MIB (default 60),
+# BUNDLE_PROFILE (release, the default, or dev).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
@@ -33,6 +40,12 @@ dest="${1:-gpu-bundle}"
 # Relative to the repository root, or absolute (issue 25: an absolute DIR).
 case $dest in /*) ;; *) dest="$root/$dest" ;; esac
 max_mib="${MAX_MIB:-60}"
+profile="${BUNDLE_PROFILE:-release}"
+case $profile in
+    release) profile_args=(--release) ;;
+    dev) profile_args=() ;;
+    *) echo "gpu-bundle: BUNDLE_PROFILE is '$profile': release or dev" >&2; exit 2 ;;
+esac
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
 die() {
@@ -58,16 +71,23 @@ fi
 messages="$(mktemp)"
 manifest_tmp="$(mktemp)"
 trap 'rm -f "$messages" "$manifest_tmp"' EXIT
-echo "gpu-bundle: cargo build --release (vmmalloc, libvmmalloc.so)"
-# Two calls: `--bin` selects targets in every package named, so one call
-# with both packages would build the CLI only.
-cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} --message-format=json \
-    -p vmmalloc --bin vmmalloc >"$messages"
-cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} --message-format=json \
-    -p vmmalloc-capi --lib >>"$messages"
-echo "gpu-bundle: cargo test --release --no-run (the GPU test suites)"
-cargo test --release ${cargo_flags[@]+"${cargo_flags[@]}"} --workspace --no-run \
-    --message-format=json >>"$messages"
+: >"$messages"
+if [[ $profile == release ]]; then
+    echo "gpu-bundle: cargo build --release (vmmalloc, libvmmalloc.so)"
+    # Two calls: `--bin` selects targets in every package named, so one call
+    # with both packages would build the CLI only.
+    cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} --message-format=json \
+        -p vmmalloc --bin vmmalloc >>"$messages"
+    cargo build --release ${cargo_flags[@]+"${cargo_flags[@]}"} --message-format=json \
+        -p vmmalloc-capi --lib >>"$messages"
+fi
+# The dev profile takes the CLI and the plug-in from the test build below
+# (`cargo test` builds both: the CLI for the integration tests, the cdylib
+# with the library): the whole workspace's features, so nothing that
+# `cargo test --workspace` built is built again.
+echo "gpu-bundle: cargo test --no-run, $profile profile (the GPU test suites)"
+cargo test ${profile_args[@]+"${profile_args[@]}"} ${cargo_flags[@]+"${cargo_flags[@]}"} \
+    --workspace --no-run --message-format=json >>"$messages"
 
 # artifacts: "KIND NAME PATH" lines. A test executable is a GPU suite when its
 # sources hold an #[ignore] attribute: the test file itself, or for a unit-test
@@ -159,6 +179,7 @@ glibc="$( (cd "$dest" && for f in bin/* lib/* tests/*; do objdump -T "$f" 2>/dev
     grep -o 'GLIBC_[0-9][0-9.]*' | sed 's/GLIBC_//' | sort -uV | tail -n 1)"
 {
     echo "format: vmmalloc-gpu-bundle/1"
+    echo "profile: $profile"
     echo "glibc_required: ${glibc:-unknown}"
     echo "scripts_sha256: $scripts_sha"
     echo "git_commit: $commit"

@@ -251,7 +251,12 @@ check_bundle() {
     if [[ $format != vmmalloc-gpu-bundle/1 ]]; then
         problem "bundle: format '${format:-none}', this script reads vmmalloc-gpu-bundle/1"
     fi
-    sed -n 's/^\(git_commit\|git_dirty\|vmmalloc\|rustc\|built_on\|built_at\): /  \1: /p' "$manifest"
+    sed -n 's/^\(profile\|git_commit\|git_dirty\|vmmalloc\|rustc\|built_on\|built_at\): /  \1: /p' "$manifest"
+    # A dev-profile bundle (BUNDLE_PROFILE=dev: the CI dry run's) runs only
+    # on the fake libcuda: on a GPU its timings would be a debug build's.
+    if [[ "$(sed -n 's/^profile: //p' "$manifest")" == dev && $dry_run != 1 ]]; then
+        problem "bundle: built with the dev profile (BUNDLE_PROFILE=dev, for dry runs): rebuild it with scripts/gpu-bundle.sh for a GPU"
+    fi
     # glibc: the executables need at least glibc_required (objdump -T at build time).
     local need_glibc have_glibc
     need_glibc="$(sed -n 's/^glibc_required: //p' "$manifest")"

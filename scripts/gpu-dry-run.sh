@@ -5,7 +5,8 @@
 # submission, not on the first GPU day (issue 16). Only what needs nvidia-smi
 # or PyTorch on a GPU is skipped.
 #
-#   1. scripts/gpu-bundle.sh, then target/release/libcuda.so (the fake).
+#   1. scripts/gpu-bundle.sh (BUNDLE_PROFILE=dev unless set), then the fake
+#      libcuda of the same profile (target/debug/libcuda.so).
 #   2. gpu-check.sh --dry-run: every step PASS but the PyTorch-on-GPU ones
 #      (SKIP); the log, the summary and the calibration JSON written. (What
 #      the PyTorch steps report, and the time budget, are proven with
@@ -21,9 +22,18 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 read -r -a cargo_flags <<<"${CARGO_FLAGS:-}"
 
+# The dev profile by default (BUNDLE_PROFILE=release for the GPU's build): a
+# dry run checks the bundle and the scripts, not speed, and the dev build is
+# what `cargo test --workspace` made already (issue 42 item 7: no crate built
+# twice in two profiles in CI).
+export BUNDLE_PROFILE="${BUNDLE_PROFILE:-dev}"
+case $BUNDLE_PROFILE in
+    release) fake_args=(--release) fake_dir=release ;;
+    *) fake_args=() fake_dir=debug ;;
+esac
 scripts/gpu-bundle.sh gpu-bundle
-cargo build --release --quiet ${cargo_flags[@]+"${cargo_flags[@]}"} -p fake-cuda
-fake="$PWD/${CARGO_TARGET_DIR:-target}/release/libcuda.so"
+cargo build ${fake_args[@]+"${fake_args[@]}"} --quiet ${cargo_flags[@]+"${cargo_flags[@]}"} -p fake-cuda
+fake="$PWD/${CARGO_TARGET_DIR:-target}/$fake_dir/libcuda.so"
 [[ -f $fake ]] || { echo "gpu-dry-run: no fake libcuda at $fake" >&2; exit 1; }
 
 tmp="$(mktemp -d)"

@@ -372,3 +372,37 @@ fn a_companion_that_cannot_be_built_fails_python_and_is_not_retried_by_every_ste
     );
     assert_eq!(run.code, Some(1), "{}", run.summary);
 }
+
+/// A bundle built with `BUNDLE_PROFILE=dev` (the CI dry run's) is refused on
+/// a GPU: its timings would be a debug build's. A release bundle's manifest
+/// (or one without a profile line, older) is not refused for it.
+#[test]
+fn a_dev_profile_bundle_is_refused_outside_a_dry_run() {
+    let b = Bundle::new("dev-profile");
+    let manifest = b.root.join("bundle/manifest.txt");
+    fs::write(
+        &manifest,
+        "format: vmmalloc-gpu-bundle/1\nprofile: release\nscripts_sha256: stand-in\n",
+    )
+    .unwrap();
+    let run = b.check(&[("ONLY", "bundle")]);
+    assert!(
+        !run.verdict("bundle").contains("dev profile"),
+        "{}",
+        run.summary
+    );
+    fs::write(
+        &manifest,
+        "format: vmmalloc-gpu-bundle/1\nprofile: dev\nscripts_sha256: stand-in\n",
+    )
+    .unwrap();
+    let run = b.check(&[("ONLY", "bundle")]);
+    run.expect("bundle", "FAIL (exit 1");
+    assert!(
+        run.verdict("bundle")
+            .contains("bundle: built with the dev profile"),
+        "{}",
+        run.summary
+    );
+    assert_eq!(run.code, Some(1), "{}", run.summary);
+}
