@@ -264,7 +264,37 @@ extern "C" int vmmalloc_companion_test_pool_counts(uint64_t hi, uint64_t lo, int
   return 0;
 }
 
-// torch.cuda.MemPool(allocator=other) + use_mem_pool as PyTorch 2.11+ call
+#if VMM_TORCH_AT_LEAST(2, 8)
+namespace {
+// MemPool(allocator=x)'s constructor as each version calls it: the
+// allocator as a shared_ptr from 2.11, a raw pointer 2.8-2.10 (the MemPool
+// owns it; `x` outlives the pool in the tests).
+void create_pool_with(VmmallocAllocator* a, MempoolId_t id,
+                      const std::shared_ptr<HostTestAllocator>& x) {
+#if VMM_TORCH_AT_LEAST(2, 11)
+  a->createOrIncrefPool(0, id, x);
+#else
+  a->createOrIncrefPool(0, id, x.get());
+#endif
+}
+
+// setUseOnOOM as each version calls it: MemPool(use_on_oom=True) turns it
+// on; only from 2.11 does ~MemPool turn it off (setUseOnOOM(.., false)).
+// Returns whether this version can make the call.
+bool set_use_on_oom(VmmallocAllocator* a, MempoolId_t id, bool on) {
+#if VMM_TORCH_AT_LEAST(2, 11)
+  a->setUseOnOOM(0, id, on);
+  return true;
+#else
+  if (!on) return false;
+  a->setUseOnOOM(0, id);
+  return true;
+#endif
+}
+}  // namespace
+#endif
+
+// torch.cuda.MemPool(allocator=other) + use_mem_pool as PyTorch 2.8+ call
 // the allocator (MemPool's constructor: createOrIncrefPool(device, id,
 // allocator); use_mem_pool: beginAllocateToPool / endAllocateToPool /
 // releasePool; ~MemPool: releasePool, emptyCache(id)), with a host
@@ -273,14 +303,14 @@ extern "C" int vmmalloc_companion_test_pool_counts(uint64_t hi, uint64_t lo, int
 // raw_delete. Returns 0, or -1 with the first failed check in `err`. For
 // tests without a GPU.
 extern "C" int vmmalloc_companion_mempool_allocator_for_tests(char* err, size_t err_len) {
-#if VMM_TORCH_AT_LEAST(2, 11)
+#if VMM_TORCH_AT_LEAST(2, 8)
   try {
     auto* a = current_allocator();
     TORCH_CHECK(a, "the companion is not installed");
     auto other = std::make_shared<HostTestAllocator>();
     MempoolId_t id{0, 901};
     int64_t before = allocated_bytes(0);
-    a->createOrIncrefPool(0, id, other);
+    create_pool_with(a, id, other);
     TORCH_CHECK(a->getPoolUseCount(0, id) == 1, "use count after the constructor");
     a->beginAllocateToPool(0, id, [](cudaStream_t) { return true; });
     TORCH_CHECK(a->getPoolUseCount(0, id) == 2, "use count inside use_mem_pool (PyTorch: 2)");
@@ -336,7 +366,7 @@ extern "C" int vmmalloc_companion_mempool_allocator_for_tests(char* err, size_t 
     // MemPool(no_split=True) with its own allocator: each block a whole segment.
     auto whole = std::make_shared<HostTestAllocator>();
     MempoolId_t ns{0, 906};
-    a->createOrIncrefPool(0, ns, whole);
+    create_pool_with(a, ns, whole);
     a->setNoSplit(0, ns);
     a->beginAllocateToPool(0, ns, [](cudaStream_t) { return true; });
     void* n1 = companion_malloc(1000, 0, nullptr);
@@ -381,19 +411,19 @@ extern "C" int vmmalloc_companion_mempool_allocator_for_tests(char* err, size_t 
     return -1;
   }
 #else
-  copy_error("needs PyTorch 2.11 headers", err, err_len);
+  copy_error("needs PyTorch 2.8 headers", err, err_len);
   return -1;
 #endif
 }
 
-// MemPool(use_on_oom=True) as PyTorch 2.11+ calls it, on a 1 GiB host
+// MemPool(use_on_oom=True) as PyTorch 2.8+ calls it, on a 1 GiB host
 // device: a 400 MiB block allocated into the pool and freed stays the
 // pool's (pinned while the pool has users); with 500 MiB live outside, a
 // 300 MiB allocation runs out of memory, then, once the pool is marked
 // use_on_oom, gets the pool's free block; ~MemPool's setUseOnOOM(false)
 // ends it.
 extern "C" int vmmalloc_companion_use_on_oom_for_tests(char* err, size_t err_len) {
-#if VMM_TORCH_AT_LEAST(2, 11)
+#if VMM_TORCH_AT_LEAST(2, 8)
   try {
     auto* a = current_allocator();
     TORCH_CHECK(a, "the companion is not installed");
@@ -415,15 +445,16 @@ extern "C" int vmmalloc_companion_use_on_oom_for_tests(char* err, size_t err_len
       }
     };
     TORCH_CHECK(oom(), "300 MiB fitted without the pool's block");
-    a->setUseOnOOM(0, id, true);
+    set_use_on_oom(a, id, true);
     void* lent = companion_malloc(300 * MiB, 0, nullptr);
     TORCH_CHECK(lent == pooled, "the allocation did not get the pool's free block");
     companion_free(lent, 300 * MiB, 0, nullptr);
-    a->setUseOnOOM(0, id, false);  // ~MemPool
-    TORCH_CHECK(oom(), "the pool still lends after setUseOnOOM(false)");
+    if (set_use_on_oom(a, id, false)) {  // ~MemPool (2.11+)
+      TORCH_CHECK(oom(), "the pool still lends after setUseOnOOM(false)");
+    }
     bool unknown = false;
     try {
-      a->setUseOnOOM(0, MempoolId_t{0, 904}, true);
+      set_use_on_oom(a, MempoolId_t{0, 904}, true);
     } catch (const c10::Error& e) {
       unknown = std::string(e.what()).find("vmmalloc") != std::string::npos;
     }
@@ -436,7 +467,7 @@ extern "C" int vmmalloc_companion_use_on_oom_for_tests(char* err, size_t err_len
     return -1;
   }
 #else
-  copy_error("needs PyTorch 2.11 headers", err, err_len);
+  copy_error("needs PyTorch 2.8 headers", err, err_len);
   return -1;
 #endif
 }

@@ -392,6 +392,21 @@ pub fn stats_values(stats: &Stats) -> Vec<i64> {
     v
 }
 
+/// `device`'s statistics net of `vmmalloc_reset_accumulated_stats`, `None`
+/// before its first use; `Err` (logged as `name`'s failure) for a bad
+/// ordinal.
+fn device_stats_of(name: &str, device: c_int) -> Result<Option<Stats>, ()> {
+    let rt = runtime::runtime();
+    let ordinal = rt.check_ordinal(device).map_err(|m| {
+        diag::fail(rt.log_level(), LError, &format!("{name}({device}): {m}"));
+    })?;
+    Ok(rt.existing(ordinal).map(|d| {
+        let mut s = d.allocator.stats();
+        crate::accumulated::apply(d, &mut s);
+        s
+    }))
+}
+
 /// PyTorch's `getDeviceStats`: writes `device`'s statistics (the figures of
 /// `vmmalloc_memory_stats_json`, zeros before its first allocation) as
 /// [`VMMALLOC_STATS_LEN`] values to `out` (at most `n`). Returns the number
@@ -407,26 +422,10 @@ pub unsafe extern "C" fn vmmalloc_device_stats(device: c_int, out: *mut i64, n: 
         return -1;
     }
     entry("vmmalloc_device_stats", -1, || {
-        let rt = runtime::runtime();
-        let ordinal = match rt.check_ordinal(device) {
-            Ok(o) => o,
-            Err(m) => {
-                diag::fail(
-                    rt.log_level(),
-                    LError,
-                    &format!("vmmalloc_device_stats({device}): {m}"),
-                );
-                return -1;
-            }
+        let Ok(stats) = device_stats_of("vmmalloc_device_stats", device) else {
+            return -1;
         };
-        let stats = rt
-            .existing(ordinal)
-            .map(|d| {
-                let mut s = d.allocator.stats();
-                crate::accumulated::apply(d, &mut s);
-                s
-            })
-            .unwrap_or_default();
+        let stats = stats.unwrap_or_default();
         let values = stats_values(&stats);
         let k = values.len().min(n);
         // SAFETY: `out` is non-null and valid for `n` >= `k` writes.
@@ -461,23 +460,11 @@ pub unsafe extern "C" fn vmmalloc_private_pool_stats(
         return -1;
     };
     entry("vmmalloc_private_pool_stats", -1, || {
-        let rt = runtime::runtime();
-        let ordinal = match rt.check_ordinal(device) {
-            Ok(o) => o,
-            Err(m) => {
-                diag::fail(
-                    rt.log_level(),
-                    LError,
-                    &format!("vmmalloc_private_pool_stats({device}): {m}"),
-                );
-                return -1;
-            }
+        let stats = match device_stats_of("vmmalloc_private_pool_stats", device) {
+            Err(()) => return -1,
+            Ok(None) => return 0,
+            Ok(Some(s)) => s,
         };
-        let Some(d) = rt.existing(ordinal) else {
-            return 0;
-        };
-        let mut stats = d.allocator.stats();
-        crate::accumulated::apply(d, &mut stats);
         let mut n: c_int = 0;
         for (&(hi, lo), arr) in &stats.reserved_bytes_by_private_pools {
             let mut v = Vec::with_capacity(12);

@@ -296,13 +296,14 @@ mod tests {
     /// Unpinning in place releases a chunk and creates its replacements:
     /// while the budget keeps the credit, the group never sees the bytes
     /// free, so no other member can take them in between.
-    #[test]
-    fn a_kept_credit_is_never_free_for_the_group_until_the_swap_ends() {
+    /// A group of 64 pages in a private folder named after `name`: this
+    /// member's budget (its fraction allows all 64) and another member.
+    fn group_of_two(name: &str) -> (std::path::PathBuf, SharedBudget, Arc<Member>, Arc<Member>) {
         use std::os::unix::fs::PermissionsExt;
-        let d = std::env::temp_dir().join(format!("vmmalloc-keep-{}", std::process::id()));
+        let d = std::env::temp_dir().join(format!("vmmalloc-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
-        let p = d.join("keep");
+        let p = d.join(name);
         let _ = std::fs::remove_file(&p);
         let opts = JoinOptions {
             total: 64 * PAGE,
@@ -311,12 +312,18 @@ mod tests {
         };
         let member = Member::join_path("g", &p, opts.clone()).unwrap();
         let other = Member::join_path("g", &p, opts).unwrap();
-        let mut b = SharedBudget {
+        let b = SharedBudget {
             local: LocalBudget::new(1.0, 64),
             member: Arc::clone(&member),
             page: PAGE,
             kept: None,
         };
+        (d, b, member, other)
+    }
+
+    #[test]
+    fn a_kept_credit_is_never_free_for_the_group_until_the_swap_ends() {
+        let (d, mut b, member, other) = group_of_two("keep");
         b.charge(10, PAGE, Charge::Grow).unwrap();
         other.charge(54 * PAGE, true).unwrap();
         b.begin_keep();
@@ -342,25 +349,7 @@ mod tests {
     /// CI failure of share_procs: P1 gave back, P2's view was still fresh).
     #[test]
     fn a_give_back_within_the_fresh_view_is_seen_by_the_recheck() {
-        use std::os::unix::fs::PermissionsExt;
-        let d = std::env::temp_dir().join(format!("vmmalloc-recheck-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
-        let p = d.join("recheck");
-        let _ = std::fs::remove_file(&p);
-        let opts = JoinOptions {
-            total: 64 * PAGE,
-            cap: NO_CAP,
-            poll: DEFAULT_POLL,
-        };
-        let member = Member::join_path("g", &p, opts.clone()).unwrap();
-        let other = Member::join_path("g", &p, opts).unwrap();
-        let mut b = SharedBudget {
-            local: LocalBudget::new(1.0, 64),
-            member: Arc::clone(&member),
-            page: PAGE,
-            kept: None,
-        };
+        let (d, mut b, member, other) = group_of_two("recheck");
         other.charge(64 * PAGE, true).unwrap();
         member.refresh().unwrap();
         assert_eq!(member.limit_as_read(), 0);
