@@ -9,7 +9,7 @@
 //! [`sleep_of`] and [`export_of`] give the caller's error when a policy
 //! lacks the capability, worded once here.
 
-use crate::{ipc, AllocError, AllocResult, Allocator, MappingChange, TagStats};
+use crate::{ipc, AllocError, AllocResult, Allocator, MappingChange, Stream, TagStats};
 
 /// Sleep and wake (docs/expandable.md, "Sleep and wake"): give the physical
 /// memory of tagged blocks back to the driver keeping their addresses, and
@@ -92,4 +92,61 @@ pub fn export_of<A: Allocator + ?Sized>(a: &A, ptr: u64) -> AllocResult<&dyn Exp
 /// Memory per tag of `a` (empty for a policy without tags).
 pub fn tag_stats_of<A: Allocator + ?Sized>(a: &A) -> Vec<TagStats> {
     a.as_sleep().map(Sleep::tag_stats).unwrap_or_default()
+}
+
+/// A range of device memory that became registrable (`registered`) or must
+/// stop being registered (`!registered`) with a communication library (NCCL
+/// user-buffer registration, `ncclCommRegister` / `ncclCommDeregister`):
+/// what PyTorch's caching allocator reports as a `SEGMENT_ALLOC` /
+/// `SEGMENT_FREE` trace entry, which ProcessGroupNCCL's register hook
+/// registers and deregisters (`cacheAllocatorRegisterHook` /
+/// `cacheAllocatorDeregisterHook`, torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp).
+///
+/// The range is one segment as [`crate::Snapshot`]'s readers report it
+/// (`pickle_snapshot`, the companion's `snapshot()`): a contiguous run of
+/// mapped, accessible pages of one segment or growable region. A removal
+/// names exactly a range that an earlier addition (or the snapshot taken
+/// before following began) named, and comes before any byte of it is
+/// unmapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentChange {
+    /// Added (true: after it was mapped and made accessible) or removed
+    /// (false: before any of it is unmapped).
+    pub registered: bool,
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// The stream of the segment (or region) the range lies in.
+    pub stream: Stream,
+    /// The private pool the segment belongs to (`(0, 0)`: the default pool).
+    pub pool: (u64, u64),
+}
+
+/// Who receives [`SegmentChange`]s: called under the allocator's lock, on
+/// the thread whose call mapped or unmapped the memory. It must not call
+/// back into the allocator.
+pub trait SegmentSink: Send + Sync {
+    /// One change.
+    fn change(&self, c: &SegmentChange);
+}
+
+/// Following the registrable segments (NCCL user-buffer registration,
+/// issue 43): a policy whose physical layer sees every map and unmap tells
+/// a [`SegmentSink`] each run of mapped memory that appears, and each that
+/// is about to change or go, so that registrations are never left over
+/// memory that is unmapped or remapped (unpinning, spill, pause, IPC
+/// re-backing all deregister first and register again after).
+pub trait SegmentFollow: Send + Sync {
+    /// Starts following (`Some`: changes go to the sink from now on; the
+    /// runs mapped now are taken as already known, as a snapshot taken now
+    /// reports them) or stops (`None`).
+    fn follow_segments(&self, sink: Option<std::sync::Arc<dyn SegmentSink>>) -> AllocResult<()>;
+
+    /// The runs known as registered now (empty when not following), by
+    /// address.
+    fn followed_segments(&self) -> Vec<SegmentChange>;
+
+    /// Changes sent since following began: (added, removed).
+    fn segment_changes(&self) -> (u64, u64);
 }

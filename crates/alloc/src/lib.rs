@@ -37,7 +37,10 @@ pub mod share;
 #[doc(hidden)]
 pub mod torch_es;
 
-pub use capabilities::{export_of, sleep_of, tag_stats_of, Export, MappingLog, Sleep};
+pub use capabilities::{
+    export_of, sleep_of, tag_stats_of, Export, MappingLog, SegmentChange, SegmentFollow,
+    SegmentSink, Sleep,
+};
 pub use error::{AllocError, AllocResult, CachingCause, OomReport, Pin, StreamUsage};
 pub use expandable::tags::{is_known_tag, parse_tag_list, set_thread_tag, thread_tag, MAX_TAG_LEN};
 pub use expandable::TagStats;
@@ -141,6 +144,13 @@ pub trait Allocator: Send + Sync {
         None
     }
 
+    /// Following the registrable segments ([`SegmentFollow`]: NCCL
+    /// user-buffer registration), if the policy can (only `expandable`,
+    /// whose physical layer sees every map and unmap); `None` by default.
+    fn as_segment_follow(&self) -> Option<&dyn SegmentFollow> {
+        None
+    }
+
     /// The private pools of CUDA graphs and `torch.cuda.MemPool`s
     /// ([`pools`]), if the policy has them (only `expandable` does);
     /// `None` by default.
@@ -200,5 +210,8 @@ impl<A: Allocator + ?Sized> Allocator for std::sync::Arc<A> {
     }
     fn as_mapping_log(&self) -> Option<&dyn MappingLog> {
         (**self).as_mapping_log()
+    }
+    fn as_segment_follow(&self) -> Option<&dyn SegmentFollow> {
+        (**self).as_segment_follow()
     }
 }

@@ -403,6 +403,9 @@ impl Inner {
             free_blocks: 1,
         });
         self.phys.open_table(seg_idx, base, pages);
+        let tag = self.owner_tag(owner);
+        self.phys
+            .tag_table(super::physical::observe::Owner::Segment(seg_idx), tag);
         if self.owner_pinned(owner) {
             self.phys.set_pinned(seg_idx, true);
         }

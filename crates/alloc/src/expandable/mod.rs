@@ -481,6 +481,10 @@ impl<D: Device> Allocator for ExpandableAllocator<D> {
         Some(self)
     }
 
+    fn as_segment_follow(&self) -> Option<&dyn crate::SegmentFollow> {
+        Some(self)
+    }
+
     fn pools(&self) -> Option<&dyn PrivatePools> {
         Some(self)
     }
@@ -514,6 +518,42 @@ impl<D: Device> crate::Export for ExpandableAllocator<D> {
 
     fn unexport(&self, ptr: u64) -> AllocResult<()> {
         self.call("unexport", |i, _| i.unexport_block(ptr))
+    }
+}
+
+/// Following the registrable segments for NCCL (`physical/follow.rs`).
+impl<D: Device> crate::SegmentFollow for ExpandableAllocator<D> {
+    fn follow_segments(
+        &self,
+        sink: Option<std::sync::Arc<dyn crate::SegmentSink>>,
+    ) -> AllocResult<()> {
+        self.call("follow_segments", |i, _| {
+            match sink {
+                Some(sink) => {
+                    let tags: Vec<_> = (0..i.segments.len())
+                        .map(|slot| {
+                            i.segments[slot]
+                                .as_ref()
+                                .map(|s| i.owner_tag(s.owner))
+                                .unwrap_or_default()
+                        })
+                        .collect();
+                    i.phys.start_follow(sink, |slot| {
+                        tags.get(slot as usize).copied().unwrap_or_default()
+                    });
+                }
+                None => i.phys.stop_follow(),
+            }
+            Ok(())
+        })
+    }
+
+    fn followed_segments(&self) -> Vec<crate::SegmentChange> {
+        self.read("followed_segments", |i| i.phys.followed())
+    }
+
+    fn segment_changes(&self) -> (u64, u64) {
+        self.read("segment_changes", |i| i.phys.follow_counts())
     }
 }
 

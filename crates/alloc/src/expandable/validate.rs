@@ -112,6 +112,7 @@ impl Inner {
         self.validate_pool(&mut handles)?;
         self.validate_stats(&rc, &mapped)?;
         self.phys.check_observed(mapped.chunks)?;
+        self.phys.check_follow()?;
         self.phys.arenas().check(&mapped.bases, self.layout.slice)?;
         self.validate_model(model, &g, &mapped)
     }

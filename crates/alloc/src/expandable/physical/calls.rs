@@ -121,7 +121,7 @@ impl Physical {
     }
 
     /// `cuMemUnmap` of `[addr, addr + bytes)`, which holds `handles` whole
-    /// mappings.
+    /// mappings; announced to the observers first (`Observer::before`).
     pub(super) fn raw_unmap<D: Device + ?Sized>(
         &mut self,
         dev: &D,
@@ -130,9 +130,10 @@ impl Physical {
         bytes: u64,
         handles: u32,
     ) -> DeviceResult<()> {
-        let r = dev.unmap(addr, bytes);
         let mut ev = PhysEvent::new(Call::Unmap, owner).at(addr, bytes);
         ev.handles = handles;
+        self.observers.announce(&ev);
+        let r = dev.unmap(addr, bytes);
         self.emit(ev, r)
     }
 

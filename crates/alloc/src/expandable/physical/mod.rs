@@ -64,6 +64,7 @@ mod calls;
 mod chunks;
 mod drain;
 mod exports;
+pub(crate) mod follow;
 mod layout;
 pub(crate) mod mappings;
 mod moves;
@@ -127,6 +128,9 @@ pub(crate) struct Physical {
     mapped_pages: u64,
     /// Chunks (handles) mapped in all tables.
     mapped_handles: u64,
+    /// The segment follower's state (`follow.rs`), once something followed
+    /// the segments (its observer is attached then).
+    follow: Option<std::sync::Arc<parking_lot::Mutex<follow::FollowState>>>,
 }
 
 impl Physical {
@@ -151,6 +155,109 @@ impl Physical {
             arenas: Arenas::default(),
             mapped_pages: 0,
             mapped_handles: 0,
+            follow: None,
+        }
+    }
+
+    /// Starts following the segments for `sink` (`follow.rs`): attaches the
+    /// follower on first use, takes the runs mapped now as known (the
+    /// snapshot reports them) with each table's tag from `tag_of` (regions:
+    /// their stream, the default pool).
+    pub fn start_follow(
+        &mut self,
+        sink: std::sync::Arc<dyn crate::SegmentSink>,
+        tag_of: impl Fn(u32) -> follow::Tag,
+    ) {
+        let state = match &self.follow {
+            Some(s) => std::sync::Arc::clone(s),
+            None => {
+                let s =
+                    std::sync::Arc::new(parking_lot::Mutex::new(follow::FollowState::default()));
+                self.attach(Box::new(follow::Follower(std::sync::Arc::clone(&s))));
+                self.follow = Some(std::sync::Arc::clone(&s));
+                s
+            }
+        };
+        let mut tags = std::collections::HashMap::new();
+        for (i, t) in self.tables.iter().enumerate() {
+            if t.len() > 0 {
+                tags.insert(Owner::Segment(i as u32), tag_of(i as u32));
+            }
+        }
+        for g in self.regions.values() {
+            tags.insert(
+                Owner::Region(g.base),
+                follow::Tag {
+                    stream: g.stream,
+                    pool: (0, 0),
+                },
+            );
+        }
+        state.lock().start(sink, self.accessible_runs(), tags);
+    }
+
+    /// Stops following the segments.
+    pub fn stop_follow(&mut self) {
+        if let Some(s) = &self.follow {
+            s.lock().stop();
+        }
+    }
+
+    /// Notes the tag of table `owner`, opened while following.
+    pub fn tag_table(&mut self, owner: Owner, tag: follow::Tag) {
+        if let Some(s) = &self.follow {
+            s.lock().tag(owner, tag);
+        }
+    }
+
+    /// Forgets the tag of table `owner`, gone.
+    pub fn untag_table(&mut self, owner: Owner) {
+        if let Some(s) = &self.follow {
+            s.lock().untag(owner);
+        }
+    }
+
+    /// The runs known as registered (empty unless following).
+    pub fn followed(&self) -> Vec<crate::SegmentChange> {
+        self.follow
+            .as_ref()
+            .map_or_else(Vec::new, |s| s.lock().known())
+    }
+
+    /// Changes the follower sent: (added, removed).
+    pub fn follow_counts(&self) -> (u64, u64) {
+        self.follow.as_ref().map_or((0, 0), |s| s.lock().counts())
+    }
+
+    /// The mapped, accessible runs of every table, `(owner, first byte,
+    /// bytes)`, by address: what the follower must know.
+    fn accessible_runs(&self) -> Vec<(Owner, u64, u64)> {
+        let mut runs = Vec::new();
+        for (i, t) in self.tables.iter().enumerate() {
+            t.for_each_mapped_run(0, t.len(), |f, n| {
+                runs.push((
+                    Owner::Segment(i as u32),
+                    t.base() + f * self.page,
+                    n * self.page,
+                ));
+            });
+        }
+        for g in self.regions.values() {
+            if g.accessible > 0 {
+                runs.push((Owner::Region(g.base), g.base, g.accessible * self.page));
+            }
+        }
+        runs.sort_by_key(|r| r.1);
+        runs
+    }
+
+    /// Checks the follower's runs against the tables' (`validate()`); not
+    /// while a chunk is unready (mapped without access after a failed
+    /// rollback).
+    pub fn check_follow(&self) -> Result<(), String> {
+        match &self.follow {
+            Some(s) if self.unready.is_empty() => s.lock().check(&self.accessible_runs()),
+            _ => Ok(()),
         }
     }
 
@@ -280,6 +387,7 @@ impl Physical {
     pub fn close_table(&mut self, seg: u32) {
         debug_assert!(self.tables[seg as usize].is_empty());
         self.tables[seg as usize] = ChunkTable::default();
+        self.untag_table(Owner::Segment(seg));
     }
 
     /// Address of page `p` of segment `seg`.

@@ -24,7 +24,7 @@ use vmmalloc_device::{Call, Device, DeviceResult, Event, MemInfo, PhysHandle, St
 
 /// Who a memory call is made for: the table (or the part of the physical
 /// layer) that owns the address or the handle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Owner {
     /// A segment's chunk table (slot index).
     Segment(u32),
@@ -117,6 +117,11 @@ impl PhysEvent {
 pub(crate) trait Observer: Send + Sync + fmt::Debug {
     /// Sees one call.
     fn observe(&mut self, ev: &PhysEvent);
+
+    /// Sees an unmap about to be made (the event not yet marked ok): whoever
+    /// must act while the memory is still mapped (NCCL deregistration,
+    /// `follow.rs`) acts here. Nothing by default.
+    fn before(&mut self, _ev: &PhysEvent) {}
 }
 
 /// The driver-call counter: the one place where the expandable allocator
@@ -200,6 +205,15 @@ impl Observers {
         self.counter.observe(ev);
         for o in &mut self.attached {
             o.observe(ev);
+        }
+    }
+
+    /// Announces `ev`, a call about to be made, to the attached observers
+    /// ([`Observer::before`]; the counter counts calls once they returned).
+    #[inline]
+    pub fn announce(&mut self, ev: &PhysEvent) {
+        for o in &mut self.attached {
+            o.before(ev);
         }
     }
 

@@ -103,6 +103,13 @@ impl Physical {
                 stream,
             },
         );
+        self.tag_table(
+            Owner::Region(base),
+            super::follow::Tag {
+                stream,
+                pool: (0, 0),
+            },
+        );
         Ok(base)
     }
 
@@ -265,6 +272,7 @@ impl Physical {
         let reserved = g.reserved;
         self.raw_free_reservation(dev, Owner::Region(ptr), ptr, reserved)?;
         self.regions.remove(&ptr);
+        self.untag_table(Owner::Region(ptr));
         Ok(())
     }
 

@@ -174,6 +174,15 @@ impl Inner {
         }
     }
 
+    /// The segment follower's tag of stream entry `owner`'s segments: its
+    /// stream and pool (`physical/follow.rs`).
+    pub(in crate::expandable) fn owner_tag(&self, owner: u32) -> super::physical::follow::Tag {
+        super::physical::follow::Tag {
+            stream: self.streams[owner as usize].stream,
+            pool: self.owner_pool_id(owner),
+        }
+    }
+
     /// Whether stream entry `owner` belongs to a `no_split` pool.
     #[inline]
     pub(super) fn owner_no_split(&self, owner: u32) -> bool {
