@@ -179,10 +179,8 @@ impl Physical {
             }
         };
         let mut tags = std::collections::HashMap::new();
-        for (i, t) in self.tables.iter().enumerate() {
-            if t.len() > 0 {
-                tags.insert(Owner::Segment(i as u32), tag_of(i as u32));
-            }
+        for i in 0..self.tables.len() as u32 {
+            tags.insert(Owner::Segment(i), tag_of(i));
         }
         for g in self.regions.values() {
             tags.insert(
