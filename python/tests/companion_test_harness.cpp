@@ -574,3 +574,161 @@ extern "C" int vmmalloc_companion_registered_cuda_allocator_for_tests() {
   if (!mine) return -1;
   return c10::GetAllocator(c10::DeviceType::CUDA) == static_cast<c10::Allocator*>(mine) ? 1 : 0;
 }
+
+// ---------------------------------------------------------------------------
+// A fake NCCL behind ProcessGroupNCCL's register hook (issue 43), as strict
+// as the real pair (docs/pytorch.md, "NCCL"):
+// - the tracker is ProcessGroupNCCL's (torch/csrc/distributed/c10d/
+//   ProcessGroupNCCL.cpp, attachAllocatorHooks): cacheAllocatorRegisterHook
+//   registers the range of each SEGMENT_ALLOC entry, cacheAllocatorDeregisterHook
+//   deregisters the address of each SEGMENT_FREE; from 2.8 only for pools
+//   registered with register_mem_pool unless the hook variable asks for all
+//   (shouldAllCommunicatorsRegisterAllTensors; `all` here);
+// - initNCCLComm (hook on) and register_mem_pool register the segments of a
+//   snapshot (all of them / the pool's), deregister_mem_pool deregisters the
+//   pool's snapshot segments;
+// - NCCLComm::registerSegment refuses an address already registered and
+//   NCCLComm::deregisterSegment one not registered (NCCLUtils.cpp
+//   TORCH_CHECKs; ncclCommDeregister of an unknown handle fails too);
+// - NCCL keeps a registration until it is deregistered, so a registered
+//   byte must stay mapped: vmmalloc_companion_fake_nccl_check_for_tests
+//   finds every registration equal to a segment of the snapshot now (a
+//   segment unmapped, moved or joined under a live registration leaves a
+//   registration the snapshot no longer has).
+// Errors are collected (the tracker runs under libvmmalloc's lock and must
+// not throw there) and reported by the check.
+// ---------------------------------------------------------------------------
+namespace {
+struct FakeNccl {
+  std::mutex mu;
+  bool all = true;
+  std::set<MempoolId_t> pools;
+  std::map<uint64_t, uint64_t> registered;  // address -> size
+  std::vector<std::string> errors;
+  uint64_t registrations = 0, deregistrations = 0;
+
+  void reg(uint64_t addr, uint64_t size) {
+    if (registered.count(addr)) {
+      errors.push_back("register: " + std::to_string(addr) + " is already registered");
+      return;
+    }
+    auto next = registered.lower_bound(addr);
+    if ((next != registered.end() && next->first < addr + size) ||
+        (next != registered.begin() && std::prev(next)->first + std::prev(next)->second > addr)) {
+      errors.push_back("register: " + std::to_string(addr) + " overlaps a registration");
+      return;
+    }
+    registered[addr] = size;
+    registrations++;
+  }
+  void dereg(uint64_t addr, uint64_t size) {
+    auto it = registered.find(addr);
+    if (it == registered.end()) {
+      errors.push_back("deregister: " + std::to_string(addr) + " is not registered");
+      return;
+    }
+    if (size && it->second != size) {
+      errors.push_back("deregister: " + std::to_string(addr) + " registered with " +
+                       std::to_string(it->second) + " bytes, freed with " + std::to_string(size));
+    }
+    registered.erase(it);
+    deregistrations++;
+  }
+};
+FakeNccl* g_nccl = nullptr;
+
+std::vector<CCA::SegmentInfo> segments_of(MempoolId_t pool) {
+  return current_allocator_for_tests()->snapshot_of(pool, false).segments;
+}
+}  // namespace
+
+// Attaches the fake NCCL's tracker to the installed companion: `all` 1 as
+// with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 (every segment of
+// the snapshot is registered first, as initNCCLComm does), 0 for
+// register_mem_pool only (from 2.8, where entries carry their pool).
+// Returns 0, 1 when the companion does not serve the trackers (the warning
+// says why), -1 when none is installed.
+extern "C" int vmmalloc_companion_fake_nccl_attach_for_tests(int all) {
+  VmmallocAllocator* a = current_allocator_for_tests();
+  if (!a) return -1;
+  if (!g_nccl) g_nccl = new FakeNccl;
+  {
+    std::lock_guard<std::mutex> g(g_nccl->mu);
+    g_nccl->all = all != 0;
+  }
+  if (all) {
+    auto segs = segments_of({0, 0});
+    std::lock_guard<std::mutex> g(g_nccl->mu);
+    for (auto& s : segs) g_nccl->reg(s.address, s.total_size);
+  }
+  a->attachAllocatorTraceTracker([](const CCA::TraceEntry& te) {
+    std::lock_guard<std::mutex> g(g_nccl->mu);
+    bool wanted = g_nccl->all;
+#if VMM_TORCH_AT_LEAST(2, 8)
+    wanted = wanted || g_nccl->pools.count(te.mempool_) != 0;
+#endif
+    if (!wanted) return;
+    if (te.action_ == CCA::TraceEntry::SEGMENT_ALLOC) g_nccl->reg(te.addr_, te.size_);
+    if (te.action_ == CCA::TraceEntry::SEGMENT_FREE) g_nccl->dereg(te.addr_, te.size_);
+  });
+  return a->serving_trackers() ? 0 : 1;
+}
+
+// ProcessGroupNCCL.register_mem_pool(pool) (`reg` 1) and
+// deregister_mem_pool(pool) (`reg` 0) against the fake NCCL. Returns 0, or
+// -1 (nothing attached).
+extern "C" int vmmalloc_companion_fake_nccl_pool_for_tests(uint64_t hi, uint64_t lo, int reg) {
+  if (!g_nccl || !current_allocator_for_tests()) return -1;
+  MempoolId_t id{hi, lo};
+  auto segs = segments_of(id);
+  std::lock_guard<std::mutex> g(g_nccl->mu);
+  if (reg) {
+    g_nccl->pools.insert(id);
+    for (auto& s : segs) {
+      // registerMemPool skips what the hook registered already.
+      if (!g_nccl->registered.count(s.address)) g_nccl->reg(s.address, s.total_size);
+    }
+  } else {
+    g_nccl->pools.erase(id);
+    for (auto& s : segs) g_nccl->dereg(s.address, s.total_size);
+  }
+  return 0;
+}
+
+// Checks the fake NCCL: no error so far, and the registrations are exactly
+// the snapshot's segments now (all of them, or those of the registered
+// pools). Writes the counts of registrations and deregistrations made.
+// Returns 0, or -1 with the first problem in `err`.
+extern "C" int vmmalloc_companion_fake_nccl_check_for_tests(uint64_t* registrations,
+                                                            uint64_t* deregistrations, char* err,
+                                                            size_t err_len) {
+  try {
+    if (!g_nccl || !current_allocator_for_tests()) throw std::runtime_error("nothing attached");
+    std::set<MempoolId_t> pools;
+    bool all;
+    {
+      std::lock_guard<std::mutex> g(g_nccl->mu);
+      pools = g_nccl->pools;
+      all = g_nccl->all;
+    }
+    std::map<uint64_t, uint64_t> expected;
+    for (auto& s : segments_of({0, 0})) {
+      if (all || pools.count(s.owner_private_pool_id)) expected[s.address] = s.total_size;
+    }
+    std::lock_guard<std::mutex> g(g_nccl->mu);
+    *registrations = g_nccl->registrations;
+    *deregistrations = g_nccl->deregistrations;
+    if (!g_nccl->errors.empty()) throw std::runtime_error(g_nccl->errors.front());
+    if (expected != g_nccl->registered) {
+      std::string m = "registered:";
+      for (auto& [a, n] : g_nccl->registered) m += " " + std::to_string(a) + "+" + std::to_string(n);
+      m += "; snapshot segments:";
+      for (auto& [a, n] : expected) m += " " + std::to_string(a) + "+" + std::to_string(n);
+      throw std::runtime_error(m);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e.what(), err, err_len);
+    return -1;
+  }
+}

@@ -577,18 +577,181 @@ for x in w:
     assert "torch.compile(mode='reduce-overhead')" in out.stdout and "torch.cuda.MemPool" in out.stdout
 
 
-def test_nccl_register_hook_is_refused_with_the_variable_named(lib, tmp_path, cache):
-    out = run('''
-import os, warnings, vmmalloc
+def test_nccl_register_hook_is_served_or_refused_with_the_variable_named(lib, tmp_path, cache):
+    code = '''
+import os, sys, warnings, vmmalloc
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
-    vmmalloc.enable("device:host,capacity_gb:1,log:off")
+    vmmalloc.enable(sys.argv[1] if len(sys.argv) > 1 else "device:host,capacity_gb:1,log:off")
 print("VALUE", os.environ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"])
 print("\\n".join(str(x.message) for x in w))
-''', tmp_path, cache, TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1")
+'''
+    # Served by the companion: the variable stays.
+    out = run(code, tmp_path, cache, TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "VALUE 1" in out.stdout and "is turned off" not in out.stdout, out.stdout
+    # nccl_register:False: the old behaviour, said.
+    out = run(code.replace("sys.argv[1] if len(sys.argv) > 1 else ", "").replace(
+        '"device:host,capacity_gb:1,log:off"', '"device:host,capacity_gb:1,log:off,nccl_register:False"'),
+        tmp_path, cache, TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "VALUE 0" in out.stdout
-    assert "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 is turned off" in out.stdout
+    assert "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 is turned off (set to 0): nccl_register:False" \
+        in out.stdout, out.stdout
+    # Without the companion (the plain pluggable allocator has no trackers).
+    out = run(code, tmp_path, cache, TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1", VMMALLOC_COMPANION="0")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "VALUE 0" in out.stdout and "the torch companion is not installed" in out.stdout, out.stdout
+
+
+# The fake NCCL of the companion's test harness (companion_test_harness.cpp)
+# behind ProcessGroupNCCL's tracker: every step is checked to leave the
+# registrations equal to the snapshot's segments, and no register or
+# deregister refused (issue 43).
+NCCL = HOOKS + '''
+comp = _companion._loaded
+U64P = ctypes.POINTER(ctypes.c_uint64)
+comp.vmmalloc_companion_fake_nccl_check_for_tests.argtypes = [U64P, U64P, ctypes.c_char_p, ctypes.c_size_t]
+comp.vmmalloc_companion_fake_nccl_pool_for_tests.argtypes = [U64, U64, ctypes.c_int]
+def check(step):
+    regs, deregs = ctypes.c_uint64(), ctypes.c_uint64()
+    err = ctypes.create_string_buffer(4096)
+    rc = comp.vmmalloc_companion_fake_nccl_check_for_tests(ctypes.byref(regs), ctypes.byref(deregs), err, 4096)
+    assert rc == 0, f"{step}: {err.value.decode()}"
+    return regs.value, deregs.value
+def free(p):
+    lib.vmmalloc_free(p, 0, 0, None)
+'''
+
+
+def test_nccl_registrations_follow_every_map_and_unmap(lib, tmp_path, cache):
+    out = run(NCCL.replace("capacity_gb:1", "capacity_gb:0.5,spill:True") + '''
+early = [malloc(3 * MiB, 0, None), malloc(40 * MiB, 0, None)]
+# initNCCLComm: the segments mapped now are registered from the snapshot.
+assert comp.vmmalloc_companion_fake_nccl_attach_for_tests(1) == 0
+check("attach")
+live = [malloc(n, 0, None) for n in (1000, 2 * MiB, 7 * MiB, 64 * MiB, 100 * MiB)]
+check("allocate")
+for p in live[1::2] + early[:1]:
+    free(p)
+check("free")
+vmmalloc.empty_cache()
+r1, d1 = check("empty_cache")
+assert d1 > 0, (r1, d1)
+# Fragment, then a large request that must reclaim, unpin or spill.
+small = [malloc(6 * MiB, 0, None) for _ in range(40)]
+for p in small[::2]:
+    free(p)
+check("fragment")
+big = malloc(200 * MiB, 0, None)
+check("large request in fragmented memory")
+free(big)
+for p in small[1::2]:
+    free(p)
+vmmalloc.empty_cache()
+check("empty again")
+# Pause and resume a tag (sleep mode), with and without a backup.
+vmmalloc.set_tag("weights")
+w = [malloc(30 * MiB, 0, None), malloc(5 * MiB, 0, None)]
+vmmalloc.set_tag("")
+check("tagged")
+for backup in (True, False):
+    vmmalloc.pause("weights", backup=backup)
+    check(f"paused (backup={backup})")
+    vmmalloc.resume("weights")
+    check(f"resumed (backup={backup})")
+# A graph pool: its segments carry its id; releasing it deregisters them.
+pool = (0, 9)
+begin(0, pool)
+g = [malloc(8 * MiB, 0, None), malloc(20 * MiB, 0, None)]
+end(0, pool)
+check("graph pool")
+for p in g:
+    free(p)
+release(0, pool)
+vmmalloc.empty_cache()
+for p in w + live[0::2] + early[1:]:
+    free(p)
+vmmalloc.empty_cache()
+regs, deregs = check("all freed")
+added, removed = ctypes.c_uint64(), ctypes.c_uint64()
+assert lib.vmmalloc_segment_changes(0, ctypes.byref(added), ctypes.byref(removed)) == 0
+print("COUNTS", regs, deregs, added.value, removed.value)
+assert regs > 10 and deregs > 10, (regs, deregs)
+print("NCCL FOLLOW OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "NCCL FOLLOW OK" in out.stdout
+
+
+FAKE_CUDA = PACKAGE_PARENT.parent / "target" / "debug" / "libcuda.so"
+
+
+def test_nccl_registrations_follow_on_two_devices_of_the_fake_driver(lib, tmp_path, cache):
+    # The real cuda backend over the fake libcuda (tests/fake-cuda, built by
+    # cargo test --workspace), two devices: each device's segments are
+    # followed apart, every change naming its device.
+    if not FAKE_CUDA.is_file():
+        if os.environ.get("VMMALLOC_REQUIRE_TORCH") == "1":
+            pytest.fail(f"{FAKE_CUDA} is not built")
+        pytest.skip(f"{FAKE_CUDA} is not built (cargo build -p fake-cuda)")
+    out = run(NCCL.replace('"device:host,capacity_gb:1,log:off,backend:expandable"',
+                           '"device:cuda,log:off,backend:expandable"').replace(
+                               'message="vmmalloc: enabled with device:host"',
+                               'message="vmmalloc: enabled with device:cuda"') + '''
+a0 = malloc(10 * MiB, 0, None)
+a1 = malloc(30 * MiB, 1, None)
+assert comp.vmmalloc_companion_fake_nccl_attach_for_tests(1) == 0
+check("attach")
+b = [malloc(n, d, None) for d in (0, 1) for n in (1 * MiB, 50 * MiB, 3 * MiB)]
+check("allocate on both")
+for p, d in zip(b, (0, 0, 0, 1, 1, 1)):
+    if p % 2 == 0:
+        lib.vmmalloc_free(p, 0, d, None)
+lib.vmmalloc_free(a1, 0, 1, None)
+vmmalloc.empty_cache()
+check("freed and emptied")
+added, removed = ctypes.c_uint64(), ctypes.c_uint64()
+for d in (0, 1):
+    assert lib.vmmalloc_segment_changes(d, ctypes.byref(added), ctypes.byref(removed)) == 0
+    assert added.value > 0 and removed.value > 0, (d, added.value, removed.value)
+print("TWO DEVICES OK")
+''', tmp_path, cache, VMMALLOC_CUDA_LIBRARY=str(FAKE_CUDA), FAKE_CUDA_DEVICES="2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "TWO DEVICES OK" in out.stdout
+
+
+@since(2, 8, "trace entries carrying their pool (register_mem_pool without the hook variable)")
+def test_register_mem_pool_registers_only_that_pools_segments(lib, tmp_path, cache):
+    out = run(NCCL + '''
+other = malloc(16 * MiB, 0, None)
+pool = (0, 11)
+begin(0, pool)
+a = malloc(8 * MiB, 0, None)
+end(0, pool)
+# The hook variable off: only registered pools; register_mem_pool registers
+# the pool's snapshot segments, later entries of the pool come through the hook.
+assert comp.vmmalloc_companion_fake_nccl_attach_for_tests(0) == 0
+assert comp.vmmalloc_companion_fake_nccl_pool_for_tests(*pool, 1) == 0
+r0, _ = check("registered the pool")
+assert r0 >= 1
+begin(0, pool)
+b = malloc(40 * MiB, 0, None)
+end(0, pool)
+check("the pool grew")
+c = malloc(50 * MiB, 0, None)   # the default pool: not registered
+check("default pool allocation")
+free(b)
+begin(0, pool)
+vmmalloc.empty_cache()
+end(0, pool)
+check("the pool shrank")
+assert comp.vmmalloc_companion_fake_nccl_pool_for_tests(*pool, 0) == 0
+check("deregistered the pool")
+print("MEMPOOL OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MEMPOOL OK" in out.stdout
 
 
 def test_check_lists_the_companion_features(lib, tmp_path, cache):

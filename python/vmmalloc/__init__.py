@@ -174,8 +174,10 @@ def enable(conf=None):
     or, where it cannot be built or loaded, the plain pluggable allocator with
     every hook this PyTorch has (init, empty_cache, memory fraction,
     record_stream, and the CUDA graph pool hooks), warning which features that
-    loses. It turns off NCCL's register hook
-    (``TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK``, with a warning),
+    loses. It serves NCCL's register hook
+    (``TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK``, ``register_mem_pool``)
+    through the companion, and turns the hook off (with a warning) without
+    the companion or with ``nccl_register:False``; it
     makes torch.cuda's memory functions answer from vmmalloc, and registers the
     torch companion (built once per PyTorch version, see ``_companion``) so that
     out-of-memory raises ``torch.cuda.OutOfMemoryError``; without it, a
@@ -216,7 +218,7 @@ def enable(conf=None):
             f"PyTorch refused the allocator ({e}); its CUDA allocator was already used: call "
             "vmmalloc.enable() before the first CUDA tensor") from e
     _allocator, _enabled_conf = allocator, conf
-    _torch.refuse_nccl_register_hook(warnings.warn)
+    _torch.nccl_register_hook(warnings.warn, served=_companion.installed(), conf=conf)
     for message in (_pytorch_conf_warning(), _no_gpu_warning(torch, conf)):
         if message:
             warnings.warn(message, stacklevel=2)

@@ -226,9 +226,14 @@ def _check_torch(r):
         except RuntimeError as e:
             r.limits.append(str(e))
     if os.environ.get(_torch.NCCL_HOOK_ENV, "").strip().lower() in ("1", "true", "yes", "on", "y"):
-        r.lines.append(f"  {_torch.NCCL_HOOK_ENV} is set: enable() turns it off (vmmalloc emits no segment "
-                       "trace entries for NCCL registration; collectives work without registered buffers)")
-        r.limits.append(f"{_torch.NCCL_HOOK_ENV} is turned off under vmmalloc")
+        if os.environ.get(_companion.ENV, "1") == "0":
+            r.lines.append(f"  {_torch.NCCL_HOOK_ENV} is set: enable() turns it off (the torch companion is off, "
+                           "and the plain pluggable allocator passes no segment entries to NCCL)")
+            r.limits.append(f"{_torch.NCCL_HOOK_ENV} is turned off without the torch companion")
+        else:
+            r.lines.append(f"  {_torch.NCCL_HOOK_ENV} is set: served by the torch companion (a segment entry "
+                           "for each run of mapped memory, deregistered before it is unmapped or moved; "
+                           "nccl_register:False turns it off)")
     answered = [n for n in _torch.PATCHED if hasattr(memory, n)]
     r.lines.append("  torch.cuda memory functions answered by vmmalloc: " + ", ".join(answered))
     if torch.cuda.is_initialized():

@@ -277,10 +277,13 @@ def install_hooks(native, warn):
 
 # ProcessGroupNCCL's register hook (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp):
 # it attaches an allocator trace tracker and registers with NCCL the memory of
-# each SEGMENT_ALLOC entry until its SEGMENT_FREE. vmmalloc's mappings move
-# (targeted reclaim, unpinning, pause) under a registered range, so it emits no
-# such entries and turns the hook off instead (collectives stay correct; NCCL
-# copies through its own buffers instead of registered memory).
+# each SEGMENT_ALLOC entry until its SEGMENT_FREE. The torch companion serves
+# it (issue 43): libvmmalloc follows each run of mapped memory and the
+# companion hands the trackers a SEGMENT_ALLOC when one appears and a
+# SEGMENT_FREE before any of it is unmapped or moved. Without the companion
+# (the plain pluggable allocator has no trackers) or with nccl_register:False
+# the hook is turned off instead (collectives stay correct; NCCL copies
+# through its own buffers instead of registered memory).
 NCCL_HOOK_ENV = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
 
 
@@ -310,20 +313,29 @@ def start_conf_history(torch, conf=None, warn=None):
     return True
 
 
-def refuse_nccl_register_hook(warn, env=None):
-    """Turns off NCCL's register hook if it was asked for (PyTorch reads the
-    variable when a NCCL process group is created), with a warning naming
-    the variable. Returns whether it was on."""
+def nccl_register_hook(warn, served, conf=None, env=None):
+    """Leaves NCCL's register hook on where vmmalloc serves it (``served``:
+    the torch companion is installed; ``nccl_register`` not False in
+    ``conf``, else the configuration in effect), and otherwise turns it off
+    if it was asked for (PyTorch reads the variable when a NCCL process
+    group is created), with a warning naming the variable and why. Returns
+    "off" (turned off), "served" (left on) or "" (not asked for)."""
+    from . import _lib
+
     env = os.environ if env is None else env
     value = env.get(NCCL_HOOK_ENV, "")
     if value.strip().lower() not in ("1", "true", "yes", "on", "y"):
-        return False
+        return ""
+    wanted = str(_lib.config(conf).get("nccl_register", "True")) != "False"
+    if wanted and served:
+        return "served"
+    why = ("nccl_register:False is set in VMMALLOC_CONF" if not wanted else
+           "the torch companion is not installed (the plain pluggable allocator cannot pass segment "
+           "entries to NCCL's trace tracker)")
     env[NCCL_HOOK_ENV] = "0"
-    warn(f"vmmalloc: {NCCL_HOOK_ENV}={value} is turned off (set to 0): vmmalloc moves the physical pages "
-         f"behind its mappings (reclaim, pause), which NCCL memory registration does not allow, so it "
-         f"emits no segment trace entries for NCCL to register. NCCL collectives work unchanged, without "
-         f"registered (zero-copy) buffers; see docs/pytorch.md, 'NCCL'.")
-    return True
+    warn(f"vmmalloc: {NCCL_HOOK_ENV}={value} is turned off (set to 0): {why}. NCCL collectives work "
+         f"unchanged, without registered (zero-copy) buffers; see docs/pytorch.md, 'NCCL'.")
+    return "off"
 
 
 def install_allocator(torch, path, warn):

@@ -71,7 +71,7 @@ fn option_key(o: &vmmalloc_alloc::options::OptionDef) -> Option<KeyDoc> {
 
 /// The keys only the C ABI has, in documentation order (`backend` and
 /// `device` first; [`keys`] puts the `expandable` options after them).
-pub const OWN_KEYS: [KeyDoc; 15] = [
+pub const OWN_KEYS: [KeyDoc; 16] = [
     KeyDoc {
         name: "backend",
         default: "expandable",
@@ -149,6 +149,14 @@ pub const OWN_KEYS: [KeyDoc; 15] = [
         meaning: Cow::Borrowed("cuda: request CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR on every cuMemCreate so memory can be \
                   shared with other processes (IPC): auto (where the device supports it) | True (opening fails \
                   where it does not) | False (export fails with an error)"),
+    },
+    KeyDoc {
+        name: "nccl_register",
+        default: "True",
+        meaning: Cow::Borrowed("torch companion: serve NCCL's register hook (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK, \
+                  register_mem_pool): each run of mapped memory is a segment entry for PyTorch's trace trackers, \
+                  deregistered before any of it is unmapped or moved | False: the hook is not served and enable() \
+                  turns it off (sets the variable to 0, with a warning)"),
     },
     KeyDoc {
         name: "share",
@@ -306,6 +314,9 @@ pub struct Config {
     /// `share`: the shared budget group joined on each device
     /// (docs/share.md), `None` for none.
     pub share: Option<String>,
+    /// `nccl_register`: whether the torch companion serves NCCL's register
+    /// hook (segment entries for PyTorch's trace trackers, issue 43).
+    pub nccl_register: bool,
 }
 
 impl Default for Config {
@@ -327,6 +338,7 @@ impl Default for Config {
             peers: Peers::Auto,
             ipc: None,
             share: None,
+            nccl_register: true,
         }
     }
 }
@@ -478,6 +490,7 @@ impl Config {
                 })?;
                 self.share = Some(v.to_string());
             }
+            "nccl_register" => self.nccl_register = boolean(key, v)?,
             "ipc" => {
                 self.ipc = match v {
                     "auto" => None,
@@ -637,6 +650,10 @@ impl Config {
                 .to_string(),
             ),
             ("share", self.share.clone().unwrap_or_else(|| "none".into())),
+            (
+                "nccl_register",
+                if self.nccl_register { "True" } else { "False" }.to_string(),
+            ),
         ]);
         out
     }

@@ -108,6 +108,7 @@ pub mod history_abi;
 pub mod ipc;
 mod region;
 mod runtime;
+pub mod segments;
 pub mod share;
 pub mod sleep;
 pub mod torch_abi;

@@ -722,6 +722,14 @@ impl Runtime {
                 config.device, caps.name, caps.total_memory, caps.granularity
             ),
         );
+        if let Err(m) = crate::segments::apply_to_new(ordinal, &*allocator) {
+            // NCCL registration is not served on this device; allocation is.
+            diag::log(
+                config.log,
+                LogLevel::Error,
+                &format!("device {ordinal}: segments are not followed for NCCL registration: {m}"),
+            );
+        }
         let history = new_history(ordinal, config, &*allocator);
         let state = Arc::new(DeviceState {
             ordinal,
@@ -733,6 +741,12 @@ impl Runtime {
             failure: OnceLock::new(),
         });
         Ok(slot.get_or_init(|| state))
+    }
+
+    /// Holds off device creation (a setting applied to every device, present
+    /// and future, is applied under it).
+    pub fn creating_lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.creating.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The configured log level, or `error` when the configuration is bad.

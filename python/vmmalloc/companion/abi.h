@@ -51,6 +51,9 @@ using FreedFn = void (*)(void*, uint64_t);
 // (ctx, pool_hi, pool_lo, 12 values: all, small_pool, large_pool x current, peak, allocated, freed)
 using PrivatePoolStatsFn = void (*)(void*, uint64_t, uint64_t, const int64_t*);
 using AllocatedFn = void (*)(void*, uint64_t, size_t, uint64_t);
+// (ctx, action 1 added / 0 about to go, device, addr, size, stream, pool_hi, pool_lo):
+// crates/capi/src/segments.rs VmmallocSegmentFn.
+using SegmentChangeFn = void (*)(void*, int, int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t);
 constexpr size_t kStatsLen = 9 * 3 * 4 + 2 + 4 + 4 + 4;  // torch_abi.rs VMMALLOC_STATS_LEN
 
 // Whether this PyTorch's DeviceStats has reserved_bytes_by_private_pools
@@ -106,6 +109,10 @@ struct Lib {
   // Optional (newer libvmmalloc): reserved bytes per private pool
   // (crates/capi/src/torch_abi.rs vmmalloc_private_pool_stats).
   int (*private_pool_stats)(int, PrivatePoolStatsFn, void*);
+  // Optional (newer libvmmalloc): following the registrable segments for
+  // NCCL's register hook (crates/capi/src/segments.rs).
+  int (*follow_segments)(SegmentChangeFn, void*);
+  int (*segment_changes)(int, uint64_t*, uint64_t*);
 };
 Lib lib;
 

@@ -799,7 +799,7 @@ class VmmallocAllocator : public Base {
   // released (on_event takes history_mu_), on the calling thread (its
   // gathered context, t_context, goes with them). Empty unless recording.
   struct PoolEvents {
-    bool on = false;
+    bool on = false;        // recording history, or trackers served
     std::vector<TraceEvent> events;
     void add(int action, const CustomPool& pool, uint64_t addr, uint64_t size, cudaStream_t s) {
       if (on) {
@@ -811,13 +811,21 @@ class VmmallocAllocator : public Base {
   };
   PoolEvents pool_events() {
     PoolEvents e;
-    e.on = record_history_.load(std::memory_order_relaxed);
+    e.on = record_history_.load(std::memory_order_relaxed) || serving_trackers();
     return e;
   }
+  // The events into the history, and the segment ones to the trackers
+  // (after X's raw_alloc; before its raw_delete: the caller deletes after).
   void record_pool_events(const PoolEvents& e) {
+    const bool trackers = serving_trackers();
     for (const auto& ev : e.events) {
       try {
         on_event(ev);
+        if (trackers && (ev.action == kEvSegmentAlloc || ev.action == kEvSegmentFree)) {
+          deliver_segment(ev.action == kEvSegmentAlloc ? CCA::TraceEntry::SEGMENT_ALLOC
+                                                       : CCA::TraceEntry::SEGMENT_FREE,
+                          ev.device, ev.addr, ev.size, ev.stream, MempoolId_t{ev.pool_hi, ev.pool_lo});
+        }
       } catch (...) {
       }
     }
@@ -1384,17 +1392,83 @@ class VmmallocAllocator : public Base {
   }
 #endif
 
-  // NCCL's register hook (ProcessGroupNCCL with
-  // TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) attaches a tracker and
-  // registers the segments of SEGMENT_ALLOC entries. vmmalloc emits none:
-  // its mappings move (reclaim, pause), so enable() turns the hook off and
-  // says so. A tracker attached anyway is kept and never called.
+  // NCCL's register hook: ProcessGroupNCCL (with
+  // TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1, or register_mem_pool)
+  // attaches trackers (attachAllocatorHooks,
+  // torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp) that call
+  // ncclCommRegister(addr, size) for each SEGMENT_ALLOC entry and
+  // ncclCommDeregister for the handle registered at exactly addr at its
+  // SEGMENT_FREE (NCCLUtils.cpp NCCLComm::registerSegment/deregisterSegment);
+  // DeviceCachingAllocator::record_trace hands every entry to the trackers,
+  // recording or not. Here the first tracker makes libvmmalloc follow the
+  // registrable segments (crates/capi/src/segments.rs): each run of mapped
+  // memory, the segments snapshot() reports, as a SEGMENT_ALLOC once it is
+  // mapped and accessible and a SEGMENT_FREE before any byte of it is
+  // unmapped or moved (unpinning, spill, pause, IPC re-backing: deregister,
+  // move, register). MemPool(allocator=X) segments get theirs around X's
+  // raw_alloc / raw_delete (record_pool_events). The trackers get only
+  // these entries: vmmalloc's segment_map/unmap history entries describe
+  // mappings, not registrable segments. With nccl_register:False (or a
+  // libvmmalloc without the call) trackers are kept and never called.
 #ifndef VMM_NO_attachAllocatorTraceTracker
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) VMM_OVERRIDE {
-    std::lock_guard<std::mutex> g(mu_);
-    trackers_.push_back(std::move(tracker));
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      first = trackers_.empty();
+      trackers_.push_back(std::move(tracker));
+    }
+    if (!first) return;
+    if (!lib.follow_segments) {
+      TORCH_WARN("vmmalloc: this libvmmalloc cannot follow segments; NCCL's register hook is not served");
+      return;
+    }
+    if (lib.follow_segments(&VmmallocAllocator::on_segment_change, this) != 0) {
+      TORCH_WARN("vmmalloc: NCCL's register hook is not served: ", last_error());
+      return;
+    }
+    serve_trackers_.store(true, std::memory_order_release);
   }
 #endif
+
+  // libvmmalloc's segment callback (VmmallocSegmentFn): runs under its
+  // allocator's lock, as record_trace runs the trackers under the native
+  // allocator's mutex. A tracker that throws (a refused ncclCommRegister)
+  // cannot unwind into libvmmalloc: it is reported on stderr and the
+  // allocator call goes on (the collective then copies, unregistered).
+  static void on_segment_change(void* ctx, int action, int device, uint64_t addr, uint64_t size,
+                                uint64_t stream, uint64_t pool_hi, uint64_t pool_lo) noexcept {
+    auto* self = static_cast<VmmallocAllocator*>(ctx);
+    try {
+      self->deliver_segment(action != 0 ? CCA::TraceEntry::SEGMENT_ALLOC
+                                        : CCA::TraceEntry::SEGMENT_FREE,
+                            device, addr, size, stream, MempoolId_t{pool_hi, pool_lo});
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "vmmalloc: warning: an allocator trace tracker failed on segment_%s %#llx (%llu bytes): %s\n",
+                   action != 0 ? "alloc" : "free", static_cast<unsigned long long>(addr),
+                   static_cast<unsigned long long>(size), e.what());
+    } catch (...) {
+      std::fprintf(stderr, "vmmalloc: warning: an allocator trace tracker failed on segment_%s %#llx\n",
+                   action != 0 ? "alloc" : "free", static_cast<unsigned long long>(addr));
+    }
+  }
+
+  // One SEGMENT_ALLOC / SEGMENT_FREE entry to every tracker (a copy of the
+  // list: a tracker attached meanwhile waits for the next entry).
+  void deliver_segment(CCA::TraceEntry::Action action, int device, uint64_t addr, uint64_t size,
+                       uint64_t stream, MempoolId_t pool) {
+    std::vector<CCA::AllocatorTraceTracker> trackers;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      trackers = trackers_;
+    }
+    auto te = make_entry(action, device, addr, size, stream, pool, nullptr, now_us(),
+                         std::string(), std::string());
+    for (auto& t : trackers) t(te);
+  }
+
+  // Whether trackers get segment entries (libvmmalloc follows segments).
+  bool serving_trackers() const { return serve_trackers_.load(std::memory_order_acquire); }
 
   // IPC (torch.multiprocessing; torch/csrc/StorageSharing.cpp): the producer's
   // THPStorage_shareCuda passes getBaseAllocation(ptr) (the pluggable
@@ -1631,6 +1705,8 @@ class VmmallocAllocator : public Base {
   std::mutex mu_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
   std::vector<CCA::AllocatorTraceTracker> trackers_;
+  // Whether trackers get segment entries (libvmmalloc follows segments).
+  std::atomic<bool> serve_trackers_{false};
   std::unordered_map<int, double> fractions_;
 };
 

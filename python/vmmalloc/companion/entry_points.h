@@ -117,6 +117,8 @@ extern "C" int vmmalloc_companion_install(const char* library, char* err, size_t
     resolve(h, "vmmalloc_record_history", lib.record_history, later);
     resolve(h, "vmmalloc_set_trace_sink", lib.set_trace_sink, later);
     resolve(h, "vmmalloc_cache_info", lib.cache_info, later);
+    resolve(h, "vmmalloc_follow_segments", lib.follow_segments, later);
+    resolve(h, "vmmalloc_segment_changes", lib.segment_changes, later);
     auto a = std::make_shared<VmmallocAllocator>();
     a->set_init_fn(lib.init);
     a->set_reset_fn(lib.empty_cache);
