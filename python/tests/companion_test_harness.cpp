@@ -661,11 +661,18 @@ extern "C" int vmmalloc_companion_fake_nccl_attach_for_tests(int all) {
     std::lock_guard<std::mutex> g(g_nccl->mu);
     for (auto& s : segs) g_nccl->reg(s.address, s.total_size);
   }
+  static const bool debug = std::getenv("VMMALLOC_FAKE_NCCL_DEBUG") != nullptr;
   a->attachAllocatorTraceTracker([](const CCA::TraceEntry& te) {
     std::lock_guard<std::mutex> g(g_nccl->mu);
     bool wanted = g_nccl->all;
 #if VMM_TORCH_AT_LEAST(2, 8)
     wanted = wanted || g_nccl->pools.count(te.mempool_) != 0;
+    if (debug) {
+      std::fprintf(stderr, "fake nccl: action %d addr %#zx size %zu pool (%llu, %llu)%s\n",
+                   static_cast<int>(te.action_), static_cast<size_t>(te.addr_), static_cast<size_t>(te.size_),
+                   static_cast<unsigned long long>(te.mempool_.first),
+                   static_cast<unsigned long long>(te.mempool_.second), wanted ? "" : " (skipped)");
+    }
 #endif
     if (!wanted) return;
     if (te.action_ == CCA::TraceEntry::SEGMENT_ALLOC) g_nccl->reg(te.addr_, te.size_);
