@@ -121,6 +121,12 @@ impl Inner {
                 .filter(|(_, c)| self.phys.is_host(c.handle))
                 .collect();
             for (f, c) in host {
+                // The reclaim that made room for an earlier chunk of this
+                // list may have unmapped this one (a host chunk in free
+                // space): it is gone, nothing to migrate.
+                if self.table(seg).chunk_at(f) != Some((f, c)) {
+                    continue;
+                }
                 if let Err(e) = self.migrate_chunk(dev, seg, f, c) {
                     first_err.get_or_insert(e);
                 }
