@@ -1,20 +1,27 @@
 """PyTorch features beyond malloc/free under vmmalloc on a real GPU (issue 28):
-torch.compile's CUDA graph trees, NCCL with and without the register hook,
+torch.compile's CUDA graph trees, NCCL with and without the register hook
+(issue 43: vmmalloc serves it; world size 1, and 2 where PyTorch sees two
+GPUs; NCCL's registrations counted from its NCCL_DEBUG_SUBSYS=REG log, none
+left at exit) and ProcessGroupNCCL.register_mem_pool,
 torch.cuda.MemPool (with vmmalloc's pools and with its own allocator) and a
 torch.multiprocessing-style IPC round trip, through
 the torch companion (python/vmmalloc/companion/).
 
 Run it as ``python -m vmmalloc scripts/torch_complete_checks.py`` (VMMALLOC_CONF
 picks the backend), or plainly (it calls vmmalloc.enable() itself before CUDA
-is used). Each check prints one line ``CHECK name: ok`` or ``CHECK name: FAIL
-reason`` as soon as it is done; the exit status is 1 if any failed, 3 (with
+is used). Each check prints one line ``CHECK name: ok``, ``CHECK name: FAIL
+reason`` or ``CHECK name: SKIP reason`` (nccl-mem-pool where this PyTorch has
+no register_mem_pool) as soon as it is done; the exit status is 1 if any failed, 3 (with
 one line saying why) when it cannot run here (no CUDA device). NCCL checks run
 in child processes, each with its own timeout (inside the GPU check's step:
-$STEP_DEADLINE). About a minute on an H200,
-most of it torch.compile.
+$STEP_DEADLINE). About 80 s on an H200 (estimated: the NCCL checks with the
+hook and register_mem_pool have not run on a GPU yet), most of it
+torch.compile and the NCCL children (about 5 s per process).
 """
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -28,11 +35,18 @@ import torch_common  # noqa: E402
 failures = []
 
 
+class Skip(Exception):
+    """A check that cannot run with this PyTorch (printed as SKIP, never as ok)."""
+
+
 def report(name, fn):
     """Runs one check; prints its CHECK line at once."""
     t = time.time()
     try:
         fn()
+    except Skip as e:
+        print(f"CHECK {name}: SKIP {e}", flush=True)
+        return
     except Exception as e:  # a failed check is reported, the next one runs
         reason = f"{type(e).__name__}: {e}".replace("\n", " ")[:400]
         print(f"CHECK {name}: FAIL {reason}", flush=True)
@@ -315,22 +329,112 @@ def check_mempool_allocator(torch, vmmalloc):
                          "use_count_inside": inside, "use_count_after": after})
 
 
+# The NCCL child: VMM_NCCL_MODE plain (no register hook), hook
+# (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1: every segment registered
+# with NCCL through the allocator trace trackers vmmalloc serves) or pool
+# (the hook variable unset: ProcessGroupNCCL.register_mem_pool of a
+# torch.cuda.MemPool, which attaches the same trackers for that pool's
+# segments). RANK / WORLD_SIZE / LOCAL_RANK (the device) from the parent. In
+# hook and pool mode it prints one FOLLOW {json} line: libvmmalloc's segment
+# changes on its device (vmmalloc_segment_changes: registrations and
+# deregistrations handed to the trackers) and the snapshot's segments when
+# following began and at the end, after every tensor was freed and the cache
+# emptied. Following takes the segments mapped when it begins as known, so
+# added - removed == end - start means no registration is left beyond the
+# segments still mapped (with nothing left mapped: none at all).
 NCCL_CHILD = r"""
-import os, sys, warnings
+import ctypes, gc, json, os, sys
 import torch, torch.distributed as dist
 import vmmalloc
 assert vmmalloc.is_enabled(), "run under python -m vmmalloc"
+mode = os.environ.get("VMM_NCCL_MODE", "plain")
 hook = os.environ.get("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK")
 print("hook variable:", hook, flush=True)
-torch.cuda.set_device(0)
-dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+rank = int(os.environ.get("RANK", "0"))
+world = int(os.environ.get("WORLD_SIZE", "1"))
+dev = int(os.environ.get("LOCAL_RANK", "0"))
+mib = 1 << 20
+torch.cuda.set_device(dev)
+lib = vmmalloc.load()
+lib.vmmalloc_segment_changes.restype = ctypes.c_int
+lib.vmmalloc_segment_changes.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
+                                         ctypes.POINTER(ctypes.c_uint64)]
+
+
+def changes():
+    added, removed = ctypes.c_uint64(), ctypes.c_uint64()
+    rc = lib.vmmalloc_segment_changes(dev, ctypes.byref(added), ctypes.byref(removed))
+    assert rc == 0, vmmalloc.last_error()
+    return added.value, removed.value
+
+
+def segments():
+    return sum(1 for s in torch.cuda.memory_snapshot() if s.get("device", dev) == dev)
+
+
+# Following begins when ProcessGroupNCCL attaches its trackers: in its
+# constructor with the hook variable, at register_mem_pool without it.
+start = segments()
+dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", dev))
 x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
 dist.all_reduce(x)
-assert x[777].item() == 777.0
-dist.broadcast(x, src=0)
-outs = [torch.empty_like(x)]
-dist.all_gather(outs, x)
-assert torch.equal(outs[0], x)
+assert x[777].item() == 777.0 * world, x[777].item()
+y = torch.full((1 << 18,), float(rank + 1), device="cuda")
+dist.broadcast(y, src=0)
+assert bool((y == 1.0).all()), "broadcast"
+z = torch.full((1 << 18,), float(rank + 10), device="cuda")
+outs = [torch.empty_like(z) for _ in range(world)]
+dist.all_gather(outs, z)
+for i, o in enumerate(outs):
+    assert bool((o == float(i + 10)).all()), f"all_gather: rank {i}'s part"
+if mode == "hook":
+    # Memory that comes and goes while the group lives: new segments
+    # (registered), a segment grown (its run deregistered and registered
+    # again, larger), freed and emptied (deregistered before the unmap),
+    # then mapped again (registered anew), each used by a collective.
+    a = torch.ones(64 * mib // 4, device="cuda")
+    dist.all_reduce(a)
+    b = torch.ones(96 * mib // 4, device="cuda")
+    dist.all_reduce(b)
+    assert a[-1].item() == world and b[12345].item() == world, (a[-1].item(), b[12345].item())
+    del a, b
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    c = torch.full((128 * mib // 4,), 2.0, device="cuda")
+    dist.all_reduce(c)
+    assert c[-1].item() == 2.0 * world, c[-1].item()
+    del c
+if mode == "pool":
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
+    assert hasattr(backend, "register_mem_pool") and hasattr(backend, "deregister_mem_pool"), type(backend)
+    torch.cuda.synchronize()
+    start = segments()
+    pool = torch.cuda.MemPool()
+    backend.register_mem_pool(pool)
+    with torch.cuda.use_mem_pool(pool):
+        p = torch.ones(32 * mib // 4, device="cuda")
+        q = torch.full((48 * mib // 4,), 3.0, device="cuda")
+    dist.all_reduce(p)
+    dist.all_reduce(q)
+    assert p[-1].item() == world and q[4321].item() == 3.0 * world, (p[-1].item(), q[4321].item())
+    torch.cuda.synchronize()
+    print("pool changes while registered:", changes(), flush=True)
+    backend.deregister_mem_pool(pool)
+    del p, q, pool
+if mode != "plain":
+    del x, y, z, outs, o
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    added, removed = changes()
+    end = segments()
+    print("FOLLOW " + json.dumps({"mode": mode, "rank": rank, "world_size": world, "device": dev, "hook": hook,
+                                  "added": added, "removed": removed, "segments_start": start,
+                                  "segments_end": end}), flush=True)
+    assert added > 0, "no segment was handed to NCCL's trackers (is the register hook served?)"
+    assert added - removed == end - start, (
+        f"registrations left: {added} added - {removed} removed = {added - removed}, but {end} segments are "
+        f"mapped now and {start} were when following began")
 torch.cuda.synchronize()
 dist.destroy_process_group()
 print("NCCL OK", flush=True)
@@ -382,28 +486,173 @@ def free_port():
         return s.getsockname()[1]
 
 
+# NCCL's own log of the registrations it was asked for (NCCL_DEBUG=INFO,
+# NCCL_DEBUG_SUBSYS=REG): "register comm %p buffer %p size %zi" in
+# ncclRegister (src/register/register.cc) for every ncclCommRegister, or
+# "Skipping registration for buffer ..." where NCCL declines it
+# (NCCL_LOCAL_REGISTER=0, P2P through memcpy). Lenient about the wording
+# across NCCL versions: any NCCL line that names registering a buffer or
+# segment.
+NCCL_REG_CALL = re.compile(r"\bregister(?:ing|ed)?\b.*\b(?:buffer|buff|segment|ptr)\b", re.I)
+NCCL_REG_SKIPPED = re.compile(r"\bskip\w*\b.*\bregist", re.I)
+NCCL_DEREG = re.compile(r"\bdereg", re.I)
+
+
+def nccl_registrations(text):
+    """``(registrations, skipped, deregistrations, problems)`` among NCCL's
+    log lines in ``text``; problems: NCCL warnings about registration."""
+    calls = skipped = deregs = 0
+    problems = []
+    for line in text.splitlines():
+        if "NCCL" not in line:
+            continue
+        if " WARN " in line and re.search(r"regist", line, re.I):
+            problems.append(line.strip()[:300])
+        elif NCCL_DEREG.search(line):
+            deregs += 1
+        elif NCCL_REG_SKIPPED.search(line):
+            skipped += 1
+        elif NCCL_REG_CALL.search(line):
+            calls += 1
+    return calls, skipped, deregs, problems
+
+
+def run_nccl(mode, world):
+    """Runs the NCCL child in ``mode`` as ``world`` ranks at once (rank r on
+    device r); returns ``[(rank, exit status, stdout + stderr, NCCL's log)]``.
+    NCCL logs to a file of its own per rank (NCCL_DEBUG_FILE) in hook and
+    pool mode."""
+    with tempfile.TemporaryDirectory(prefix="vmmalloc-nccl-") as d:
+        script = os.path.join(d, "child.py")
+        with open(script, "w") as f:
+            f.write(NCCL_CHILD)
+        port = str(free_port())
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
+                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), PYTHONUNBUFFERED="1", VMM_NCCL_MODE=mode)
+            env.pop("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", None)
+            if mode == "hook":
+                env["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
+            if mode != "plain":
+                # PyTorch turns the hook off itself under its own expandable
+                # segments (shouldAllCommunicatorsRegisterAllTensors).
+                env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+                env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="REG",
+                           NCCL_DEBUG_FILE=os.path.join(d, f"nccl.{rank}.%p.log"))
+            out = open(os.path.join(d, f"out.{rank}"), "w+")
+            procs.append((rank, out, subprocess.Popen([sys.executable, "-m", "vmmalloc", script], env=env,
+                                                      stdout=out, stderr=subprocess.STDOUT, text=True)))
+        limit = torch_common.child_timeout(120 if world == 1 else 180)
+        deadline = time.time() + limit
+        timed_out = False
+        for _, _, proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        results = []
+        for rank, out, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.seek(0)
+            text = out.read()
+            out.close()
+            log = ""
+            for name in sorted(os.listdir(d)):
+                if name.startswith(f"nccl.{rank}."):
+                    with open(os.path.join(d, name), errors="replace") as f:
+                        log += f.read()
+            results.append((rank, proc.returncode, text, log))
+        if timed_out:
+            raise AssertionError(f"{mode}, world size {world}: a rank timed out after {limit:.0f} s: "
+                                 + " | ".join(f"rank {r}: {t[-600:]}" for r, _, t, _ in results))
+        return results
+
+
+def follow_line(text):
+    """The child's FOLLOW {json}, or None."""
+    for line in text.splitlines():
+        if line.startswith("FOLLOW {"):
+            return json.loads(line[len("FOLLOW "):])
+    return None
+
+
+def check_nccl_ranks(mode, world):
+    """Runs ``mode`` (hook or pool) with ``world`` ranks and checks each:
+    exit 0, "NCCL OK", the hook variable as set (vmmalloc leaves it on), no
+    tracker refused by PyTorch's NCCLComm (vmmalloc's warning), at least one
+    registration in NCCL's log and none refused, the changes balanced
+    (FOLLOW). Returns one figure dict per rank."""
+    ranks = []
+    for rank, rc, text, log in run_nccl(mode, world):
+        where = f"{mode}, world size {world}, rank {rank}"
+        assert rc == 0 and "NCCL OK" in text, f"{where}: exit {rc}: {text[-1500:]}"
+        want = "1" if mode == "hook" else "None"
+        assert f"hook variable: {want}" in text, f"{where}: the hook variable is not {want}: {text[-800:]}"
+        assert "is turned off" not in text, f"{where}: vmmalloc turned the register hook off: {text[-800:]}"
+        for bad in ("an allocator trace tracker failed", "register hook is not served"):
+            assert bad not in text, f"{where}: {bad}: " + next(l for l in text.splitlines() if bad in l)[:300]
+        calls, skipped, deregs, problems = nccl_registrations(log + "\n" + text)
+        assert not problems, f"{where}: NCCL refused a registration: {problems[0]}"
+        assert calls + skipped > 0, (f"{where}: NCCL logged no registration (NCCL_DEBUG_SUBSYS=REG); its log ends: "
+                                     f"{log[-600:]!r}")
+        follow = follow_line(text)
+        assert follow is not None, f"{where}: no FOLLOW line: {text[-800:]}"
+        ranks.append({"rank": rank, "nccl_registrations": calls, "nccl_registrations_skipped": skipped,
+                      "nccl_deregistrations": deregs, "segment_changes_added": follow["added"],
+                      "segment_changes_removed": follow["removed"], "segments_start": follow["segments_start"],
+                      "segments_end": follow["segments_end"]})
+    return ranks
+
+
 def check_nccl(torch, vmmalloc, hook):
+    """Without the hook: all_reduce, broadcast and all_gather in one rank.
+    With it (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1, which vmmalloc
+    now serves and leaves on): the same plus memory mapped, grown, emptied
+    and mapped again under the process group, in world size 1 and, where
+    PyTorch sees two GPUs, 2 (a process per GPU); NCCL's REG log must show
+    registrations, and the registrations vmmalloc handed out must balance
+    with the segments still mapped."""
     import torch.distributed as dist
 
     assert dist.is_available() and dist.is_nccl_available(), "this PyTorch has no NCCL"
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(NCCL_CHILD)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-               PYTHONUNBUFFERED="1")
-    env.pop("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", None)
-    if hook:
-        env["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
-    try:
-        out = subprocess.run([sys.executable, "-m", "vmmalloc", f.name], env=env, capture_output=True, text=True,
-                             timeout=torch_common.child_timeout(120))
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the child timed out")
-    finally:
-        os.unlink(f.name)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0 and "NCCL OK" in out.stdout, f"exit {out.returncode}: {text[-1500:]}"
-    if hook:
-        assert "hook variable: 0" in out.stdout and "is turned off" in text, text[-1500:]
+    if not hook:
+        [(_, rc, text, _)] = run_nccl("plain", 1)
+        assert rc == 0 and "NCCL OK" in text, f"exit {rc}: {text[-1500:]}"
+        return
+    worlds = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+    for world in worlds:
+        ranks = check_nccl_ranks("hook", world)
+        torch_common.result({"check": "nccl-register-hook", "world_size": world,
+                             "nccl_registrations": sum(r["nccl_registrations"] for r in ranks),
+                             "segment_changes_added": sum(r["segment_changes_added"] for r in ranks),
+                             "segment_changes_removed": sum(r["segment_changes_removed"] for r in ranks),
+                             "ranks": ranks})
+    if worlds == [1]:
+        print(f"nccl-register-hook: world size 2 not run ({torch.cuda.device_count()} GPU visible)", flush=True)
+
+
+def check_nccl_mem_pool(torch, vmmalloc):
+    """ProcessGroupNCCL.register_mem_pool / deregister_mem_pool of a
+    torch.cuda.MemPool (hook variable unset): tensors allocated in the pool
+    under use_mem_pool, all_reduce on them, NCCL's REG log showing the pool's
+    registrations, the changes balanced at the end."""
+    import torch.distributed as dist
+
+    assert dist.is_available() and dist.is_nccl_available(), "this PyTorch has no NCCL"
+    pg = getattr(torch._C._distributed_c10d, "ProcessGroupNCCL", None)
+    missing = [n for n, ok in (("torch.cuda.MemPool", hasattr(torch.cuda, "MemPool")),
+                               ("torch.cuda.use_mem_pool", hasattr(torch.cuda, "use_mem_pool")),
+                               ("ProcessGroupNCCL.register_mem_pool", hasattr(pg, "register_mem_pool")))
+               if not ok]
+    if missing:
+        raise Skip(f"this PyTorch has no {', '.join(missing)}")
+    ranks = check_nccl_ranks("pool", 1)
+    torch_common.result({"check": "nccl-mem-pool", "world_size": 1,
+                         "nccl_registrations": ranks[0]["nccl_registrations"], "ranks": ranks})
 
 
 def main():
@@ -429,6 +678,7 @@ def main():
     report("ipc", lambda: check_ipc(torch, vmmalloc))
     report("nccl", lambda: check_nccl(torch, vmmalloc, hook=False))
     report("nccl-register-hook", lambda: check_nccl(torch, vmmalloc, hook=True))
+    report("nccl-mem-pool", lambda: check_nccl_mem_pool(torch, vmmalloc))
     print(f"torch_complete_checks: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))
     return 1 if failures else 0
 
