@@ -48,6 +48,22 @@ def require_torch():
     return torch
 
 
+@pytest.fixture(scope="session")
+def companion_cache(tmp_path_factory):
+    """Where the tests' interpreters keep the torch companions they build
+    ($VMMALLOC_CACHE): one directory for the whole session, since a build is
+    keyed by PyTorch version, C++ ABI and the hash of its sources
+    (_companion.companion_path), so every module's build of the same harness
+    is one build. $VMMALLOC_TEST_COMPANION_CACHE names a directory kept
+    between sessions instead: .ci/run shares it between the checkout's run
+    and the installed package's, whose companion sources are the same."""
+    shared = os.environ.get("VMMALLOC_TEST_COMPANION_CACHE")
+    if shared:
+        Path(shared).mkdir(parents=True, exist_ok=True)
+        return Path(shared)
+    return tmp_path_factory.mktemp("companion-cache")
+
+
 BACKENDS = ["expandable", "caching", "torch-es", "native"]
 MIB = 1 << 20
 

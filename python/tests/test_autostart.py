@@ -44,9 +44,9 @@ def report(label):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    # One torch companion build for the module's interpreters (enable() builds it once per PyTorch).
-    return tmp_path_factory.mktemp("companion-cache")
+def cache(companion_cache):
+    # The session's torch companion builds for the module's interpreters (conftest.py).
+    return companion_cache
 
 
 def hook_env(cache, conf=HOST, **extra):

@@ -34,9 +34,9 @@ def since(major, minor, what):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One companion build for the module (it takes half a minute)."""
-    return tmp_path_factory.mktemp("companion-cache")
+def cache(companion_cache):
+    """The session's companion builds (conftest.py; one takes ten seconds or more)."""
+    return companion_cache
 
 
 def run(code, tmp_path, cache, **env_extra):

@@ -16,9 +16,9 @@ from test_companion import run, since  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One companion build for the module."""
-    return tmp_path_factory.mktemp("companion-conf-cache")
+def cache(companion_cache):
+    """The session's companion builds (conftest.py)."""
+    return companion_cache
 
 
 # PyTorch's _record_memory_history initialises CUDA first, which needs a GPU;

@@ -19,14 +19,16 @@ import vmmalloc  # noqa: E402
 from vmmalloc import _companion  # noqa: E402
 
 
-def run(code, tmp_path, **env_extra):
-    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT), VMMALLOC_CACHE=str(tmp_path / "cache"))
+def run(code, tmp_path, cache=None, **env_extra):
+    """Runs `code` in a fresh interpreter; companions built into `cache` (the
+    session's, conftest.py) or a directory of this test's own."""
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT), VMMALLOC_CACHE=str(cache or tmp_path / "cache"))
     env.update(env_extra)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=tmp_path)
 
 
-def test_enable_patches_the_real_torch(lib, tmp_path):
+def test_enable_patches_the_real_torch(lib, tmp_path, companion_cache):
     out = run('''
         import ctypes, pickle, warnings
         import torch, vmmalloc
@@ -74,7 +76,7 @@ def test_enable_patches_the_real_torch(lib, tmp_path):
         # The scripts that use the deprecated names keep working too.
         torch.cuda.reset_max_memory_allocated(0)
         print("PATCHED OK")
-    ''', tmp_path)
+    ''', tmp_path, companion_cache)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PATCHED OK" in out.stdout
 
