@@ -1598,3 +1598,58 @@ proptest! {
         run_random(cfg, &steps)?;
     }
 }
+
+/// A registered run that is joined (a segment grows next to it) or split
+/// (part of it unmapped) is removed while part of it stays mapped, and work
+/// in flight may still use that registration: the device is synchronized
+/// first — but not during a graph capture, which a synchronize would
+/// invalidate (the strict `sim` device refuses one then). Not following,
+/// nothing is synchronized.
+#[test]
+fn joins_and_splits_synchronize_the_device_first_but_never_in_a_capture() {
+    let grow = |follow: bool| {
+        let fx = Fx::new(sim(GIB), ExpandableConfig::default());
+        if follow {
+            fx.follow();
+        }
+        let syncs = || fx.a.stats().driver_calls.get(Call::DeviceSync);
+        let a = fx.a.malloc(8 * MIB, Stream(0)).unwrap();
+        let before = syncs();
+        // Grows the segment's mapped run: a join while following.
+        let b = fx.a.malloc(40 * MIB, Stream(0)).unwrap();
+        fx.check("grown");
+        let grown = syncs() - before;
+        fx.a.free(a.ptr).unwrap();
+        fx.a.free(b.ptr).unwrap();
+        fx.a.empty_cache().unwrap();
+        fx.check("emptied");
+        grown
+    };
+    assert_eq!(grow(false), 0, "not following: no synchronize");
+    assert!(grow(true) >= 1, "following: a join synchronizes first");
+
+    // During a capture into a graph pool: the pool's run grows without one.
+    let fx = Fx::new(sim(GIB), ExpandableConfig::default());
+    fx.follow();
+    let pools = fx.a.pools().expect("expandable has pools");
+    let s = fx.dev.create_stream().unwrap();
+    let graph: PoolId = (0, 3);
+    pools.begin_allocate_to_pool(graph).unwrap();
+    fx.dev.inner.begin_capture(s).unwrap();
+    let x = pools.pool_malloc(graph, 8 * MIB, s).unwrap();
+    let before = fx.a.stats().driver_calls.get(Call::DeviceSync);
+    let y = pools.pool_malloc(graph, 40 * MIB, s).unwrap();
+    assert_eq!(
+        fx.a.stats().driver_calls.get(Call::DeviceSync),
+        before,
+        "no synchronize during a capture"
+    );
+    fx.check("grown inside the capture");
+    pools.end_allocate_to_pool(graph).unwrap();
+    fx.dev.inner.end_capture(s).unwrap();
+    fx.a.free(x.ptr).unwrap();
+    fx.a.free(y.ptr).unwrap();
+    pools.release_pool(graph).unwrap();
+    fx.a.empty_cache().unwrap();
+    fx.check("released");
+}

@@ -25,6 +25,7 @@ impl Inner {
             return i as u32;
         }
         self.streams.push(StreamEntry::new(stream, tag, pool));
+        self.phys.note_stream(stream);
         (self.streams.len() - 1) as u32
     }
 

@@ -523,17 +523,20 @@ impl Inner {
         // Device-wide synchronizes: before unpinning, (counted as
         // PyTorch's `num_sync_all_streams`) before a graph pool's pages go
         // back or are paused (`private_pools.rs`), and before an IPC export
-        // re-backs chunks (`ipc.rs`).
+        // re-backs chunks (`ipc.rs`), and before a registered run is joined
+        // or split (`physical/follow.rs`).
+        let follow = self.phys.follow_syncs();
         if st.driver_calls.get(Call::DeviceSync)
-            != st.unpin_device_syncs + st.num_sync_all_streams + st.ipc_rebacks
+            != st.unpin_device_syncs + st.num_sync_all_streams + st.ipc_rebacks + follow
         {
             return Err(format!(
-                "{} device-wide synchronizes, {} of them before unpinning, {} for graph pools \
-                 and {} before IPC re-backing",
+                "{} device-wide synchronizes, {} of them before unpinning, {} for graph pools, \
+                 {} before IPC re-backing and {} before registered runs changed",
                 st.driver_calls.get(Call::DeviceSync),
                 st.unpin_device_syncs,
                 st.num_sync_all_streams,
-                st.ipc_rebacks
+                st.ipc_rebacks,
+                follow
             ));
         }
         Ok(())

@@ -25,6 +25,28 @@ impl Physical {
         self.observers.emit_result(ev, r)
     }
 
+    /// The device synchronize before a registered run is joined or split
+    /// (`follow.rs`): nothing in flight may still use the registration that
+    /// goes. Never during a graph capture, which it would invalidate: every
+    /// stream served and the legacy default stream are asked first, as
+    /// unpinning asks (`unpin.rs`; a stream whose state cannot be read
+    /// counts as capturing), and then the change goes unsynchronized
+    /// (counted: captured work has not run yet).
+    fn follow_sync<D: Device + ?Sized>(&mut self, dev: &D) -> DeviceResult<()> {
+        let capturing = self
+            .served_streams
+            .iter()
+            .chain(std::iter::once(&Stream::DEFAULT))
+            .any(|&s| dev.is_capturing(s).unwrap_or(true));
+        if capturing {
+            self.note_follow_sync(false);
+            return Ok(());
+        }
+        self.observers.sync_device(dev)?;
+        self.note_follow_sync(true);
+        Ok(())
+    }
+
     // --- Memory calls (physical layer only) ----------------------------------
 
     /// `cuMemAddressReserve` of `size` bytes aligned to `align` for `owner`.
@@ -108,7 +130,10 @@ impl Physical {
         self.emit(ev, r)
     }
 
-    /// `cuMemSetAccess` (read-write for this device) on `[addr, addr + bytes)`.
+    /// `cuMemSetAccess` (read-write for this device) on `[addr, addr + bytes)`;
+    /// first a device synchronize when following segments joins this range
+    /// to registered runs (`follow.rs`: nothing in flight may use the old
+    /// registration when it is removed).
     pub(super) fn raw_set_access<D: Device + ?Sized>(
         &mut self,
         dev: &D,
@@ -116,12 +141,17 @@ impl Physical {
         addr: u64,
         bytes: u64,
     ) -> DeviceResult<()> {
+        if self.follow_joins(owner, addr, bytes) {
+            self.follow_sync(dev)?;
+        }
         let r = dev.set_access(addr, bytes);
         self.emit(PhysEvent::new(Call::SetAccess, owner).at(addr, bytes), r)
     }
 
     /// `cuMemUnmap` of `[addr, addr + bytes)`, which holds `handles` whole
-    /// mappings; announced to the observers first (`Observer::before`).
+    /// mappings; announced to the observers first (`Observer::before`), and
+    /// a device synchronize before that when following segments leaves part
+    /// of a registered run mapped (`follow.rs`).
     pub(super) fn raw_unmap<D: Device + ?Sized>(
         &mut self,
         dev: &D,
@@ -132,6 +162,9 @@ impl Physical {
     ) -> DeviceResult<()> {
         let mut ev = PhysEvent::new(Call::Unmap, owner).at(addr, bytes);
         ev.handles = handles;
+        if self.follow_splits(owner, addr, bytes) {
+            self.follow_sync(dev)?;
+        }
         self.observers.announce(&ev);
         let r = dev.unmap(addr, bytes);
         self.emit(ev, r)

@@ -23,6 +23,16 @@
 //!   `raw_unmap`, so every move is "remove, move, add": no registration is
 //!   ever left over memory that is unmapped or remapped.
 //!
+//! A run that stays partly mapped while it is removed and added again (a
+//! join, a split) may be in use by work in flight — a collective reading it
+//! under the old registration, on this GPU or a peer's. So the physical
+//! layer synchronizes the device before such a change (`joins`, `splits`;
+//! `calls.rs`), as PyTorch's own segment free does (`cudaFree` waits for the
+//! device), and NCCL never sees a live registration go while it is used —
+//! except during a graph capture, which a synchronize would invalidate: then
+//! the change is made without one (counted in `unsynced`; work captured has
+//! not run yet, but work on streams outside the capture may be in flight).
+//!
 //! Cost: nothing unless following (the observer is attached on first use
 //! and checks one flag); while following, per driver map or unmap at most
 //! two removals and one addition (a map joining two runs) or one removal and
@@ -69,6 +79,11 @@ pub(crate) struct FollowState {
     /// Changes sent: added, removed.
     added: u64,
     removed: u64,
+    /// Device synchronizes made before a join or a split (kept across
+    /// starts: `validate()` accounts for every device-wide synchronize).
+    pub syncs: u64,
+    /// Joins and splits made without one, during a graph capture.
+    pub unsynced: u64,
 }
 
 impl std::fmt::Debug for FollowState {
@@ -180,6 +195,38 @@ impl FollowState {
             ));
         }
         Ok(())
+    }
+
+    /// Whether making `[a, b)` of `owner` accessible would join known runs,
+    /// which are then removed and added again as one: memory that stays
+    /// mapped, and that work in flight (a collective) may still use under
+    /// the old registration.
+    pub fn joins(&self, owner: Owner, a: u64, b: u64) -> bool {
+        if !self.following() {
+            return false;
+        }
+        if let Some((_, r)) = self.runs.range(..=a).next_back() {
+            if r.owner == owner && r.end >= b {
+                return false; // inside one run: nothing changes
+            }
+        }
+        self.runs
+            .range(..=b)
+            .rev()
+            .take_while(|(_, r)| r.end >= a)
+            .any(|(_, r)| r.owner == owner)
+    }
+
+    /// Whether unmapping `[a, b)` of `owner` would leave part of a known run
+    /// mapped (removed before the unmap, its rest added again after).
+    pub fn splits(&self, owner: Owner, a: u64, b: u64) -> bool {
+        self.following()
+            && self
+                .runs
+                .range(..b)
+                .rev()
+                .take_while(|(_, r)| r.end > a)
+                .any(|(&s, r)| r.owner == owner && (s < a || r.end > b))
     }
 
     fn change(&self, registered: bool, addr: u64, r: &Run) -> SegmentChange {
@@ -397,6 +444,26 @@ mod tests {
             .check(&[(S, 0x100, 0x100), (r, 0x200, 0x100)])
             .unwrap();
         assert!(f.0.lock().check(&[(S, 0x100, 0x100)]).is_err());
+    }
+
+    /// A join or a split (a run removed while part of it stays mapped) is
+    /// told apart from a new run or a whole run's unmap: the physical layer
+    /// synchronizes the device first for the former only.
+    #[test]
+    fn joins_and_splits_are_told_apart_from_new_and_whole_runs() {
+        let (_log, mut f) = setup();
+        f.observe(&ev(Call::SetAccess, S, 0x100, 0x100, true));
+        let st = f.0.lock();
+        assert!(st.joins(S, 0x200, 0x300), "touching: joined");
+        assert!(!st.joins(S, 0x280, 0x300), "apart: a new run");
+        assert!(!st.joins(S, 0x100, 0x180), "inside: nothing changes");
+        assert!(!st.joins(Owner::Segment(1), 0x200, 0x300), "another table");
+        assert!(st.splits(S, 0x100, 0x180), "part of it stays");
+        assert!(!st.splits(S, 0x100, 0x200), "all of it goes");
+        assert!(!st.splits(S, 0x200, 0x300), "not overlapping");
+        drop(st);
+        f.0.lock().stop();
+        assert!(!f.0.lock().joins(S, 0x200, 0x300), "not following");
     }
 
     #[test]

@@ -92,7 +92,7 @@ use crate::Stats;
 use budget::{Budget, LocalBudget};
 use observe::{Observer, Observers, Owner};
 use std::collections::BTreeMap;
-use vmmalloc_device::{Device, DeviceError, PhysHandle};
+use vmmalloc_device::{Device, DeviceError, PhysHandle, Stream};
 
 /// Physical state of one allocator (see the module docs).
 #[derive(Debug)]
@@ -131,6 +131,8 @@ pub(crate) struct Physical {
     /// The segment follower's state (`follow.rs`), once something followed
     /// the segments (its observer is attached then).
     follow: Option<std::sync::Arc<parking_lot::Mutex<follow::FollowState>>>,
+    /// The streams the allocator serves (`note_stream`).
+    served_streams: Vec<Stream>,
 }
 
 impl Physical {
@@ -156,6 +158,7 @@ impl Physical {
             mapped_pages: 0,
             mapped_handles: 0,
             follow: None,
+            served_streams: Vec::new(),
         }
     }
 
@@ -192,6 +195,50 @@ impl Physical {
             );
         }
         state.lock().start(sink, self.accessible_runs(), tags);
+    }
+
+    /// Whether making `[addr, addr + bytes)` of `owner` accessible joins
+    /// registered runs (`follow.rs`).
+    #[inline]
+    pub(super) fn follow_joins(&self, owner: Owner, addr: u64, bytes: u64) -> bool {
+        self.follow
+            .as_ref()
+            .is_some_and(|s| s.lock().joins(owner, addr, addr + bytes))
+    }
+
+    /// Whether unmapping `[addr, addr + bytes)` of `owner` leaves part of a
+    /// registered run mapped (`follow.rs`).
+    #[inline]
+    pub(super) fn follow_splits(&self, owner: Owner, addr: u64, bytes: u64) -> bool {
+        self.follow
+            .as_ref()
+            .is_some_and(|s| s.lock().splits(owner, addr, addr + bytes))
+    }
+
+    /// Counts a device synchronize made (`synced`) or left out during a
+    /// graph capture before a join or a split.
+    pub(super) fn note_follow_sync(&mut self, synced: bool) {
+        if let Some(s) = &self.follow {
+            let mut s = s.lock();
+            if synced {
+                s.syncs += 1;
+            } else {
+                s.unsynced += 1;
+            }
+        }
+    }
+
+    /// Notes a stream the allocator serves (asked whether it captures before
+    /// a device synchronize, `calls.rs`).
+    pub fn note_stream(&mut self, s: Stream) {
+        if !self.served_streams.contains(&s) {
+            self.served_streams.push(s);
+        }
+    }
+
+    /// Device synchronizes made before joins and splits of registered runs.
+    pub fn follow_syncs(&self) -> u64 {
+        self.follow.as_ref().map_or(0, |s| s.lock().syncs)
     }
 
     /// Stops following the segments.
