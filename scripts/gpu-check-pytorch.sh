@@ -40,8 +40,9 @@
 #   unpin-threads  scripts/torch_unpin_threads.py: unpinning with a second
 #                  writing thread, and with forward/backward threads (issue 25)
 #   complete       scripts/torch_complete_checks.py: torch.compile's CUDA
-#                  graphs, NCCL (with and without the register hook), MemPool
-#                  under vmmalloc (issue 28)
+#                  graphs, NCCL (with and without the register hook, served
+#                  since issue 43; register_mem_pool), MemPool under vmmalloc
+#                  (issue 28)
 #   ipc            scripts/torch_ipc_checks.py: CUDA IPC both ways (issue 28)
 #   graph-pools    scripts/torch_graph_pool_checks.py: torch.compile
 #                  reduce-overhead (CUDA graphs recorded) peak reserved <=

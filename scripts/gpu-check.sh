@@ -402,9 +402,9 @@ rm -f "$companion_state"
 # One step per part of scripts/gpu-check-pytorch.sh, each with its own
 # timeout, PART:TIMEOUT[:PART2...], in the order they run. The estimates (s,
 # on an H200, from the 2026-12-04 run's ~5 s per PyTorch process) are in
-# docs/driver.md; the default check's total is about 360 s of 420.
+# docs/driver.md; the default check's total is about 375 s of 420.
 pytorch_steps=(
-    graph-pools:150 history:120 share:60 ipc:90 activation:120 complete:120 unpin-threads:50 hot-path:60
+    graph-pools:150 history:120 share:60 ipc:90 activation:120 complete:150 unpin-threads:50 hot-path:60
     fragmentation:60 serving:60 train:110
     graphs:30:graph-replay plugin-checks:45:oom-exception:memory-allocated:growable sleep:30
 )
