@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from conftest import PACKAGE_PARENT, require_torch
+from conftest import PACKAGE_PARENT, REPO, require_torch
 
 require_torch()
 
@@ -684,7 +684,7 @@ print("NCCL FOLLOW OK")
     assert "NCCL FOLLOW OK" in out.stdout
 
 
-FAKE_CUDA = PACKAGE_PARENT.parent / "target" / "debug" / "libcuda.so"
+FAKE_CUDA = REPO / "target" / "debug" / "libcuda.so"  # the checkout's, also when the package tested is installed
 
 
 def test_nccl_registrations_follow_on_two_devices_of_the_fake_driver(lib, tmp_path, cache):
