@@ -368,12 +368,311 @@ def test_nccl_registration_needs_pages_that_stay_put(lib, torch_pool):
         torch.empty(MIB)
     r.register_nccl()
     assert torch.backend.registered == [r.pool]
-    with pytest.raises(vmmalloc.VmmallocError, match="registered with NCCL"):
-        vmmalloc.pause("py-nccl")
     r.deregister_nccl()
     assert torch.backend.registered == []
     assert vmmalloc.pause("py-nccl") > 0
     vmmalloc.resume("py-nccl")
+    _, torch = torch_pool(HOST + ",unpin:false,spill:true")
+    with pytest.raises(vmmalloc.VmmallocError, match="spill:true may move pages"):
+        vmmalloc.get_region("py-nccl").register_nccl()
+    assert torch.backend.registered == []
+
+
+# ---------------------------------------------------------------------------
+# A region registered with NCCL pauses and resumes (issue 43)
+# ---------------------------------------------------------------------------
+
+NCCL_HOST = HOST + ",unpin:false,spill:false"
+
+
+class StrictBackend:
+    """A ProcessGroupNCCL backend as strict as NCCL: ``register_mem_pool``
+    registers the pool's segments (its snapshot), which must be mapped (the
+    region not paused) and not registered already; ``deregister_mem_pool``
+    deregisters exactly those, which must be registered and still mapped (not
+    freed, not paused: NCCL's handles must be gone before their memory is).
+    Every call is recorded in ``events``."""
+
+    def __init__(self, name, events, fail_register=0, fail_deregister=0):
+        self.name, self.events = name, events
+        self.fail_register, self.fail_deregister = fail_register, fail_deregister
+        self.segments = {}  # id(pool) -> the pool's segments it registered
+
+    def __repr__(self):
+        return f"<backend {self.name}>"
+
+    @staticmethod
+    def _region(pool):
+        return next(r for r in vmmalloc.regions() if r.pool is pool)
+
+    def register_mem_pool(self, pool):
+        if self.fail_register:
+            self.fail_register -= 1
+            raise RuntimeError(f"NCCL error in {self.name}: ncclCommRegister failed")
+        assert id(pool) not in self.segments, f"{self.name}: registered twice"
+        assert not self._region(pool).stats()["paused"], f"{self.name}: registering unmapped memory"
+        self.segments[id(pool)] = set(pool.segments)
+        self.events.append(("register", self.name))
+
+    def deregister_mem_pool(self, pool):
+        if self.fail_deregister:
+            self.fail_deregister -= 1
+            raise RuntimeError(f"NCCL error in {self.name}: ncclCommDeregister failed")
+        assert id(pool) in self.segments, f"{self.name}: deregistering a pool not registered"
+        assert not self._region(pool).stats()["paused"], f"{self.name}: deregistering after the unmap"
+        freed = self.segments[id(pool)] - set(pool.segments)
+        assert not freed, f"{self.name}: registered segments freed (unmapped) before the deregistration"
+        del self.segments[id(pool)]
+        self.events.append(("deregister", self.name))
+
+    def holds(self, pool):
+        return id(pool) in self.segments
+
+
+class Group:
+    """A process group whose ``_get_backend`` answers ``backend``."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def _get_backend(self, device):
+        return self.backend
+
+
+class LibSpy:
+    """The library as ``_sleep`` sees it, recording pause and resume in
+    ``events``; ``fail`` makes the next pause or resume raise it (as a
+    ctypes call that raised), ``refuse`` makes it answer -1."""
+
+    def __init__(self, lib, events):
+        self.lib, self.events = lib, events
+        self.fail = self.refuse = None
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def _call(self, what, f, *args):
+        self.events.append((what, args[0].decode()))
+        if self.fail:
+            e, self.fail = self.fail, None
+            raise e
+        if self.refuse:
+            self.refuse = None
+            return -1
+        return f(*args)
+
+    def vmmalloc_pause(self, tags, backup):
+        return self._call("pause", self.lib.vmmalloc_pause, tags, backup)
+
+    def vmmalloc_resume(self, tags):
+        return self._call("resume", self.lib.vmmalloc_resume, tags)
+
+
+@pytest.fixture
+def nccl(lib, torch_pool, monkeypatch):
+    """A host library that keeps pages in place, the stand-in torch, the event
+    list and the library spy."""
+    from vmmalloc import _sleep
+
+    a, torch = torch_pool(NCCL_HOST)
+    events = []
+    spy = LibSpy(_sleep._load(), events)
+    monkeypatch.setattr(_sleep, "_load", lambda: spy)
+    return a, torch, events, spy
+
+
+def registered_region(torch, tag, backends):
+    """A region with a 12 MiB tensor and a cached free 30 MiB segment,
+    registered with each of ``backends``."""
+    with vmmalloc.region(tag) as r:
+        t = torch.empty(12 * MIB)
+        torch.empty(30 * MIB).free()  # cached in the pool, registered with it
+    for b in backends:
+        r.register_nccl(Group(b))
+    return r, t
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_registered_region_is_deregistered_before_pause_and_registered_again_after_resume(nccl, n):
+    a, torch, events, spy = nccl
+    backends = [StrictBackend(f"pg{i}", events) for i in range(n)]
+    r, _ = registered_region(torch, "py-nccl-rt", backends)
+    assert r._nccl == backends and events == [("register", b.name) for b in backends]
+    events.clear()
+    assert r.pause() >= 12 * MIB
+    # Every deregistration came before the pause (and before empty_cache freed the cached segment:
+    # the strict backend checked its registered segments were all still there).
+    assert events == [("deregister", b.name) for b in backends] + [("pause", "py-nccl-rt")]
+    assert r.paused() and r._nccl == [] and r._nccl_paused == backends
+    assert not any(b.holds(r.pool) for b in backends) and r.pool.cached == []
+    events.clear()
+    assert r.resume() >= 12 * MIB
+    assert events == [("resume", "py-nccl-rt")] + [("register", b.name) for b in backends]
+    assert not r.paused() and r._nccl == backends and r._nccl_paused == []
+    assert all(b.holds(r.pool) for b in backends)
+    # Again, through vmmalloc.pause/resume with no tags (every tag).
+    events.clear()
+    vmmalloc.pause()
+    assert events == [("deregister", b.name) for b in backends] + [("pause", "")]
+    events.clear()
+    vmmalloc.resume()
+    assert events == [("resume", "")] + [("register", b.name) for b in backends]
+    assert r._nccl == backends and all(b.holds(r.pool) for b in backends)
+    r.deregister_nccl()
+    assert r._nccl == [] and not any(b.holds(r.pool) for b in backends)
+    vmmalloc.validate(0)
+
+
+def test_pausing_one_tag_leaves_another_regions_registration_alone(nccl):
+    a, torch, events, spy = nccl
+    pa, pb = StrictBackend("pa", events), StrictBackend("pb", events)
+    ra, _ = registered_region(torch, "py-nccl-a", [pa])
+    rb, _ = registered_region(torch, "py-nccl-b", [pb])
+    events.clear()
+    vmmalloc.pause("py-nccl-a")
+    assert events == [("deregister", "pa"), ("pause", "py-nccl-a")]
+    assert rb._nccl == [pb] and pb.holds(rb.pool) and not rb.paused()
+    events.clear()
+    vmmalloc.resume("py-nccl-a")
+    assert events == [("resume", "py-nccl-a"), ("register", "pa")]
+    assert ra._nccl == [pa] and rb._nccl == [pb]
+
+
+def test_pause_refused_inside_the_region_leaves_the_registrations_alone(nccl):
+    a, torch, events, spy = nccl
+    backends = [StrictBackend("pg0", events), StrictBackend("pg1", events)]
+    r, _ = registered_region(torch, "py-nccl-in", backends)
+    events.clear()
+    with vmmalloc.region("py-nccl-in"):
+        with pytest.raises(vmmalloc.VmmallocError, match="while a thread is inside"):
+            r.pause()
+        with pytest.raises(vmmalloc.VmmallocError, match="while a thread is inside"):
+            vmmalloc.pause()
+    assert events == [] and r._nccl == backends and r._nccl_paused == []
+    assert all(b.holds(r.pool) for b in backends) and not r.paused()
+
+
+@pytest.mark.parametrize("how", ["unknown tag", "answers -1", "raises"])
+def test_a_failed_pause_registers_the_backends_again(nccl, how):
+    a, torch, events, spy = nccl
+    backends = [StrictBackend("pg0", events), StrictBackend("pg1", events)]
+    r, _ = registered_region(torch, "py-nccl-pf", backends)
+    events.clear()
+    tags = ("py-nccl-pf",)
+    if how == "unknown tag":  # the library's own refusal: nothing paused
+        tags, match = ("py-nccl-pf", "py-never-tagged"), "unknown tag"
+    elif how == "answers -1":
+        spy.refuse, match = True, "vmmalloc_pause failed"
+    else:
+        spy.fail, match = OSError("the call itself failed"), "the call itself failed"
+    with pytest.raises((vmmalloc.VmmallocError, OSError), match=match):
+        vmmalloc.pause(*tags)
+    assert events == ([("deregister", b.name) for b in backends] + [("pause", ",".join(tags))]
+                      + [("register", b.name) for b in backends])
+    assert not r.paused() and r._nccl == backends and r._nccl_paused == []
+    assert all(b.holds(r.pool) for b in backends)
+    # It pauses once the failure is gone.
+    assert r.pause() > 0 and r._nccl == [] and r._nccl_paused == backends
+    r.resume()
+    assert r._nccl == backends
+
+
+def test_a_failed_deregistration_pauses_nothing_and_registers_the_others_again(nccl):
+    a, torch, events, spy = nccl
+    backends = [StrictBackend("pg0", events), StrictBackend("pg1", events, fail_deregister=1)]
+    r, _ = registered_region(torch, "py-nccl-df", backends)
+    events.clear()
+    with pytest.raises(vmmalloc.VmmallocError,
+                       match=r"from NCCL backend <backend pg1> .* ncclCommDeregister failed; nothing was paused"):
+        r.pause()
+    assert events == [("deregister", "pg0"), ("register", "pg0")]
+    assert not r.paused() and r.pool.cached  # the cached segment was not freed either
+    assert sorted(b.name for b in r._nccl) == ["pg0", "pg1"] and r._nccl_paused == []
+    assert all(b.holds(r.pool) for b in backends)
+
+
+def test_resume_names_a_backend_that_fails_and_registers_the_others(nccl):
+    a, torch, events, spy = nccl
+    backends = [StrictBackend("pg0", events), StrictBackend("pg1", events), StrictBackend("pg2", events)]
+    r, t = registered_region(torch, "py-nccl-rf", backends)
+    a.write(t.ptr, b"r" * 4096)
+    r.pause(backup=True)
+    backends[1].fail_register = 1
+    events.clear()
+    with pytest.raises(vmmalloc.VmmallocError) as e:
+        r.resume()
+    msg = str(e.value)
+    assert msg.startswith("vmmalloc.resume: the memory is mapped again"), msg
+    assert "<backend pg1> (NCCL error in pg1: ncclCommRegister failed)" in msg, msg
+    assert "pg0" not in msg and "pg2" not in msg, msg
+    # The memory is resumed either way; the others are registered; pg1 is forgotten.
+    assert not r.paused() and a.read(t.ptr, 4096) == b"r" * 4096
+    assert events == [("resume", "py-nccl-rf"), ("register", "pg0"), ("register", "pg2")]
+    assert r._nccl == [backends[0], backends[2]] and r._nccl_paused == []
+    assert not backends[1].holds(r.pool)
+    # The region stays consistent: it pauses and resumes with the two, and pg1 can register again.
+    events.clear()
+    r.pause()
+    r.resume()
+    assert events == [("deregister", "pg0"), ("deregister", "pg2"), ("pause", "py-nccl-rf"),
+                      ("resume", "py-nccl-rf"), ("register", "pg0"), ("register", "pg2")]
+    r.register_nccl(Group(backends[1]))
+    assert r._nccl == [backends[0], backends[2], backends[1]] and all(b.holds(r.pool) for b in backends)
+
+
+def test_a_failed_resume_keeps_the_backends_for_the_next(nccl):
+    a, torch, events, spy = nccl
+    backends = [StrictBackend("pg0", events)]
+    r, _ = registered_region(torch, "py-nccl-rr", backends)
+    r.pause()
+    spy.refuse = True
+    events.clear()
+    with pytest.raises(vmmalloc.VmmallocError, match="vmmalloc_resume failed"):
+        r.resume()
+    assert events == [("resume", "py-nccl-rr")]  # still paused: nothing registered
+    assert r.paused() and r._nccl == [] and r._nccl_paused == backends
+    r.resume()
+    assert r._nccl == backends and backends[0].holds(r.pool)
+
+
+def test_deregister_nccl_while_paused_forgets_the_backends(nccl):
+    a, torch, events, spy = nccl
+    backends = [StrictBackend("pg0", events), StrictBackend("pg1", events)]
+    r, _ = registered_region(torch, "py-nccl-dp", backends)
+    r.pause()
+    events.clear()
+    r.deregister_nccl()  # nothing to deregister: the pause did
+    assert events == [] and r._nccl == [] and r._nccl_paused == []
+    r.resume()
+    assert events == [("resume", "py-nccl-dp")]
+    assert not any(b.holds(r.pool) for b in backends)
+
+
+def test_register_nccl_while_paused_is_refused(nccl):
+    a, torch, events, spy = nccl
+    b = StrictBackend("pg0", events)
+    with vmmalloc.region("py-nccl-rp") as r:
+        torch.empty(MIB)
+    r.pause()
+    with pytest.raises(vmmalloc.VmmallocError, match="'py-nccl-rp' is paused: its memory is unmapped and NCCL"):
+        r.register_nccl(Group(b))
+    assert r._nccl == [] and r._nccl_paused == [] and not b.holds(r.pool)
+    r.resume()
+    r.register_nccl(Group(b))
+    assert r._nccl == [b] and b.holds(r.pool)
+
+
+def test_a_backup_pause_of_a_registered_region_keeps_the_contents(nccl):
+    a, torch, events, spy = nccl
+    b = StrictBackend("pg0", events)
+    r, t = registered_region(torch, "py-nccl-bk", [b])
+    data = bytes(range(256)) * 64
+    a.write(t.ptr, data)
+    assert vmmalloc.pause("py-nccl-bk", backup=True) >= 12 * MIB
+    assert r.stats()["backup_bytes"] == 12 * MIB and not b.holds(r.pool)
+    assert vmmalloc.resume("py-nccl-bk") >= 12 * MIB
+    assert a.read(t.ptr, len(data)) == data and b.holds(r.pool) and r._nccl == [b]
+    vmmalloc.validate(0)
 
 
 def test_bad_tags_and_modes(lib, torch_pool):

@@ -54,8 +54,14 @@ The pool-mode caveats and what is done about each:
 - **NCCL user-buffer registration** (``ProcessGroupNCCL.register_mem_pool``):
   registered memory must not be unmapped or remapped. ``Region.register_nccl()``
   refuses unless the configuration has ``unpin:false`` and ``spill:false``
-  (both move pages under live blocks), and ``pause`` refuses a registered
-  region until ``deregister_nccl()``.
+  (both move pages under live blocks, at any time), and refuses a paused
+  region (its memory is unmapped). ``pause`` of a registered region first
+  deregisters the pool from each backend (``deregister_mem_pool``), before
+  anything is unmapped, and remembers them; ``resume`` registers it again
+  with each once the memory is mapped (a backend that fails is named in a
+  ``VmmallocError``, the others stay registered). A pause that fails
+  registers the pool again where its memory stayed mapped.
+  ``deregister_nccl()`` of a paused region forgets the remembered backends.
 - **a paused region's cached blocks**: PyTorch would hand out the pool's
   cached free blocks without asking vmmalloc, in unmapped memory; so
   entering a paused region raises, and so does pausing a region a thread is
@@ -144,7 +150,8 @@ class Region:
         self.device = device
         self.pool = pool
         self._inside = 0  # threads inside `with region(tag)` now
-        self._nccl = []  # backends this region's pool is registered with
+        self._nccl = []  # backends this region's pool is registered with now
+        self._nccl_paused = []  # backends deregistered by pause, registered again by resume
 
     def __repr__(self):
         return f"Region(tag={self.tag!r}, device={self.device}, pool_id={getattr(self.pool, 'id', None)})"
@@ -173,8 +180,9 @@ class Region:
 
     def pause(self, backup=False):
         """``vmmalloc.pause(tag)``: given back, addresses kept (see
-        :func:`before_pause` for what pool mode checks first). Returns the
-        bytes given back."""
+        :func:`before_pause` for what pool mode does first: a pool registered
+        with NCCL is deregistered, and registered again by :meth:`resume`).
+        Returns the bytes given back."""
         return _sleep.pause(self.tag, backup=backup)
 
     def _before_pause(self):
@@ -182,20 +190,63 @@ class Region:
             raise _lib.VmmallocError(
                 f"region {self.tag!r} cannot be paused while a thread is inside `with vmmalloc.region("
                 f"{self.tag!r})`: PyTorch would keep allocating from its unmapped memory")
-        if self._nccl:
+
+    def _deregister_for_pause(self):
+        """Deregisters the pool from every NCCL backend it is registered with,
+        before its memory is unmapped, and remembers them for resume. If a
+        deregistration fails, those done are registered again and
+        VmmallocError is raised (the registrations as they were)."""
+        backends, done = list(self._nccl), []
+        try:
+            for b in backends:
+                b.deregister_mem_pool(self.pool)
+                done.append(b)
+        except Exception as e:
+            self._nccl = [b for b in backends if not any(b is d for d in done)]
+            self._nccl_paused = done
+            failed = self._register_again()
             raise _lib.VmmallocError(
-                f"region {self.tag!r} is registered with NCCL (register_mem_pool): its memory must not be "
-                f"unmapped; call deregister_nccl() first")
+                f"region {self.tag!r}: deregistering its pool from NCCL backend {backends[len(done)]!r} "
+                f"(deregister_mem_pool) before the pause failed: {e}; nothing was paused"
+                + _failed_text(self, failed)) from e
+        self._nccl = []
+        self._nccl_paused.extend(backends)
+
+    def _register_again(self):
+        """Registers the pool again with every backend :meth:`pause`
+        deregistered, if its memory is mapped (not paused); else keeps them
+        for resume. Returns the [(backend, exception)] that failed: they are
+        forgotten (the pool is not registered with them)."""
+        if not self._nccl_paused or self.paused():
+            return []
+        failed = []
+        backends, self._nccl_paused = self._nccl_paused, []
+        for b in backends:
+            try:
+                b.register_mem_pool(self.pool)
+            except Exception as e:
+                failed.append((b, e))
+            else:
+                self._nccl.append(b)
+        return failed
 
     def resume(self):
-        """``vmmalloc.resume(tag)``: the same addresses, mapped again."""
+        """``vmmalloc.resume(tag)``: the same addresses, mapped again (and the
+        pool registered again with the NCCL backends its pause deregistered it
+        from, see :func:`after_resume`)."""
         return _sleep.resume(self.tag)
 
     def register_nccl(self, group=None):
         """Registers the region's pool with NCCL (user-buffer registration,
         ``ProcessGroupNCCL.register_mem_pool``) for ``group`` (the default
-        group if None). Refused unless the configuration keeps pages in place
-        (``unpin:false``, ``spill:false``); a registered region cannot pause."""
+        group if None). Refused while the region is paused (its memory is
+        unmapped), and unless the configuration keeps pages in place
+        (``unpin:false``, ``spill:false``). Pausing the region deregisters
+        the pool; resuming registers it again."""
+        if self.paused():
+            raise _lib.VmmallocError(
+                f"region {self.tag!r} is paused: its memory is unmapped and NCCL cannot register it; resume "
+                f"it before register_nccl() (a registration made before the pause is restored by resume)")
         settings = _settings()
         # unpin is true/always/auto (auto moves pages too, in one thread),
         # spill true/false: anything but false may move pages.
@@ -218,24 +269,94 @@ class Region:
         self._nccl.append(backend)
 
     def deregister_nccl(self):
-        """Undoes :meth:`register_nccl` (every group)."""
+        """Undoes :meth:`register_nccl` (every group). On a paused region it
+        forgets the backends the pause deregistered the pool from, so that
+        resume does not register it again."""
+        self._nccl_paused = []
         while self._nccl:
-            self._nccl.pop().deregister_mem_pool(self.pool)
+            self._nccl[-1].deregister_mem_pool(self.pool)
+            self._nccl.pop()
+
+
+def _failed_text(region, failed):
+    """The sentence naming the NCCL backends that ``region``'s pool could not
+    be registered with again ("" for none)."""
+    if not failed:
+        return ""
+    return (f"; registering region {region.tag!r}'s pool again with NCCL failed for "
+            + ", ".join(f"backend {b!r} ({e})" for b, e in failed)
+            + " (not registered there now: call register_nccl() again)")
+
+
+def _chosen(tags, regions=None):
+    regions = list(_regions.values()) if regions is None else regions
+    return [r for r in regions if not tags or r.tag in tags]
 
 
 def before_pause(tags):
     """What ``vmmalloc.pause(*tags)`` does first for the region pools among
-    ``tags`` (all of them for none): refuses one a thread is inside or that is
-    registered with NCCL, then returns each one's cached free segments
-    (:meth:`Region.empty_cache`), so that they are given back rather than
-    backed up or kept."""
+    ``tags`` (all of them for none): refuses one a thread is inside, then
+    deregisters each one registered with NCCL from its backends (remembered
+    for resume; see :func:`after_pause`, :func:`after_resume`), then returns
+    each one's cached free segments (:meth:`Region.empty_cache`), so that
+    they are given back rather than backed up or kept. A failure registers
+    again what was deregistered and raises."""
     # A region already paused is left alone (the library refuses to pause it again, or skips it for
     # no tags); its pool's cached segments must not be freed while their memory is unmapped.
-    chosen = [r for r in list(_regions.values()) if (not tags or r.tag in tags) and not r.paused()]
+    chosen = [r for r in _chosen(tags) if not r.paused()]
     for r in chosen:
         r._before_pause()
-    for r in chosen:
-        r.empty_cache()
+    deregistered = []
+    try:
+        # Before empty_cache: the pool's cached segments are registered too, and freeing one unmaps it.
+        for r in chosen:
+            if r._nccl:
+                r._deregister_for_pause()
+                deregistered.append(r)
+        for r in chosen:
+            r.empty_cache()
+    except BaseException as e:
+        failed = [(r, r._register_again()) for r in deregistered]
+        text = "".join(_failed_text(r, f) for r, f in failed)
+        if text:
+            raise _lib.VmmallocError(f"{e}{text}") from e
+        raise
+
+
+def after_pause(tags, error=None):
+    """What ``vmmalloc.pause(*tags)`` does last, ``error`` its failure (an
+    exception) or None: registers the pools that :func:`before_pause`
+    deregistered from NCCL again where their memory is still mapped (the
+    pause failed, or did not cover the tag: the default tag), then raises
+    ``error``, or a VmmallocError naming the backends where that failed."""
+    _register_mapped_again(tags, error, "vmmalloc.pause: the paused memory is given back")
+
+
+def after_resume(tags, error=None):
+    """What ``vmmalloc.resume(*tags)`` does once the memory is mapped again,
+    ``error`` its failure (an exception) or None: registers the pool of
+    each region among ``tags`` (all for none) that is resumed now again with
+    the NCCL backends its pause deregistered it from; a region still paused
+    keeps them. A backend that fails is forgotten and the others go on;
+    then ``error`` is raised, or a VmmallocError naming the backends that
+    failed (the memory stays resumed)."""
+    _register_mapped_again(tags, error, "vmmalloc.resume: the memory is mapped again")
+
+
+def _register_mapped_again(tags, error, done):
+    """after_pause and after_resume: every region among ``tags`` with
+    backends a pause deregistered and memory mapped now is registered again;
+    then ``error`` is raised (with the failures named), or a VmmallocError
+    that starts with ``done`` and names the failures."""
+    text = ""
+    for r in _chosen(tags, [r for r in list(_regions.values()) if r._nccl_paused]):
+        text += _failed_text(r, r._register_again())
+    if error is not None:
+        if text:
+            raise _lib.VmmallocError(f"{error}{text}") from error
+        raise error
+    if text:
+        raise _lib.VmmallocError(f"{done}{text}")
 
 
 def _settings():

@@ -97,13 +97,20 @@ def pause(*tags, backup=False):
     non-default tag) back to the driver, keeping their addresses; with
     ``backup=True`` their contents are copied to host memory first. Returns
     the bytes given back. Raises VmmallocError (unknown or already paused
-    tag, graph capture underway, driver failure)."""
+    tag, graph capture underway, driver failure). A region pool registered
+    with NCCL is deregistered first and registered again by resume (or at
+    once, if its memory stays mapped); see ``_region.before_pause``."""
     from . import _region
 
     _region.before_pause(tags)
-    n = _load().vmmalloc_pause(_tag_list(tags), 1 if backup else 0)
-    if n < 0:
-        raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_pause failed")
+    try:
+        n = _load().vmmalloc_pause(_tag_list(tags), 1 if backup else 0)
+        if n < 0:
+            raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_pause failed")
+    except BaseException as e:
+        _region.after_pause(tags, e)  # raises e
+        raise
+    _region.after_pause(tags)
     return n
 
 
@@ -111,10 +118,18 @@ def resume(*tags):
     """Maps GPU memory again under the paused blocks of ``tags`` (none: every
     paused tag), at the same addresses, and restores backups. On failure (out
     of memory included) the tags stay paused and VmmallocError is raised.
-    Returns the bytes mapped."""
-    n = _load().vmmalloc_resume(_tag_list(tags))
-    if n < 0:
-        raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_resume failed")
+    Returns the bytes mapped. A region pool whose pause deregistered it from
+    NCCL is registered again once mapped (``_region.after_resume``)."""
+    from . import _region
+
+    try:
+        n = _load().vmmalloc_resume(_tag_list(tags))
+        if n < 0:
+            raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_resume failed")
+    except BaseException as e:
+        _region.after_resume(tags, e)  # raises e
+        raise
+    _region.after_resume(tags)
     return n
 
 
