@@ -591,6 +591,57 @@ impl Driver {
         Ok(fd)
     }
 
+    /// `cuMemExportToShareableHandle` as a fabric handle
+    /// ([`CU_MEM_HANDLE_TYPE_FABRIC`]), what NCCL exports for multi-node
+    /// NVLink.
+    ///
+    /// # Safety
+    /// `handle` is live.
+    pub unsafe fn mem_export_to_fabric(
+        &self,
+        handle: CUmemGenericAllocationHandle,
+    ) -> Result<CUmemFabricHandle, CuError> {
+        let mut out = CUmemFabricHandle {
+            data: [0; CU_IPC_HANDLE_SIZE],
+        };
+        // SAFETY: for the fabric type the driver writes one CUmemFabricHandle
+        // (64 bytes) through the pointer, and `out` is one; the handle is live
+        // (function contract).
+        check("cuMemExportToShareableHandle", unsafe {
+            (self.fns.cuMemExportToShareableHandle)(
+                (&mut out as *mut CUmemFabricHandle).cast::<c_void>(),
+                handle,
+                CU_MEM_HANDLE_TYPE_FABRIC,
+                0,
+            )
+        })?;
+        Ok(out)
+    }
+
+    /// `cuMemImportFromShareableHandle` from a fabric handle; the new handle
+    /// must be released.
+    pub fn mem_import_from_fabric(
+        &self,
+        fabric: &CUmemFabricHandle,
+    ) -> Result<CUmemGenericAllocationHandle, CuError> {
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // cuda.h: for CU_MEM_HANDLE_TYPE_FABRIC, `osHandle` points to the
+        // CUmemFabricHandle, which the driver only reads.
+        let os_handle = (fabric as *const CUmemFabricHandle)
+            .cast_mut()
+            .cast::<c_void>();
+        // SAFETY: `handle` is a valid out-pointer and `os_handle` points to a
+        // readable 64-byte fabric handle for the call.
+        check("cuMemImportFromShareableHandle", unsafe {
+            (self.fns.cuMemImportFromShareableHandle)(
+                &mut handle,
+                os_handle,
+                CU_MEM_HANDLE_TYPE_FABRIC,
+            )
+        })?;
+        Ok(handle)
+    }
+
     /// `cuMemImportFromShareableHandle` from a POSIX file descriptor. The
     /// descriptor stays owned by the caller; the new handle must be released.
     ///

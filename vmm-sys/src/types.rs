@@ -285,6 +285,14 @@ pub const CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED: CUdevice_att
 /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`: 1 if
 /// `cuMemCreate` can make allocations exportable as POSIX file descriptors.
 pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: CUdevice_attribute = 103;
+/// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`: 1 if
+/// `cuMemCreate` memory can be made GPUDirect RDMA capable
+/// (`allocFlags.gpuDirectRDMACapable`).
+pub const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: CUdevice_attribute = 110;
+/// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED` (CUDA 12.3+): 1 if
+/// `cuMemCreate` can make allocations exportable as fabric handles
+/// (multi-node NVLink).
+pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: CUdevice_attribute = 128;
 
 /// `CU_MEM_ALLOCATION_TYPE_PINNED`: resident device memory.
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: CUmemAllocationType = 1;
@@ -293,6 +301,13 @@ pub const CU_MEM_ALLOCATION_TYPE_PINNED: CUmemAllocationType = 1;
 pub const CU_MEM_HANDLE_TYPE_NONE: CUmemAllocationHandleType = 0;
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: exportable as an `int` fd.
 pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: CUmemAllocationHandleType = 1;
+/// `CU_MEM_HANDLE_TYPE_FABRIC` (CUDA 12.3+): exportable as a
+/// [`CUmemFabricHandle`], importable by other processes and nodes of the
+/// same NVLink fabric. `cuMemCreate` fails with `CUDA_ERROR_NOT_PERMITTED`
+/// (or `CUDA_ERROR_NOT_SUPPORTED`) where the process may not use the fabric
+/// (no IMEX channel), which NCCL's `ncclMemAlloc` answers by creating the
+/// memory again without it (NCCL src/allocator.cc).
+pub const CU_MEM_HANDLE_TYPE_FABRIC: CUmemAllocationHandleType = 8;
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`: the location id is a device ordinal.
 pub const CU_MEM_LOCATION_TYPE_DEVICE: CUmemLocationType = 1;
@@ -344,6 +359,16 @@ pub const CU_STREAM_PER_THREAD: usize = 0x2;
 pub struct CUuuid {
     /// The 16 bytes of the UUID.
     pub bytes: [c_char; 16],
+}
+
+/// `CUmemFabricHandle` (`struct CUmemFabricHandle_st { unsigned char
+/// data[CU_IPC_HANDLE_SIZE]; }`, cuda.h of CUDA 12.3+): what
+/// `cuMemExportToShareableHandle` writes for [`CU_MEM_HANDLE_TYPE_FABRIC`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CUmemFabricHandle {
+    /// Opaque bytes.
+    pub data: [u8; CU_IPC_HANDLE_SIZE],
 }
 
 /// `CU_IPC_HANDLE_SIZE` (cuda.h): bytes of a legacy IPC handle.

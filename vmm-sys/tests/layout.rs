@@ -236,6 +236,18 @@ fn enum_constants_match_cuda_h() {
     );
     assert_eq!(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 1);
     assert_eq!(
+        CU_MEM_HANDLE_TYPE_FABRIC,
+        cu::CUmemAllocationHandleType_enum::CU_MEM_HANDLE_TYPE_FABRIC.0
+    );
+    assert_eq!(
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
+        A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED as u32
+    );
+    assert_eq!(
+        CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+        A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED as u32
+    );
+    assert_eq!(
         CU_MEM_LOCATION_TYPE_DEVICE,
         cu::CUmemLocationType_enum::CU_MEM_LOCATION_TYPE_DEVICE as u32
     );
@@ -502,6 +514,9 @@ fn issue_11_types_match_cuda_h() {
 
 #[test]
 fn issue_35_ipc_types_match_cuda_h() {
+    same_layout!(CUmemFabricHandle, cu::CUmemFabricHandle);
+    same_field!(CUmemFabricHandle, cu::CUmemFabricHandle, data);
+    assert_eq!(size_of::<CUmemFabricHandle>(), CU_IPC_HANDLE_SIZE);
     same_layout!(CUipcMemHandle, cu::CUipcMemHandle);
     assert_eq!(size_of::<CUipcMemHandle>(), CU_IPC_HANDLE_SIZE);
     same_field!(CUipcMemHandle, cu::CUipcMemHandle, reserved);

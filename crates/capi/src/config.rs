@@ -156,7 +156,10 @@ pub const OWN_KEYS: [KeyDoc; 16] = [
         meaning: Cow::Borrowed("torch companion: serve NCCL's register hook (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK, \
                   register_mem_pool): each run of mapped memory is a segment entry for PyTorch's trace trackers, \
                   deregistered before any of it is unmapped or moved | False: the hook is not served and enable() \
-                  turns it off (sets the variable to 0, with a warning)"),
+                  turns it off (sets the variable to 0, with a warning). cuda: True also creates memory as NCCL's \
+                  ncclMemAlloc does: CU_MEM_HANDLE_TYPE_FABRIC requested where the device reports it (dropped if \
+                  cuMemCreate refuses it), gpuDirectRDMACapable where supported, and \
+                  CU_MEM_ALLOC_GRANULARITY_RECOMMENDED as the page; False keeps the minimum granularity"),
     },
     KeyDoc {
         name: "share",

@@ -60,11 +60,14 @@ fn open_plain(config: &Config, ordinal: u32) -> Result<Arc<dyn Device>, Error> {
     }
 }
 
-/// The `cuda` backend's options from `peers:` and `ipc:`.
+/// The `cuda` backend's options from `peers:`, `ipc:` and `nccl_register:`
+/// (memory NCCL can register: fabric handles where offered, the RDMA flag and
+/// the recommended granularity, as NCCL's own `ncclMemAlloc`).
 fn cuda_options(config: &Config) -> CudaOptions {
     CudaOptions {
         peers: config.peers.clone(),
         ipc: config.ipc == Some(true),
         ipc_auto: config.ipc.is_none(),
+        nccl_ready: config.nccl_register,
     }
 }

@@ -1509,6 +1509,48 @@ fn options_reach_the_policies() {
     reset();
 }
 
+/// `nccl_register` (default True) makes the cuda device's page NCCL's
+/// recommended granularity (NCCL's `ncclMemAlloc` pads to it); False keeps
+/// the minimum. Over the fake driver with a recommended granularity of 8 MiB
+/// and a minimum of 2 MiB, in a child process per setting.
+#[test]
+fn nccl_register_pages_are_the_recommended_granularity() {
+    for (conf, page) in [
+        ("log:off", 8 * MIB),
+        ("log:off,nccl_register:True", 8 * MIB),
+        ("log:off,nccl_register:False", 2 * MIB),
+    ] {
+        vmmalloc_test_support::in_child(
+            "nccl_register_pages_are_the_recommended_granularity",
+            &[
+                ("FAKE_CUDA_RECOMMENDED_GRANULARITY_KB", "8192"),
+                ("VMMALLOC_CONF", conf),
+            ],
+            || {
+                let _fake = vmmalloc_test_support::FakeCuda::attach();
+                // SAFETY: no preconditions.
+                unsafe { (api().init)(1) };
+                let p = malloc(MIB, 0);
+                assert!(!p.is_null(), "{conf}: {:?}", last_error());
+                let st = stats(0);
+                // Every mapped page has the granularity's size.
+                let pages = st["vmmalloc.pages_mapped"];
+                assert!(pages >= 1, "{conf}");
+                assert_eq!(
+                    st["reserved_bytes.all.current"],
+                    pages * page as i64,
+                    "{conf}"
+                );
+                fill(p, MIB, 0x5a);
+                check(p, MIB, 0x5a);
+                free(p, MIB, 0);
+                validate(0);
+                reset();
+            },
+        );
+    }
+}
+
 /// `device:cuda` (the default) over the fake CUDA driver (`tests/fake-cuda`, a
 /// CPU implementation of the driver entry points, built on demand by
 /// `vmmalloc_test_support::fake_cuda_library`) with two fake devices, as

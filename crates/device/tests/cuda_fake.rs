@@ -22,7 +22,8 @@ use std::process::Command;
 use std::sync::Arc;
 use vmm_sys::{
     CUmemAccessDesc, CUmemAllocationProp, Driver, CU_MEM_ACCESS_FLAGS_PROT_READ,
-    CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_HANDLE_TYPE_FABRIC,
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
 };
 use vmmalloc_device::cuda::{self, CudaDevice};
 use vmmalloc_device::{
@@ -664,6 +665,140 @@ fake_test! {
         let h = dev.create(g).unwrap();
         dev.release(h).unwrap();
         assert_clean(fake, 0);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Memory NCCL can register (`nccl_ready`, issue 43)
+
+/// Opens device 0 as the C ABI does by default (`ipc:auto`,
+/// `nccl_register:True`).
+fn open_nccl_ready(fake: &Fake) -> CudaDevice {
+    let options = cuda::CudaOptions {
+        ipc_auto: true,
+        nccl_ready: true,
+        ..Default::default()
+    };
+    CudaDevice::open_with_options(Arc::clone(&fake.driver), 0, &options)
+        .unwrap_or_else(|e| panic!("opening fake device 0: {e}"))
+}
+
+/// Runs `f` with device `d`'s primary context current, for raw driver calls.
+fn with_context<T>(fake: &Fake, d: &CudaDevice, f: impl FnOnce() -> T) -> T {
+    // SAFETY: the primary context `d` retained.
+    unsafe { fake.driver.ctx_push_current(d.context().unwrap()) }.unwrap();
+    let out = f();
+    // SAFETY: pops what was pushed above.
+    unsafe { fake.driver.ctx_pop_current() }.unwrap();
+    out
+}
+
+fake_test! {
+    /// Where the device offers fabric handles and a larger recommended
+    /// granularity, `nccl_ready` memory is what NCCL's ncclMemAlloc makes:
+    /// POSIX fd and fabric handle types, the RDMA flag, pages of the
+    /// recommended granularity; both kinds of handle export, and the fabric
+    /// handle imports.
+    env [("FAKE_CUDA_FABRIC", "imex"), ("FAKE_CUDA_RECOMMENDED_GRANULARITY_KB", "8192")]
+    fn nccl_ready_memory_is_what_ncclmemalloc_makes(fake) {
+        let d = open_nccl_ready(fake);
+        assert_eq!(d.caps().granularity, 8 * MIB, "the recommended granularity is the page");
+        let prop = d.allocation_prop();
+        assert_eq!(
+            prop.requestedHandleTypes,
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC
+        );
+        assert_eq!(prop.allocFlags.gpuDirectRDMACapable, 1);
+        let g = d.caps().granularity;
+        let va = d.reserve(2 * g, 0).unwrap();
+        let h = d.create(2 * g).unwrap();
+        assert_eq!(fake.calls("cuMemCreate"), 1);
+        d.map(va, 2 * g, h).unwrap();
+        d.set_access(va, 2 * g).unwrap();
+        d.copy_to_device(va, &pattern(4096, 7)).unwrap();
+        // NCCL's registration exports each allocation with its handle type.
+        let fabric = with_context(fake, &d, || {
+            // SAFETY: `h` is live (created above, not released).
+            unsafe { fake.driver.mem_export_to_fabric(h.0) }.unwrap()
+        });
+        let imported = with_context(fake, &d, || fake.driver.mem_import_from_fabric(&fabric)).unwrap();
+        assert_eq!(fake.live(0).physical_bytes, 2 * g, "an import makes no new memory");
+        // SAFETY: the handle was just imported and is released once.
+        unsafe { fake.driver.mem_release(imported) }.unwrap();
+        let fd = d.export_fd(h).unwrap();
+        // SAFETY: the descriptor was exported to us.
+        unsafe { libc::close(fd) };
+        d.unmap(va, 2 * g).unwrap();
+        d.release(h).unwrap();
+        d.free_reservation(va, 2 * g).unwrap();
+        fake.check(0);
+    }
+}
+
+fake_test! {
+    /// A device that reports fabric support but whose process may not use
+    /// the fabric (no IMEX channel): the first cuMemCreate is refused with
+    /// CUDA_ERROR_NOT_PERMITTED and made again without the fabric type, as
+    /// ncclMemAlloc does; later ones do not ask again. Spill's host-located
+    /// chunks keep the handle types but not the RDMA flag.
+    env [("FAKE_CUDA_FABRIC", "no-imex")]
+    fn nccl_ready_drops_fabric_the_driver_refuses(fake) {
+        let d = open_nccl_ready(fake);
+        assert_eq!(d.caps().granularity, 2 * MIB);
+        assert_ne!(d.allocation_prop().requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC, 0);
+        let g = d.caps().granularity;
+        let h = d.create(g).unwrap();
+        assert_eq!(fake.calls("cuMemCreate"), 2, "refused with fabric, made without");
+        assert_eq!(d.allocation_prop().requestedHandleTypes, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        let h2 = d.create(g).unwrap();
+        assert_eq!(fake.calls("cuMemCreate"), 3, "fabric is not asked for again");
+        // The handle cannot be exported as fabric, but as a descriptor.
+        // SAFETY: `h` is live.
+        expect_code(unsafe { fake.driver.mem_export_to_fabric(h.0) }, 1);
+        let fd = d.export_fd(h).unwrap();
+        // SAFETY: the descriptor was exported to us.
+        unsafe { libc::close(fd) };
+        let host = d.create_on_host(g).unwrap();
+        d.release(host).unwrap();
+        d.release(h).unwrap();
+        d.release(h2).unwrap();
+        fake.check(0);
+    }
+}
+
+fake_test! {
+    /// Another failure of the first cuMemCreate is not taken for a refused
+    /// fabric type: it is the caller's error, and fabric is still asked for.
+    env [("FAKE_CUDA_FABRIC", "imex"), ("FAKE_CUDA_FAIL", "cuMemCreate:1")]
+    fn nccl_ready_keeps_fabric_after_an_out_of_memory(fake) {
+        let d = open_nccl_ready(fake);
+        let g = d.caps().granularity;
+        assert!(matches!(d.create(g), Err(DeviceError::OutOfMemory { .. })));
+        assert_eq!(fake.calls("cuMemCreate"), 1);
+        assert_ne!(d.allocation_prop().requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC, 0);
+        let h = d.create(g).unwrap();
+        d.release(h).unwrap();
+        fake.check(0);
+    }
+}
+
+fake_test! {
+    /// Without fabric support nothing but the POSIX type is asked for, and
+    /// without `nccl_ready` the page stays the minimum granularity and no
+    /// RDMA flag is set even where a larger one is recommended. The fake
+    /// refuses a fabric type it does not offer, as the driver does.
+    env [("FAKE_CUDA_RECOMMENDED_GRANULARITY_KB", "4096")]
+    fn nccl_ready_only_where_offered_and_asked(fake) {
+        let d = open_nccl_ready(fake);
+        assert_eq!(d.caps().granularity, 4 * MIB);
+        assert_eq!(d.allocation_prop().requestedHandleTypes, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        let plain = fake.open_ipc(0);
+        assert_eq!(plain.caps().granularity, 2 * MIB);
+        assert_eq!(plain.allocation_prop().allocFlags.gpuDirectRDMACapable, 0);
+        let mut prop = plain.allocation_prop();
+        prop.requestedHandleTypes |= CU_MEM_HANDLE_TYPE_FABRIC;
+        expect_code(with_context(fake, &plain, || fake.driver.mem_create(2 * MIB as usize, &prop, 0)), 801);
+        fake.check(0);
     }
 }
 

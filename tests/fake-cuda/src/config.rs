@@ -5,6 +5,8 @@
 //! | `FAKE_CUDA_DEVICES`        | number of devices (0: `cuInit` fails with `CUDA_ERROR_NO_DEVICE`) | 1 |
 //! | `FAKE_CUDA_CAPACITY_MB`    | physical memory per device in MiB; a comma list gives one value per device, the last one repeating | 1024 |
 //! | `FAKE_CUDA_GRANULARITY_KB` | allocation granularity in KiB (a power of two, at least the page size) | 2048 |
+//! | `FAKE_CUDA_RECOMMENDED_GRANULARITY_KB` | what `cuMemGetAllocationGranularity` answers for `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`, in KiB (a power of two, at least the granularity) | the granularity, as on the GPUs checked so far |
+//! | `FAKE_CUDA_FABRIC`         | fabric handles (`CU_MEM_HANDLE_TYPE_FABRIC`): `none` (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED` 0, `cuMemCreate` refuses the type with `CUDA_ERROR_NOT_SUPPORTED`), `imex` (supported and permitted), `no-imex` (the attribute is 1 but `cuMemCreate` refuses the type with `CUDA_ERROR_NOT_PERMITTED`, as without an IMEX channel) | none |
 //! | `FAKE_CUDA_FAIL`           | `entry:N[:code],...`: fail the Nth call (counted from 1) of each named entry point | none |
 //! | `FAKE_CUDA_FAIL_CODE`      | the code of injected failures without their own      | 2 for `cuMemCreate`, 999 otherwise |
 //! | `FAKE_CUDA_TRACE`          | `0` silent, `1` one stderr line per failed call, `2` per call | 0 |
@@ -33,6 +35,18 @@ pub struct FailRule {
     pub code: CUresult,
 }
 
+/// Whether the fake offers fabric handles (`FAKE_CUDA_FABRIC`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fabric {
+    /// Not supported: attribute 0, `cuMemCreate` says `CUDA_ERROR_NOT_SUPPORTED`.
+    None,
+    /// Supported, and this process may use the fabric (an IMEX channel).
+    Imex,
+    /// Supported by the device, but `cuMemCreate` says
+    /// `CUDA_ERROR_NOT_PERMITTED` (no IMEX channel).
+    NoImex,
+}
+
 /// How much the fake says on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Trace {
@@ -53,6 +67,10 @@ pub struct Config {
     pub capacities: Vec<u64>,
     /// Allocation granularity in bytes.
     pub granularity: u64,
+    /// The recommended granularity in bytes (a multiple of `granularity`).
+    pub recommended_granularity: u64,
+    /// Fabric handles.
+    pub fabric: Fabric,
     /// Injected failures.
     pub fail: Vec<FailRule>,
     /// Stderr tracing.
@@ -68,6 +86,8 @@ impl Default for Config {
             devices: 1,
             capacities: vec![1024 * MIB],
             granularity: 2048 * KIB,
+            recommended_granularity: 2048 * KIB,
+            fabric: Fabric::None,
             fail: Vec::new(),
             trace: Trace::Off,
             peers: None,
@@ -114,6 +134,32 @@ impl Config {
                 .checked_mul(KIB)
                 .filter(|g| g.is_power_of_two())
                 .ok_or_else(|| format!("FAKE_CUDA_GRANULARITY_KB={v}: not a power of two"))?;
+        }
+        c.recommended_granularity = c.granularity;
+        if let Some(v) = get("FAKE_CUDA_RECOMMENDED_GRANULARITY_KB") {
+            let kb = parse_u64("FAKE_CUDA_RECOMMENDED_GRANULARITY_KB", &v)?;
+            c.recommended_granularity = kb
+                .checked_mul(KIB)
+                .filter(|g| g.is_power_of_two() && *g >= c.granularity)
+                .ok_or_else(|| {
+                    format!(
+                        "FAKE_CUDA_RECOMMENDED_GRANULARITY_KB={v}: not a power of two of at least \
+                         the granularity ({} KiB)",
+                        c.granularity / KIB
+                    )
+                })?;
+        }
+        if let Some(v) = get("FAKE_CUDA_FABRIC") {
+            c.fabric = match v.as_str() {
+                "none" => Fabric::None,
+                "imex" => Fabric::Imex,
+                "no-imex" => Fabric::NoImex,
+                _ => {
+                    return Err(format!(
+                        "FAKE_CUDA_FABRIC={v}: expected none, imex or no-imex"
+                    ))
+                }
+            };
         }
         let default_code = match get("FAKE_CUDA_FAIL_CODE") {
             Some(v) => Some(parse_code("FAKE_CUDA_FAIL_CODE", &v)?),
@@ -294,6 +340,18 @@ mod tests {
             [512 << 20, 256 << 20, 256 << 20]
         );
         assert_eq!(c.granularity, 64 << 10);
+        assert_eq!(c.recommended_granularity, 64 << 10);
+        assert_eq!(c.fabric, Fabric::None);
+        let c = cfg(&[
+            ("FAKE_CUDA_RECOMMENDED_GRANULARITY_KB", "8192"),
+            ("FAKE_CUDA_FABRIC", "no-imex"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.granularity, c.recommended_granularity),
+            (2 << 20, 8 << 20)
+        );
+        assert_eq!(c.fabric, Fabric::NoImex);
     }
 
     #[test]
@@ -323,6 +381,9 @@ mod tests {
             ("FAKE_CUDA_CAPACITY_MB", "0"),
             ("FAKE_CUDA_CAPACITY_MB", "1,x"),
             ("FAKE_CUDA_GRANULARITY_KB", "3"),
+            ("FAKE_CUDA_RECOMMENDED_GRANULARITY_KB", "1024"),
+            ("FAKE_CUDA_RECOMMENDED_GRANULARITY_KB", "3072"),
+            ("FAKE_CUDA_FABRIC", "yes"),
             ("FAKE_CUDA_FAIL", "cuMemCreat:1"),
             ("FAKE_CUDA_FAIL", "cuMemCreate"),
             ("FAKE_CUDA_FAIL", "cuMemCreate:0"),

@@ -115,6 +115,8 @@ pub struct HandleEntry {
     pub inner: PhysHandle,
     /// Whether it may be exported as a POSIX file descriptor.
     pub posix_fd: bool,
+    /// Whether it may be exported as a fabric handle.
+    pub fabric: bool,
 }
 
 /// A virtual range (reservation or plain allocation) and its device.
@@ -416,6 +418,7 @@ impl Fake {
         host: Arc<HostDevice>,
         inner: PhysHandle,
         posix_fd: bool,
+        fabric: bool,
     ) -> u64 {
         let mut t = self.tables.lock();
         let value = t.next_handle;
@@ -427,6 +430,7 @@ impl Fake {
                 host,
                 inner,
                 posix_fd,
+                fabric,
             },
         );
         value
@@ -730,7 +734,7 @@ mod tests {
         let host = f.host(0);
         let g = host.caps().granularity;
         let h = host.create(g).unwrap();
-        let value = f.add_handle(0, Arc::clone(&host), h, false);
+        let value = f.add_handle(0, Arc::clone(&host), h, false, false);
         assert_eq!(f.handle(value).unwrap().inner, h);
         f.release_primary(0).unwrap();
         assert_eq!(f.handle(value).unwrap_err().code, 1);

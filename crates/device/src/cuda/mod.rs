@@ -34,6 +34,20 @@
 //! requested (`CU_MEM_HANDLE_TYPE_NONE`) and exporting fails with a clear
 //! error. Importing a descriptor needs only the device's support.
 //!
+//! [`CudaOptions::nccl_ready`] creates memory as NCCL's `ncclMemAlloc` does
+//! (NCCL src/allocator.cc), so that NCCL's user-buffer registration can
+//! export and map it: `CU_MEM_HANDLE_TYPE_FABRIC` is requested too where the
+//! device reports `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`, and if
+//! `cuMemCreate` refuses it (`CUDA_ERROR_NOT_PERMITTED` without an IMEX
+//! channel, or `CUDA_ERROR_NOT_SUPPORTED`) the call is made again without it
+//! and fabric is not asked for again on this device; `gpuDirectRDMACapable`
+//! is set where `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`
+//! is 1; and the page is `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED` for those
+//! properties where it is a multiple of the minimum (else the minimum).
+//! Host-located chunks (spill) keep the handle types but not the RDMA flag,
+//! as NCCL's own host allocations (`ncclCuMemHostAlloc`, NCCL
+//! src/include/alloc.h).
+//!
 //! # Special streams
 //!
 //! `CU_STREAM_LEGACY` (0x1) is the legacy default stream, the same stream as
@@ -86,22 +100,24 @@ use parking_lot::{Mutex, RwLock};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use vmm_sys::{
-    result_name, CUcontext, CUdevice, CUevent, CUevent_st, CUmemAccessDesc,
-    CUmemAllocationHandleType, CUmemAllocationProp, CUstream, CUstream_st, CuError, Driver,
-    LoadError, CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE,
-    CUDA_ERROR_NO_DEVICE, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+    result_name, CUcontext, CUdevice, CUevent, CUevent_st, CUmemAccessDesc, CUmemAllocationProp,
+    CUstream, CUstream_st, CuError, Driver, LoadError, CUDA_ERROR_DEINITIALIZED,
+    CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_NO_DEVICE,
+    CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+    CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+    CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
     CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
     CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED, CU_EVENT_DISABLE_TIMING,
-    CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_HANDLE_TYPE_NONE,
-    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_STREAM_CAPTURE_STATUS_NONE, CU_STREAM_LEGACY,
-    CU_STREAM_NON_BLOCKING, CU_STREAM_PER_THREAD,
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+    CU_MEM_HANDLE_TYPE_FABRIC, CU_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+    CU_STREAM_CAPTURE_STATUS_NONE, CU_STREAM_LEGACY, CU_STREAM_NON_BLOCKING, CU_STREAM_PER_THREAD,
 };
 // Spill (host-located chunks, `create_on_host`).
 use vmm_sys::{
-    CUmemLocation, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED,
+    CUmemLocation, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED,
     CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
     CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
 };
@@ -137,8 +153,13 @@ pub struct CudaDevice {
     /// Serializes the first retain.
     ctx_init: Mutex<()>,
     caps: DeviceCaps,
-    /// Shareable handle kinds requested for every `cuMemCreate`.
-    handle_types: CUmemAllocationHandleType,
+    /// Shareable handle kinds requested for every `cuMemCreate`: fixed at
+    /// open, except that `CU_MEM_HANDLE_TYPE_FABRIC` is dropped once the
+    /// driver refused it (see "Peers and handle types").
+    handle_types: AtomicU32,
+    /// `allocFlags.gpuDirectRDMACapable` for device memory
+    /// ([`CudaOptions::nccl_ready`] on a device that supports it).
+    rdma: bool,
     /// Whether handles are created exportable (`CudaOptions::ipc`, or
     /// `ipc_auto` on a device that supports it).
     ipc: bool,
@@ -197,8 +218,9 @@ impl CudaDevice {
 
     /// Opens device `ordinal` with a loaded driver: `cuInit`, `cuDeviceGet`,
     /// checks VMM support, resolves the peers and queries the allocation
-    /// granularity (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`, with the handle type
-    /// `options.ipc` asks for). None of these needs a context, so none is
+    /// granularity (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`, with the handle types
+    /// the options ask for; also the recommended one with
+    /// [`CudaOptions::nccl_ready`]). None of these needs a context, so none is
     /// created, with one exception: a driver that refuses the granularity
     /// query without a current context (`CUDA_ERROR_INVALID_CONTEXT`) gets the
     /// primary context retained for it, as the first real use would.
@@ -219,6 +241,7 @@ impl CudaDevice {
             peers: Peers::None,
             ipc: false,
             ipc_auto: false,
+            nccl_ready: false,
         };
         Self::open_inner(driver, ordinal, &options, false).map(|d| d.caps)
     }
@@ -284,11 +307,20 @@ impl CudaDevice {
         let total_memory = driver.device_total_mem(dev).map_err(unavailable)? as u64;
         // ipc:auto requests exportable handles where the device has them.
         let ipc = options.ipc || (options.ipc_auto && posix_fd);
-        let handle_types = if ipc {
+        let mut handle_types = if ipc {
             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         } else {
             CU_MEM_HANDLE_TYPE_NONE
         };
+        // NCCL's ncclMemAlloc (src/allocator.cc): FABRIC where the device
+        // reports it, gpuDirectRDMACapable where it reports VMM RDMA. Older
+        // drivers may not know the attributes: an error is "no".
+        let attribute = |a| driver.device_get_attribute(a, dev).unwrap_or(0) != 0;
+        if options.nccl_ready && attribute(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED) {
+            handle_types |= CU_MEM_HANDLE_TYPE_FABRIC;
+        }
+        let rdma = options.nccl_ready
+            && attribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED);
         let mut access = vec![CUmemAccessDesc::read_write(dev)];
         access.extend(
             peers
@@ -309,7 +341,8 @@ impl CudaDevice {
             dev,
             ctx: OnceLock::new(),
             ctx_init: Mutex::new(()),
-            handle_types,
+            handle_types: AtomicU32::new(handle_types),
+            rdma,
             ipc,
             can_import: posix_fd,
             peers,
@@ -321,23 +354,26 @@ impl CudaDevice {
             streams: Mutex::new(HashSet::new()),
             external_streams: std::sync::atomic::AtomicBool::new(false),
         };
-        let prop = device.prop();
-        let granularity =
-            match driver.mem_get_allocation_granularity(&prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) {
-                Ok(g) => g,
-                Err(e) if e.code == CUDA_ERROR_INVALID_CONTEXT && may_retain => {
-                    let _ctx = device.enter(Call::Reserve)?;
-                    driver
-                        .mem_get_allocation_granularity(&prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
-                        .map_err(unavailable)?
-                }
-                Err(e) => return Err(unavailable(e)),
-            } as u64;
-        if granularity == 0 {
+        let minimum = device.query_granularity(CU_MEM_ALLOC_GRANULARITY_MINIMUM, may_retain)?;
+        if minimum == 0 {
             return Err(DeviceError::Unavailable(format!(
                 "CUDA device {ordinal} ({}) reported an allocation granularity of 0",
                 device.caps.name
             )));
+        }
+        // NCCL's ncclMemAlloc pads to the recommended granularity; every VMM
+        // size and address must stay a multiple of the minimum (cuda.h,
+        // cuMemCreate / cuMemMap), so a recommended value that is not one is
+        // ignored, as is a failed query.
+        let mut granularity = minimum;
+        if options.nccl_ready {
+            if let Ok(recommended) =
+                device.query_granularity(CU_MEM_ALLOC_GRANULARITY_RECOMMENDED, may_retain)
+            {
+                if recommended > minimum && recommended % minimum == 0 {
+                    granularity = recommended;
+                }
+            }
         }
         device.caps.granularity = granularity;
         Ok(device)
@@ -471,8 +507,75 @@ impl CudaDevice {
         )
     }
 
+    /// The properties every `cuMemCreate` of device memory passes now.
+    pub fn allocation_prop(&self) -> CUmemAllocationProp {
+        let mut prop = CUmemAllocationProp::pinned_on_device(
+            self.dev,
+            self.handle_types.load(Ordering::Relaxed),
+        );
+        prop.allocFlags.gpuDirectRDMACapable = u8::from(self.rdma);
+        prop
+    }
+
     fn prop(&self) -> CUmemAllocationProp {
-        CUmemAllocationProp::pinned_on_device(self.dev, self.handle_types)
+        self.allocation_prop()
+    }
+
+    /// After a call with `prop` failed with `code`: whether the failure was
+    /// the driver refusing `CU_MEM_HANDLE_TYPE_FABRIC`
+    /// (`CUDA_ERROR_NOT_PERMITTED` where the process has no IMEX channel, or
+    /// `CUDA_ERROR_NOT_SUPPORTED`), in which case this device stops asking
+    /// for it and the caller tries again, as NCCL's `ncclMemAlloc` does
+    /// (NCCL src/allocator.cc).
+    fn refused_fabric(&self, prop: &CUmemAllocationProp, code: vmm_sys::CUresult) -> bool {
+        let asked = prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC != 0;
+        if asked && (code == CUDA_ERROR_NOT_PERMITTED || code == CUDA_ERROR_NOT_SUPPORTED) {
+            self.handle_types
+                .fetch_and(!CU_MEM_HANDLE_TYPE_FABRIC, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
+    /// `cuMemGetAllocationGranularity(option)` for [`Self::allocation_prop`]
+    /// (retaining the primary context for a driver that wants one, when
+    /// `may_retain`; without fabric if the driver refuses it).
+    fn query_granularity(
+        &self,
+        option: vmm_sys::CUmemAllocationGranularity_flags,
+        may_retain: bool,
+    ) -> DeviceResult<u64> {
+        loop {
+            let prop = self.prop();
+            let got = match self.driver.mem_get_allocation_granularity(&prop, option) {
+                Err(e) if e.code == CUDA_ERROR_INVALID_CONTEXT && may_retain => {
+                    let _ctx = self.enter(Call::Reserve)?;
+                    self.driver.mem_get_allocation_granularity(&prop, option)
+                }
+                other => other,
+            };
+            match got {
+                Ok(g) => return Ok(g as u64),
+                Err(e) if self.refused_fabric(&prop, e.code) => continue,
+                Err(e) => return Err(DeviceError::Unavailable(describe(&self.driver, e))),
+            }
+        }
+    }
+
+    /// `cuMemCreate(size)` with `prop` made from [`Self::allocation_prop`]
+    /// by `adjust`, once more without fabric if the driver refused it.
+    fn mem_create(
+        &self,
+        size: u64,
+        adjust: impl Fn(CUmemAllocationProp) -> CUmemAllocationProp,
+    ) -> Result<vmm_sys::CUmemGenericAllocationHandle, CuError> {
+        loop {
+            let prop = adjust(self.prop());
+            match self.driver.mem_create(size as usize, &prop, 0) {
+                Err(e) if self.refused_fabric(&prop, e.code) => continue,
+                other => return other,
+            }
+        }
     }
 
     /// The host NUMA node that host-located chunks (spill) are created on:
@@ -615,10 +718,8 @@ impl Device for CudaDevice {
 
     fn create(&self, size: u64) -> DeviceResult<PhysHandle> {
         let _ctx = self.enter(Call::Create)?;
-        let prop = self.prop();
         let handle = self
-            .driver
-            .mem_create(size as usize, &prop, 0)
+            .mem_create(size, |prop| prop)
             .map_err(|e| self.fail(Call::Create, e, size, || format!("size {size:#x}")))?;
         self.handles.lock().insert(handle);
         Ok(PhysHandle(handle))
@@ -630,26 +731,27 @@ impl Device for CudaDevice {
     fn create_on_host(&self, size: u64) -> DeviceResult<PhysHandle> {
         let _ctx = self.enter(Call::Create)?;
         let node = self.host_numa_node()?;
-        let mut prop = self.prop();
-        prop.location = CUmemLocation::host_numa(node);
-        let handle = self
-            .driver
-            .mem_create(size as usize, &prop, 0)
-            .map_err(|e| {
-                if e.code == CUDA_ERROR_INVALID_VALUE || e.code == CUDA_ERROR_NOT_SUPPORTED {
-                    DeviceError::Unsupported {
-                        call: Call::Create,
-                        what: format!(
+        // As NCCL's ncclCuMemHostAlloc: the handle types, no RDMA flag.
+        let on_host = |mut prop: CUmemAllocationProp| {
+            prop.location = CUmemLocation::host_numa(node);
+            prop.allocFlags.gpuDirectRDMACapable = 0;
+            prop
+        };
+        let handle = self.mem_create(size, on_host).map_err(|e| {
+            if e.code == CUDA_ERROR_INVALID_VALUE || e.code == CUDA_ERROR_NOT_SUPPORTED {
+                DeviceError::Unsupported {
+                    call: Call::Create,
+                    what: format!(
                         "host-located memory on NUMA node {node} (cuMemCreate refused the host \
                          location: {e}; it needs CUDA 12.2+)"
                     ),
-                    }
-                } else {
-                    self.fail(Call::Create, e, size, || {
-                        format!("size {size:#x} on host NUMA node {node}")
-                    })
                 }
-            })?;
+            } else {
+                self.fail(Call::Create, e, size, || {
+                    format!("size {size:#x} on host NUMA node {node}")
+                })
+            }
+        })?;
         self.handles.lock().insert(handle);
         Ok(PhysHandle(handle))
     }

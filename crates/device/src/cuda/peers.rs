@@ -31,6 +31,18 @@ pub struct CudaOptions {
     /// else silently not (`ipc:auto`, the C ABI's default). Off here, so
     /// that a bare `CudaDevice::open` requests nothing it was not asked for.
     pub ipc_auto: bool,
+    /// Create memory as NCCL's own `ncclMemAlloc` does, so that NCCL can
+    /// register it (user-buffer registration; NCCL src/allocator.cc): also
+    /// request `CU_MEM_HANDLE_TYPE_FABRIC` where the device reports
+    /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED` (dropped for good
+    /// after the first `cuMemCreate` refused with `CUDA_ERROR_NOT_PERMITTED`
+    /// or `CUDA_ERROR_NOT_SUPPORTED`, as NCCL retries without it), set
+    /// `gpuDirectRDMACapable` where the device reports
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`, and use
+    /// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED` as the page (where it is a
+    /// multiple of the minimum). The C ABI sets it from `nccl_register`
+    /// (default on); off here.
+    pub nccl_ready: bool,
 }
 
 /// The ordinals to grant access to device `ordinal` (`dev`), per `peers`.

@@ -16,6 +16,7 @@ pub mod memory;
 pub mod streams;
 pub mod vmm;
 
+use crate::config::{Config, Fabric};
 use crate::state::{self, fake, set_current_context};
 use crate::{codes, config, put, run, Fail};
 use std::ffi::{c_char, c_int, c_uint};
@@ -129,8 +130,10 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUd
 }
 
 /// The value of a device attribute: plausible figures of an H100-class GPU,
-/// VMM and POSIX-fd handles supported, 0 for what the fake does not do.
-fn attribute(attrib: CUdevice_attribute, ordinal: i32) -> Option<c_int> {
+/// VMM, POSIX-fd handles and GPUDirect RDMA on VMM memory supported, fabric
+/// handles as `FAKE_CUDA_FABRIC` says, 0 for what the fake does not do.
+fn attribute(attrib: CUdevice_attribute, ordinal: i32, config: &Config) -> Option<c_int> {
+    let fabric = c_int::from(config.fabric != Fabric::None);
     Some(match attrib {
         1 => 1024,              // MAX_THREADS_PER_BLOCK
         2 | 3 => 1024,          // MAX_BLOCK_DIM_X/Y
@@ -157,6 +160,8 @@ fn attribute(attrib: CUdevice_attribute, ordinal: i32) -> Option<c_int> {
         134 => 0,               // HOST_NUMA_ID (CUDA 12.2+): vmm::HOST_NUMA_NODE
         141 => 1,               // HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
         103 => 1,               // HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+        110 => 1,               // GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+        128 => fabric,          // HANDLE_TYPE_FABRIC_SUPPORTED (CUDA 12.3+)
         115 => 1,               // MEMORY_POOLS_SUPPORTED
         a if a == 0 || a >= CU_DEVICE_ATTRIBUTE_MAX => return None,
         _ => 0,
@@ -177,8 +182,9 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
     dev: CUdevice,
 ) -> CUresult {
     run("cuDeviceGetAttribute", || {
-        fake()?.device(dev)?;
-        let v = attribute(attrib, dev)
+        let f = fake()?;
+        f.device(dev)?;
+        let v = attribute(attrib, dev, &f.config)
             .ok_or_else(|| Fail::invalid(format!("attribute {attrib} does not exist")))?;
         // SAFETY: the caller passes null or a writable int (cuda.h).
         unsafe { put(pi, v, "pi") }

@@ -8,18 +8,20 @@
 //! that reserved it; of a handle, the one that created (or imported) it.
 #![allow(non_snake_case)]
 
+use crate::config::Fabric;
 use crate::state::{code, fake, Fake};
 use crate::{get, put, run, Fail, Res};
 use std::ffi::{c_int, c_void};
 use vmm_sys::{CUdevice, CU_MEM_LOCATION_TYPE_HOST_NUMA};
 use vmm_sys::{
     CUdeviceptr, CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationHandleType,
-    CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemLocation, CUresult,
-    CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_NOT_SUPPORTED, CU_MEM_ACCESS_FLAGS_PROT_NONE,
-    CU_MEM_ACCESS_FLAGS_PROT_READ, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED, CU_MEM_HANDLE_TYPE_NONE,
-    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_LOCATION_TYPE_DEVICE,
+    CUmemAllocationProp, CUmemFabricHandle, CUmemGenericAllocationHandle, CUmemLocation, CUresult,
+    CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED,
+    CU_MEM_ACCESS_FLAGS_PROT_NONE, CU_MEM_ACCESS_FLAGS_PROT_READ,
+    CU_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ALLOCATION_TYPE_PINNED,
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+    CU_MEM_HANDLE_TYPE_FABRIC, CU_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+    CU_MEM_LOCATION_TYPE_DEVICE,
 };
 use vmmalloc_device::{Device, Introspect};
 
@@ -27,18 +29,20 @@ use vmmalloc_device::{Device, Introspect};
 const CU_MEM_HANDLE_TYPE_WIN32: u32 = 0x2;
 /// `CU_MEM_HANDLE_TYPE_WIN32_KMT`.
 const CU_MEM_HANDLE_TYPE_WIN32_KMT: u32 = 0x4;
-/// `CU_MEM_HANDLE_TYPE_FABRIC`.
-const CU_MEM_HANDLE_TYPE_FABRIC: u32 = 0x8;
 
-/// Checks a shareable handle type named in an export or import: only POSIX
-/// file descriptors exist on this (Linux) fake.
-fn check_handle_type(t: CUmemAllocationHandleType) -> Res<()> {
+/// Checks a shareable handle type named in an export or import: POSIX file
+/// descriptors, and fabric handles where `FAKE_CUDA_FABRIC` offers them.
+fn check_handle_type(f: &Fake, t: CUmemAllocationHandleType) -> Res<()> {
     match t {
         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR => Ok(()),
+        CU_MEM_HANDLE_TYPE_FABRIC if f.config.fabric != Fabric::None => Ok(()),
         CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT | CU_MEM_HANDLE_TYPE_FABRIC => {
             Err(code(
                 CUDA_ERROR_NOT_SUPPORTED,
-                format!("handle type {t:#x} is not supported (only POSIX file descriptors)"),
+                format!(
+                    "handle type {t:#x} is not supported (POSIX file descriptors, and fabric \
+                     handles with FAKE_CUDA_FABRIC=imex or no-imex)"
+                ),
             ))
         }
         _ => Err(Fail::invalid(format!(
@@ -47,11 +51,22 @@ fn check_handle_type(t: CUmemAllocationHandleType) -> Res<()> {
     }
 }
 
+/// The shareable handle kinds an allocation was created with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Kinds {
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` requested.
+    posix: bool,
+    /// `CU_MEM_HANDLE_TYPE_FABRIC` requested.
+    fabric: bool,
+}
+
 /// Checks allocation properties as `cuMemCreate` and
-/// `cuMemGetAllocationGranularity` do; returns the device ordinal and whether
-/// POSIX file descriptor export was requested.
-fn check_prop(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
-    check_prop_located(f, p).map(|(dev, posix, _)| (dev, posix))
+/// `cuMemGetAllocationGranularity` do; returns the device ordinal and the
+/// handle kinds requested. A granularity query accepts the fabric type
+/// wherever the device reports it; `cuMemCreate` then needs the permission
+/// too (`FAKE_CUDA_FABRIC=imex`).
+fn check_prop(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, Kinds)> {
+    check_prop_located(f, p).map(|(dev, kinds, _)| (dev, kinds))
 }
 
 /// The one host NUMA node the fake has (`CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`).
@@ -59,8 +74,8 @@ pub(crate) const HOST_NUMA_NODE: i32 = 0;
 
 /// [`check_prop`], also accepting `CU_MEM_LOCATION_TYPE_HOST_NUMA` (3, CUDA
 /// 12.2+) on node [`HOST_NUMA_NODE`]: host-located memory, allocated for the
-/// current context's device. Returns `(device, posix, on_host)`.
-fn check_prop_located(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool, bool)> {
+/// current context's device. Returns `(device, kinds, on_host)`.
+fn check_prop_located(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, Kinds, bool)> {
     if p.location.type_ == CU_MEM_LOCATION_TYPE_HOST_NUMA {
         if p.location.id != HOST_NUMA_NODE {
             return Err(Fail::invalid(format!(
@@ -73,12 +88,12 @@ fn check_prop_located(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool, bo
             location: CUmemLocation::device(dev as CUdevice),
             ..*p
         };
-        return check_prop_device(f, &as_device).map(|(d, posix)| (d, posix, true));
+        return check_prop_device(f, &as_device).map(|(d, kinds)| (d, kinds, true));
     }
-    check_prop_device(f, p).map(|(d, posix)| (d, posix, false))
+    check_prop_device(f, p).map(|(d, kinds)| (d, kinds, false))
 }
 
-fn check_prop_device(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
+fn check_prop_device(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, Kinds)> {
     if p.type_ != CU_MEM_ALLOCATION_TYPE_PINNED {
         return Err(Fail::invalid(format!(
             "prop->type {} is not CU_MEM_ALLOCATION_TYPE_PINNED",
@@ -92,12 +107,12 @@ fn check_prop_device(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
         )));
     }
     f.device(p.location.id)?;
-    let posix = match p.requestedHandleTypes {
-        CU_MEM_HANDLE_TYPE_NONE => false,
+    let kinds = match p.requestedHandleTypes {
+        CU_MEM_HANDLE_TYPE_NONE => Kinds::default(),
         t => {
             for bit in [1u32, 2, 4, 8] {
                 if t & bit != 0 {
-                    check_handle_type(bit)?;
+                    check_handle_type(f, bit)?;
                 }
             }
             if t & !0xf != 0 {
@@ -105,7 +120,10 @@ fn check_prop_device(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
                     "prop->requestedHandleTypes {t:#x} has unknown bits"
                 )));
             }
-            true
+            Kinds {
+                posix: t & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR != 0,
+                fabric: t & CU_MEM_HANDLE_TYPE_FABRIC != 0,
+            }
         }
     };
     let flags = &p.allocFlags;
@@ -120,7 +138,7 @@ fn check_prop_device(f: &Fake, p: &CUmemAllocationProp) -> Res<(usize, bool)> {
             "prop->allocFlags {flags:?}: unsupported or reserved bits set"
         )));
     }
-    Ok((p.location.id as usize, posix))
+    Ok((p.location.id as usize, kinds))
 }
 
 /// `CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t
@@ -199,14 +217,23 @@ pub unsafe extern "C" fn cuMemCreate(
         if flags != 0 {
             return Err(Fail::invalid(format!("flags {flags:#x} must be 0")));
         }
-        let (dev, posix, on_host) = check_prop_located(f, &p)?;
+        let (dev, kinds, on_host) = check_prop_located(f, &p)?;
+        if kinds.fabric && f.config.fabric == Fabric::NoImex {
+            // What NCCL's ncclMemAlloc expects without an IMEX channel
+            // (NCCL src/allocator.cc retries without the fabric type).
+            return Err(code(
+                CUDA_ERROR_NOT_PERMITTED,
+                "CU_MEM_HANDLE_TYPE_FABRIC: this process may not use the fabric (no IMEX \
+                 channel; FAKE_CUDA_FABRIC=no-imex)",
+            ));
+        }
         let host = f.host(dev);
         let inner = if on_host {
             host.create_on_host(size as u64)?
         } else {
             host.create(size as u64)?
         };
-        let value = f.add_handle(dev, host, inner, posix);
+        let value = f.add_handle(dev, host, inner, kinds.posix, kinds.fabric);
         // SAFETY: non-null (checked above) and writable (cuda.h).
         unsafe { put(handle, value, "handle") }
     })
@@ -419,7 +446,9 @@ pub unsafe extern "C" fn cuMemGetAccess(
 
 /// `CUresult cuMemGetAllocationGranularity(size_t *granularity, const
 /// CUmemAllocationProp *prop, CUmemAllocationGranularity_flags option)`:
-/// `FAKE_CUDA_GRANULARITY_KB` for both the minimum and the recommended granularity.
+/// `FAKE_CUDA_GRANULARITY_KB` for the minimum granularity,
+/// `FAKE_CUDA_RECOMMENDED_GRANULARITY_KB` (by default the same) for the
+/// recommended one.
 ///
 /// # Safety
 /// As `cuda.h` requires: `granularity`, `prop` are each null or valid for what this call reads or writes through them.
@@ -444,8 +473,13 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
                 "option {option} is not a granularity flag"
             )));
         }
+        let g = if option == CU_MEM_ALLOC_GRANULARITY_RECOMMENDED {
+            f.config.recommended_granularity
+        } else {
+            f.config.granularity
+        };
         // SAFETY: non-null (checked above) and writable (cuda.h).
-        unsafe { put(granularity, f.config.granularity as usize, "granularity") }
+        unsafe { put(granularity, g as usize, "granularity") }
     })
 }
 
@@ -453,7 +487,9 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
 /// CUmemGenericAllocationHandle handle, CUmemAllocationHandleType handleType,
 /// unsigned long long flags)`: for `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`,
 /// writes a new descriptor (the caller's to close) into the `int` at
-/// `shareableHandle`. The handle must have been created with that type requested.
+/// `shareableHandle`; for `CU_MEM_HANDLE_TYPE_FABRIC` (where
+/// `FAKE_CUDA_FABRIC` offers it), a 64-byte `CUmemFabricHandle`. The handle
+/// must have been created with that type requested.
 ///
 /// # Safety
 /// As `cuda.h` requires: `shareableHandle` is null or valid for what this call reads or writes through it.
@@ -472,8 +508,25 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
         if flags != 0 {
             return Err(Fail::invalid(format!("flags {flags:#x} must be 0")));
         }
-        check_handle_type(handleType)?;
+        check_handle_type(f, handleType)?;
         let e = f.handle(handle)?;
+        if handleType == CU_MEM_HANDLE_TYPE_FABRIC {
+            if !e.fabric {
+                return Err(Fail::invalid(format!(
+                    "handle {handle:#x} was created without CU_MEM_HANDLE_TYPE_FABRIC requested"
+                )));
+            }
+            let out = fabric_handle(handle);
+            // SAFETY: for fabric handles `shareableHandle` points to a
+            // writable CUmemFabricHandle (cuda.h); non-null checked above.
+            return unsafe {
+                put(
+                    shareableHandle.cast::<CUmemFabricHandle>(),
+                    out,
+                    "shareableHandle",
+                )
+            };
+        }
         if !e.posix_fd {
             return Err(Fail::invalid(format!(
                 "handle {handle:#x} was created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR requested"
@@ -484,6 +537,55 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
         // writable int (cuda.h); non-null checked above.
         unsafe { put(shareableHandle.cast::<c_int>(), fd, "shareableHandle") }
     })
+}
+
+/// The first bytes of the fake's fabric handles.
+const FABRIC_MAGIC: &[u8; 8] = b"FAKEFAB\0";
+
+/// The fake's `CUmemFabricHandle` for `handle`: a magic, this process's id
+/// and the handle's value (a real one names the allocation fabric-wide).
+fn fabric_handle(handle: CUmemGenericAllocationHandle) -> CUmemFabricHandle {
+    let mut data = [0u8; 64];
+    data[..8].copy_from_slice(FABRIC_MAGIC);
+    data[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    data[16..24].copy_from_slice(&handle.to_le_bytes());
+    CUmemFabricHandle { data }
+}
+
+/// Imports a fabric handle [`fabric_handle`] made: only in the process that
+/// exported it, while the exported handle is live (docs/fake-cuda.md).
+fn import_fabric(f: &Fake, osHandle: *mut c_void) -> Res<u64> {
+    if osHandle.is_null() {
+        return Err(Fail::invalid("osHandle is NULL"));
+    }
+    // SAFETY: for fabric handles `osHandle` points to a readable
+    // CUmemFabricHandle (cuda.h); non-null checked above.
+    let h = unsafe {
+        get(
+            osHandle.cast::<CUmemFabricHandle>().cast_const(),
+            "osHandle",
+        )
+    }?;
+    if &h.data[..8] != FABRIC_MAGIC {
+        return Err(Fail::invalid(
+            "osHandle is not a fabric handle this driver exported",
+        ));
+    }
+    let pid = u32::from_le_bytes(h.data[8..12].try_into().expect("4 bytes"));
+    if pid != std::process::id() {
+        return Err(code(
+            CUDA_ERROR_NOT_SUPPORTED,
+            format!("fabric handle of process {pid}: the fake imports fabric handles only in the process that exported them"),
+        ));
+    }
+    let value = u64::from_le_bytes(h.data[16..24].try_into().expect("8 bytes"));
+    let e = f.handle(value)?;
+    // The same memory through a second handle, as an import of a descriptor.
+    let fd = e.host.export_fd(e.inner)?;
+    let inner = e.host.import_fd(fd);
+    // SAFETY: `fd` is the descriptor just exported, owned here.
+    unsafe { libc::close(fd) };
+    Ok(f.add_handle(e.dev, e.host.clone(), inner?, false, true))
 }
 
 /// `CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle
@@ -505,7 +607,12 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
         if handle.is_null() {
             return Err(Fail::invalid("handle is NULL"));
         }
-        check_handle_type(shHandleType)?;
+        check_handle_type(f, shHandleType)?;
+        if shHandleType == CU_MEM_HANDLE_TYPE_FABRIC {
+            let value = import_fabric(f, osHandle)?;
+            // SAFETY: non-null (checked above) and writable (cuda.h).
+            return unsafe { put(handle, value, "handle") };
+        }
         // `(void *)(uintptr_t)fd` in C sign-extends an int; its low 32 bits are the fd.
         let fd = osHandle.expose_provenance() as c_int;
         if f.device_count() == 0 {
@@ -519,7 +626,7 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
             .unwrap_or(0);
         let host = f.host(dev);
         let inner = host.import_fd(fd)?;
-        let value = f.add_handle(dev, host, inner, true);
+        let value = f.add_handle(dev, host, inner, true, false);
         // SAFETY: non-null (checked above) and writable (cuda.h).
         unsafe { put(handle, value, "handle") }
     })
