@@ -202,19 +202,23 @@ impl FollowState {
     /// mapped, and that work in flight (a collective) may still use under
     /// the old registration.
     pub fn joins(&self, owner: Owner, a: u64, b: u64) -> bool {
-        if !self.following() {
+        if !self.following() || self.inside_one_run(owner, a, b) {
             return false;
-        }
-        if let Some((_, r)) = self.runs.range(..=a).next_back() {
-            if r.owner == owner && r.end >= b {
-                return false; // inside one run: nothing changes
-            }
         }
         self.runs
             .range(..=b)
             .rev()
             .take_while(|(_, r)| r.end >= a)
             .any(|(_, r)| r.owner == owner)
+    }
+
+    /// Whether `[a, b)` lies inside one known run of `owner` (access given
+    /// again there changes nothing).
+    fn inside_one_run(&self, owner: Owner, a: u64, b: u64) -> bool {
+        self.runs
+            .range(..=a)
+            .next_back()
+            .is_some_and(|(_, r)| r.owner == owner && r.end >= b)
     }
 
     /// Whether unmapping `[a, b)` of `owner` would leave part of a known run
@@ -290,10 +294,8 @@ impl FollowState {
     /// touches.
     fn accessible(&mut self, owner: Owner, a: u64, b: u64) {
         // Already known as one run (access given again): nothing changes.
-        if let Some((_, r)) = self.runs.range(..=a).next_back() {
-            if r.owner == owner && r.end >= b {
-                return;
-            }
+        if self.inside_one_run(owner, a, b) {
+            return;
         }
         let joined = self.take_runs(owner, a, b, true);
         let start = joined.iter().map(|j| j.0).fold(a, u64::min);
