@@ -306,7 +306,7 @@ pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: CUmemAllocationHandleType = 
 /// same NVLink fabric. `cuMemCreate` fails with `CUDA_ERROR_NOT_PERMITTED`
 /// (or `CUDA_ERROR_NOT_SUPPORTED`) where the process may not use the fabric
 /// (no IMEX channel), which NCCL's `ncclMemAlloc` answers by creating the
-/// memory again without it (NCCL src/allocator.cc).
+/// memory again without it (NCCL's allocator.cc).
 pub const CU_MEM_HANDLE_TYPE_FABRIC: CUmemAllocationHandleType = 8;
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`: the location id is a device ordinal.

@@ -35,7 +35,7 @@
 //! error. Importing a descriptor needs only the device's support.
 //!
 //! [`CudaOptions::nccl_ready`] creates memory as NCCL's `ncclMemAlloc` does
-//! (NCCL src/allocator.cc), so that NCCL's user-buffer registration can
+//! (NCCL's allocator.cc), so that NCCL's user-buffer registration can
 //! export and map it: `CU_MEM_HANDLE_TYPE_FABRIC` is requested too where the
 //! device reports `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`, and if
 //! `cuMemCreate` refuses it (`CUDA_ERROR_NOT_PERMITTED` without an IMEX
@@ -45,8 +45,8 @@
 //! is 1; and the page is `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED` for those
 //! properties where it is a multiple of the minimum (else the minimum).
 //! Host-located chunks (spill) keep the handle types but not the RDMA flag,
-//! as NCCL's own host allocations (`ncclCuMemHostAlloc`, NCCL
-//! src/include/alloc.h).
+//! as NCCL's own host allocations (`ncclCuMemHostAlloc`, NCCL's
+//! include/alloc.h).
 //!
 //! # Special streams
 //!
@@ -312,7 +312,7 @@ impl CudaDevice {
         } else {
             CU_MEM_HANDLE_TYPE_NONE
         };
-        // NCCL's ncclMemAlloc (src/allocator.cc): FABRIC where the device
+        // NCCL's ncclMemAlloc (allocator.cc): FABRIC where the device
         // reports it, gpuDirectRDMACapable where it reports VMM RDMA. Older
         // drivers may not know the attributes: an error is "no".
         let attribute = |a| driver.device_get_attribute(a, dev).unwrap_or(0) != 0;
@@ -526,7 +526,7 @@ impl CudaDevice {
     /// (`CUDA_ERROR_NOT_PERMITTED` where the process has no IMEX channel, or
     /// `CUDA_ERROR_NOT_SUPPORTED`), in which case this device stops asking
     /// for it and the caller tries again, as NCCL's `ncclMemAlloc` does
-    /// (NCCL src/allocator.cc).
+    /// (NCCL's allocator.cc).
     fn refused_fabric(&self, prop: &CUmemAllocationProp, code: vmm_sys::CUresult) -> bool {
         let asked = prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC != 0;
         if asked && (code == CUDA_ERROR_NOT_PERMITTED || code == CUDA_ERROR_NOT_SUPPORTED) {

@@ -32,7 +32,7 @@ pub struct CudaOptions {
     /// that a bare `CudaDevice::open` requests nothing it was not asked for.
     pub ipc_auto: bool,
     /// Create memory as NCCL's own `ncclMemAlloc` does, so that NCCL can
-    /// register it (user-buffer registration; NCCL src/allocator.cc): also
+    /// register it (user-buffer registration; NCCL's allocator.cc): also
     /// request `CU_MEM_HANDLE_TYPE_FABRIC` where the device reports
     /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED` (dropped for good
     /// after the first `cuMemCreate` refused with `CUDA_ERROR_NOT_PERMITTED`

@@ -220,7 +220,7 @@ pub unsafe extern "C" fn cuMemCreate(
         let (dev, kinds, on_host) = check_prop_located(f, &p)?;
         if kinds.fabric && f.config.fabric == Fabric::NoImex {
             // What NCCL's ncclMemAlloc expects without an IMEX channel
-            // (NCCL src/allocator.cc retries without the fabric type).
+            // (NCCL's allocator.cc retries without the fabric type).
             return Err(code(
                 CUDA_ERROR_NOT_PERMITTED,
                 "CU_MEM_HANDLE_TYPE_FABRIC: this process may not use the fabric (no IMEX \
