@@ -208,6 +208,59 @@ fn streams_and_events() {
     assert_eq!(err.broken_rule(), Some(Rule::UnknownStream), "{err:?}");
 }
 
+/// Memory made for NCCL (`nccl_ready`, what the C ABI does with
+/// `nccl_register:True`, the default), as NCCL's ncclMemAlloc makes it: the
+/// page is the recommended granularity (a multiple of the minimum), the
+/// first cuMemCreate succeeds whether or not the process may use fabric
+/// handles (the backend drops the type the driver refuses), and every handle
+/// type still requested after it exports. Prints what this GPU gave, for the
+/// GPU check's log.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn nccl_ready_memory_exports_as_nccl_needs() {
+    let options = cuda::CudaOptions {
+        ipc_auto: true,
+        nccl_ready: true,
+        ..Default::default()
+    };
+    let d = CudaDevice::open_configured(ordinal(), &options).unwrap();
+    let plain = open();
+    let g = d.caps().granularity;
+    assert_eq!(
+        g % plain.caps().granularity,
+        0,
+        "the page is a multiple of the minimum"
+    );
+    let asked = d.allocation_prop();
+    let h = d.create(g).unwrap();
+    let kept = d.allocation_prop();
+    eprintln!(
+        "nccl_ready: page {} KiB (minimum {} KiB), handle types asked {:#x}, kept {:#x}, \
+         gpuDirectRDMACapable {}",
+        g / 1024,
+        plain.caps().granularity / 1024,
+        asked.requestedHandleTypes,
+        kept.requestedHandleTypes,
+        kept.allocFlags.gpuDirectRDMACapable
+    );
+    if kept.requestedHandleTypes & vmm_sys::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR != 0 {
+        let fd = d.export_fd(h).unwrap();
+        // SAFETY: `fd` was returned by export_fd, is owned here and closed once.
+        unsafe { libc::close(fd) };
+    }
+    if kept.requestedHandleTypes & vmm_sys::CU_MEM_HANDLE_TYPE_FABRIC != 0 {
+        let ctx = d.context().unwrap();
+        // SAFETY: the primary context `d` retained; popped below.
+        unsafe { d.driver().ctx_push_current(ctx) }.unwrap();
+        // SAFETY: `h` is live (created above, released below).
+        let exported = unsafe { d.driver().mem_export_to_fabric(h.0) };
+        // SAFETY: pops what was pushed above.
+        unsafe { d.driver().ctx_pop_current() }.unwrap();
+        exported.expect("a handle created with CU_MEM_HANDLE_TYPE_FABRIC exports as fabric");
+    }
+    d.release(h).unwrap();
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn export_import_fd_shares_memory() {
