@@ -103,15 +103,8 @@ def pause(*tags, backup=False):
     from . import _region
 
     _region.before_pause(tags)
-    try:
-        n = _load().vmmalloc_pause(_tag_list(tags), 1 if backup else 0)
-        if n < 0:
-            raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_pause failed")
-    except BaseException as e:
-        _region.after_pause(tags, e)  # raises e
-        raise
-    _region.after_pause(tags)
-    return n
+    return _then(lambda: _load().vmmalloc_pause(_tag_list(tags), 1 if backup else 0),
+                 "vmmalloc_pause", _region.after_pause, tags)
 
 
 def resume(*tags):
@@ -122,14 +115,22 @@ def resume(*tags):
     NCCL is registered again once mapped (``_region.after_resume``)."""
     from . import _region
 
+    return _then(lambda: _load().vmmalloc_resume(_tag_list(tags)), "vmmalloc_resume",
+                 _region.after_resume, tags)
+
+
+def _then(call, name, after, tags):
+    """Runs the library ``call`` (named ``name``; a negative answer is its
+    error), then ``after(tags)``, or ``after(tags, error)`` (which re-raises
+    it) when it failed. Returns what ``call`` returned."""
     try:
-        n = _load().vmmalloc_resume(_tag_list(tags))
+        n = call()
         if n < 0:
-            raise _lib.VmmallocError(_lib.last_error() or "vmmalloc_resume failed")
+            raise _lib.VmmallocError(_lib.last_error() or f"{name} failed")
     except BaseException as e:
-        _region.after_resume(tags, e)  # raises e
+        after(tags, e)  # raises e
         raise
-    _region.after_resume(tags)
+    after(tags)
     return n
 
 
