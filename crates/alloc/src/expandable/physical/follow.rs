@@ -54,6 +54,16 @@ pub(crate) struct Tag {
     pub pool: (u64, u64),
 }
 
+impl Tag {
+    /// A growable region's tag: its stream, the default pool.
+    pub fn region(stream: Stream) -> Tag {
+        Tag {
+            stream,
+            pool: (0, 0),
+        }
+    }
+}
+
 /// One known run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Run {
@@ -202,14 +212,9 @@ impl FollowState {
     /// mapped, and that work in flight (a collective) may still use under
     /// the old registration.
     pub fn joins(&self, owner: Owner, a: u64, b: u64) -> bool {
-        if !self.following() || self.inside_one_run(owner, a, b) {
-            return false;
-        }
-        self.runs
-            .range(..=b)
-            .rev()
-            .take_while(|(_, r)| r.end >= a)
-            .any(|(_, r)| r.owner == owner)
+        self.following()
+            && !self.inside_one_run(owner, a, b)
+            && self.runs_at(owner, a, b, true).next().is_some()
     }
 
     /// Whether `[a, b)` lies inside one known run of `owner` (access given
@@ -226,11 +231,34 @@ impl FollowState {
     pub fn splits(&self, owner: Owner, a: u64, b: u64) -> bool {
         self.following()
             && self
-                .runs
-                .range(..b)
-                .rev()
-                .take_while(|(_, r)| r.end > a)
-                .any(|(&s, r)| r.owner == owner && (s < a || r.end > b))
+                .runs_at(owner, a, b, false)
+                .any(|(s, r)| s < a || r.end > b)
+    }
+
+    /// The known runs of `owner` overlapping `[a, b)`, or touching it when
+    /// `touching`, from the highest address down. Runs are disjoint and
+    /// sorted: the candidates start below `b` (at `b` when touching) and end
+    /// after `a`.
+    fn runs_at(
+        &self,
+        owner: Owner,
+        a: u64,
+        b: u64,
+        touching: bool,
+    ) -> impl Iterator<Item = (u64, Run)> + '_ {
+        self.runs
+            .range(..=b)
+            .rev()
+            .take_while(move |(_, r)| r.end >= a)
+            .filter(move |(&s, r)| {
+                r.owner == owner
+                    && if touching {
+                        s <= b && r.end >= a
+                    } else {
+                        s < b && r.end > a
+                    }
+            })
+            .map(|(&s, r)| (s, *r))
     }
 
     fn change(&self, registered: bool, addr: u64, r: &Run) -> SegmentChange {
@@ -259,24 +287,7 @@ impl FollowState {
     /// Removes (and reports) every run of `owner` overlapping `[a, b)`, or
     /// touching it when `touching`; returns them.
     fn take_runs(&mut self, owner: Owner, a: u64, b: u64, touching: bool) -> Vec<(u64, Run)> {
-        let hit = |s: u64, r: &Run| {
-            r.owner == owner
-                && if touching {
-                    s <= b && r.end >= a
-                } else {
-                    s < b && r.end > a
-                }
-        };
-        // Runs are disjoint and sorted: the candidates start below `b`
-        // (at `b` when touching) and end after `a`.
-        let mut found: Vec<(u64, Run)> = self
-            .runs
-            .range(..=b)
-            .rev()
-            .take_while(|(_, r)| r.end >= a)
-            .filter(|(&s, r)| hit(s, r))
-            .map(|(&s, r)| (s, *r))
-            .collect();
+        let mut found: Vec<(u64, Run)> = self.runs_at(owner, a, b, touching).collect();
         found.reverse(); // ascending
         for (s, r) in &found {
             self.runs.remove(s);

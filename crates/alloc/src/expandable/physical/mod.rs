@@ -186,13 +186,7 @@ impl Physical {
             tags.insert(Owner::Segment(i), tag_of(i));
         }
         for g in self.regions.values() {
-            tags.insert(
-                Owner::Region(g.base),
-                follow::Tag {
-                    stream: g.stream,
-                    pool: (0, 0),
-                },
-            );
+            tags.insert(Owner::Region(g.base), follow::Tag::region(g.stream));
         }
         state.lock().start(sink, self.accessible_runs(), tags);
     }

@@ -103,13 +103,7 @@ impl Physical {
                 stream,
             },
         );
-        self.tag_table(
-            Owner::Region(base),
-            super::follow::Tag {
-                stream,
-                pool: (0, 0),
-            },
-        );
+        self.tag_table(Owner::Region(base), super::follow::Tag::region(stream));
         Ok(base)
     }
 
