@@ -41,6 +41,7 @@ use vmmalloc_alloc::bench::PAIR_SIZE;
 use vmmalloc_alloc::{build, Allocator, Policy, PolicyOptions, SegmentChange, SegmentSink, Stream};
 use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Call, Device, GIB, MIB};
+use vmmalloc_test_support::median;
 use vmmalloc_trace::model::Op;
 
 /// The sink standing for NCCL's register hook: counts registrations and
@@ -169,17 +170,6 @@ fn batch(s: &Subject, bytes: u64, miss: bool, iters: usize) -> (f64, u64, u64) {
     }
     let ns = t.elapsed().as_nanos() as f64 / iters as f64;
     (ns, s.changes() - c0, s.map_unmap_calls() - d0)
-}
-
-/// The median of `v` (sorted in place).
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 /// Interleaved rounds of every variant off and on; prints medians, ratios

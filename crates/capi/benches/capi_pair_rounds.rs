@@ -17,6 +17,7 @@
 use std::time::Instant;
 use vmmalloc::*;
 use vmmalloc_alloc::{Allocator, Stream};
+use vmmalloc_test_support::median;
 
 mod pair_common;
 use pair_common::*;
@@ -51,16 +52,6 @@ fn batch(v: usize, a: &dyn Allocator, pairs: usize) -> f64 {
         }
     }
     t.elapsed().as_nanos() as f64 / pairs as f64
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn arg(args: &[String], name: &str, default: usize) -> usize {

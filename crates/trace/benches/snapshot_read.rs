@@ -41,6 +41,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use vmmalloc_test_support::median;
 use vmmalloc_trace::pytorch::{read_snapshot_limited, ReadLimits};
 use vmmalloc_trace_testkit::legacy;
 use vmmalloc_trace_testkit::synth::{write_snapshot, SynthConfig};
@@ -131,16 +132,6 @@ fn measure(reader: &str, path: &Path) -> Sample {
         peak_kib: f[1].parse().expect("KiB"),
         events: f[2].parse().expect("events"),
         counted: f[3].parse().expect("counted bytes"),
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
 
@@ -268,8 +259,13 @@ fn main() {
             .iter()
             .map(|s| {
                 (
-                    median(s.iter().map(|x| x.secs).collect()),
-                    median(s.iter().map(|x| x.peak_kib as f64 / 1024.0).collect()),
+                    median(&mut s.iter().map(|x| x.secs).collect::<Vec<_>>()),
+                    median(
+                        &mut s
+                            .iter()
+                            .map(|x| x.peak_kib as f64 / 1024.0)
+                            .collect::<Vec<_>>(),
+                    ),
                 )
             })
             .collect();

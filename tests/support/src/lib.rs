@@ -13,6 +13,7 @@
 //!   of its own.
 //! - [`FakeCuda`]: the fake's test hooks (`fakeCudaLive`, `fakeCudaCheck`,
 //!   ...), found in the already loaded library.
+//! - [`median`]: the median the benches that time interleaved rounds quote.
 //!
 //! What the fake proves and what it cannot: `docs/fake-cuda.md`.
 
@@ -42,6 +43,18 @@ const RAN_MARKER: &str = "vmmalloc-test-support: child body ran";
 
 // ---------------------------------------------------------------------------
 // Building and finding the fake
+
+/// The median of `v` (sorted in place; the mean of the middle two for an
+/// even count). Panics on an empty `v`.
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
 
 /// `target/<profile>` (or `target/<triple>/<profile>`) of the running test
 /// binary, which lives in its `deps/`. Binaries and cdylibs of the workspace
