@@ -3,6 +3,9 @@
 //! `sim` (sizes 1 B .. GiBs) and `host` (small sizes, data integrity), with
 //! `validate()` and the shadow model after every step.
 
+mod common;
+
+use common::size;
 use proptest::prelude::*;
 use std::sync::Arc;
 use vmmalloc_alloc::expandable::{ExpandableAllocator, ExpandableConfig};
@@ -12,17 +15,6 @@ use vmmalloc_device::sim::SimDevice;
 use vmmalloc_device::{Device, Introspect, GIB, MIB};
 
 const STREAMS: usize = 3;
-
-/// Sizes in `[1, max]`: half log-uniform (many tiny ones), half in
-/// `[max / 16, max]` so that memory fills up and reclaims and OOMs happen.
-fn size(max: u64) -> impl Strategy<Value = u64> {
-    let bits = 63 - max.leading_zeros();
-    prop_oneof![
-        (0..=bits, any::<u64>())
-            .prop_map(move |(b, r)| ((1u64 << b) + r % (1u64 << b)).clamp(1, max)),
-        (max / 16)..=max,
-    ]
-}
 
 fn op(max: u64) -> impl Strategy<Value = Op> {
     prop_oneof![

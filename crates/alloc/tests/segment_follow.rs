@@ -17,6 +17,9 @@
 //! `host` where they do.
 
 use parking_lot::Mutex;
+mod common;
+
+use common::size;
 use proptest::prelude::*;
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -1497,17 +1500,6 @@ enum Step {
     Fraction(f64),
     /// Stop following, or start again.
     Toggle,
-}
-
-/// Sizes in `[1, max]`: half log-uniform, half in `[max / 16, max]` so
-/// that memory fills up (reclaim, unpinning, spill, out-of-memory).
-fn size(max: u64) -> impl Strategy<Value = u64> {
-    let bits = 63 - max.leading_zeros();
-    prop_oneof![
-        (0..=bits, any::<u64>())
-            .prop_map(move |(b, r)| ((1u64 << b) + r % (1u64 << b)).clamp(1, max)),
-        (max / 16)..=max,
-    ]
 }
 
 /// A random step.
