@@ -517,10 +517,6 @@ impl CudaDevice {
         prop
     }
 
-    fn prop(&self) -> CUmemAllocationProp {
-        self.allocation_prop()
-    }
-
     /// After a call with `prop` failed with `code`: whether the failure was
     /// the driver refusing `CU_MEM_HANDLE_TYPE_FABRIC`
     /// (`CUDA_ERROR_NOT_PERMITTED` where the process has no IMEX channel, or
@@ -546,7 +542,7 @@ impl CudaDevice {
         may_retain: bool,
     ) -> DeviceResult<u64> {
         loop {
-            let prop = self.prop();
+            let prop = self.allocation_prop();
             let got = match self.driver.mem_get_allocation_granularity(&prop, option) {
                 Err(e) if e.code == CUDA_ERROR_INVALID_CONTEXT && may_retain => {
                     let _ctx = self.enter(Call::Reserve)?;
@@ -570,7 +566,7 @@ impl CudaDevice {
         adjust: impl Fn(CUmemAllocationProp) -> CUmemAllocationProp,
     ) -> Result<vmm_sys::CUmemGenericAllocationHandle, CuError> {
         loop {
-            let prop = adjust(self.prop());
+            let prop = adjust(self.allocation_prop());
             match self.driver.mem_create(size as usize, &prop, 0) {
                 Err(e) if self.refused_fabric(&prop, e.code) => continue,
                 other => return other,
