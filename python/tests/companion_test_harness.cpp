@@ -681,6 +681,21 @@ extern "C" int vmmalloc_companion_fake_nccl_attach_for_tests(int all) {
   return a->serving_trackers() ? 0 : 1;
 }
 
+// Attaches a tracker that throws on every SEGMENT_ALLOC entry, as a
+// ProcessGroupNCCL hook does when ncclCommRegister fails (C10D_NCCL_CHECK
+// throws), and counts the entries it saw. Returns 0, or -1 (none installed).
+std::atomic<uint64_t> g_throwing_seen{0};
+extern "C" int vmmalloc_companion_attach_throwing_tracker_for_tests() {
+  VmmallocAllocator* a = current_allocator_for_tests();
+  if (!a) return -1;
+  a->attachAllocatorTraceTracker([](const CCA::TraceEntry& te) {
+    g_throwing_seen.fetch_add(1);
+    if (te.action_ == CCA::TraceEntry::SEGMENT_ALLOC) throw std::runtime_error("ncclCommRegister refused (test)");
+  });
+  return 0;
+}
+extern "C" uint64_t vmmalloc_companion_throwing_tracker_seen_for_tests() { return g_throwing_seen.load(); }
+
 // ProcessGroupNCCL.register_mem_pool(pool) (`reg` 1) and
 // deregister_mem_pool(pool) (`reg` 0) against the fake NCCL. Returns 0, or
 // -1 (nothing attached).

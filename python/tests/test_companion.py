@@ -687,6 +687,29 @@ print("NCCL FOLLOW OK")
 FAKE_CUDA = REPO / "target" / "debug" / "libcuda.so"  # the checkout's, also when the package tested is installed
 
 
+def test_a_tracker_that_throws_is_reported_and_the_allocation_goes_on(lib, tmp_path, cache):
+    # A register hook whose ncclCommRegister fails throws from the tracker;
+    # libvmmalloc runs it under its lock through a C callback, so the
+    # companion must report it on stderr and let the allocation go on.
+    out = run(HOOKS + '''
+comp = _companion._loaded
+comp.vmmalloc_companion_throwing_tracker_seen_for_tests.restype = ctypes.c_uint64
+assert comp.vmmalloc_companion_attach_throwing_tracker_for_tests() == 0
+p = malloc(8 * MiB, 0, None)
+assert p, "the allocation failed"
+seen = comp.vmmalloc_companion_throwing_tracker_seen_for_tests()
+assert seen >= 1, seen
+lib.vmmalloc_free(p, 0, 0, None)
+vmmalloc.empty_cache()
+assert comp.vmmalloc_companion_throwing_tracker_seen_for_tests() > seen
+print("THROWING OK")
+''', tmp_path, cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "THROWING OK" in out.stdout
+    assert "an allocator trace tracker failed on segment_alloc" in out.stderr, out.stderr
+    assert "ncclCommRegister refused (test)" in out.stderr, out.stderr
+
+
 def test_nccl_registrations_follow_on_two_devices_of_the_fake_driver(lib, tmp_path, cache):
     # The real cuda backend over the fake libcuda (tests/fake-cuda, built by
     # cargo test --workspace), two devices: each device's segments are

@@ -821,12 +821,11 @@ class VmmallocAllocator : public Base {
     for (const auto& ev : e.events) {
       try {
         on_event(ev);
-        if (trackers && (ev.action == kEvSegmentAlloc || ev.action == kEvSegmentFree)) {
-          deliver_segment(ev.action == kEvSegmentAlloc ? CCA::TraceEntry::SEGMENT_ALLOC
-                                                       : CCA::TraceEntry::SEGMENT_FREE,
-                          ev.device, ev.addr, ev.size, ev.stream, MempoolId_t{ev.pool_hi, ev.pool_lo});
-        }
       } catch (...) {
+      }
+      if (trackers && (ev.action == kEvSegmentAlloc || ev.action == kEvSegmentFree)) {
+        deliver_segment_reporting(ev.action == kEvSegmentAlloc, ev.device, ev.addr, ev.size,
+                                  ev.stream, MempoolId_t{ev.pool_hi, ev.pool_lo});
       }
     }
   }
@@ -1438,18 +1437,24 @@ class VmmallocAllocator : public Base {
   // allocator call goes on (the collective then copies, unregistered).
   static void on_segment_change(void* ctx, int action, int device, uint64_t addr, uint64_t size,
                                 uint64_t stream, uint64_t pool_hi, uint64_t pool_lo) noexcept {
-    auto* self = static_cast<VmmallocAllocator*>(ctx);
+    static_cast<VmmallocAllocator*>(ctx)->deliver_segment_reporting(
+        action != 0, device, addr, size, stream, MempoolId_t{pool_hi, pool_lo});
+  }
+
+  // deliver_segment, a tracker's exception reported on stderr rather than
+  // thrown (for libvmmalloc's callback and MemPool(allocator=X) segments).
+  void deliver_segment_reporting(bool alloc, int device, uint64_t addr, uint64_t size,
+                                 uint64_t stream, MempoolId_t pool) noexcept {
     try {
-      self->deliver_segment(action != 0 ? CCA::TraceEntry::SEGMENT_ALLOC
-                                        : CCA::TraceEntry::SEGMENT_FREE,
-                            device, addr, size, stream, MempoolId_t{pool_hi, pool_lo});
+      deliver_segment(alloc ? CCA::TraceEntry::SEGMENT_ALLOC : CCA::TraceEntry::SEGMENT_FREE,
+                      device, addr, size, stream, pool);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "vmmalloc: warning: an allocator trace tracker failed on segment_%s %#llx (%llu bytes): %s\n",
-                   action != 0 ? "alloc" : "free", static_cast<unsigned long long>(addr),
+                   alloc ? "alloc" : "free", static_cast<unsigned long long>(addr),
                    static_cast<unsigned long long>(size), e.what());
     } catch (...) {
       std::fprintf(stderr, "vmmalloc: warning: an allocator trace tracker failed on segment_%s %#llx\n",
-                   action != 0 ? "alloc" : "free", static_cast<unsigned long long>(addr));
+                   alloc ? "alloc" : "free", static_cast<unsigned long long>(addr));
     }
   }
 
